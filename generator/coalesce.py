@@ -1,0 +1,93 @@
+"""Token coalescing: the pure window logic, no clock and no transport of its own.
+
+The first token of a request is released at once (TTFT never waits). After it,
+tokens accumulate until ``max_tokens`` are pending (count window) or ``max_delay_ns``
+has passed since the first pending token (time window); a final batch is released
+immediately. ``max_tokens == 0`` or ``max_delay_ns == 0`` means every token.
+Batches carry ``seq`` and ``index`` so a consumer can prove nothing was lost.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from tokenpipe.wire import FinishReason, TokenBatch, Usage
+
+__all__ = ["Coalescer"]
+
+
+class Coalescer:
+    def __init__(self, stream_id: str, *, max_tokens: int, max_delay_ns: int, start_seq: int = 0,
+                 start_index: int = 0, first_timings: Mapping[str, int] | None = None) -> None:
+        self.stream_id = stream_id
+        self.max_tokens = max_tokens
+        self.max_delay_ns = max_delay_ns
+        self.seq = start_seq
+        self.index = start_index
+        self.tokens: list[int] = []
+        self.text: list[str] = []
+        self.pending_since: int | None = None
+        self.first_timings = dict(first_timings or {})
+        self.released = False  # nothing published yet by this coalescer: next token goes at once
+        self.done = False
+
+    @property
+    def every_token(self) -> bool:
+        return self.max_tokens == 0 or self.max_delay_ns == 0
+
+    def deadline(self) -> int | None:
+        """When the time window closes for what is pending (ns), or None if nothing is."""
+        if self.pending_since is None:
+            return None
+        return self.pending_since + self.max_delay_ns
+
+    def add(self, token_ids: list[int], text: str, now_ns: int, *, finish: FinishReason | None = None,
+            error: str | None = None, usage: Usage | None = None) -> TokenBatch | None:
+        """Add what one step produced; return a batch if a window (or the end) says so."""
+        if self.done:
+            raise RuntimeError(f"stream {self.stream_id} already finished")
+        if token_ids or text:
+            if self.pending_since is None:
+                self.pending_since = now_ns
+            self.tokens.extend(token_ids)
+            self.text.append(text)
+        if (
+            finish is not None
+            or not self.released
+            or self.every_token
+            or len(self.tokens) >= self.max_tokens
+            or (self.pending_since is not None and now_ns - self.pending_since >= self.max_delay_ns)
+        ):
+            if finish is None and not self.tokens and not any(self.text):
+                return None
+            return self._flush(now_ns, finish, error, usage)
+        return None
+
+    def due(self, now_ns: int) -> TokenBatch | None:
+        """Release pending tokens whose time window has closed."""
+        deadline = self.deadline()
+        if deadline is not None and now_ns >= deadline:
+            return self._flush(now_ns, None, None, None)
+        return None
+
+    def _flush(self, now_ns: int, finish: FinishReason | None, error: str | None, usage: Usage | None) -> TokenBatch:
+        timings = {"first_token": self.pending_since or now_ns, "emitted": now_ns}
+        if not self.released:
+            timings.update(self.first_timings)
+        batch = TokenBatch(
+            id=self.stream_id,
+            seq=self.seq,
+            index=self.index,
+            token_ids=tuple(self.tokens),
+            text="".join(self.text),
+            finish=finish,
+            error=error,
+            usage=usage,
+            timings=timings,
+        )
+        self.seq += 1
+        self.index += len(self.tokens)
+        self.tokens, self.text, self.pending_since = [], [], None
+        self.released = True
+        self.done = finish is not None
+        return batch

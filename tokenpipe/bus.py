@@ -1,0 +1,126 @@
+"""NATS connection and idempotent JetStream provisioning."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import nats
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+from nats.js import api as js_api
+from nats.js.errors import NotFoundError
+from nats.js.kv import KeyValue
+
+from .errors import TransportError
+from .settings import Settings
+from .subjects import META_BUCKET, REQUEST_WILDCARD, REQUESTS_STREAM, TOKEN_WILDCARD, TOKENS_STREAM
+
+__all__ = ["Bus", "connect", "provision"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Bus:
+    """An open NATS connection with its JetStream context and the stream-metadata bucket."""
+
+    nc: NATS
+    js: JetStreamContext
+    meta: KeyValue
+
+    async def close(self) -> None:
+        if not self.nc.is_closed:
+            await self.nc.drain()
+
+
+async def connect(settings: Settings, *, name: str, provision_streams: bool = True) -> Bus:
+    """Connect (retrying forever on disconnect), provision streams, open the meta bucket."""
+
+    async def _err(exc: Exception) -> None:
+        log.warning("nats error", extra={"error": repr(exc)})
+
+    async def _disc() -> None:
+        log.warning("nats disconnected")
+
+    async def _reconn() -> None:
+        log.info("nats reconnected")
+
+    try:
+        nc = await nats.connect(
+            settings.nats_url,
+            name=name,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.5,
+            connect_timeout=5,
+            error_cb=_err,
+            disconnected_cb=_disc,
+            reconnected_cb=_reconn,
+        )
+    except Exception as exc:  # nats raises bare OSError/TimeoutError/NoServersError variants
+        raise TransportError(f"cannot connect to NATS at {settings.nats_url}: {exc}") from exc
+    js = nc.jetstream(timeout=10)
+    if provision_streams:
+        await provision(js, settings)
+    meta = await js.key_value(META_BUCKET)
+    return Bus(nc=nc, js=js, meta=meta)
+
+
+async def _ensure_stream(js: JetStreamContext, config: js_api.StreamConfig) -> None:
+    assert config.name is not None
+    try:
+        info = await js.stream_info(config.name)
+    except NotFoundError:
+        await js.add_stream(config)
+        log.info("stream created", extra={"stream": config.name})
+        return
+    have = info.config
+    wanted: dict[str, Any] = {
+        "subjects": config.subjects,
+        "max_age": config.max_age,
+        "max_bytes": config.max_bytes,
+        "duplicate_window": config.duplicate_window,
+    }
+    if any(getattr(have, k) != v for k, v in wanted.items() if v is not None):
+        # Retention/storage can't change in place; the rest can, so settings changes apply.
+        await js.update_stream(config)
+        log.info("stream updated", extra={"stream": config.name})
+
+
+async def provision(js: JetStreamContext, settings: Settings) -> None:
+    """Create or update the request/token streams and the meta bucket. Safe to race."""
+    try:
+        await _ensure_stream(
+            js,
+            js_api.StreamConfig(
+                name=REQUESTS_STREAM,
+                subjects=[REQUEST_WILDCARD],
+                retention=js_api.RetentionPolicy.WORK_QUEUE,
+                storage=js_api.StorageType.FILE,
+                max_age=settings.request_max_age_s,
+                duplicate_window=120.0,
+            ),
+        )
+        await _ensure_stream(
+            js,
+            js_api.StreamConfig(
+                name=TOKENS_STREAM,
+                subjects=[TOKEN_WILDCARD],
+                retention=js_api.RetentionPolicy.LIMITS,
+                storage=js_api.StorageType.FILE,
+                max_age=settings.token_max_age_s,
+                max_bytes=settings.token_max_bytes,
+                duplicate_window=10.0,
+            ),
+        )
+        try:
+            await js.key_value(META_BUCKET)
+        except NotFoundError:
+            await js.create_key_value(
+                js_api.KeyValueConfig(bucket=META_BUCKET, ttl=settings.token_max_age_s, history=1)
+            )
+    except TransportError:
+        raise
+    except Exception as exc:  # nats.js.errors.* and timeouts; one translation point
+        raise TransportError(f"JetStream provisioning failed: {exc}") from exc

@@ -1,0 +1,78 @@
+"""The one error hierarchy shared by every tokenpipe role.
+
+Foreign exceptions (nats, msgpack, torch, pydantic) are translated into these at
+the boundary with ``raise ... from exc`` so callers handle one family.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "TokenpipeError",
+    "InvalidRequest",
+    "WireFormatError",
+    "ModelNotFound",
+    "NoGenerator",
+    "StreamNotFound",
+    "Overloaded",
+    "TransportError",
+    "GenerationError",
+]
+
+
+class TokenpipeError(Exception):
+    """Base class. ``code`` is a short machine-readable slug, ``status`` an HTTP status."""
+
+    code = "internal_error"
+    status = 500
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class InvalidRequest(TokenpipeError):
+    """The caller sent something malformed or out of range."""
+
+    code = "invalid_request"
+    status = 400
+
+
+class WireFormatError(InvalidRequest):
+    """Bytes on the wire could not be decoded into a tokenpipe message."""
+
+    code = "invalid_wire_format"
+
+
+class ModelNotFound(TokenpipeError):
+    code = "model_not_found"
+    status = 404
+
+
+class StreamNotFound(TokenpipeError):
+    code = "stream_not_found"
+    status = 404
+
+
+class NoGenerator(TokenpipeError):
+    code = "no_generator"
+    status = 503
+
+
+class Overloaded(TokenpipeError):
+    code = "overloaded"
+    status = 429
+
+
+class TransportError(TokenpipeError):
+    """NATS was unreachable or refused an operation."""
+
+    code = "transport_error"
+    status = 503
+
+
+class GenerationError(TokenpipeError):
+    """The engine failed while running a request."""
+
+    code = "generation_error"
+    status = 500
