@@ -37,7 +37,7 @@ class SlotKVCache:
         self.cap = 0
         self.k: list[Tensor] = []
         self.v: list[Tensor] = []
-        self.ensure(_GROW)
+        self.ensure(min(_GROW, max_len))
 
     def ensure(self, length: int) -> None:
         """Make room for positions ``< length`` (copying what is cached)."""

@@ -10,7 +10,7 @@ from typing import Any
 
 __all__ = ["setup_logging", "kv"]
 
-_RESERVED = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
+_RESERVED = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime", "color_message"}
 
 
 def kv(**fields: Any) -> dict[str, Any]:

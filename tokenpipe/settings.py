@@ -45,6 +45,7 @@ class Settings:
     coalesce_max_tokens: int = 16
     coalesce_max_delay_ms: float = 40.0
     ack_wait_s: float = 30.0
+    drain_timeout_s: float = 10.0
     max_deliver: int = 3
     announce_interval_s: float = 2.0
     threads: int = 0

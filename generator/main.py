@@ -1,0 +1,43 @@
+"""Process entry point for one generator worker."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+import torch
+
+from tokenpipe.bus import connect
+from tokenpipe.settings import Settings
+from tokenpipe.telemetry import setup_tracing
+
+from .models import load_model
+from .worker import GeneratorWorker
+
+__all__ = ["serve"]
+
+log = logging.getLogger(__name__)
+
+
+async def serve(settings: Settings) -> None:
+    """Load the model, connect, serve until SIGINT/SIGTERM, then drain."""
+    if settings.threads > 0:
+        torch.set_num_threads(settings.threads)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    loaded = await asyncio.to_thread(load_model, settings.model, path=settings.model_path, device=settings.device,
+                                     dtype=settings.dtype, data_dir=settings.data_dir)
+    provider = setup_tracing("tokenpipe-generator")
+    bus = await connect(settings, name=f"tokenpipe-generator-{loaded.name}")
+    worker = GeneratorWorker(settings, loaded, bus, tracer_provider=provider)
+    await worker.start()
+    await stop.wait()
+    log.info("shutting down: draining", extra={"active": len(worker.active)})
+    await worker.stop(drain_timeout=settings.drain_timeout_s)
+    await bus.close()
+    shutdown = getattr(provider, "shutdown", None)
+    if shutdown is not None:
+        shutdown()

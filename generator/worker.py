@@ -1,0 +1,371 @@
+"""The generator's NATS adapter: pull requests when slots are free, publish coalesced batches.
+
+This is the only generator module that imports nats. It pulls from the shared
+durable consumer ``gen-<model>`` only as many requests as the batch has room for,
+hands them to the :class:`Runner` thread, coalesces what comes back, publishes each
+batch to ``tp.tok.<id>`` (core publish: the TP_TOKENS stream captures it without a
+per-batch ack on the hot path) and acks the request when its final batch is out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import secrets
+import socket
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from nats.aio.msg import Msg
+from nats.js import api as js_api
+from opentelemetry import propagate, trace
+from opentelemetry.trace import SpanKind, TracerProvider
+
+from tokenpipe.bus import Bus
+from tokenpipe.errors import TokenpipeError, WireFormatError
+from tokenpipe.settings import Settings
+from tokenpipe.subjects import (
+    ANNOUNCE_PREFIX,
+    CANCEL_WILDCARD,
+    DISCOVER_SUBJECT,
+    REQUESTS_STREAM,
+    consumer_name,
+    request_subject,
+    token_subject,
+)
+from tokenpipe.telemetry import extract_context, get_tracer
+from tokenpipe.wire import Request, TokenBatch, Usage
+
+from .coalesce import Coalescer
+from .models import LoadedModel
+from .runner import Emission, Job, Runner
+
+__all__ = ["GeneratorWorker"]
+
+log = logging.getLogger(__name__)
+
+_RECENT_CANCELS = 10_000
+
+
+@dataclass
+class _Active:
+    msg: Msg | None
+    request: Request
+    coalescer: Coalescer
+    span: Any
+    headers: dict[str, str] = field(default_factory=dict)
+    timer: asyncio.TimerHandle | None = None
+
+
+class GeneratorWorker:
+    """Serve one model from NATS until :meth:`stop` is called."""
+
+    def __init__(self, settings: Settings, loaded: LoadedModel, bus: Bus,
+                 tracer_provider: TracerProvider | None = None, worker_id: str | None = None) -> None:
+        self.settings = settings
+        self.loaded = loaded
+        self.model = loaded.name
+        self.bus = bus
+        self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+        self.tracer = get_tracer(tracer_provider or trace.NoOpTracerProvider())
+        self.runner = Runner(loaded, self._from_engine_thread, max_batch=settings.max_batch,
+                             max_seq_len=settings.max_seq_len, prefill_token_budget=settings.prefill_token_budget)
+        self.active: dict[str, _Active] = {}
+        self.recent_cancels: OrderedDict[str, None] = OrderedDict()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._slot_freed = asyncio.Event()
+        self._stopping = asyncio.Event()
+        # (subject, payload, headers) to publish, or ("", b"", msg) to ack once what precedes is out
+        self._outbox: asyncio.Queue[tuple[str, bytes, Any]] = asyncio.Queue()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._subs: list[Any] = []
+        self.completed = 0
+
+    # -- lifecycle -------------------------------------------------------------------
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self.runner.start()
+        nc = self.bus.nc
+        self._psub = await self.bus.js.pull_subscribe(
+            request_subject(self.model),
+            durable=consumer_name(self.model),
+            stream=REQUESTS_STREAM,
+            config=js_api.ConsumerConfig(
+                ack_policy=js_api.AckPolicy.EXPLICIT,
+                ack_wait=self.settings.ack_wait_s,
+                max_deliver=self.settings.max_deliver,
+                max_ack_pending=-1,
+            ),
+        )
+        self._subs.append(await nc.subscribe(CANCEL_WILDCARD, cb=self._on_cancel))
+        self._subs.append(await nc.subscribe(DISCOVER_SUBJECT, cb=self._on_discover))
+        self._tasks = [
+            asyncio.create_task(self._fetch_loop(), name="fetch"),
+            asyncio.create_task(self._publish_loop(), name="publish"),
+            asyncio.create_task(self._keepalive_loop(), name="keepalive"),
+        ]
+        await self._announce()
+        log.info("generator ready", extra={"model": self.model, "worker": self.worker_id,
+                                           "max_batch": self.settings.max_batch, "device": str(self.loaded.device)})
+
+    async def stop(self, drain_timeout: float = 10.0) -> None:
+        """Stop fetching, let running requests finish for ``drain_timeout``, NAK the rest."""
+        self._stopping.set()
+        self._slot_freed.set()
+        deadline = time.monotonic() + drain_timeout
+        while self.active and time.monotonic() < deadline:
+            self._slot_freed.clear()
+            try:
+                await asyncio.wait_for(self._slot_freed.wait(), timeout=deadline - time.monotonic())
+            except TimeoutError:
+                break
+        for rid, act in list(self.active.items()):
+            self.runner.cancel(rid)
+            if act.msg is not None:
+                await act.msg.nak()
+            act.span.end()
+        self.active.clear()
+        await self._announce(ready=False)
+        await self._outbox.join()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for sub in [*self._subs, self._psub]:
+            await sub.unsubscribe()
+        self.runner.stop()
+        await self.bus.nc.flush()
+
+    # -- intake ----------------------------------------------------------------------
+    @property
+    def free_slots(self) -> int:
+        return self.settings.max_batch - len(self.active)
+
+    async def _fetch_loop(self) -> None:
+        while not self._stopping.is_set():
+            free = self.free_slots
+            if free <= 0:
+                self._slot_freed.clear()
+                await self._slot_freed.wait()
+                continue
+            try:
+                # Long-poll for one (fetch(n) would linger for the rest), then take what is ready.
+                msgs = await self._psub.fetch(1, timeout=1.0)
+                if free > 1:
+                    try:
+                        msgs += await self._psub.fetch(free - 1, timeout=0.05)
+                    except TimeoutError:
+                        pass
+            except TimeoutError:
+                continue
+            except Exception as exc:  # reconnects and server restarts surface here; retry
+                if self._stopping.is_set():
+                    return
+                log.warning("fetch failed; retrying", extra={"error": repr(exc)})
+                await asyncio.sleep(0.5)
+                continue
+            for msg in msgs:
+                await self._accept(msg)
+
+    async def _accept(self, msg: Msg) -> None:
+        received = time.time_ns()
+        try:
+            request = Request.decode(msg.data)
+        except WireFormatError as exc:
+            await self._reject_undecodable(msg, exc)
+            return
+        except TokenpipeError as exc:
+            await self._reject(msg, msg.data, exc)
+            return
+        if request.id in self.active:
+            await msg.ack()  # duplicate delivery of a request we are already running
+            return
+        ctx = extract_context(msg.headers)
+        span = self.tracer.start_span(f"generate {self.model}", context=ctx, kind=SpanKind.CONSUMER, attributes={
+            "messaging.system": "nats",
+            "messaging.operation.type": "process",
+            "messaging.destination.name": msg.subject,
+            "gen_ai.operation.name": "text_completion" if request.prompt is not None else "chat",
+            "gen_ai.request.model": request.model,
+            "gen_ai.request.max_tokens": request.params.max_tokens,
+            "gen_ai.request.temperature": request.params.temperature,
+            "tokenpipe.stream.id": request.id,
+        })
+        headers = self._span_headers(span)
+        co = request.coalesce
+        coalescer = Coalescer(
+            request.id,
+            max_tokens=co.max_tokens if co.max_tokens is not None else self.settings.coalesce_max_tokens,
+            max_delay_ns=int(1e6 * (co.max_delay_ms if co.max_delay_ms is not None
+                                    else self.settings.coalesce_max_delay_ms)),
+            first_timings={"created": request.created_at, "received": received},
+        )
+        self.active[request.id] = _Active(msg, request, coalescer, span, headers)
+        log.debug("request accepted", extra={"request_id": request.id})
+        if request.id in self.recent_cancels:
+            self._emit_now(request.id, Emission(request.id, (), "", time.time_ns(), finish="cancelled",
+                                                usage=Usage(0, 0)))
+            return
+        self.runner.submit(Job(request, received_ns=received))
+
+    @staticmethod
+    def _span_headers(span: Any) -> dict[str, str]:
+        headers: dict[str, str] = {}
+        propagate.inject(headers, context=trace.set_span_in_context(span))
+        return headers
+
+    async def _reject_undecodable(self, msg: Msg, exc: Exception) -> None:
+        log.warning("terminating undecodable request", extra={"subject": msg.subject, "error": str(exc)})
+        await msg.term()
+
+    async def _reject(self, msg: Msg, data: bytes, exc: TokenpipeError) -> None:
+        """A decodable but invalid request: tell its stream (if it has an id), then terminate."""
+        rid = _peek_id(data)
+        log.warning("rejecting invalid request", extra={"request_id": rid, "error": exc.message})
+        if rid is not None:
+            batch = TokenBatch(id=rid, seq=0, index=0, finish="error", error=exc.message, usage=Usage(0, 0),
+                               timings={"emitted": time.time_ns()})
+            await self.bus.nc.publish(token_subject(rid), batch.encode())
+        await msg.term()
+
+    # -- cancellation & discovery ----------------------------------------------------
+    async def _on_cancel(self, msg: Msg) -> None:
+        rid = msg.subject.rsplit(".", 1)[-1]
+        self.recent_cancels[rid] = None
+        while len(self.recent_cancels) > _RECENT_CANCELS:
+            self.recent_cancels.popitem(last=False)
+        if rid in self.active:
+            log.info("cancel requested", extra={"request_id": rid})
+            self.runner.cancel(rid)
+
+    async def _on_discover(self, msg: Msg) -> None:
+        if msg.reply:
+            await self.bus.nc.publish(msg.reply, self._announcement(True))
+
+    def _announcement(self, ready: bool) -> bytes:
+        return json.dumps({
+            "worker": self.worker_id,
+            "model": self.model,
+            "ready": ready,
+            "max_batch": self.settings.max_batch,
+            "running": self.runner.running,
+            "active": len(self.active),
+            "device": str(self.loaded.device),
+            "ttl_s": self.settings.announce_interval_s * 3,
+            "ts": time.time(),
+        }).encode()
+
+    async def _announce(self, ready: bool = True) -> None:
+        await self.bus.nc.publish(f"{ANNOUNCE_PREFIX}.{self.worker_id}", self._announcement(ready))
+
+    async def _keepalive_loop(self) -> None:
+        """Announce ourselves and tell JetStream long requests are still in progress."""
+        progress_every = max(self.settings.ack_wait_s / 3, 0.5)
+        last_progress = time.monotonic()
+        while True:
+            await asyncio.sleep(min(self.settings.announce_interval_s, progress_every))
+            await self._announce()
+            if time.monotonic() - last_progress >= progress_every:
+                last_progress = time.monotonic()
+                for act in list(self.active.values()):
+                    if act.msg is not None:
+                        await act.msg.in_progress()
+
+    # -- output ----------------------------------------------------------------------
+    def _from_engine_thread(self, emissions: list[Emission]) -> None:
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self._on_emissions, emissions)
+
+    def _on_emissions(self, emissions: list[Emission]) -> None:
+        for em in emissions:
+            self._emit_now(em.request_id, em)
+
+    def _emit_now(self, rid: str, em: Emission) -> None:
+        act = self.active.get(rid)
+        if act is None:
+            return
+        if em.admitted_ns:
+            act.coalescer.first_timings["admitted"] = em.admitted_ns
+        batch = act.coalescer.add(list(em.token_ids), em.text, em.at_ns, finish=em.finish, error=em.error,
+                                  usage=em.usage)
+        if batch is not None:
+            self._send(act, batch)
+        self._arm_timer(rid, act)
+
+    def _arm_timer(self, rid: str, act: _Active) -> None:
+        if act.timer is not None:
+            act.timer.cancel()
+            act.timer = None
+        deadline = act.coalescer.deadline()
+        if deadline is not None and self._loop is not None:
+            delay = max(0.0, (deadline - time.time_ns()) / 1e9)
+            act.timer = self._loop.call_later(delay, self._on_deadline, rid)
+
+    def _on_deadline(self, rid: str) -> None:
+        act = self.active.get(rid)
+        if act is None:
+            return
+        act.timer = None
+        batch = act.coalescer.due(time.time_ns())
+        if batch is not None:
+            self._send(act, batch)
+        self._arm_timer(rid, act)
+
+    def _send(self, act: _Active, batch: TokenBatch) -> None:
+        self._outbox.put_nowait((token_subject(batch.id), batch.encode(), act.headers))
+        if batch.is_final:
+            self._finish(act, batch)
+
+    def _finish(self, act: _Active, batch: TokenBatch) -> None:
+        rid = act.request.id
+        self.active.pop(rid, None)
+        if act.timer is not None:
+            act.timer.cancel()
+        span = act.span
+        span.set_attribute("gen_ai.response.finish_reasons", [batch.finish or ""])
+        if batch.usage:
+            span.set_attribute("gen_ai.usage.input_tokens", batch.usage.prompt_tokens)
+            span.set_attribute("gen_ai.usage.output_tokens", batch.usage.completion_tokens)
+        span.set_attribute("tokenpipe.batches", batch.seq + 1)
+        if batch.error:
+            span.set_status(trace.Status(trace.StatusCode.ERROR, batch.error))
+        span.end()
+        self.completed += 1
+        if act.msg is not None:
+            self._outbox.put_nowait(("", b"", act.msg))
+        self._slot_freed.set()
+        log.info("request finished", extra={"request_id": rid, "finish": batch.finish,
+                                            "tokens": batch.usage.completion_tokens if batch.usage else 0})
+
+    async def _publish_loop(self) -> None:
+        """One publisher keeps every stream's batches in order; acks ride the same queue so a
+        request is acked only after its final batch was handed to NATS."""
+        nc = self.bus.nc
+        while True:
+            subject, data, extra = await self._outbox.get()
+            try:
+                if subject:
+                    await nc.publish(subject, data, headers=extra or None)
+                else:
+                    await extra.ack()
+            except Exception as exc:  # a lost connection must not kill the publisher
+                log.warning("publish failed", extra={"subject": subject, "error": repr(exc)})
+            finally:
+                self._outbox.task_done()
+
+
+def _peek_id(data: bytes) -> str | None:
+    import msgpack
+
+    try:
+        obj = msgpack.unpackb(data, raw=False)
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError):
+        return None
+    rid = obj.get("id") if isinstance(obj, dict) else None
+    try:
+        return rid if isinstance(rid, str) and token_subject(rid) else None
+    except TokenpipeError:
+        return None

@@ -1,0 +1,167 @@
+"""Fixtures with real parts: a nats-server subprocess, the engine, uvicorn, httpx."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+
+from generator.models import LoadedModel, load_model
+from generator.worker import GeneratorWorker
+from relay.app import create_app
+from tokenpipe.bus import Bus, connect
+from tokenpipe.natsserver import NatsServer, free_port
+from tokenpipe.settings import Settings
+
+ROOT = Path(__file__).resolve().parent.parent
+# The converted SmolLM2 cache outlives one run (it takes ~20 s to build); CI starts from nothing.
+MODEL_CACHE = Path(os.environ.get("TOKENPIPE_TEST_DATA_DIR", ROOT / ".tokenpipe" / "test-data"))
+
+
+async def wait_until(cond: Callable[[], Awaitable[bool] | bool], timeout: float = 30.0, what: str = "condition") -> None:
+    """Poll ``cond`` until true; fail the test with ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = cond()
+        if isinstance(result, Awaitable):
+            result = await result
+        if result:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+@pytest.fixture(scope="session")
+def data_dir() -> Path:
+    MODEL_CACHE.mkdir(parents=True, exist_ok=True)
+    return MODEL_CACHE
+
+
+@pytest.fixture(scope="session")
+def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
+    server = NatsServer(tmp_path_factory.mktemp("nats"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def settings(nats_server: NatsServer, data_dir: Path) -> Settings:
+    return Settings.load(
+        env={},
+        nats_url=nats_server.url,
+        data_dir=str(data_dir),
+        model="tiny-random",
+        max_batch=8,
+        max_seq_len=2048,
+        coalesce_max_tokens=4,
+        coalesce_max_delay_ms=20.0,
+        announce_interval_s=0.5,
+        keepalive_s=1.0,
+        drain_timeout_s=2.0,
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_model(data_dir: Path) -> LoadedModel:
+    return load_model("tiny-random", device="cpu", data_dir=data_dir)
+
+
+@pytest.fixture(scope="session")
+def smollm2(data_dir: Path) -> LoadedModel:
+    return load_model("smollm2-135m", device="cpu", data_dir=data_dir)
+
+
+@pytest.fixture(scope="session")
+async def bus(settings: Settings) -> AsyncIterator[Bus]:
+    b = await connect(settings, name="tests")
+    yield b
+    await b.close()
+
+
+@pytest.fixture(scope="session")
+async def generator(settings: Settings, data_dir: Path) -> AsyncIterator[GeneratorWorker]:
+    """A real worker on the tiny model (its own model instance: the engine thread owns it)."""
+    loaded = load_model("tiny-random", device="cpu", data_dir=data_dir)
+    b = await connect(settings, name="test-generator")
+    worker = GeneratorWorker(settings, loaded, b)
+    await worker.start()
+    yield worker
+    await worker.stop(drain_timeout=1.0)
+    await b.close()
+
+
+class RelayServer:
+    def __init__(self, app: Any, port: int) -> None:
+        self.app = app
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None,
+                                                    access_log=False, timeout_graceful_shutdown=1))
+        self.task: asyncio.Task[None] | None = None
+
+    async def start(self) -> RelayServer:
+        self.task = asyncio.create_task(self.server.serve())
+        await wait_until(lambda: self.server.started, 20, "uvicorn to start")
+        return self
+
+    async def stop(self) -> None:
+        self.server.should_exit = True
+        if self.task is not None:
+            await self.task
+
+
+async def start_relay(settings: Settings, **kw: Any) -> RelayServer:
+    app = create_app(settings.replace(port=free_port()), **kw)
+    relay = await RelayServer(app, free_port()).start()
+
+    async def ready() -> bool:
+        async with httpx.AsyncClient() as c:
+            return (await c.get(relay.url + "/readyz")).status_code == 200
+
+    await wait_until(ready, 30, "relay /readyz")
+    return relay
+
+
+@pytest.fixture(scope="session")
+async def relay(settings: Settings, generator: GeneratorWorker) -> AsyncIterator[RelayServer]:
+    server = await start_relay(settings)
+    yield server
+    await server.stop()
+
+
+@pytest.fixture
+async def http(relay: RelayServer) -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(base_url=relay.url, timeout=60) as client:
+        yield client
+
+
+async def read_sse(response: httpx.Response) -> list[tuple[str, str | None, str]]:
+    """Parse an SSE response into (event, id, data) triples, comments dropped."""
+    events: list[tuple[str, str | None, str]] = []
+    event, eid, data = "message", None, []
+    async for line in response.aiter_lines():
+        if line == "":
+            if data:
+                events.append((event, eid, "\n".join(data)))
+            event, eid, data = "message", None, []
+        elif line.startswith(":"):
+            continue
+        else:
+            field, _, value = line.partition(":")
+            value = value[1:] if value.startswith(" ") else value
+            if field == "event":
+                event = value
+            elif field == "id":
+                eid = value
+            elif field == "data":
+                data.append(value)
+    return events

@@ -1,0 +1,160 @@
+"""The ``tokenpipe`` command: the composition root that starts each role."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from .errors import TokenpipeError
+from .logs import setup_logging
+from .settings import Settings
+
+__all__ = ["main"]
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nats-url", help="NATS server URL (env TOKENPIPE_NATS_URL)")
+    p.add_argument("--data-dir", help="state directory: NATS data, model cache (env TOKENPIPE_DATA_DIR)")
+    p.add_argument("--log-level", help="DEBUG, INFO, WARNING (env TOKENPIPE_LOG_LEVEL)")
+    p.add_argument("--log-json", action="store_true", default=None, help="JSON log lines")
+
+
+def _model_opts(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="smollm2-135m (default), tiny-random, or a local transformers directory")
+    p.add_argument("--model-path", help="serve this transformers directory under the name --model")
+    p.add_argument("--device", help="auto (default), cpu, cuda, cuda:1 ...")
+    p.add_argument("--dtype", help="auto (default: bf16 on CUDA, fp32 on CPU), float32, bfloat16")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tokenpipe", description="Streaming token pipeline over NATS JetStream")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+
+    up = sub.add_parser("up", help="start nats-server, generator(s) and the relay on this machine")
+    _common(up)
+    _model_opts(up)
+    up.add_argument("--host", help="relay bind address (default 127.0.0.1)")
+    up.add_argument("--port", type=int, help="relay port (default 8000)")
+    up.add_argument("--generators", type=int, default=1, help="generator processes (default 1)")
+    up.add_argument("--nats-port", type=int, default=4222, help="embedded nats-server port (default 4222, or a free one)")
+
+    gen = sub.add_parser("generator", help="run one generator worker")
+    _common(gen)
+    _model_opts(gen)
+    gen.add_argument("--max-batch", type=int, help="concurrent sequences (default 32)")
+
+    relay = sub.add_parser("relay", help="run the HTTP/SSE relay")
+    _common(relay)
+    relay.add_argument("--host")
+    relay.add_argument("--port", type=int)
+    relay.add_argument("--model", help="default model for requests that name none")
+
+    nats = sub.add_parser("nats", help="run nats-server with JetStream in the foreground")
+    nats.add_argument("--data-dir")
+    nats.add_argument("--host", default="127.0.0.1")
+    nats.add_argument("--port", type=int, default=4222)
+    nats.add_argument("--monitor-port", type=int, default=None)
+
+    prep = sub.add_parser("prepare", help="convert and cache the default model (one-time, ~20 s)")
+    prep.add_argument("--data-dir")
+
+    submit = sub.add_parser("submit", help="submit a prompt over NATS and stream the answer")
+    _common(submit)
+    submit.add_argument("prompt")
+    submit.add_argument("--model", default=None)
+    submit.add_argument("--raw", action="store_true", help="send as a plain prompt, not a chat message")
+    submit.add_argument("--max-tokens", type=int, default=256)
+    submit.add_argument("--temperature", type=float, default=0.7)
+    submit.add_argument("--seed", type=int, default=None)
+    submit.add_argument("--json", action="store_true", help="print each batch as a JSON line")
+    return parser
+
+
+def _settings(args: argparse.Namespace, **extra: Any) -> Settings:
+    keys = ("nats_url", "data_dir", "log_level", "log_json", "model", "model_path", "device", "dtype", "host",
+            "port", "max_batch")
+    overrides = {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
+    overrides.update(extra)
+    return Settings.load(**overrides)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _dispatch(args)
+    except TokenpipeError as exc:
+        print(f"tokenpipe: error: {exc.message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    if args.cmd == "nats":
+        from .natsserver import NatsServer
+
+        data = args.data_dir or str(Path(Settings.load().data_dir) / "nats")
+        setup_logging("nats")
+        server = NatsServer(data, host=args.host, port=args.port, monitor_port=args.monitor_port)
+        server.start()
+        assert server.proc is not None
+        try:
+            return server.proc.wait()
+        finally:
+            server.stop()
+    if args.cmd == "prepare":
+        from generator.models import prepare_smollm2
+
+        path = prepare_smollm2(args.data_dir or Settings.load().data_dir)
+        print(path)
+        return 0
+    settings = _settings(args)
+    setup_logging(args.cmd, settings.log_level, settings.log_json)
+    if args.cmd == "up":
+        from .supervisor import Supervisor
+
+        return Supervisor(settings, generators=args.generators, nats_port=args.nats_port,
+                          external_nats=args.nats_url is not None).run()
+    if args.cmd == "generator":
+        from generator.main import serve as serve_generator
+
+        asyncio.run(serve_generator(settings))
+        return 0
+    if args.cmd == "relay":
+        from relay.main import serve as serve_relay
+
+        asyncio.run(serve_relay(settings))
+        return 0
+    if args.cmd == "submit":
+        return asyncio.run(_submit(args, settings))
+    raise AssertionError(args.cmd)
+
+
+async def _submit(args: argparse.Namespace, settings: Settings) -> int:
+    from producer import Producer
+
+    async with await Producer.connect(settings=settings) as producer:
+        content: dict[str, Any] = {"prompt": args.prompt} if args.raw else {
+            "messages": [{"role": "user", "content": args.prompt}]}
+        handle = await producer.submit(args.model or settings.model, max_tokens=args.max_tokens,
+                                       temperature=args.temperature, seed=args.seed, **content)
+        try:
+            async for batch in handle:
+                if args.json:
+                    print(json.dumps(batch.to_json()), flush=True)
+                else:
+                    sys.stdout.write(batch.text)
+                    sys.stdout.flush()
+                if batch.finish == "error":
+                    print(f"\ntokenpipe: error: {batch.error}", file=sys.stderr)
+                    return 1
+        except asyncio.CancelledError:
+            await handle.cancel()
+            raise
+        if not args.json:
+            print()
+    return 0

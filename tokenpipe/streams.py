@@ -1,0 +1,117 @@
+"""Stream operations over NATS shared by the relay and the producer SDK.
+
+``submit`` records who owns a stream (the meta bucket) and publishes the request to
+the work queue with ``Nats-Msg-Id`` = request id (idempotent resubmission).
+``follow`` yields a stream's batches from the beginning (or after a given ``seq``)
+and then live, from one ordered JetStream consumer: history and live come through
+the same cursor, so nothing arriving during the switch can be lost or repeated.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import nats.errors
+from nats.js import api as js_api
+from nats.js.errors import KeyNotFoundError
+
+from .bus import Bus
+from .errors import StreamNotFound, TransportError
+from .subjects import TOKENS_STREAM, cancel_subject, check_stream_id, request_subject, token_subject
+from .wire import Request, TokenBatch
+
+__all__ = ["StreamMeta", "submit", "follow", "cancel", "get_meta", "Ping", "PING"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StreamMeta:
+    id: str
+    tenant: str
+    model: str
+    created_at: int
+
+    def encode(self) -> bytes:
+        return json.dumps(self.__dict__).encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> StreamMeta:
+        obj = json.loads(data)
+        return cls(id=obj["id"], tenant=obj["tenant"], model=obj["model"], created_at=int(obj["created_at"]))
+
+
+class Ping:
+    """Yielded by :func:`follow` when nothing arrived for ``idle`` seconds (SSE keep-alive)."""
+
+
+PING = Ping()
+
+
+async def submit(bus: Bus, request: Request, headers: dict[str, str] | None = None) -> None:
+    """Record ownership, then enqueue. Raises :class:`TransportError` if NATS refuses."""
+    meta = StreamMeta(request.id, request.tenant, request.model, request.created_at or time.time_ns())
+    hdrs = dict(headers or {})
+    hdrs["Nats-Msg-Id"] = request.id
+    try:
+        await bus.meta.put(request.id, meta.encode())
+        await bus.js.publish(request_subject(request.model), request.encode(), headers=hdrs)
+    except Exception as exc:  # nats raises several unrelated types here
+        raise TransportError(f"could not enqueue request: {exc}") from exc
+
+
+async def get_meta(bus: Bus, stream_id: str) -> StreamMeta:
+    check_stream_id(stream_id)
+    try:
+        entry = await bus.meta.get(stream_id)
+    except KeyNotFoundError as exc:
+        raise StreamNotFound(f"stream {stream_id!r} not found (unknown, or past retention)") from exc
+    except Exception as exc:
+        raise TransportError(f"could not read stream metadata: {exc}") from exc
+    if entry.value is None:
+        raise StreamNotFound(f"stream {stream_id!r} not found")
+    return StreamMeta.decode(entry.value)
+
+
+async def cancel(bus: Bus, stream_id: str) -> None:
+    await bus.nc.publish(cancel_subject(stream_id), b"")
+
+
+async def follow(bus: Bus, stream_id: str, *, after_seq: int = -1,
+                 idle: float | None = None) -> AsyncIterator[TokenBatch | Ping]:
+    """Batches of ``stream_id`` with ``seq > after_seq``, ending after the final one.
+
+    Yields :data:`PING` whenever ``idle`` seconds pass without a batch.
+    """
+    try:
+        sub = await bus.js.subscribe(
+            token_subject(stream_id),
+            stream=TOKENS_STREAM,
+            ordered_consumer=True,
+            deliver_policy=js_api.DeliverPolicy.ALL,
+            idle_heartbeat=5.0,
+        )
+    except Exception as exc:
+        raise TransportError(f"could not follow stream: {exc}") from exc
+    try:
+        while True:
+            try:
+                msg = await sub.next_msg(timeout=idle if idle else 3600.0)
+            except nats.errors.TimeoutError:
+                yield PING
+                continue
+            batch = TokenBatch.decode(msg.data)
+            if batch.seq <= after_seq:
+                continue
+            yield batch
+            if batch.is_final:
+                return
+    finally:
+        try:
+            await sub.unsubscribe()
+        except Exception as exc:  # connection already closing; the ephemeral consumer expires by itself
+            log.debug("unsubscribe failed", extra={"stream_id": stream_id, "error": repr(exc)})
