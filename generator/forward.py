@@ -115,6 +115,22 @@ def prefill(model: Any, cache: SlotKVCache, input_ids: Tensor, lengths: Tensor, 
     return model.lm_head(inner.norm(last))  # [N, V]
 
 
+def _decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """Single-query attention with grouped KV heads, as two small batched matmuls.
+
+    For one query token this is several times faster on CPU than SDPA's flash kernel with
+    a mask (measured in bf16), and needs no repeat of K/V per query head.
+    q [B, H, 1, hd]; k, v [B, G, T, hd]; mask [B, 1, 1, T] (True = attend) -> [B, H, 1, hd]
+    """
+    B, H, _, hd = q.shape
+    G = k.shape[1]
+    qg = q.view(B, G, H // G, hd)  # query heads h = g * (H/G) + r share kv head g
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [B, G, H/G, T]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = scores.softmax(-1).to(v.dtype)
+    return torch.matmul(probs, v).view(B, H, 1, hd)
+
+
 @torch.inference_mode()
 def decode_step(model: Any, cache: SlotKVCache, tokens: Tensor, positions: Tensor, attend_len: int) -> Tensor:
     """One token for each of rows ``0..B-1``: ``tokens [B]`` at ``positions [B]``; returns ``[B, V]``.
@@ -133,9 +149,7 @@ def decode_step(model: Any, cache: SlotKVCache, tokens: Tensor, positions: Tenso
         kc, vc = cache.k[li], cache.v[li]
         kc[rows, :, positions] = k[:, :, 0]
         vc[rows, :, positions] = v[:, :, 0]
-        o = F.scaled_dot_product_attention(
-            q, kc[:B, :, :attend_len], vc[:B, :, :attend_len], attn_mask=mask, scale=attn.scaling, enable_gqa=True
-        )  # [B, H, 1, hd]
+        o = _decode_attention(q, kc[:B, :, :attend_len], vc[:B, :, :attend_len], mask, attn.scaling)  # [B, H, 1, hd]
         x = x + attn.o_proj(o.transpose(1, 2).reshape(B, 1, -1))
         x = _mlp_block(layer, x)
     return model.lm_head(inner.norm(x[:, 0]))  # [B, V]

@@ -56,6 +56,7 @@ def _filter(logits: Tensor, s: RowSampler) -> Tensor:
 
 def sample(logits: Tensor, samplers: list[RowSampler]) -> list[int]:
     """``logits [B, V]`` -> one token id per row."""
+    logits = logits.float()  # bf16 argmax/softmax are slow on CPU and coarse
     greedy = logits.argmax(-1).tolist()  # one vectorised pass covers every greedy row
     out: list[int] = []
     for row, s in enumerate(samplers):

@@ -152,13 +152,9 @@ class GeneratorWorker:
                 await self._slot_freed.wait()
                 continue
             try:
-                # Long-poll for one (fetch(n) would linger for the rest), then take what is ready.
+                # One at a time: nats-py's fetch(n) lingers for all n once the first arrives, which
+                # would hold a lone request back; fetch(1) returns as soon as one is available.
                 msgs = await self._psub.fetch(1, timeout=1.0)
-                if free > 1:
-                    try:
-                        msgs += await self._psub.fetch(free - 1, timeout=0.05)
-                    except TimeoutError:
-                        pass
             except TimeoutError:
                 continue
             except Exception as exc:  # reconnects and server restarts surface here; retry

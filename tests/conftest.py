@@ -67,17 +67,18 @@ def settings(nats_server: NatsServer, data_dir: Path) -> Settings:
         announce_interval_s=0.5,
         keepalive_s=1.0,
         drain_timeout_s=2.0,
+        dtype="float32",  # exact comparisons with in-process references; bf16 is covered on its own
     )
 
 
 @pytest.fixture(scope="session")
 def tiny_model(data_dir: Path) -> LoadedModel:
-    return load_model("tiny-random", device="cpu", data_dir=data_dir)
+    return load_model("tiny-random", device="cpu", dtype="float32", data_dir=data_dir)
 
 
 @pytest.fixture(scope="session")
 def smollm2(data_dir: Path) -> LoadedModel:
-    return load_model("smollm2-135m", device="cpu", data_dir=data_dir)
+    return load_model("smollm2-135m", device="cpu", dtype="float32", data_dir=data_dir)
 
 
 @pytest.fixture(scope="session")
@@ -90,7 +91,7 @@ async def bus(settings: Settings) -> AsyncIterator[Bus]:
 @pytest.fixture(scope="session")
 async def generator(settings: Settings, data_dir: Path) -> AsyncIterator[GeneratorWorker]:
     """A real worker on the tiny model (its own model instance: the engine thread owns it)."""
-    loaded = load_model("tiny-random", device="cpu", data_dir=data_dir)
+    loaded = load_model("tiny-random", device="cpu", dtype="float32", data_dir=data_dir)
     b = await connect(settings, name="test-generator")
     worker = GeneratorWorker(settings, loaded, b)
     await worker.start()

