@@ -14,7 +14,8 @@ from generator.engine import Engine
 from generator.models import LoadedModel
 from tokenpipe.wire import SamplingParams
 
-__all__ = ["raw_forward_tok_s", "own_forward_tok_s", "hf_generate_tok_s", "naive_no_cache_tok_s", "engine_tok_s", "EngineRun"]
+__all__ = ["EngineRun", "engine_tok_s", "hf_generate_tok_s", "naive_no_cache_tok_s", "own_forward_tok_s",
+           "raw_forward_tok_s"]
 
 
 @torch.inference_mode()

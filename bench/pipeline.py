@@ -110,8 +110,9 @@ class Pipeline:
     def __enter__(self) -> Pipeline:
         self.nats.start()
         common = ["--nats-url", self.nats.url, "--data-dir", self.data_dir, "--log-level", "WARNING"]
-        log = open(Path(self.tmp.name) / "roles.log", "wb")  # noqa: SIM115 - kept open for the children
-        for role in (["generator", "--model", self.model, "--device", self.device], ["relay", "--port", str(self.port)]):
+        log = open(Path(self.tmp.name) / "roles.log", "wb")
+        roles = (["generator", "--model", self.model, "--device", self.device], ["relay", "--port", str(self.port)])
+        for role in roles:
             self.procs.append(subprocess.Popen([sys.executable, "-m", "tokenpipe", role[0], *common, *role[1:]],
                                                env=self.env, stdout=log, stderr=subprocess.STDOUT))
         deadline = time.monotonic() + 300

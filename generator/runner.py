@@ -173,7 +173,7 @@ class Runner:
     def _emission(self, out: StepOutput) -> Emission:
         seq = out.seq
         st = self._states[seq.id]
-        finish = out.finish
+        finish: FinishReason | None = out.finish
         text, stopped = "", False
         if out.token is not None:
             text, stopped = st.stop.feed(st.detok.push(out.token))

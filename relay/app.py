@@ -25,7 +25,8 @@ from tokenpipe.settings import Settings
 from tokenpipe.streams import Ping, cancel, follow, get_meta, submit
 from tokenpipe.subjects import ANNOUNCE_PREFIX, DISCOVER_SUBJECT, check_model_name, request_subject
 from tokenpipe.telemetry import extract_context, get_tracer, inject_headers
-from tokenpipe.wire import CoalesceParams, Request as TpRequest, SamplingParams, TokenBatch
+from tokenpipe.wire import CoalesceParams, SamplingParams, TokenBatch
+from tokenpipe.wire import Request as TpRequest
 
 from .registry import GeneratorRegistry
 from .sse import SSE_HEADERS, sse_comment, sse_event
@@ -93,10 +94,7 @@ class RelayState:
     async def resolve_model(self, model: Any) -> str:
         if model is None:
             models = self.registry.models()
-            if self.settings.model in models or not models:
-                model = self.settings.model
-            else:
-                model = models[0]
+            model = self.settings.model if self.settings.model in models or not models else models[0]
         if not isinstance(model, str):
             raise InvalidRequest("'model' must be a string", param="model")
         check_model_name(model)

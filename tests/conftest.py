@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parent.parent
 MODEL_CACHE = Path(os.environ.get("TOKENPIPE_TEST_DATA_DIR", ROOT / ".tokenpipe" / "test-data"))
 
 
-async def wait_until(cond: Callable[[], Awaitable[bool] | bool], timeout: float = 30.0, what: str = "condition") -> None:
+async def wait_until(cond: Callable[[], Awaitable[bool] | bool], timeout: float = 30.0,
+                     what: str = "condition") -> None:
     """Poll ``cond`` until true; fail the test with ``what`` after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while True:

@@ -15,7 +15,8 @@ GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
 
 def hf_greedy(lm: LoadedModel, prompt: list[int], n: int) -> list[int]:
-    out = lm.model.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+    mask = torch.ones(1, len(prompt), dtype=torch.long)
+    out = lm.model.generate(input_ids=torch.tensor([prompt]), attention_mask=mask,
                             max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
     return out[0, len(prompt):].tolist()
 

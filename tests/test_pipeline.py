@@ -97,7 +97,7 @@ async def test_concurrent_requests_of_different_lengths(http: httpx.AsyncClient)
                                                  "ignore_eos": True})
         ids.append(r.json()["id"])
     results = await asyncio.gather(*(stream_events(http, i) for i in ids))
-    for n, events in zip(lengths, results):
+    for n, events in zip(lengths, results, strict=False):
         tokens = [d for e, _, d in events if e == "tokens"]
         check_contiguous(tokens)
         assert events[-1][0] == "done" and events[-1][2]["finish"] == "length"
@@ -271,3 +271,29 @@ async def test_page_is_served(http: httpx.AsyncClient) -> None:
 def test_sampling_param_defaults_are_sane() -> None:
     p = SamplingParams()
     assert p.max_tokens > 0 and p.temperature == 1.0 and p.top_p == 1.0
+
+
+async def test_finished_stream_reads_again_and_resumes_after_any_batch(http: httpx.AsyncClient) -> None:
+    r = await http.post("/v1/streams", json={"prompt": "history", "max_tokens": 12, "temperature": 0,
+                                             "ignore_eos": True, "coalesce": {"max_tokens": 3, "max_delay_ms": 1000}})
+    sid = r.json()["id"]
+    full = await stream_events(http, sid)
+    again = await stream_events(http, sid)
+    assert again == full
+    seqs = [int(i) for e, i, _ in full if e == "tokens"]
+    for last in seqs:
+        async with http.stream("GET", f"/v1/streams/{sid}", headers={"Last-Event-ID": str(last)}) as resp:
+            tail = [(e, i, json.loads(d)) for e, i, d in await read_sse(resp)]
+        assert tail == [ev for ev in full if int(ev[1] or 0) > last or (ev[0] == "done" and last == seqs[-1])]
+    by_query = await stream_events(http, sid, last_event_id=str(seqs[0]))
+    assert by_query == full[1:]
+
+
+async def test_resume_after_final_batch_ends_with_done_instead_of_hanging(http: httpx.AsyncClient) -> None:
+    r = await http.post("/v1/streams", json={"prompt": "end", "max_tokens": 3, "temperature": 0,
+                                             "ignore_eos": True})
+    sid = r.json()["id"]
+    full = await stream_events(http, sid)
+    final_id = full[-1][1]
+    tail = await asyncio.wait_for(stream_events(http, sid, last_event_id=str(final_id)), timeout=20)
+    assert tail == [full[-1]]

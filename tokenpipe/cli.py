@@ -40,7 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--host", help="relay bind address (default 127.0.0.1)")
     up.add_argument("--port", type=int, help="relay port (default 8000)")
     up.add_argument("--generators", type=int, default=1, help="generator processes (default 1)")
-    up.add_argument("--nats-port", type=int, default=4222, help="embedded nats-server port (default 4222, or a free one)")
+    up.add_argument("--nats-port", type=int, default=4222,
+                    help="embedded nats-server port (default 4222, or a free one)")
 
     gen = sub.add_parser("generator", help="run one generator worker")
     _common(gen)

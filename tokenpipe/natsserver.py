@@ -60,7 +60,8 @@ class NatsServer:
 
     def start(self, timeout: float = 15.0) -> NatsServer:
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        cmd = [find_nats_server(), "-js", "-sd", str(self.data_dir / "jetstream"), "-a", self.host, "-p", str(self.port)]
+        store = str(self.data_dir / "jetstream")
+        cmd = [find_nats_server(), "-js", "-sd", store, "-a", self.host, "-p", str(self.port)]
         if self.monitor_port is not None:
             cmd += ["-m", str(self.monitor_port)]
         # Each launch appends to one log: the previous run's lines help when debugging a restart.

@@ -9,10 +9,11 @@ the same cursor, so nothing arriving during the switch can be lost or repeated.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 import nats.errors
@@ -82,7 +83,7 @@ async def cancel(bus: Bus, stream_id: str) -> None:
 
 
 async def follow(bus: Bus, stream_id: str, *, after_seq: int = -1,
-                 idle: float | None = None) -> AsyncIterator[TokenBatch | Ping]:
+                 idle: float | None = None) -> AsyncGenerator[TokenBatch | Ping, None]:
     """Batches of ``stream_id`` with ``seq > after_seq``, ending after the final one.
 
     Yields :data:`PING` whenever ``idle`` seconds pass without a batch.
@@ -106,7 +107,10 @@ async def follow(bus: Bus, stream_id: str, *, after_seq: int = -1,
                 continue
             batch = TokenBatch.decode(msg.data)
             if batch.seq <= after_seq:
-                continue
+                if not batch.is_final:
+                    continue
+                # Resuming after the final batch: its tokens were seen, but the end still has to be told.
+                batch = dataclasses.replace(batch, token_ids=(), text="")
             yield batch
             if batch.is_final:
                 return
