@@ -114,6 +114,7 @@ def prepare_smollm2(data_dir: str | os.PathLike[str]) -> Path:
     plain.load_state_dict(gguf_model.state_dict())
     tmp = target.with_name(target.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
+    target.parent.mkdir(parents=True, exist_ok=True)
     plain.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     (tmp / ".complete").write_text(_CACHE_VERSION)

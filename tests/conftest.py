@@ -13,7 +13,7 @@ import httpx
 import pytest
 import uvicorn
 
-from generator.models import LoadedModel, load_model
+from generator.models import LoadedModel, load_model, prepare_smollm2
 from generator.worker import GeneratorWorker
 from relay.app import create_app
 from tokenpipe.bus import Bus, connect
@@ -42,7 +42,9 @@ async def wait_until(cond: Callable[[], Awaitable[bool] | bool], timeout: float 
 
 @pytest.fixture(scope="session")
 def data_dir() -> Path:
+    """A data dir whose model cache is ready (converted once per checkout, ~20 s)."""
     MODEL_CACHE.mkdir(parents=True, exist_ok=True)
+    prepare_smollm2(MODEL_CACHE)
     return MODEL_CACHE
 
 
