@@ -42,7 +42,7 @@ class Coalescer:
         return self.pending_since + self.max_delay_ns
 
     def add(self, token_ids: list[int], text: str, now_ns: int, *, finish: FinishReason | None = None,
-            error: str | None = None, usage: Usage | None = None) -> TokenBatch | None:
+            error: str | None = None, usage: Usage | None = None, error_code: str | None = None) -> TokenBatch | None:
         """Add what one step produced; return a batch if a window (or the end) says so."""
         if self.done:
             raise RuntimeError(f"stream {self.stream_id} already finished")
@@ -60,7 +60,7 @@ class Coalescer:
         ):
             if finish is None and not self.tokens and not any(self.text):
                 return None
-            return self._flush(now_ns, finish, error, usage)
+            return self._flush(now_ns, finish, error, usage, error_code)
         return None
 
     def due(self, now_ns: int) -> TokenBatch | None:
@@ -70,7 +70,8 @@ class Coalescer:
             return self._flush(now_ns, None, None, None)
         return None
 
-    def _flush(self, now_ns: int, finish: FinishReason | None, error: str | None, usage: Usage | None) -> TokenBatch:
+    def _flush(self, now_ns: int, finish: FinishReason | None, error: str | None, usage: Usage | None,
+               error_code: str | None = None) -> TokenBatch:
         timings = {"first_token": self.pending_since or now_ns, "emitted": now_ns}
         if not self.released:
             timings.update(self.first_timings)
@@ -84,6 +85,7 @@ class Coalescer:
             error=error,
             usage=usage,
             timings=timings,
+            error_code=error_code,
         )
         self.seq += 1
         self.index += len(self.tokens)

@@ -61,13 +61,14 @@ class Engine:
     """Slot-based continuous batching over a :class:`LoadedModel`."""
 
     def __init__(self, loaded: LoadedModel, *, max_batch: int = 32, max_seq_len: int = 2048,
-                 prefill_token_budget: int = 4096) -> None:
+                 prefill_token_budget: int = 4096, max_prompt_tokens: int = 0) -> None:
         self.loaded = loaded
         self.model = loaded.model
         self.device = loaded.device
         self.max_batch = max_batch
         self.max_seq_len = min(max_seq_len, loaded.max_context)
         self.prefill_token_budget = max(prefill_token_budget, 1)
+        self.max_prompt_tokens = max_prompt_tokens or self.max_seq_len - 1
         self.cache = SlotKVCache(self.model, max_batch, self.max_seq_len, loaded.device, loaded.dtype)
         self.rows: list[Sequence] = []  # running, index == cache row
         self.waiting: deque[Sequence] = deque()
@@ -83,6 +84,9 @@ class Engine:
         if max(prompt) >= vocab:
             raise InvalidRequest(f"token id {max(prompt)} is outside the vocabulary ({vocab})", param="input_ids")
         room = self.max_seq_len - len(prompt)
+        if len(prompt) > self.max_prompt_tokens and room >= 1:
+            raise InvalidRequest(f"prompt has {len(prompt)} tokens; the limit here is {self.max_prompt_tokens}",
+                                 param="prompt")
         if room < 1:
             raise InvalidRequest(
                 f"prompt has {len(prompt)} tokens; this model's context is {self.max_seq_len}", param="prompt"

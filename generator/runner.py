@@ -49,6 +49,7 @@ class Emission:
     error: str | None = None
     usage: Usage | None = None
     admitted_ns: int = 0
+    error_code: str | None = None
 
 
 @dataclass
@@ -82,10 +83,10 @@ class Runner:
     """Owns an :class:`Engine` on a dedicated thread."""
 
     def __init__(self, loaded: LoadedModel, on_emit: Callable[[list[Emission]], None], *, max_batch: int = 32,
-                 max_seq_len: int = 2048, prefill_token_budget: int = 4096) -> None:
+                 max_seq_len: int = 2048, prefill_token_budget: int = 4096, max_prompt_tokens: int = 0) -> None:
         self.loaded = loaded
         self.engine = Engine(loaded, max_batch=max_batch, max_seq_len=max_seq_len,
-                             prefill_token_budget=prefill_token_budget)
+                             prefill_token_budget=prefill_token_budget, max_prompt_tokens=max_prompt_tokens)
         self.on_emit = on_emit
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._states: dict[str, _State] = {}
@@ -159,12 +160,13 @@ class Runner:
                 raise InvalidRequest("max_tokens already reached by resumed tokens")
         except TokenpipeError as exc:
             self.on_emit([Emission(req.id, (), "", time.time_ns(), finish="error", error=exc.message,
-                                   usage=Usage(0, 0))])
+                                   usage=Usage(0, 0), error_code=exc.code)])
             return
         except Exception as exc:  # tokenizer failures on hostile input: report, keep serving
             log.exception("could not prepare request", extra={"request_id": req.id})
             self.on_emit([Emission(req.id, (), "", time.time_ns(), finish="error",
-                                   error=f"could not prepare request: {exc}", usage=Usage(0, 0))])
+                                   error=f"could not prepare request: {exc}", usage=Usage(0, 0),
+                                   error_code="invalid_request")])
             return
         detok = IncrementalDetokenizer(self.loaded.tokenizer, prompt)
         self._states[req.id] = _State(job, seq, detok, StopMatcher(params.stop))
@@ -199,7 +201,8 @@ class Runner:
         for seq in [*self.engine.rows, *self.engine.waiting]:
             self._states.pop(seq.id, None)
             emissions.append(Emission(seq.id, (), "", time.time_ns(), finish="error", error=message,
-                                      usage=Usage(len(seq.prompt), len(seq.generated))))
+                                      usage=Usage(len(seq.prompt), len(seq.generated)),
+                                      error_code="generation_error"))
         self.engine.rows.clear()
         self.engine.waiting.clear()
         if emissions:

@@ -73,7 +73,8 @@ class GeneratorWorker:
         self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
         self.tracer = get_tracer(tracer_provider or trace.NoOpTracerProvider())
         self.runner = Runner(loaded, self._from_engine_thread, max_batch=settings.max_batch,
-                             max_seq_len=settings.max_seq_len, prefill_token_budget=settings.prefill_token_budget)
+                             max_seq_len=settings.max_seq_len, prefill_token_budget=settings.prefill_token_budget,
+                             max_prompt_tokens=settings.max_prompt_tokens)
         self.active: dict[str, _Active] = {}
         self.recent_cancels: OrderedDict[str, None] = OrderedDict()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -223,7 +224,7 @@ class GeneratorWorker:
         log.warning("rejecting invalid request", extra={"request_id": rid, "error": exc.message})
         if rid is not None:
             batch = TokenBatch(id=rid, seq=0, index=0, finish="error", error=exc.message, usage=Usage(0, 0),
-                               timings={"emitted": time.time_ns()})
+                               timings={"emitted": time.time_ns()}, error_code=exc.code)
             await self.bus.nc.publish(token_subject(rid), batch.encode())
         await msg.term()
 
@@ -286,7 +287,7 @@ class GeneratorWorker:
         if em.admitted_ns:
             act.coalescer.first_timings["admitted"] = em.admitted_ns
         batch = act.coalescer.add(list(em.token_ids), em.text, em.at_ns, finish=em.finish, error=em.error,
-                                  usage=em.usage)
+                                  usage=em.usage, error_code=em.error_code)
         if batch is not None:
             self._send(act, batch)
         self._arm_timer(rid, act)

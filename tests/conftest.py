@@ -123,12 +123,12 @@ class RelayServer:
             await self.task
 
 
-async def start_relay(settings: Settings, **kw: Any) -> RelayServer:
+async def start_relay(settings: Settings, ready_headers: dict[str, str] | None = None, **kw: Any) -> RelayServer:
     app = create_app(settings.replace(port=free_port()), **kw)
     relay = await RelayServer(app, free_port()).start()
 
     async def ready() -> bool:
-        async with httpx.AsyncClient() as c:
+        async with httpx.AsyncClient(headers=ready_headers) as c:
             return (await c.get(relay.url + "/readyz")).status_code == 200
 
     await wait_until(ready, 30, "relay /readyz")

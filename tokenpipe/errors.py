@@ -60,8 +60,14 @@ class NoGenerator(TokenpipeError):
 
 
 class Overloaded(TokenpipeError):
+    """Too much work queued (or too many streams for one key); retry after ``retry_after`` s."""
+
     code = "overloaded"
     status = 429
+
+    def __init__(self, message: str, *, retry_after: int = 1, param: str | None = None) -> None:
+        super().__init__(message, param=param)
+        self.retry_after = retry_after
 
 
 class TransportError(TokenpipeError):

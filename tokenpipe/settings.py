@@ -41,6 +41,7 @@ class Settings:
     dtype: str = "auto"
     max_batch: int = 32
     max_seq_len: int = 2048
+    max_prompt_tokens: int = 0
     prefill_token_budget: int = 4096
     coalesce_max_tokens: int = 16
     coalesce_max_delay_ms: float = 40.0
@@ -57,6 +58,11 @@ class Settings:
     max_prompt_chars: int = 200_000
     max_tokens_cap: int = 4096
     generator_wait_s: float = 0.0
+    api_keys: str = ""
+    api_keys_file: str = ""
+    max_streams_per_key: int = 64
+    max_queue_depth: int = 256
+    slow_client_timeout_s: float = 30.0
     # process
     log_level: str = "INFO"
     log_json: bool = False

@@ -25,7 +25,7 @@ from .errors import StreamNotFound, TransportError
 from .subjects import TOKENS_STREAM, cancel_subject, check_stream_id, request_subject, token_subject
 from .wire import Request, TokenBatch
 
-__all__ = ["StreamMeta", "submit", "follow", "cancel", "get_meta", "Ping", "PING"]
+__all__ = ["PING", "Ping", "StreamMeta", "cancel", "follow", "get_meta", "stream_not_found", "submit"]
 
 log = logging.getLogger(__name__)
 
@@ -65,16 +65,21 @@ async def submit(bus: Bus, request: Request, headers: dict[str, str] | None = No
         raise TransportError(f"could not enqueue request: {exc}") from exc
 
 
+def stream_not_found(stream_id: str) -> StreamNotFound:
+    """The one 404 for a stream, whether it never existed, expired, or belongs to someone else."""
+    return StreamNotFound(f"stream {stream_id!r} not found (unknown, or past retention)")
+
+
 async def get_meta(bus: Bus, stream_id: str) -> StreamMeta:
     check_stream_id(stream_id)
     try:
         entry = await bus.meta.get(stream_id)
     except KeyNotFoundError as exc:
-        raise StreamNotFound(f"stream {stream_id!r} not found (unknown, or past retention)") from exc
+        raise stream_not_found(stream_id) from exc
     except Exception as exc:
         raise TransportError(f"could not read stream metadata: {exc}") from exc
     if entry.value is None:
-        raise StreamNotFound(f"stream {stream_id!r} not found")
+        raise stream_not_found(stream_id)
     return StreamMeta.decode(entry.value)
 
 

@@ -303,6 +303,7 @@ class TokenBatch:
     error: str | None = None
     usage: Usage | None = None
     timings: Mapping[str, int] = field(default_factory=dict)
+    error_code: str | None = None  # machine-readable kind of ``error`` (e.g. "invalid_request")
 
     @property
     def is_final(self) -> bool:
@@ -321,6 +322,7 @@ class TokenBatch:
                 "error": self.error,
                 "usage": self.usage.to_map() if self.usage else None,
                 "timings": dict(self.timings),
+                "error_code": self.error_code,
             }
         )
 
@@ -342,6 +344,7 @@ class TokenBatch:
                 error=obj.get("error"),
                 usage=Usage(int(usage["prompt_tokens"]), int(usage["completion_tokens"])) if usage else None,
                 timings={str(k): int(v) for k, v in (obj.get("timings") or {}).items()},
+                error_code=obj.get("error_code"),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise WireFormatError(f"token batch: bad field ({exc})") from exc
@@ -359,6 +362,7 @@ class TokenBatch:
             out["finish"] = self.finish
         if self.error is not None:
             out["error"] = self.error
+            out["error_code"] = self.error_code
         if self.usage is not None:
             out["usage"] = self.usage.to_map()
         if self.timings:

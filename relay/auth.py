@@ -1,0 +1,67 @@
+"""API keys → tenants. Off when no key is configured (the relay then binds to loopback)."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tokenpipe.errors import TokenpipeError
+
+__all__ = ["KeyRing", "Unauthorized", "DEFAULT_TENANT"]
+
+DEFAULT_TENANT = "default"
+
+
+class Unauthorized(TokenpipeError):
+    status = 401
+    code = "invalid_api_key"
+
+
+@dataclass
+class KeyRing:
+    """Maps bearer keys to tenants.
+
+    Sources: ``TOKENPIPE_API_KEYS`` as ``key:tenant,key2:tenant2`` (a bare ``key`` is its own
+    tenant, named by a hash of it) and/or a file with one ``key tenant`` (or ``key:tenant``)
+    per line, ``#`` comments allowed.
+    """
+
+    keys: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def load(cls, spec: str = "", path: str = "") -> KeyRing:
+        entries: list[str] = [e for e in spec.split(",") if e.strip()]
+        if path:
+            for line in Path(path).read_text().splitlines():
+                line = line.split("#", 1)[0].strip()
+                if line:
+                    entries.append(line.replace(" ", ":", 1) if ":" not in line else line)
+        keys: dict[str, str] = {}
+        for entry in entries:
+            key, _, tenant = entry.strip().partition(":")
+            key, tenant = key.strip(), tenant.strip()
+            if not key:
+                continue
+            keys[key] = tenant or "key-" + hashlib.sha256(key.encode()).hexdigest()[:12]
+        return cls(keys)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.keys)
+
+    def tenant_for(self, authorization: str | None) -> str:
+        """The tenant for an ``Authorization`` header; raises :class:`Unauthorized`."""
+        if not self.enabled:
+            return DEFAULT_TENANT
+        if not authorization:
+            raise Unauthorized("missing API key: send 'Authorization: Bearer <key>'")
+        scheme, _, token = authorization.partition(" ")
+        token = token.strip()
+        if scheme.lower() != "bearer" or not token:
+            raise Unauthorized("malformed Authorization header: expected 'Bearer <key>'")
+        for key, tenant in self.keys.items():
+            if hmac.compare_digest(key.encode(), token.encode()):
+                return tenant
+        raise Unauthorized("invalid API key")

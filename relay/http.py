@@ -1,0 +1,107 @@
+"""HTTP plumbing shared by the relay's routers: OpenAI-style errors, bounded JSON bodies,
+and an SSE response that drops a client that stops reading."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import anyio
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.types import Send
+
+from tokenpipe.errors import InvalidRequest, TokenpipeError
+
+from .sse import SSE_HEADERS
+
+__all__ = ["error_body", "error_response", "read_json", "RequestTooLarge", "SSEResponse", "error_type"]
+
+log = logging.getLogger(__name__)
+
+
+def error_type(status: int) -> str:
+    return {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+            404: "not_found_error", 413: "invalid_request_error", 422: "invalid_request_error",
+            429: "rate_limit_error", 503: "service_unavailable_error"}.get(status, "server_error")
+
+
+def error_body(message: str, *, status: int, code: str | None = None, param: str | None = None) -> dict[str, Any]:
+    """The OpenAI error shape: ``{"error": {"message", "type", "param", "code"}}``."""
+    return {"error": {"message": message, "type": error_type(status), "param": param, "code": code}}
+
+
+def error_response(exc: TokenpipeError, headers: dict[str, str] | None = None) -> JSONResponse:
+    extra = dict(headers or {})
+    retry = getattr(exc, "retry_after", None)
+    if retry is not None:
+        extra["Retry-After"] = str(retry)
+    return JSONResponse(error_body(exc.message, status=exc.status, code=exc.code, param=exc.param),
+                        status_code=exc.status, headers=extra or None)
+
+
+class RequestTooLarge(InvalidRequest):
+    status = 413
+    code = "request_too_large"
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"request body exceeds {limit} bytes")
+
+
+async def read_json(request: Request, limit: int) -> dict[str, Any]:
+    """The body as a JSON object, refusing more than ``limit`` bytes before reading them all."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise RequestTooLarge(limit)
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise RequestTooLarge(limit)
+    try:
+        obj = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
+    except RecursionError as exc:
+        raise InvalidRequest("request body is nested too deeply") from exc
+    if not isinstance(obj, dict):
+        raise InvalidRequest("request body must be a JSON object")
+    return obj
+
+
+class SSEResponse(StreamingResponse):
+    """``text/event-stream`` whose every write has a deadline.
+
+    A client that stops reading fills the socket buffers and then blocks our write; after
+    ``send_timeout`` seconds the stream is dropped (logged) instead of buffering without
+    bound. ``on_drop`` lets the caller keep the generation running so the client can resume.
+    """
+
+    def __init__(self, content: AsyncIterator[bytes], *, send_timeout: float, stream_id: str,
+                 on_drop: Callable[[], None] | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={**SSE_HEADERS, "X-Request-Id": stream_id, **(headers or {})})
+        self.send_timeout = send_timeout
+        self.stream_id = stream_id
+        self.on_drop = on_drop
+
+    async def stream_response(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        iterator = self.body_iterator
+        async for chunk in iterator:
+            data = chunk.encode() if isinstance(chunk, str) else bytes(chunk)
+            try:
+                with anyio.fail_after(self.send_timeout):
+                    await send({"type": "http.response.body", "body": data, "more_body": True})
+            except TimeoutError:
+                log.warning("dropping slow SSE client: a write blocked too long",
+                            extra={"request_id": self.stream_id, "send_timeout_s": self.send_timeout})
+                if self.on_drop is not None:
+                    self.on_drop()
+                aclose = getattr(iterator, "aclose", None)
+                if aclose is not None:
+                    await aclose()
+                return  # the server closes the connection; the client may resume with Last-Event-ID
+        await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -1,0 +1,130 @@
+"""The native stream API: create, read (SSE, with resume), cancel."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from tokenpipe.errors import InvalidRequest, TokenpipeError
+from tokenpipe.settings import Settings
+from tokenpipe.streams import Ping
+from tokenpipe.wire import CoalesceParams, SamplingParams, TokenBatch, new_request_id
+from tokenpipe.wire import Request as TpRequest
+
+from .http import SSEResponse, read_json
+from .sse import sse_comment, sse_event
+from .state import RelayState, Session
+
+__all__ = ["router", "build_request", "tenant_of"]
+
+router = APIRouter()
+
+_SAMPLING_KEYS = {"max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "ignore_eos"}
+_NATIVE_KEYS = _SAMPLING_KEYS | {"model", "prompt", "messages", "input_ids", "coalesce"}
+
+
+def tenant_of(request: Request) -> str:
+    return str(request.state.tenant)
+
+
+def state_of(request: Request) -> RelayState:
+    return request.app.state.relay  # type: ignore[no-any-return]
+
+
+def build_request(*, model: str, tenant: str, settings: Settings, prompt: Any = None, messages: Any = None,
+                  input_ids: Any = None, params: dict[str, Any] | None = None, coalesce: Any = None) -> TpRequest:
+    """Validate everything the relay can check before anything is enqueued."""
+    sampling = SamplingParams.from_map(params or {})
+    if sampling.max_tokens > settings.max_tokens_cap:
+        raise InvalidRequest(f"'max_tokens' may be at most {settings.max_tokens_cap} here", param="max_tokens")
+    chars = len(prompt) if isinstance(prompt, str) else 0
+    if isinstance(messages, list):
+        chars += sum(len(m["content"]) for m in messages if isinstance(m, dict) and isinstance(m.get("content"), str))
+    if chars > settings.max_prompt_chars:
+        raise InvalidRequest(f"the prompt exceeds {settings.max_prompt_chars} characters",
+                             param="messages" if messages is not None else "prompt")
+    return TpRequest.from_map({
+        "id": new_request_id(), "model": model, "prompt": prompt, "messages": messages, "input_ids": input_ids,
+        "params": sampling.to_map(), "coalesce": CoalesceParams.from_map(coalesce).to_map(), "tenant": tenant,
+        "created_at": time.time_ns(),
+    })
+
+
+@router.post("/v1/streams", status_code=201)
+async def create_stream(request: Request) -> JSONResponse:
+    state = state_of(request)
+    body = await read_json(request, state.settings.max_body_bytes)
+    unknown = sorted(set(body) - _NATIVE_KEYS)
+    if unknown:
+        raise InvalidRequest(f"unknown field(s): {', '.join(unknown)}", param=unknown[0])
+    model = await state.resolve_model(body.get("model"))
+    tenant = tenant_of(request)
+    req = build_request(model=model, tenant=tenant, settings=state.settings, prompt=body.get("prompt"),
+                        messages=body.get("messages"), input_ids=body.get("input_ids"),
+                        params={k: body[k] for k in _SAMPLING_KEYS if k in body}, coalesce=body.get("coalesce"))
+    await state.admit(tenant, model)
+    await state.submit(req, request.headers)
+    return JSONResponse({"id": req.id, "model": model, "stream_url": f"/v1/streams/{req.id}"}, status_code=201,
+                        headers={"X-Request-Id": req.id, "Location": f"/v1/streams/{req.id}"})
+
+
+def _resume_point(request: Request, last_event_id: int | None) -> int:
+    header = request.headers.get("last-event-id")
+    if header is None:
+        return last_event_id if last_event_id is not None else -1
+    if not header.strip().lstrip("-").isdigit():
+        raise InvalidRequest("Last-Event-ID must be a batch sequence number", param="Last-Event-ID")
+    return int(header)
+
+
+@router.get("/v1/streams/{stream_id}")
+async def get_stream(stream_id: str, request: Request, last_event_id: int | None = None,
+                     cancel_on_disconnect: bool = True) -> Response:
+    state = state_of(request)
+    tenant = tenant_of(request)
+    await state.owned_meta(stream_id, tenant)
+    after = _resume_point(request, last_event_id)
+    session = Session(stream_id, tenant, cancel_on_exit=cancel_on_disconnect)
+
+    def dropped() -> None:
+        session.cancel_on_exit = False  # a slow client is cut off, not its generation: it may resume
+
+    return SSEResponse(_native_events(state, session, after), send_timeout=state.settings.slow_client_timeout_s,
+                       stream_id=stream_id, on_drop=dropped)
+
+
+@router.delete("/v1/streams/{stream_id}")
+async def delete_stream(stream_id: str, request: Request) -> dict[str, Any]:
+    state = state_of(request)
+    await state.owned_meta(stream_id, tenant_of(request))
+    await state.cancel(stream_id)
+    return {"id": stream_id, "cancelled": True}
+
+
+async def _native_events(state: RelayState, session: Session, after: int):  # type: ignore[no-untyped-def]
+    try:
+        async for item in state.batches(session, after=after, idle=state.settings.keepalive_s):
+            if isinstance(item, Ping):
+                yield sse_comment()
+                continue
+            yield _render(item)
+    except TokenpipeError as exc:
+        yield sse_event({"message": exc.message, "code": exc.code}, event="error")
+
+
+def _render(batch: TokenBatch) -> bytes:
+    out = b""
+    if batch.token_ids or batch.text or not batch.is_final:
+        out += sse_event({"seq": batch.seq, "index": batch.index, "token_ids": list(batch.token_ids),
+                          "text": batch.text, "timings": dict(batch.timings)}, event="tokens", id=batch.seq)
+    if batch.is_final:
+        usage = batch.usage.to_map() if batch.usage else None
+        if batch.finish == "error":
+            out += sse_event({"message": batch.error or "generation failed", "code": batch.error_code,
+                              "finish": "error", "usage": usage}, event="error", id=batch.seq)
+        else:
+            out += sse_event({"finish": batch.finish, "usage": usage}, event="done", id=batch.seq)
+    return out

@@ -1,0 +1,171 @@
+"""What one relay process holds, and the NATS-facing operations its routers share."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, TracerProvider
+
+from tokenpipe.bus import Bus, connect
+from tokenpipe.errors import InvalidRequest, ModelNotFound, NoGenerator, Overloaded
+from tokenpipe.settings import Settings
+from tokenpipe.streams import Ping, StreamMeta, cancel, follow, get_meta, stream_not_found, submit
+from tokenpipe.subjects import (
+    ANNOUNCE_PREFIX,
+    DISCOVER_SUBJECT,
+    REQUESTS_STREAM,
+    check_model_name,
+    consumer_name,
+    request_subject,
+)
+from tokenpipe.telemetry import extract_context, get_tracer, inject_headers
+from tokenpipe.wire import Request, TokenBatch
+
+from .auth import KeyRing
+from .registry import GeneratorRegistry
+
+__all__ = ["RelayState", "Session"]
+
+log = logging.getLogger(__name__)
+
+_QUEUE_INFO_TTL = 0.25  # seconds a consumer-lag reading is reused for admission decisions
+
+
+@dataclass
+class Session:
+    """One client reading one stream; ``cancel_on_exit`` is cleared when the client may resume."""
+
+    stream_id: str
+    tenant: str
+    cancel_on_exit: bool = True
+    finished: bool = False
+
+
+class RelayState:
+    def __init__(self, settings: Settings, tracer_provider: TracerProvider | None = None) -> None:
+        self.settings = settings
+        self.tracer = get_tracer(tracer_provider or trace.NoOpTracerProvider())
+        self.registry = GeneratorRegistry()
+        self.keys = KeyRing.load(settings.api_keys, settings.api_keys_file)
+        self.bus: Bus | None = None
+        self.active: Counter[str] = Counter()
+        self._queue_info: dict[str, tuple[float, int]] = {}
+
+    async def start(self) -> None:
+        if not self.keys.enabled and self.settings.host not in ("127.0.0.1", "localhost", "::1"):
+            log.warning("relay listens beyond loopback without API keys: set TOKENPIPE_API_KEYS",
+                        extra={"host": self.settings.host})
+        self.bus = await connect(self.settings, name="tokenpipe-relay")
+        nc = self.bus.nc
+        await nc.subscribe(f"{ANNOUNCE_PREFIX}.>", cb=self._on_announce)
+        # Ask running generators to introduce themselves instead of waiting a full interval.
+        inbox = nc.new_inbox()
+        await nc.subscribe(inbox, cb=self._on_announce)
+        await nc.publish(DISCOVER_SUBJECT, b"", reply=inbox)
+
+    async def stop(self) -> None:
+        if self.bus is not None:
+            await self.bus.close()
+
+    async def _on_announce(self, msg: Any) -> None:
+        self.registry.update(msg.data)
+
+    def require_bus(self) -> Bus:
+        if self.bus is None or not self.bus.nc.is_connected:
+            raise NoGenerator("relay is not connected to NATS")
+        return self.bus
+
+    # -- admission -------------------------------------------------------------------
+    async def resolve_model(self, model: Any) -> str:
+        """The model to use; 404 if nobody ever served it, 503 if its generators are gone."""
+        if model is None:
+            models = self.registry.models()
+            model = self.settings.model if self.settings.model in models or not models else models[0]
+        if not isinstance(model, str):
+            raise InvalidRequest("'model' must be a string", param="model")
+        check_model_name(model)
+        deadline = time.monotonic() + self.settings.generator_wait_s
+        while not self.registry.has_model(model):
+            if time.monotonic() >= deadline:
+                if model in self.registry.seen_models:
+                    raise NoGenerator(f"no generator is currently serving model {model!r}")
+                known = ", ".join(self.registry.models()) or "none yet"
+                raise ModelNotFound(f"model {model!r} is not served here (available: {known})", param="model")
+            await asyncio.sleep(0.1)  # waiting for an announcement; bounded by generator_wait_s
+        return model
+
+    async def admit(self, tenant: str, model: str) -> None:
+        """429 when this key has too many open streams or the model's queue is too deep."""
+        if self.active[tenant] >= self.settings.max_streams_per_key:
+            raise Overloaded(f"too many concurrent streams for this key (limit {self.settings.max_streams_per_key})")
+        depth = await self.queue_depth(model)
+        if depth > self.settings.max_queue_depth:
+            raise Overloaded(f"{depth} requests are already waiting for {model!r}; retry shortly", retry_after=2)
+
+    async def queue_depth(self, model: str) -> int:
+        """Requests for ``model`` not yet pulled by any generator (JetStream consumer lag)."""
+        now = time.monotonic()
+        cached = self._queue_info.get(model)
+        if cached is not None and now - cached[0] < _QUEUE_INFO_TTL:
+            return cached[1]
+        bus = self.require_bus()
+        try:
+            info = await bus.js.consumer_info(REQUESTS_STREAM, consumer_name(model))
+            depth = int(info.num_pending or 0)
+        except Exception as exc:  # no consumer yet (no generator ever started): nothing is queued
+            log.debug("consumer info unavailable", extra={"model": model, "error": repr(exc)})
+            depth = 0
+        self._queue_info[model] = (now, depth)
+        return depth
+
+    async def submit(self, request: Request, http_headers: Any) -> None:
+        """Enqueue inside a PRODUCER span continuing the caller's trace."""
+        bus = self.require_bus()
+        subject = request_subject(request.model)
+        with self.tracer.start_as_current_span(
+            f"publish {subject}", context=extract_context(http_headers), kind=SpanKind.PRODUCER,
+            attributes={"messaging.system": "nats", "messaging.operation.type": "publish",
+                        "messaging.destination.name": subject, "gen_ai.request.model": request.model,
+                        "tokenpipe.stream.id": request.id}):
+            await submit(bus, request, inject_headers())
+        log.info("stream created", extra={"request_id": request.id, "model": request.model,
+                                          "tenant": request.tenant})
+
+    async def owned_meta(self, stream_id: str, tenant: str) -> StreamMeta:
+        """The stream's metadata if ``tenant`` owns it; otherwise 404, exactly as if it did not exist."""
+        meta = await get_meta(self.require_bus(), stream_id)
+        if meta.tenant != tenant:
+            raise stream_not_found(stream_id)
+        return meta
+
+    async def cancel(self, stream_id: str) -> None:
+        await cancel(self.require_bus(), stream_id)
+
+    async def batches(self, session: Session, *, after: int = -1,
+                      idle: float | None = None) -> AsyncGenerator[TokenBatch | Ping, None]:
+        """A stream's batches for one client; on early exit the generation is cancelled
+        unless ``session.cancel_on_exit`` was cleared."""
+        bus = self.require_bus()
+        agen = follow(bus, session.stream_id, after_seq=after, idle=idle)
+        self.active[session.tenant] += 1
+        try:
+            async for item in agen:
+                if isinstance(item, TokenBatch) and item.is_final:
+                    session.finished = True
+                yield item
+        finally:
+            self.active[session.tenant] -= 1
+            # The client may be gone and this scope cancelled: shield the clean-up awaits.
+            with anyio.CancelScope(shield=True):
+                await agen.aclose()
+                if not session.finished and session.cancel_on_exit and bus.nc.is_connected:
+                    log.info("client went away; cancelling", extra={"request_id": session.stream_id})
+                    await cancel(bus, session.stream_id)
