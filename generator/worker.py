@@ -28,6 +28,7 @@ from opentelemetry.trace import SpanKind, TracerProvider
 from tokenpipe.bus import Bus
 from tokenpipe.errors import TokenpipeError, WireFormatError
 from tokenpipe.settings import Settings
+from tokenpipe.streams import history, last_batch
 from tokenpipe.subjects import (
     ANNOUNCE_PREFIX,
     CANCEL_WILDCARD,
@@ -104,6 +105,10 @@ class GeneratorWorker:
         )
         self._subs.append(await nc.subscribe(CANCEL_WILDCARD, cb=self._on_cancel))
         self._subs.append(await nc.subscribe(DISCOVER_SUBJECT, cb=self._on_discover))
+        # One worker per model (queue group) reports requests that ran out of delivery attempts.
+        self._subs.append(await nc.subscribe(
+            f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{REQUESTS_STREAM}.{consumer_name(self.model)}",
+            queue=f"{consumer_name(self.model)}-advisories", cb=self._on_max_deliveries))
         self._tasks = [
             asyncio.create_task(self._fetch_loop(), name="fetch"),
             asyncio.create_task(self._publish_loop(), name="publish"),
@@ -124,14 +129,20 @@ class GeneratorWorker:
                 await asyncio.wait_for(self._slot_freed.wait(), timeout=deadline - time.monotonic())
             except TimeoutError:
                 break
-        for rid, act in list(self.active.items()):
-            self.runner.cancel(rid)
+        handed_back = list(self.active.values())
+        for act in handed_back:
+            self.runner.cancel(act.request.id)
+            act.span.end()
+        self.active.clear()  # emissions still in flight for these are dropped, unpublished
+        # Everything already coalesced must be in the stream before another worker reads it.
+        await self._outbox.join()
+        await self.bus.nc.flush()
+        for act in handed_back:
             if act.msg is not None:
                 await act.msg.nak()
-            act.span.end()
-        self.active.clear()
+        if handed_back:
+            log.info("handed back unfinished requests", extra={"count": len(handed_back)})
         await self._announce(ready=False)
-        await self._outbox.join()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -192,21 +203,43 @@ class GeneratorWorker:
             "tokenpipe.stream.id": request.id,
         })
         headers = self._span_headers(span)
+        past: list[TokenBatch] = []
+        if msg.metadata.num_delivered > 1:
+            # Redelivered: a worker died or handed it back. Continue after what it published.
+            try:
+                past = await history(self.bus, request.id)
+            except TokenpipeError as exc:
+                log.warning("cannot read history; retrying later", extra={"request_id": request.id,
+                                                                          "error": exc.message})
+                span.end()
+                await msg.nak(delay=1.0)
+                return
+            if past and past[-1].is_final:
+                span.end()
+                await msg.ack()  # it finished; only the ack was lost
+                return
+        resume = tuple(t for b in past for t in b.token_ids)
+        span.set_attribute("tokenpipe.delivery", msg.metadata.num_delivered)
+        span.set_attribute("tokenpipe.resumed_tokens", len(resume))
         co = request.coalesce
         coalescer = Coalescer(
             request.id,
             max_tokens=co.max_tokens if co.max_tokens is not None else self.settings.coalesce_max_tokens,
             max_delay_ns=int(1e6 * (co.max_delay_ms if co.max_delay_ms is not None
                                     else self.settings.coalesce_max_delay_ms)),
+            start_seq=past[-1].seq + 1 if past else 0,
+            start_index=len(resume),
             first_timings={"created": request.created_at, "received": received},
         )
         self.active[request.id] = _Active(msg, request, coalescer, span, headers)
-        log.debug("request accepted", extra={"request_id": request.id})
+        if past:
+            log.info("continuing redelivered request", extra={"request_id": request.id, "resumed_tokens": len(resume),
+                                                              "delivery": msg.metadata.num_delivered})
         if request.id in self.recent_cancels:
             self._emit_now(request.id, Emission(request.id, (), "", time.time_ns(), finish="cancelled",
-                                                usage=Usage(0, 0)))
+                                                usage=Usage(0, len(resume))))
             return
-        self.runner.submit(Job(request, received_ns=received))
+        self.runner.submit(Job(request, resume_ids=resume, received_ns=received))
 
     @staticmethod
     def _span_headers(span: Any) -> dict[str, str]:
@@ -237,6 +270,32 @@ class GeneratorWorker:
         if rid in self.active:
             log.info("cancel requested", extra={"request_id": rid})
             self.runner.cancel(rid)
+
+    async def _on_max_deliveries(self, msg: Msg) -> None:
+        """Every attempt failed (workers died): end the client's stream with a clear error."""
+        try:
+            advisory = json.loads(msg.data)
+            raw = await self.bus.js.get_msg(REQUESTS_STREAM, int(advisory["stream_seq"]))
+            request = Request.decode(raw.data or b"")
+            last = await last_batch(self.bus, request.id)
+        except (ValueError, KeyError, TokenpipeError) as exc:
+            log.warning("unusable max-deliveries advisory", extra={"error": str(exc)})
+            return
+        except Exception as exc:  # the message may already be gone; nothing left to report
+            log.warning("max-deliveries advisory: request unavailable", extra={"error": repr(exc)})
+            return
+        if last is None or not last.is_final:
+            attempts = int(advisory.get("deliveries", self.settings.max_deliver))
+            batch = TokenBatch(
+                id=request.id, seq=last.seq + 1 if last else 0,
+                index=last.index + len(last.token_ids) if last else 0, finish="error",
+                error=f"generation failed: the request was attempted {attempts} times and every worker stopped",
+                error_code="generation_error", usage=Usage(0, last.index + len(last.token_ids) if last else 0),
+                timings={"emitted": time.time_ns()})
+            await self.bus.nc.publish(token_subject(request.id), batch.encode(),
+                                      headers={"Nats-Msg-Id": f"{batch.id}:{batch.seq}"})
+            log.error("request exhausted its deliveries", extra={"request_id": request.id, "attempts": attempts})
+        await self.bus.js.delete_msg(REQUESTS_STREAM, int(advisory["stream_seq"]))
 
     async def _on_discover(self, msg: Msg) -> None:
         if msg.reply:
@@ -312,7 +371,9 @@ class GeneratorWorker:
         self._arm_timer(rid, act)
 
     def _send(self, act: _Active, batch: TokenBatch) -> None:
-        self._outbox.put_nowait((token_subject(batch.id), batch.encode(), act.headers))
+        # Msg-Id per (stream, seq): should two workers ever publish the same batch, JetStream keeps one.
+        headers = {**act.headers, "Nats-Msg-Id": f"{batch.id}:{batch.seq}"}
+        self._outbox.put_nowait((token_subject(batch.id), batch.encode(), headers))
         if batch.is_final:
             self._finish(act, batch)
 

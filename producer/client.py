@@ -19,7 +19,7 @@ from opentelemetry.trace import SpanKind, TracerProvider
 from tokenpipe.bus import Bus, connect
 from tokenpipe.errors import GenerationError
 from tokenpipe.settings import Settings
-from tokenpipe.streams import Ping, cancel, follow, submit
+from tokenpipe.streams import Ping, cancel, follow, paced, submit
 from tokenpipe.subjects import check_model_name, request_subject
 from tokenpipe.telemetry import get_tracer, inject_headers
 from tokenpipe.wire import Request, TokenBatch, Usage, new_request_id, now_ns
@@ -47,13 +47,15 @@ class StreamHandle:
     id: str
     producer: Producer
     after_seq: int = -1
+    speed: float | None = None  # replay pacing; None = live / as stored
     _result: Result | None = field(default=None, repr=False)
 
     async def __aiter__(self) -> AsyncIterator[TokenBatch]:
         text: list[str] = []
         tokens: list[int] = []
         count = 0
-        async for item in follow(self.producer.bus, self.id, after_seq=self.after_seq):
+        source = follow(self.producer.bus, self.id, after_seq=self.after_seq)
+        async for item in (source if self.speed is None else paced(source, self.speed)):
             if isinstance(item, Ping):
                 continue
             count += 1
@@ -136,6 +138,11 @@ class Producer:
     def stream(self, stream_id: str, *, after_seq: int = -1) -> StreamHandle:
         """A handle on an existing stream (resume after ``after_seq``, or read from the start)."""
         return StreamHandle(stream_id, self, after_seq=after_seq)
+
+    def replay(self, stream_id: str, *, speed: float = 1.0, after_seq: int = -1) -> StreamHandle:
+        """A stream's history with its original pacing divided by ``speed`` (0 = as fast as possible),
+        then live if it is still running. Iterating yields the same batches as the live stream."""
+        return StreamHandle(stream_id, self, after_seq=after_seq, speed=speed)
 
     async def cancel(self, stream_id: str) -> None:
         await cancel(self.bus, stream_id)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -82,18 +83,24 @@ def _resume_point(request: Request, last_event_id: int | None) -> int:
 
 @router.get("/v1/streams/{stream_id}")
 async def get_stream(stream_id: str, request: Request, last_event_id: int | None = None,
-                     cancel_on_disconnect: bool = True) -> Response:
+                     cancel_on_disconnect: bool = True, replay: bool = False, speed: float = 1.0) -> Response:
+    """The stream as SSE: history first, then live. ``replay=true`` re-times the history by the
+    original gaps between batches divided by ``speed`` (0 = as fast as possible)."""
     state = state_of(request)
     tenant = tenant_of(request)
-    await state.owned_meta(stream_id, tenant)
+    meta = await state.owned_meta(stream_id, tenant)
+    await state.check_retained(meta)
     after = _resume_point(request, last_event_id)
-    session = Session(stream_id, tenant, cancel_on_exit=cancel_on_disconnect)
+    if not 0 <= speed <= 1000:
+        raise InvalidRequest("'speed' must be between 0 and 1000", param="speed")
+    # A replay is for watching: leaving it must not cancel a generation that is still running.
+    session = Session(stream_id, tenant, cancel_on_exit=cancel_on_disconnect and not replay)
 
     def dropped() -> None:
         session.cancel_on_exit = False  # a slow client is cut off, not its generation: it may resume
 
-    return SSEResponse(_native_events(state, session, after), send_timeout=state.settings.slow_client_timeout_s,
-                       stream_id=stream_id, on_drop=dropped)
+    return SSEResponse(_native_events(state, session, after, speed if replay else None),
+                       send_timeout=state.settings.slow_client_timeout_s, stream_id=stream_id, on_drop=dropped)
 
 
 @router.delete("/v1/streams/{stream_id}")
@@ -104,12 +111,21 @@ async def delete_stream(stream_id: str, request: Request) -> dict[str, Any]:
     return {"id": stream_id, "cancelled": True}
 
 
-async def _native_events(state: RelayState, session: Session, after: int):  # type: ignore[no-untyped-def]
+async def _native_events(state: RelayState, session: Session, after: int,
+                         speed: float | None) -> AsyncIterator[bytes]:
+    expected = after + 1
     try:
-        async for item in state.batches(session, after=after, idle=state.settings.keepalive_s):
+        async for item in state.batches(session, after=after, idle=state.settings.keepalive_s, speed=speed):
             if isinstance(item, Ping):
                 yield sse_comment()
                 continue
+            if item.seq > expected:
+                # Retention dropped these batches: say exactly what is missing rather than pretend.
+                yield sse_event({"from_seq": expected, "to_seq": item.seq - 1, "next_index": item.index,
+                                 "message": f"batches {expected}..{item.seq - 1} are no longer in history "
+                                 "(retention); the stream continues at token index "
+                                 f"{item.index}"}, event="gap")
+            expected = item.seq + 1
             yield _render(item)
     except TokenpipeError as exc:
         yield sse_event({"message": exc.message, "code": exc.code}, event="error")

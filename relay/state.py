@@ -15,9 +15,9 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, TracerProvider
 
 from tokenpipe.bus import Bus, connect
-from tokenpipe.errors import InvalidRequest, ModelNotFound, NoGenerator, Overloaded
+from tokenpipe.errors import InvalidRequest, ModelNotFound, NoGenerator, Overloaded, StreamNotFound
 from tokenpipe.settings import Settings
-from tokenpipe.streams import Ping, StreamMeta, cancel, follow, get_meta, stream_not_found, submit
+from tokenpipe.streams import Ping, StreamMeta, cancel, follow, get_meta, last_batch, paced, stream_not_found, submit
 from tokenpipe.subjects import (
     ANNOUNCE_PREFIX,
     DISCOVER_SUBJECT,
@@ -146,15 +146,23 @@ class RelayState:
             raise stream_not_found(stream_id)
         return meta
 
+    async def check_retained(self, meta: StreamMeta) -> None:
+        """404 saying so when a stream's tokens have aged out of JetStream."""
+        age_s = (time.time_ns() - meta.created_at) / 1e9
+        if age_s > self.settings.token_max_age_s and await last_batch(self.require_bus(), meta.id) is None:
+            raise StreamNotFound(f"stream {meta.id!r} expired: token history is kept for "
+                                 f"{self.settings.token_max_age_s:g} s and this stream is {age_s:.0f} s old")
+
     async def cancel(self, stream_id: str) -> None:
         await cancel(self.require_bus(), stream_id)
 
-    async def batches(self, session: Session, *, after: int = -1,
-                      idle: float | None = None) -> AsyncGenerator[TokenBatch | Ping, None]:
-        """A stream's batches for one client; on early exit the generation is cancelled
-        unless ``session.cancel_on_exit`` was cleared."""
+    async def batches(self, session: Session, *, after: int = -1, idle: float | None = None,
+                      speed: float | None = None) -> AsyncGenerator[TokenBatch | Ping, None]:
+        """A stream's batches for one client (re-timed when ``speed`` is given); on early exit the
+        generation is cancelled unless ``session.cancel_on_exit`` was cleared."""
         bus = self.require_bus()
-        agen = follow(bus, session.stream_id, after_seq=after, idle=idle)
+        source = follow(bus, session.stream_id, after_seq=after, idle=idle)
+        agen = source if speed is None else paced(source, speed)
         self.active[session.tenant] += 1
         try:
             async for item in agen:
@@ -166,6 +174,7 @@ class RelayState:
             # The client may be gone and this scope cancelled: shield the clean-up awaits.
             with anyio.CancelScope(shield=True):
                 await agen.aclose()
+                await source.aclose()
                 if not session.finished and session.cancel_on_exit and bus.nc.is_connected:
                     log.info("client went away; cancelling", extra={"request_id": session.stream_id})
                     await cancel(bus, session.stream_id)

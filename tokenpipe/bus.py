@@ -117,8 +117,9 @@ async def provision(js: JetStreamContext, settings: Settings) -> None:
         try:
             await js.key_value(META_BUCKET)
         except NotFoundError:
+            # Kept twice as long as the tokens, so an expired stream is told apart from an unknown one.
             await js.create_key_value(
-                js_api.KeyValueConfig(bucket=META_BUCKET, ttl=settings.token_max_age_s, history=1)
+                js_api.KeyValueConfig(bucket=META_BUCKET, ttl=2 * settings.token_max_age_s, history=1)
             )
     except TransportError:
         raise

@@ -72,6 +72,20 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("--temperature", type=float, default=0.7)
     submit.add_argument("--seed", type=int, default=None)
     submit.add_argument("--json", action="store_true", help="print each batch as a JSON line")
+    rep = sub.add_parser("replay", help="print a kept stream with its original pacing")
+    _common(rep)
+    rep.add_argument("id")
+    rep.add_argument("--speed", type=float, default=1.0, help="pacing factor; 0 = as fast as possible")
+    rep.add_argument("--json", action="store_true", help="one JSON object per batch (timestamps, token ids)")
+    rep.add_argument("--from", dest="from_seq", type=int, default=0, help="start at this batch seq")
+
+    streams = sub.add_parser("streams", help="list recent streams")
+    _common(streams)
+    streams.add_argument("--limit", type=int, default=20)
+
+    tail = sub.add_parser("tail", help="follow all live streams (Ctrl-C stops)")
+    _common(tail)
+    tail.add_argument("--model", default=None, help="only this model's streams")
     return parser
 
 
@@ -132,7 +146,26 @@ def _dispatch(args: argparse.Namespace) -> int:
         return 0
     if args.cmd == "submit":
         return asyncio.run(_submit(args, settings))
+    if args.cmd in ("replay", "streams", "tail"):
+        return asyncio.run(_inspect(args, settings))
     raise AssertionError(args.cmd)
+
+
+async def _inspect(args: argparse.Namespace, settings: Settings) -> int:
+    from rich.console import Console
+
+    from . import inspect
+    from .bus import connect
+
+    bus = await connect(settings, name=f"tokenpipe-{args.cmd}")
+    try:
+        if args.cmd == "replay":
+            return await inspect.replay(bus, args.id, speed=args.speed, as_json=args.json, from_seq=args.from_seq)
+        if args.cmd == "streams":
+            return await inspect.list_streams(bus, limit=args.limit, console=Console())
+        return await inspect.tail(bus, model=args.model, console=Console())
+    finally:
+        await bus.close()
 
 
 async def _submit(args: argparse.Namespace, settings: Settings) -> int:

@@ -9,23 +9,25 @@ the same cursor, so nothing arriving during the switch can be lost or repeated.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 
 import nats.errors
 from nats.js import api as js_api
-from nats.js.errors import KeyNotFoundError
+from nats.js.errors import KeyNotFoundError, NotFoundError
 
 from .bus import Bus
 from .errors import StreamNotFound, TransportError
 from .subjects import TOKENS_STREAM, cancel_subject, check_stream_id, request_subject, token_subject
 from .wire import Request, TokenBatch
 
-__all__ = ["PING", "Ping", "StreamMeta", "cancel", "follow", "get_meta", "stream_not_found", "submit"]
+__all__ = ["PING", "Ping", "StreamMeta", "cancel", "follow", "get_meta", "history", "last_batch", "paced",
+           "stream_not_found", "submit"]
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +87,46 @@ async def get_meta(bus: Bus, stream_id: str) -> StreamMeta:
 
 async def cancel(bus: Bus, stream_id: str) -> None:
     await bus.nc.publish(cancel_subject(stream_id), b"")
+
+
+async def last_batch(bus: Bus, stream_id: str) -> TokenBatch | None:
+    """The newest batch kept for ``stream_id`` (None if nothing was published or it expired)."""
+    try:
+        raw = await bus.js.get_last_msg(TOKENS_STREAM, token_subject(stream_id))
+    except NotFoundError:
+        return None
+    except Exception as exc:
+        raise TransportError(f"could not read stream history: {exc}") from exc
+    return TokenBatch.decode(raw.data or b"")
+
+
+async def history(bus: Bus, stream_id: str) -> list[TokenBatch]:
+    """Every batch published so far for ``stream_id``, in order (empty if none)."""
+    last = await last_batch(bus, stream_id)
+    if last is None:
+        return []
+    out: list[TokenBatch] = []
+    async for item in follow(bus, stream_id, idle=5.0):
+        if isinstance(item, Ping):
+            raise TransportError(f"stream {stream_id} history stalled before seq {last.seq}")
+        out.append(item)
+        if item.seq >= last.seq:
+            break
+    return out
+
+
+async def paced(source: AsyncIterator[TokenBatch | Ping], speed: float) -> AsyncGenerator[TokenBatch | Ping, None]:
+    """Re-time ``source`` by the batches' original ``emitted`` stamps divided by ``speed``
+    (``speed <= 0``: as fast as possible). Used for replays."""
+    prev: int | None = None
+    async for item in source:
+        if isinstance(item, TokenBatch) and speed > 0:
+            stamp = item.timings.get("emitted")
+            if stamp is not None and prev is not None and stamp > prev:
+                await asyncio.sleep((stamp - prev) / 1e9 / speed)  # reproducing recorded pacing is the point
+            if stamp is not None:
+                prev = stamp
+        yield item
 
 
 async def follow(bus: Bus, stream_id: str, *, after_seq: int = -1,

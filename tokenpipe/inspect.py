@@ -1,0 +1,107 @@
+"""Debugging commands over the kept token streams: ``replay``, ``streams``, ``tail``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from .bus import Bus
+from .errors import WireFormatError
+from .streams import Ping, StreamMeta, follow, get_meta, last_batch, paced
+from .subjects import TOKEN_WILDCARD
+from .wire import TokenBatch
+
+__all__ = ["replay", "list_streams", "tail"]
+
+
+async def replay(bus: Bus, stream_id: str, *, speed: float, as_json: bool, from_seq: int) -> int:
+    """Print a stream's text (or one JSON object per batch) with its original pacing / ``speed``."""
+    await get_meta(bus, stream_id)  # a clear 'not found' instead of waiting on an unknown stream
+    final: TokenBatch | None = None
+    async for item in paced(follow(bus, stream_id, after_seq=from_seq - 1), speed):
+        if isinstance(item, Ping):
+            continue
+        if as_json:
+            print(json.dumps(item.to_json()), flush=True)
+        else:
+            sys.stdout.write(item.text)
+            sys.stdout.flush()
+        final = item
+    if not as_json:
+        print()
+    if final is not None and final.finish == "error":
+        print(f"tokenpipe: stream ended in error: {final.error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+async def list_streams(bus: Bus, *, limit: int, console: Console) -> int:
+    """Recent streams, newest first: id, model, tenant, tokens so far, finish, age."""
+    try:
+        keys = await bus.meta.keys()
+    except Exception as exc:  # nats raises NoKeysError for an empty bucket
+        if type(exc).__name__ == "NoKeysError":
+            keys = []
+        else:
+            raise
+    metas: list[StreamMeta] = []
+    for key in keys:
+        entry = await bus.meta.get(key)
+        if entry.value:
+            metas.append(StreamMeta.decode(entry.value))
+    metas.sort(key=lambda m: m.created_at, reverse=True)
+    table = Table(title=f"recent streams ({min(limit, len(metas))} of {len(metas)})")
+    for col in ("id", "model", "tenant", "tokens", "finish", "age"):
+        table.add_column(col, justify="right" if col in ("tokens", "age") else "left")
+    now = time.time_ns()
+    for meta in metas[:limit]:
+        last = await last_batch(bus, meta.id)
+        tokens = str(last.index + len(last.token_ids)) if last else "0"
+        finish = (last.finish or "running") if last else "queued/expired"
+        table.add_row(meta.id, meta.model, meta.tenant, tokens, finish, _age((now - meta.created_at) / 1e9))
+    console.print(table)
+    return 0
+
+
+async def tail(bus: Bus, *, model: str | None, console: Console) -> int:
+    """Follow every live stream (or one model's): one line per batch until Ctrl-C."""
+    models: dict[str, str] = {}
+
+    async def on_batch(msg: Any) -> None:
+        try:
+            batch = TokenBatch.decode(msg.data)
+        except WireFormatError as exc:
+            console.print(f"[red]undecodable batch on {msg.subject}: {exc.message}")
+            return
+        if model is not None:
+            if batch.id not in models:
+                try:
+                    models[batch.id] = (await get_meta(bus, batch.id)).model
+                except Exception:  # unknown owner: show nothing for a filtered tail
+                    models[batch.id] = ""
+            if models[batch.id] != model:
+                return
+        end = f" [bold]{batch.finish}[/]" if batch.finish else ""
+        console.print(f"{batch.id} #{batch.seq} @{batch.index} +{len(batch.token_ids)}{end} {batch.text!r}",
+                      highlight=False)
+
+    sub = await bus.nc.subscribe(TOKEN_WILDCARD, cb=on_batch)
+    try:
+        await asyncio.Event().wait()  # until Ctrl-C cancels us
+    finally:
+        await sub.unsubscribe()
+    return 0
+
+
+def _age(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f}s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f}m"
+    return f"{seconds / 3600:.1f}h"
