@@ -50,6 +50,7 @@ __all__ = ["GeneratorWorker"]
 log = logging.getLogger(__name__)
 
 _RECENT_CANCELS = 10_000
+_PUBACK_TIMEOUT_S = 5.0
 
 
 @dataclass
@@ -83,6 +84,7 @@ class GeneratorWorker:
         self._stopping = asyncio.Event()
         # (subject, payload, headers) to publish, or ("", b"", msg) to ack once what precedes is out
         self._outbox: asyncio.Queue[tuple[str, bytes, Any]] = asyncio.Queue()
+        self._unconfirmed: asyncio.Queue[_Pending] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
         self._subs: list[Any] = []
         self.completed = 0
@@ -112,6 +114,7 @@ class GeneratorWorker:
         self._tasks = [
             asyncio.create_task(self._fetch_loop(), name="fetch"),
             asyncio.create_task(self._publish_loop(), name="publish"),
+            asyncio.create_task(self._confirm_loop(), name="confirm"),
             asyncio.create_task(self._keepalive_loop(), name="keepalive"),
         ]
         await self._announce()
@@ -136,7 +139,10 @@ class GeneratorWorker:
         self.active.clear()  # emissions still in flight for these are dropped, unpublished
         # Everything already coalesced must be in the stream before another worker reads it.
         await self._outbox.join()
-        await self.bus.nc.flush()
+        try:
+            await asyncio.wait_for(self._unconfirmed.join(), timeout=3 * _PUBACK_TIMEOUT_S)
+        except TimeoutError:
+            log.warning("some batches were not confirmed before hand-back")
         for act in handed_back:
             if act.msg is not None:
                 await act.msg.nak()
@@ -309,6 +315,8 @@ class GeneratorWorker:
             "max_batch": self.settings.max_batch,
             "running": self.runner.running,
             "active": len(self.active),
+            "pid": os.getpid(),
+            "streams": sorted(self.active),  # which worker holds which stream, for operators and tests
             "device": str(self.loaded.device),
             "ttl_s": self.settings.announce_interval_s * 3,
             "ts": time.time(),
@@ -399,20 +407,69 @@ class GeneratorWorker:
                                             "tokens": batch.usage.completion_tokens if batch.usage else 0})
 
     async def _publish_loop(self) -> None:
-        """One publisher keeps every stream's batches in order; acks ride the same queue so a
-        request is acked only after its final batch was handed to NATS."""
-        nc = self.bus.nc
+        """One publisher keeps every stream's batches in order. Publishes are JetStream-async
+        (no wait per batch); the confirm loop checks each PubAck in order, so a request is
+        acked only after its final batch is stored."""
+        js = self.bus.js
         while True:
             subject, data, extra = await self._outbox.get()
             try:
                 if subject:
-                    await nc.publish(subject, data, headers=extra or None)
+                    fut = await js.publish_async(subject, data, headers=extra or None)
+                    await self._unconfirmed.put(_Pending(subject, data, extra, fut))
                 else:
-                    await extra.ack()
+                    await self._unconfirmed.put(_Pending("", b"", None, None, ack=extra))
             except Exception as exc:  # a lost connection must not kill the publisher
-                log.warning("publish failed", extra={"subject": subject, "error": repr(exc)})
+                log.warning("publish failed; retrying in the confirm loop", extra={"subject": subject,
+                                                                                    "error": repr(exc)})
+                await self._unconfirmed.put(_Pending(subject, data, extra, None))
             finally:
                 self._outbox.task_done()
+
+    async def _confirm_loop(self) -> None:
+        """Wait for each batch's PubAck in publish order; republish what a NATS outage lost.
+
+        ``Nats-Msg-Id`` makes a republish of a batch that did arrive a no-op. A republished batch
+        can land after later ones; readers restore the order by ``seq`` (see ``streams.follow``).
+        """
+        js, nc = self.bus.js, self.bus.nc
+        while True:
+            item = await self._unconfirmed.get()
+            try:
+                if item.ack is not None:
+                    await item.ack.ack()
+                    continue
+                while True:
+                    try:
+                        if item.fut is None:
+                            raise ConnectionError("never sent")
+                        await asyncio.wait_for(item.fut, timeout=_PUBACK_TIMEOUT_S)
+                        break
+                    except Exception as exc:  # lost in an outage, timed out, or refused: send it again
+                        if item.fut is not None and not item.fut.done():
+                            item.fut.cancel()
+                        log.warning("batch not confirmed; republishing", extra={"subject": item.subject,
+                                                                                 "error": repr(exc)})
+                        while not nc.is_connected:
+                            await asyncio.sleep(0.1)  # waiting out a reconnect
+                        try:
+                            item.fut = await js.publish_async(item.subject, item.data, headers=item.headers or None)
+                        except Exception as again:
+                            log.warning("republish failed", extra={"error": repr(again)})
+                            item.fut = None
+            except Exception as exc:  # an ack on a dead connection: the request is redelivered and resumed
+                log.warning("ack failed", extra={"error": repr(exc)})
+            finally:
+                self._unconfirmed.task_done()
+
+
+@dataclass
+class _Pending:
+    subject: str
+    data: bytes
+    headers: Any
+    fut: asyncio.Future[Any] | None
+    ack: Msg | None = None
 
 
 def _peek_id(data: bytes) -> str | None:

@@ -19,7 +19,7 @@ from opentelemetry.trace import SpanKind, TracerProvider
 from tokenpipe.bus import Bus, connect
 from tokenpipe.errors import GenerationError
 from tokenpipe.settings import Settings
-from tokenpipe.streams import Ping, cancel, follow, paced, submit
+from tokenpipe.streams import Gap, Ping, cancel, follow, paced, submit
 from tokenpipe.subjects import check_model_name, request_subject
 from tokenpipe.telemetry import get_tracer, inject_headers
 from tokenpipe.wire import Request, TokenBatch, Usage, new_request_id, now_ns
@@ -38,6 +38,7 @@ class Result:
     usage: Usage | None
     batches: int
     error: str | None = None
+    gaps: list[Gap] = field(default_factory=list)
 
 
 @dataclass
@@ -48,6 +49,7 @@ class StreamHandle:
     producer: Producer
     after_seq: int = -1
     speed: float | None = None  # replay pacing; None = live / as stored
+    gaps: list[Gap] = field(default_factory=list)  # batches that will never arrive (expired or lost)
     _result: Result | None = field(default=None, repr=False)
 
     async def __aiter__(self) -> AsyncIterator[TokenBatch]:
@@ -58,12 +60,16 @@ class StreamHandle:
         async for item in (source if self.speed is None else paced(source, self.speed)):
             if isinstance(item, Ping):
                 continue
+            if isinstance(item, Gap):
+                self.gaps.append(item)
+                continue
             count += 1
             text.append(item.text)
             tokens.extend(item.token_ids)
             yield item
             if item.is_final:
-                self._result = Result(self.id, "".join(text), tokens, item.finish, item.usage, count, item.error)
+                self._result = Result(self.id, "".join(text), tokens, item.finish, item.usage, count, item.error,
+                                      list(self.gaps))
 
     async def text(self) -> AsyncIterator[str]:
         """Text deltas as they arrive."""

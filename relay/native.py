@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse, Response
 
 from tokenpipe.errors import InvalidRequest, TokenpipeError
 from tokenpipe.settings import Settings
-from tokenpipe.streams import Ping
+from tokenpipe.streams import Gap, Ping
 from tokenpipe.wire import CoalesceParams, SamplingParams, TokenBatch, new_request_id
 from tokenpipe.wire import Request as TpRequest
 
@@ -113,20 +113,17 @@ async def delete_stream(stream_id: str, request: Request) -> dict[str, Any]:
 
 async def _native_events(state: RelayState, session: Session, after: int,
                          speed: float | None) -> AsyncIterator[bytes]:
-    expected = after + 1
     try:
         async for item in state.batches(session, after=after, idle=state.settings.keepalive_s, speed=speed):
             if isinstance(item, Ping):
                 yield sse_comment()
-                continue
-            if item.seq > expected:
-                # Retention dropped these batches: say exactly what is missing rather than pretend.
-                yield sse_event({"from_seq": expected, "to_seq": item.seq - 1, "next_index": item.index,
-                                 "message": f"batches {expected}..{item.seq - 1} are no longer in history "
-                                 "(retention); the stream continues at token index "
-                                 f"{item.index}"}, event="gap")
-            expected = item.seq + 1
-            yield _render(item)
+            elif isinstance(item, Gap):
+                # Say exactly what is missing rather than pretend it was never there.
+                yield sse_event({"from_seq": item.from_seq, "to_seq": item.to_seq,
+                                 "message": f"batches {item.from_seq}..{item.to_seq} are missing: {item.reason}"},
+                                event="gap")
+            else:
+                yield _render(item)
     except TokenpipeError as exc:
         yield sse_event({"message": exc.message, "code": exc.code}, event="error")
 

@@ -8,6 +8,7 @@ the native API.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -16,7 +17,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from tokenpipe.errors import GenerationError, InvalidRequest, TokenpipeError
-from tokenpipe.streams import Ping
+from tokenpipe.streams import Gap, Ping
 from tokenpipe.wire import Request as TpRequest
 from tokenpipe.wire import TokenBatch
 
@@ -28,6 +29,7 @@ from .state import RelayState, Session
 __all__ = ["router"]
 
 router = APIRouter()
+log = logging.getLogger(__name__)
 
 # Accepted and meaningful here, or accepted because their value changes nothing.
 _NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "logprobs": False, "parallel_tool_calls": None,
@@ -152,6 +154,8 @@ async def _complete(request: Request, chat: bool) -> Response:
         if isinstance(item, TokenBatch):
             text.append(item.text)
             final = item
+        elif isinstance(item, Gap):
+            log.warning("tokens missing from a completion", extra={"request_id": req.id, "reason": item.reason})
     assert final is not None and final.is_final
     if final.finish == "error":
         exc = InvalidRequest(final.error or "") if final.error_code == "invalid_request" else GenerationError(
@@ -204,6 +208,9 @@ async def _chunks(state: RelayState, session: Session, req: TpRequest, created: 
         async for item in state.batches(session, idle=state.settings.keepalive_s):
             if isinstance(item, Ping):
                 yield sse_comment()
+                continue
+            if isinstance(item, Gap):  # the OpenAI format has no way to say so in-band; the log does
+                log.warning("tokens missing from a completion", extra={"request_id": req.id, "reason": item.reason})
                 continue
             out = b""
             if item.text:

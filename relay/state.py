@@ -17,7 +17,17 @@ from opentelemetry.trace import SpanKind, TracerProvider
 from tokenpipe.bus import Bus, connect
 from tokenpipe.errors import InvalidRequest, ModelNotFound, NoGenerator, Overloaded, StreamNotFound
 from tokenpipe.settings import Settings
-from tokenpipe.streams import Ping, StreamMeta, cancel, follow, get_meta, last_batch, paced, stream_not_found, submit
+from tokenpipe.streams import (
+    StreamItem,
+    StreamMeta,
+    cancel,
+    follow,
+    get_meta,
+    last_batch,
+    paced,
+    stream_not_found,
+    submit,
+)
 from tokenpipe.subjects import (
     ANNOUNCE_PREFIX,
     DISCOVER_SUBJECT,
@@ -157,7 +167,7 @@ class RelayState:
         await cancel(self.require_bus(), stream_id)
 
     async def batches(self, session: Session, *, after: int = -1, idle: float | None = None,
-                      speed: float | None = None) -> AsyncGenerator[TokenBatch | Ping, None]:
+                      speed: float | None = None) -> AsyncGenerator[StreamItem, None]:
         """A stream's batches for one client (re-timed when ``speed`` is given); on early exit the
         generation is cancelled unless ``session.cancel_on_exit`` was cleared."""
         bus = self.require_bus()

@@ -99,7 +99,7 @@ async def provision(js: JetStreamContext, settings: Settings) -> None:
                 retention=js_api.RetentionPolicy.WORK_QUEUE,
                 storage=js_api.StorageType.FILE,
                 max_age=settings.request_max_age_s,
-                duplicate_window=120.0,
+                duplicate_window=min(120.0, settings.request_max_age_s),
             ),
         )
         await _ensure_stream(
@@ -111,7 +111,7 @@ async def provision(js: JetStreamContext, settings: Settings) -> None:
                 storage=js_api.StorageType.FILE,
                 max_age=settings.token_max_age_s,
                 max_bytes=settings.token_max_bytes,
-                duplicate_window=10.0,
+                duplicate_window=min(10.0, settings.token_max_age_s),  # the server requires <= max_age
             ),
         )
         try:

@@ -13,7 +13,7 @@ from rich.table import Table
 
 from .bus import Bus
 from .errors import WireFormatError
-from .streams import Ping, StreamMeta, follow, get_meta, last_batch, paced
+from .streams import Gap, Ping, StreamMeta, follow, get_meta, last_batch, paced
 from .subjects import TOKEN_WILDCARD
 from .wire import TokenBatch
 
@@ -26,6 +26,9 @@ async def replay(bus: Bus, stream_id: str, *, speed: float, as_json: bool, from_
     final: TokenBatch | None = None
     async for item in paced(follow(bus, stream_id, after_seq=from_seq - 1), speed):
         if isinstance(item, Ping):
+            continue
+        if isinstance(item, Gap):
+            print(f"\n[batches {item.from_seq}..{item.to_seq} missing: {item.reason}]", file=sys.stderr)
             continue
         if as_json:
             print(json.dumps(item.to_json()), flush=True)

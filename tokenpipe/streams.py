@@ -26,8 +26,8 @@ from .errors import StreamNotFound, TransportError
 from .subjects import TOKENS_STREAM, cancel_subject, check_stream_id, request_subject, token_subject
 from .wire import Request, TokenBatch
 
-__all__ = ["PING", "Ping", "StreamMeta", "cancel", "follow", "get_meta", "history", "last_batch", "paced",
-           "stream_not_found", "submit"]
+__all__ = ["PING", "Gap", "Ping", "StreamItem", "StreamMeta", "cancel", "follow", "get_meta", "history",
+           "last_batch", "paced", "stream_not_found", "submit"]
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +53,18 @@ class Ping:
 
 
 PING = Ping()
+
+
+@dataclass(frozen=True)
+class Gap:
+    """Batches ``from_seq..to_seq`` will not arrive: expired from history, or lost for good."""
+
+    from_seq: int
+    to_seq: int
+    reason: str
+
+
+StreamItem = TokenBatch | Ping | Gap
 
 
 async def submit(bus: Bus, request: Request, headers: dict[str, str] | None = None) -> None:
@@ -109,13 +121,15 @@ async def history(bus: Bus, stream_id: str) -> list[TokenBatch]:
     async for item in follow(bus, stream_id, idle=5.0):
         if isinstance(item, Ping):
             raise TransportError(f"stream {stream_id} history stalled before seq {last.seq}")
+        if isinstance(item, Gap):
+            raise TransportError(f"stream {stream_id} history has a hole: {item.reason}")
         out.append(item)
         if item.seq >= last.seq:
             break
     return out
 
 
-async def paced(source: AsyncIterator[TokenBatch | Ping], speed: float) -> AsyncGenerator[TokenBatch | Ping, None]:
+async def paced(source: AsyncIterator[StreamItem], speed: float) -> AsyncGenerator[StreamItem, None]:
     """Re-time ``source`` by the batches' original ``emitted`` stamps divided by ``speed``
     (``speed <= 0``: as fast as possible). Used for replays."""
     prev: int | None = None
@@ -129,11 +143,14 @@ async def paced(source: AsyncIterator[TokenBatch | Ping], speed: float) -> Async
         yield item
 
 
-async def follow(bus: Bus, stream_id: str, *, after_seq: int = -1,
-                 idle: float | None = None) -> AsyncGenerator[TokenBatch | Ping, None]:
-    """Batches of ``stream_id`` with ``seq > after_seq``, ending after the final one.
+async def follow(bus: Bus, stream_id: str, *, after_seq: int = -1, idle: float | None = None,
+                 reorder_wait: float = 15.0) -> AsyncGenerator[StreamItem, None]:
+    """Batches of ``stream_id`` with ``seq > after_seq``, in ``seq`` order, ending after the final one.
 
-    Yields :data:`PING` whenever ``idle`` seconds pass without a batch.
+    Yields :data:`PING` whenever ``idle`` seconds pass without a batch. A batch that a
+    generator had to republish after a NATS outage can be stored after later ones; those are
+    held back (up to ``reorder_wait`` seconds) until the missing one arrives, so consumers
+    always see contiguous batches, or an explicit :class:`Gap`.
     """
     try:
         sub = await bus.js.subscribe(
@@ -145,22 +162,46 @@ async def follow(bus: Bus, stream_id: str, *, after_seq: int = -1,
         )
     except Exception as exc:
         raise TransportError(f"could not follow stream: {exc}") from exc
+    expected = after_seq + 1
+    held: dict[int, TokenBatch] = {}
+    first = True
+    held_since: float | None = None
     try:
         while True:
+            timeout = idle if idle else 3600.0
+            if held_since is not None:
+                timeout = min(timeout, max(0.0, held_since + reorder_wait - time.monotonic()))
             try:
-                msg = await sub.next_msg(timeout=idle if idle else 3600.0)
+                msg = await sub.next_msg(timeout=timeout)
             except nats.errors.TimeoutError:
-                yield PING
-                continue
-            batch = TokenBatch.decode(msg.data)
-            if batch.seq <= after_seq:
-                if not batch.is_final:
+                if held_since is not None and time.monotonic() >= held_since + reorder_wait:
+                    nxt = min(held)
+                    yield Gap(expected, nxt - 1, "lost: never stored after a NATS outage")
+                    expected = nxt
+                else:
+                    yield PING
                     continue
-                # Resuming after the final batch: its tokens were seen, but the end still has to be told.
-                batch = dataclasses.replace(batch, token_ids=(), text="")
-            yield batch
-            if batch.is_final:
-                return
+            else:
+                batch = TokenBatch.decode(msg.data)
+                if batch.seq < expected:
+                    if batch.is_final and batch.seq <= after_seq and expected == after_seq + 1:
+                        # Resuming after the final batch: its tokens were seen, but the end must still be told.
+                        yield dataclasses.replace(batch, token_ids=(), text="")
+                        return
+                    continue  # already delivered (a republished duplicate) or before the resume point
+                held[batch.seq] = batch
+                if first and batch.seq > expected:
+                    # The oldest batches kept are newer than asked for: retention removed the rest.
+                    yield Gap(expected, batch.seq - 1, "expired from history (retention)")
+                    expected = batch.seq
+                first = False
+            while expected in held:
+                out = held.pop(expected)
+                expected += 1
+                yield out
+                if out.is_final:
+                    return
+            held_since = (held_since or time.monotonic()) if held else None
     finally:
         try:
             await sub.unsubscribe()

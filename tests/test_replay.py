@@ -1,0 +1,116 @@
+"""Replay for debugging: same events, original pacing, the SDK and CLI views, retention."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from generator.models import load_model
+from generator.worker import GeneratorWorker
+from producer import Producer
+from tokenpipe.bus import connect
+from tokenpipe.natsserver import NatsServer
+from tokenpipe.settings import Settings
+from tokenpipe.streams import last_batch
+
+from .conftest import read_sse, start_relay, wait_until
+
+BODY = {"prompt": "replay me", "max_tokens": 60, "temperature": 0, "ignore_eos": True, "coalesce": {"max_tokens": 0}}
+
+
+async def make_stream(http: httpx.AsyncClient, body: dict = BODY) -> tuple[str, list[tuple[str, str | None, str]]]:
+    sid = (await http.post("/v1/streams", json=body)).json()["id"]
+    async with http.stream("GET", f"/v1/streams/{sid}") as resp:
+        return sid, await read_sse(resp)
+
+
+async def timed_replay(http: httpx.AsyncClient, sid: str, speed: float) -> tuple[float, list]:
+    t0 = time.perf_counter()
+    async with http.stream("GET", f"/v1/streams/{sid}", params={"replay": "true", "speed": str(speed)}) as resp:
+        events = await read_sse(resp)
+    return time.perf_counter() - t0, events
+
+
+async def test_replay_returns_the_same_events_with_original_pacing(http: httpx.AsyncClient) -> None:
+    body = {**BODY, "max_tokens": 400}
+    sid, live = await make_stream(http, body)
+    emitted = [json.loads(d)["timings"]["emitted"] for e, _, d in live if e == "tokens"]
+    original = (emitted[-1] - emitted[0]) / 1e9
+    assert original > 0.3, "generation too fast to measure pacing"
+    fast, events = await timed_replay(http, sid, 0)
+    assert events == live
+    real, events = await timed_replay(http, sid, 1)
+    assert events == live
+    double, _ = await timed_replay(http, sid, 2)
+    assert 0.8 * original <= real <= original + 2.0, (real, original)
+    assert fast < real and double < real
+
+
+async def test_sdk_replay_yields_the_live_batches(http: httpx.AsyncClient, settings: Settings) -> None:
+    sid, live = await make_stream(http)
+    async with await Producer.connect(settings=settings) as p:
+        replayed = [b async for b in p.replay(sid, speed=0)]
+        resumed = [b async for b in p.stream(sid, after_seq=9)]
+    live_batches = [json.loads(d) for e, _, d in live if e == "tokens"]
+    assert [(b.seq, b.index, list(b.token_ids), b.text) for b in replayed] == [
+        (d["seq"], d["index"], d["token_ids"], d["text"]) for d in live_batches]
+    assert replayed[-1].finish == "length"
+    assert [b.seq for b in resumed] == [b.seq for b in replayed][10:]
+    assert "".join(b.text for b in replayed) == "".join(json.loads(d)["text"] for e, _, d in live if e == "tokens")
+
+
+async def test_cli_replay_json_and_streams_listing(http: httpx.AsyncClient, settings: Settings) -> None:
+    sid, live = await make_stream(http)
+    common = ["--nats-url", settings.nats_url, "--data-dir", settings.data_dir]
+    out = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "tokenpipe", "replay", sid, "--json",
+                                                   "--speed", "0", "--from", "3", *common],
+                                  capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    live_tokens = [json.loads(d) for e, _, d in live if e == "tokens"]
+    assert [r["seq"] for r in rows] == [t["seq"] for t in live_tokens][3:]
+    assert [r["token_ids"] for r in rows] == [t["token_ids"] for t in live_tokens][3:]
+    assert rows[-1]["finish"] == "length" and "emitted" in rows[-1]["timings"]
+    text = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "tokenpipe", "replay", sid, "--speed", "0",
+                                                    *common], capture_output=True, text=True, timeout=60)
+    assert text.stdout.rstrip("\n") == "".join(t["text"] for t in live_tokens).rstrip("\n")
+    listing = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "tokenpipe", "streams", "--limit",
+                                                       "500", *common], capture_output=True, text=True, timeout=60,
+                                      env={"COLUMNS": "200", "PATH": "/usr/bin:/bin"})
+    assert listing.returncode == 0, listing.stderr
+    line = next(ln for ln in listing.stdout.splitlines() if sid in ln)
+    assert "tiny-random" in line and "length" in line and " 60 " in line
+    missing = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "tokenpipe", "replay", "nosuchstream",
+                                                       *common], capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2 and "not found" in missing.stderr
+
+
+async def test_expired_stream_is_404_saying_so(tmp_path: Path, data_dir: Path, settings: Settings) -> None:
+    with NatsServer(tmp_path / "nats") as nats:
+        short = settings.replace(nats_url=nats.url, token_max_age_s=1.0)
+        bus = await connect(short, name="expiry-gen")
+        worker = GeneratorWorker(short, load_model("tiny-random", device="cpu", dtype="float32", data_dir=data_dir),
+                                 bus)
+        await worker.start()
+        relay = await start_relay(short)
+        try:
+            async with httpx.AsyncClient(base_url=relay.url, timeout=30) as http:
+                sid, events = await make_stream(http, {**BODY, "max_tokens": 3})
+                assert events[-1][0] == "done"
+
+                async def gone() -> bool:
+                    return await last_batch(bus, sid) is None
+
+                await wait_until(gone, 30, "JetStream to age the batches out")
+                r = await http.get(f"/v1/streams/{sid}")
+                assert r.status_code == 404 and "expired" in r.json()["error"]["message"]
+        finally:
+            await relay.stop()
+            await worker.stop(drain_timeout=0.5)
+            await bus.close()

@@ -1,0 +1,348 @@
+"""Streams that survive dead workers, drained workers, relay restarts and NATS restarts.
+
+Real processes and real signals: nats-server, `tokenpipe generator` and `tokenpipe relay`
+subprocesses; the client is httpx or the SDK in this process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from generator.models import LoadedModel
+from producer import Producer
+from tokenpipe.bus import connect
+from tokenpipe.natsserver import NatsServer, die_with_parent, free_port
+from tokenpipe.settings import Settings
+from tokenpipe.subjects import ANNOUNCE_PREFIX
+from tokenpipe.wire import Request
+
+pytestmark = pytest.mark.timeout(180)
+
+LONG = {"prompt": "keep going", "max_tokens": 1500, "temperature": 0, "ignore_eos": True,
+        "coalesce": {"max_tokens": 0}}
+
+
+class Cluster:
+    """nats-server + generator and relay subprocesses on free ports."""
+
+    def __init__(self, tmp: Path, data_dir: Path, **env: Any) -> None:
+        self.tmp = tmp
+        self.nats = NatsServer(tmp / "nats")
+        self.data_dir = data_dir
+        self.env = {**os.environ, "TOKENPIPE_ANNOUNCE_INTERVAL_S": "0.3", "TOKENPIPE_ACK_WAIT_S": "2",
+                    "TOKENPIPE_THREADS": "1", "TOKENPIPE_DTYPE": "float32", "TOKENPIPE_LOG_LEVEL": "INFO",
+                    **{f"TOKENPIPE_{k.upper()}": str(v) for k, v in env.items()}}
+        self.relay_port = free_port()
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.relay: subprocess.Popen[bytes] | None = None
+        self.announcements: dict[int, dict[str, Any]] = {}
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.relay_port}"
+
+    def settings(self) -> Settings:
+        return Settings.load(env={}, nats_url=self.nats.url, data_dir=str(self.data_dir))
+
+    def _spawn(self, *args: str) -> subprocess.Popen[bytes]:
+        log = open(self.tmp / f"{args[0]}-{len(self.procs)}.log", "wb")  # noqa: SIM115 - the child keeps it
+        proc = subprocess.Popen([sys.executable, "-m", "tokenpipe", *args, "--nats-url", self.nats.url,
+                                 "--data-dir", str(self.data_dir)], env=self.env, stdout=log,
+                                stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
+        self.procs.append(proc)
+        return proc
+
+    def start_generator(self) -> subprocess.Popen[bytes]:
+        return self._spawn("generator", "--model", "tiny-random")
+
+    def start_relay(self) -> subprocess.Popen[bytes]:
+        self.relay = self._spawn("relay", "--port", str(self.relay_port), "--model", "tiny-random")
+        return self.relay
+
+    async def watch(self) -> None:
+        """Keep the latest announcement of every generator (pid, streams held)."""
+        self.bus = await connect(self.settings(), name="test-watch")
+
+        async def on(msg: Any) -> None:
+            info = json.loads(msg.data)
+            self.announcements[info["pid"]] = info
+
+        await self.bus.nc.subscribe(f"{ANNOUNCE_PREFIX}.>", cb=on)
+
+    async def wait_generators(self, n: int) -> None:
+        live = {p.pid for p in self.procs if p.poll() is None}
+        await until(lambda: len({pid for pid, a in self.announcements.items() if a["ready"] and pid in live}) >= n,
+                    60, f"{n} generators")
+
+    async def wait_relay(self) -> None:
+        async def ready() -> bool:
+            try:
+                async with httpx.AsyncClient() as c:
+                    return (await c.get(self.url + "/readyz")).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        await until(ready, 60, "relay ready")
+
+    def holder(self, stream_id: str) -> int | None:
+        for pid, info in self.announcements.items():
+            if stream_id in info.get("streams", ()):
+                return pid
+        return None
+
+    async def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        if hasattr(self, "bus"):
+            await self.bus.close()
+        self.nats.stop()
+
+
+async def until(cond: Any, timeout: float, what: str) -> None:
+    from .conftest import wait_until
+
+    await wait_until(cond, timeout, what)
+
+
+@pytest.fixture
+async def cluster_factory(tmp_path: Path, data_dir: Path) -> AsyncIterator[Any]:
+    made: list[Cluster] = []
+
+    async def make(**env: Any) -> Cluster:
+        c = Cluster(tmp_path, data_dir, **env)
+        c.nats.start()
+        await c.watch()
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        await c.close()
+
+
+async def read_events(resp: httpx.Response, on_tokens: Any = None) -> list[tuple[str, str | None, dict]]:
+    out: list[tuple[str, str | None, dict]] = []
+    event, eid = "message", None
+    async for line in resp.aiter_lines():
+        if line.startswith("event:"):
+            event = line[6:].strip()
+        elif line.startswith("id:"):
+            eid = line[3:].strip()
+        elif line.startswith("data:"):
+            out.append((event, eid, json.loads(line[5:])))
+            if event == "tokens" and on_tokens is not None:
+                await on_tokens(len([e for e in out if e[0] == "tokens"]))
+            if event in ("done", "error"):
+                break
+        elif line == "":
+            event, eid = "message", None
+    return out
+
+
+def assert_contiguous(events: list[tuple[str, str | None, dict]], total: int) -> list[int]:
+    tokens = [d for e, _, d in events if e == "tokens"]
+    expected = 0
+    for seq, d in enumerate(tokens):
+        assert d["seq"] == seq, f"batch {seq} has seq {d['seq']}"
+        assert d["index"] == expected, f"gap or duplicate at batch {seq}: index {d['index']} != {expected}"
+        expected += len(d["token_ids"])
+    assert expected == total
+    return [t for d in tokens for t in d["token_ids"]]
+
+
+def _greedy_ids(lm: LoadedModel, req: Request) -> list[int]:
+    from generator.engine import Engine
+    from generator.runner import encode_prompt
+
+    engine = Engine(lm, max_batch=1)
+    seq = engine.new_sequence("r", encode_prompt(lm.tokenizer, req), req.params)
+    engine.add(seq)
+    engine.run_to_completion()
+    return seq.generated
+
+
+async def test_kill9_mid_stream_continues_on_another_worker(cluster_factory: Any, tiny_model: LoadedModel) -> None:
+    c = await cluster_factory()
+    c.start_generator()
+    c.start_generator()
+    c.start_relay()
+    await c.wait_generators(2)
+    await c.wait_relay()
+    killed: list[int] = []
+
+    async def kill_holder(n: int) -> None:
+        if n == 40 and not killed:
+            pid = c.holder(sid)
+            while pid is None:  # the holder's next announcement names the stream
+                await asyncio.sleep(0.05)
+                pid = c.holder(sid)
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+
+    async with httpx.AsyncClient(base_url=c.url, timeout=120) as http:
+        sid = (await http.post("/v1/streams", json=LONG)).json()["id"]
+        async with http.stream("GET", f"/v1/streams/{sid}") as resp:
+            events = await read_events(resp, kill_holder)
+    assert killed, "the stream finished before a worker could be killed"
+    assert events[-1][0] == "done" and events[-1][2]["finish"] == "length", events[-1]
+    assert events[-1][2]["usage"]["completion_tokens"] == 1500
+    ids = assert_contiguous(events, 1500)
+    assert ids == _greedy_ids(tiny_model, Request.from_map({"v": 1, "id": "r", "model": "tiny-random",
+                                                            "prompt": LONG["prompt"], "params": LONG}))
+    survivor = [pid for pid, info in c.announcements.items() if pid not in killed and info["ready"]]
+    assert survivor
+
+
+async def test_sigterm_drains_and_hands_back_to_another_worker(cluster_factory: Any) -> None:
+    c = await cluster_factory(drain_timeout_s=0.2)
+    gens = [c.start_generator(), c.start_generator()]
+    c.start_relay()
+    await c.wait_generators(2)
+    await c.wait_relay()
+    drained: list[int] = []
+
+    async def term_holder(n: int) -> None:
+        if n == 40 and not drained:
+            pid = c.holder(sid)
+            while pid is None:
+                await asyncio.sleep(0.05)
+                pid = c.holder(sid)
+            os.kill(pid, signal.SIGTERM)
+            drained.append(pid)
+
+    async with httpx.AsyncClient(base_url=c.url, timeout=120) as http:
+        sid = (await http.post("/v1/streams", json=LONG)).json()["id"]
+        async with http.stream("GET", f"/v1/streams/{sid}") as resp:
+            events = await read_events(resp, term_holder)
+    assert drained
+    assert events[-1][0] == "done" and events[-1][2]["finish"] == "length"
+    assert_contiguous(events, 1500)
+    stopped = next(p for p in gens if p.pid == drained[0])
+    assert stopped.wait(30) == 0  # a clean exit after handing the request back
+
+
+async def test_exhausted_deliveries_end_the_stream_with_an_error(cluster_factory: Any) -> None:
+    c = await cluster_factory(max_deliver=1)
+    c.start_generator()
+    c.start_generator()
+    c.start_relay()
+    await c.wait_generators(2)
+    await c.wait_relay()
+    killed: list[int] = []
+
+    async def kill_holder(n: int) -> None:
+        if n == 20 and not killed:
+            pid = c.holder(sid)
+            while pid is None:
+                await asyncio.sleep(0.05)
+                pid = c.holder(sid)
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+
+    async with httpx.AsyncClient(base_url=c.url, timeout=120) as http:
+        sid = (await http.post("/v1/streams", json=LONG)).json()["id"]
+        async with http.stream("GET", f"/v1/streams/{sid}") as resp:
+            events = await read_events(resp, kill_holder)
+    assert killed
+    assert events[-1][0] == "error"
+    assert "attempted 1 times" in events[-1][2]["message"]
+    tokens = [d for e, _, d in events if e == "tokens"]
+    assert len(tokens) >= 20
+
+
+async def test_relay_restart_then_resume_with_last_event_id(cluster_factory: Any) -> None:
+    c = await cluster_factory()
+    c.start_generator()
+    relay = c.start_relay()
+    await c.wait_generators(1)
+    await c.wait_relay()
+    body = {**LONG, "max_tokens": 800}
+    async with httpx.AsyncClient(base_url=c.url, timeout=120) as http:
+        sid = (await http.post("/v1/streams", json=body)).json()["id"]
+        first: list[tuple[str, str | None, dict]] = []
+        with pytest.raises(httpx.HTTPError):
+            async with http.stream("GET", f"/v1/streams/{sid}") as resp:
+                async def kill_relay(n: int) -> None:
+                    if n == 25:
+                        relay.kill()
+
+                async for _ in _events_until_error(resp, kill_relay, first):
+                    pass
+        assert 25 <= len([e for e in first if e[0] == "tokens"]) < 800
+        c.start_relay()
+        await c.wait_relay()
+        last = first[-1][1]
+        async with http.stream("GET", f"/v1/streams/{sid}", headers={"Last-Event-ID": str(last)}) as resp:
+            rest = await read_events(resp)
+    events = [e for e in first if e[0] == "tokens"] + rest
+    assert events[-1][0] == "done" and events[-1][2]["finish"] == "length"
+    assert_contiguous(events, 800)
+
+
+async def _events_until_error(resp: httpx.Response, on_tokens: Any, out: list) -> AsyncIterator[None]:
+    event, eid = "message", None
+    async for line in resp.aiter_lines():
+        if line.startswith("event:"):
+            event = line[6:].strip()
+        elif line.startswith("id:"):
+            eid = line[3:].strip()
+        elif line.startswith("data:"):
+            out.append((event, eid, json.loads(line[5:])))
+            if event == "tokens":
+                await on_tokens(len(out))
+            yield None
+    raise httpx.RemoteProtocolError("stream ended without done")
+
+
+async def test_nats_restart_keeps_queued_requests(cluster_factory: Any) -> None:
+    c = await cluster_factory()
+    settings = c.settings()
+    async with await Producer.connect(settings=settings) as producer:
+        handles = [await producer.submit("tiny-random", prompt=f"queued {i}", max_tokens=10, temperature=0,
+                                         ignore_eos=True) for i in range(3)]
+    await c.bus.close()
+    c.nats.stop()
+    c.nats.start()  # same port, same JetStream directory
+    await c.watch()
+    c.start_generator()
+    async with await Producer.connect(settings=settings) as producer:
+        results = await asyncio.wait_for(asyncio.gather(*(producer.stream(h.id).result() for h in handles)), 60)
+    assert [r.finish for r in results] == ["length"] * 3
+    assert all(r.usage is not None and r.usage.completion_tokens == 10 for r in results)
+
+
+async def test_nats_restart_mid_stream_loses_no_batch(cluster_factory: Any) -> None:
+    c = await cluster_factory()
+    c.start_generator()
+    c.start_relay()
+    await c.wait_generators(1)
+    await c.wait_relay()
+    restarted: list[bool] = []
+
+    async def bounce(n: int) -> None:
+        if n == 30 and not restarted:
+            c.nats.stop()
+            c.nats.start()
+            restarted.append(True)
+
+    async with httpx.AsyncClient(base_url=c.url, timeout=120) as http:
+        sid = (await http.post("/v1/streams", json={**LONG, "max_tokens": 1200})).json()["id"]
+        async with http.stream("GET", f"/v1/streams/{sid}") as resp:
+            events = await asyncio.wait_for(read_events(resp, bounce), 90)
+    assert restarted
+    # Batches lost in the outage are republished (deduplicated by Msg-Id) and put back in order.
+    assert events[-1][0] == "done", events[-1]
+    assert_contiguous(events, 1200)
