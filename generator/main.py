@@ -7,8 +7,10 @@ import logging
 import signal
 
 import torch
+from prometheus_client import start_http_server
 
 from tokenpipe.bus import connect
+from tokenpipe.metrics import GeneratorMetrics
 from tokenpipe.settings import Settings
 from tokenpipe.telemetry import setup_tracing
 
@@ -32,7 +34,15 @@ async def serve(settings: Settings) -> None:
                                      dtype=settings.dtype, data_dir=settings.data_dir)
     provider = setup_tracing("tokenpipe-generator")
     bus = await connect(settings, name=f"tokenpipe-generator-{loaded.name}")
-    worker = GeneratorWorker(settings, loaded, bus, tracer_provider=provider)
+    metrics = GeneratorMetrics(loaded.name)
+    if settings.metrics_port > 0:
+        try:
+            start_http_server(settings.metrics_port, addr=settings.metrics_host, registry=metrics.registry)
+            log.info("metrics at /metrics", extra={"port": settings.metrics_port})
+        except OSError as exc:  # another generator on this host holds the port: serve, just without metrics
+            log.warning("metrics port unavailable; metrics disabled",
+                        extra={"port": settings.metrics_port, "error": str(exc)})
+    worker = GeneratorWorker(settings, loaded, bus, tracer_provider=provider, metrics=metrics)
     await worker.start()
     await stop.wait()
     log.info("shutting down: draining", extra={"active": len(worker.active)})

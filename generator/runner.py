@@ -82,12 +82,14 @@ _STOP = object()
 class Runner:
     """Owns an :class:`Engine` on a dedicated thread."""
 
-    def __init__(self, loaded: LoadedModel, on_emit: Callable[[list[Emission]], None], *, max_batch: int = 32,
+    def __init__(self, loaded: LoadedModel, on_emit: Callable[[list[Emission]], None], *,
+                 on_step: Callable[[int], None] | None = None, max_batch: int = 32,
                  max_seq_len: int = 2048, prefill_token_budget: int = 4096, max_prompt_tokens: int = 0) -> None:
         self.loaded = loaded
         self.engine = Engine(loaded, max_batch=max_batch, max_seq_len=max_seq_len,
                              prefill_token_budget=prefill_token_budget, max_prompt_tokens=max_prompt_tokens)
         self.on_emit = on_emit
+        self.on_step = on_step
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._states: dict[str, _State] = {}
         self._thread: threading.Thread | None = None
@@ -139,6 +141,8 @@ class Runner:
                 log.exception("engine step failed; failing the running batch")
                 self._fail_all(f"engine failure: {exc}")
                 continue
+            if self.on_step is not None:
+                self.on_step(self.engine.last_step_batch)
             emissions = [self._emission(o) for o in outputs]
             if emissions:
                 self.on_emit(emissions)

@@ -27,6 +27,7 @@ from opentelemetry.trace import SpanKind, TracerProvider
 
 from tokenpipe.bus import Bus
 from tokenpipe.errors import TokenpipeError, WireFormatError
+from tokenpipe.metrics import GeneratorMetrics
 from tokenpipe.settings import Settings
 from tokenpipe.streams import history, last_batch
 from tokenpipe.subjects import (
@@ -43,6 +44,7 @@ from tokenpipe.wire import Request, TokenBatch, Usage
 
 from .coalesce import Coalescer
 from .models import LoadedModel
+from .observe import Timeline
 from .runner import Emission, Job, Runner
 
 __all__ = ["GeneratorWorker"]
@@ -59,6 +61,7 @@ class _Active:
     request: Request
     coalescer: Coalescer
     span: Any
+    timeline: Timeline
     headers: dict[str, str] = field(default_factory=dict)
     timer: asyncio.TimerHandle | None = None
 
@@ -67,14 +70,16 @@ class GeneratorWorker:
     """Serve one model from NATS until :meth:`stop` is called."""
 
     def __init__(self, settings: Settings, loaded: LoadedModel, bus: Bus,
-                 tracer_provider: TracerProvider | None = None, worker_id: str | None = None) -> None:
+                 tracer_provider: TracerProvider | None = None, worker_id: str | None = None,
+                 metrics: GeneratorMetrics | None = None) -> None:
         self.settings = settings
         self.loaded = loaded
         self.model = loaded.name
         self.bus = bus
         self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
         self.tracer = get_tracer(tracer_provider or trace.NoOpTracerProvider())
-        self.runner = Runner(loaded, self._from_engine_thread, max_batch=settings.max_batch,
+        self.metrics = metrics or GeneratorMetrics(loaded.name)
+        self.runner = Runner(loaded, self._from_engine_thread, on_step=self._on_step, max_batch=settings.max_batch,
                              max_seq_len=settings.max_seq_len, prefill_token_budget=settings.prefill_token_budget,
                              max_prompt_tokens=settings.max_prompt_tokens)
         self.active: dict[str, _Active] = {}
@@ -237,7 +242,8 @@ class GeneratorWorker:
             start_index=len(resume),
             first_timings={"created": request.created_at, "received": received},
         )
-        self.active[request.id] = _Active(msg, request, coalescer, span, headers)
+        timeline = Timeline(created=request.created_at, received=received, resumed_tokens=len(resume))
+        self.active[request.id] = _Active(msg, request, coalescer, span, timeline, headers)
         if past:
             log.info("continuing redelivered request", extra={"request_id": request.id, "resumed_tokens": len(resume),
                                                               "delivery": msg.metadata.num_delivered})
@@ -332,11 +338,28 @@ class GeneratorWorker:
         while True:
             await asyncio.sleep(min(self.settings.announce_interval_s, progress_every))
             await self._announce()
+            await self._refresh_gauges()
             if time.monotonic() - last_progress >= progress_every:
                 last_progress = time.monotonic()
                 for act in list(self.active.values()):
                     if act.msg is not None:
                         await act.msg.in_progress()
+
+    def _on_step(self, batch_size: int) -> None:
+        """Engine thread, once per step (prometheus_client is thread-safe)."""
+        m = self.metrics
+        m.labels(m.batch_size).observe(batch_size)
+
+    async def _refresh_gauges(self) -> None:
+        m, engine = self.metrics, self.runner.engine
+        m.labels(m.running).set(self.runner.running)
+        used = sum(s.next_position for s in list(engine.rows))
+        m.labels(m.kv_cache).set(used / (engine.max_batch * engine.max_seq_len))
+        try:
+            info = await self.bus.js.consumer_info(REQUESTS_STREAM, consumer_name(self.model))
+            m.labels(m.waiting).set(int(info.num_pending or 0))
+        except Exception as exc:  # a reconnect in progress; the next round catches up
+            log.debug("consumer info unavailable", extra={"error": repr(exc)})
 
     # -- output ----------------------------------------------------------------------
     def _from_engine_thread(self, emissions: list[Emission]) -> None:
@@ -353,6 +376,9 @@ class GeneratorWorker:
             return
         if em.admitted_ns:
             act.coalescer.first_timings["admitted"] = em.admitted_ns
+            act.timeline.admitted = em.admitted_ns
+        if em.token_ids:
+            act.timeline.on_token(self.metrics, em.at_ns)
         batch = act.coalescer.add(list(em.token_ids), em.text, em.at_ns, finish=em.finish, error=em.error,
                                   usage=em.usage, error_code=em.error_code)
         if batch is not None:
@@ -381,6 +407,7 @@ class GeneratorWorker:
     def _send(self, act: _Active, batch: TokenBatch) -> None:
         # Msg-Id per (stream, seq): should two workers ever publish the same batch, JetStream keeps one.
         headers = {**act.headers, "Nats-Msg-Id": f"{batch.id}:{batch.seq}"}
+        act.timeline.on_batch(self.metrics, batch, batch.timings.get("emitted", time.time_ns()))
         self._outbox.put_nowait((token_subject(batch.id), batch.encode(), headers))
         if batch.is_final:
             self._finish(act, batch)
@@ -390,15 +417,7 @@ class GeneratorWorker:
         self.active.pop(rid, None)
         if act.timer is not None:
             act.timer.cancel()
-        span = act.span
-        span.set_attribute("gen_ai.response.finish_reasons", [batch.finish or ""])
-        if batch.usage:
-            span.set_attribute("gen_ai.usage.input_tokens", batch.usage.prompt_tokens)
-            span.set_attribute("gen_ai.usage.output_tokens", batch.usage.completion_tokens)
-        span.set_attribute("tokenpipe.batches", batch.seq + 1)
-        if batch.error:
-            span.set_status(trace.Status(trace.StatusCode.ERROR, batch.error))
-        span.end()
+        act.timeline.finish(self.metrics, self.tracer, act.span, batch)
         self.completed += 1
         if act.msg is not None:
             self._outbox.put_nowait(("", b"", act.msg))

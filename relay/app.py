@@ -10,15 +10,18 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from opentelemetry.trace import TracerProvider
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tokenpipe.errors import TokenpipeError
+from tokenpipe.metrics import render
 from tokenpipe.settings import Settings
 
 from . import native, openai
 from .http import error_body, error_response
+from .observe import ObserveMiddleware
 from .state import RelayState
 
 __all__ = ["create_app"]
@@ -81,6 +84,10 @@ def create_app(settings: Settings, tracer_provider: TracerProvider | None = None
         page = resources.files("relay").joinpath("static/index.html").read_text(encoding="utf-8")
         return HTMLResponse(page)
 
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(render(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
     api = [Depends(authenticate)]
 
     @app.get("/v1/models", dependencies=api)
@@ -90,4 +97,5 @@ def create_app(settings: Settings, tracer_provider: TracerProvider | None = None
 
     app.include_router(native.router, dependencies=api)
     app.include_router(openai.router, dependencies=api)
+    app.add_middleware(ObserveMiddleware, tracer=state.tracer, metrics=state.metrics)
     return app

@@ -16,6 +16,7 @@ from opentelemetry.trace import SpanKind, TracerProvider
 
 from tokenpipe.bus import Bus, connect
 from tokenpipe.errors import InvalidRequest, ModelNotFound, NoGenerator, Overloaded, StreamNotFound
+from tokenpipe.metrics import RelayMetrics
 from tokenpipe.settings import Settings
 from tokenpipe.streams import (
     StreamItem,
@@ -67,6 +68,7 @@ class RelayState:
         self.keys = KeyRing.load(settings.api_keys, settings.api_keys_file)
         self.bus: Bus | None = None
         self.active: Counter[str] = Counter()
+        self.metrics = RelayMetrics()
         self._queue_info: dict[str, tuple[float, int]] = {}
 
     async def start(self) -> None:
@@ -163,6 +165,21 @@ class RelayState:
             raise StreamNotFound(f"stream {meta.id!r} expired: token history is kept for "
                                  f"{self.settings.token_max_age_s:g} s and this stream is {age_s:.0f} s old")
 
+    def _forward_span(self, session: Session, trace_headers: dict[str, str], *, resumed: bool) -> Any:
+        """Live forwarding continues the generation's trace (the batches carry its context);
+        a replay or resume is its own work, linked to the original trace."""
+        origin = trace.get_current_span(extract_context(trace_headers)).get_span_context()
+        attrs = {"tokenpipe.stream.id": session.stream_id, "messaging.system": "nats",
+                 "messaging.operation.type": "receive"}
+        if resumed or not origin.is_valid:
+            links = [trace.Link(origin)] if origin.is_valid else []
+            return self.tracer.start_span(f"replay {session.stream_id}", kind=SpanKind.CONSUMER, links=links,
+                                          attributes=attrs)
+        here = trace.get_current_span().get_span_context()
+        links = [trace.Link(here)] if here.is_valid and here.trace_id != origin.trace_id else []
+        return self.tracer.start_span(f"forward {session.stream_id}", context=extract_context(trace_headers),
+                                      kind=SpanKind.CONSUMER, links=links, attributes=attrs)
+
     async def cancel(self, stream_id: str) -> None:
         await cancel(self.require_bus(), stream_id)
 
@@ -171,16 +188,40 @@ class RelayState:
         """A stream's batches for one client (re-timed when ``speed`` is given); on early exit the
         generation is cancelled unless ``session.cancel_on_exit`` was cleared."""
         bus = self.require_bus()
-        source = follow(bus, session.stream_id, after_seq=after, idle=idle)
+        trace_headers: dict[str, str] = {}
+        source = follow(bus, session.stream_id, after_seq=after, idle=idle, trace_headers=trace_headers)
         agen = source if speed is None else paced(source, speed)
         self.active[session.tenant] += 1
+        self.metrics.active_sse.inc()
+        opened = last = time.monotonic()
+        span = None
+        batches = 0
         try:
             async for item in agen:
-                if isinstance(item, TokenBatch) and item.is_final:
-                    session.finished = True
+                if isinstance(item, TokenBatch):
+                    now = time.monotonic()
+                    if span is None:
+                        span = self._forward_span(session, trace_headers, resumed=after >= 0 or speed is not None)
+                        span.add_event("first_batch", {"tokenpipe.batch.seq": item.seq})
+                        self.metrics.first_batch.observe(now - opened)
+                    else:
+                        self.metrics.inter_batch.observe(now - last)
+                    last = now
+                    batches += 1
+                    self.metrics.batches.inc()
+                    if item.is_final:
+                        session.finished = True
+                        span.add_event("last_batch", {"tokenpipe.batch.seq": item.seq})
+                        span.set_attribute("gen_ai.response.finish_reasons", [item.finish or ""])
+                        if item.usage:
+                            span.set_attribute("gen_ai.usage.output_tokens", item.usage.completion_tokens)
                 yield item
         finally:
             self.active[session.tenant] -= 1
+            self.metrics.active_sse.dec()
+            if span is not None:
+                span.set_attribute("tokenpipe.batches_forwarded", batches)
+                span.end()
             # The client may be gone and this scope cancelled: shield the clean-up awaits.
             with anyio.CancelScope(shield=True):
                 await agen.aclose()

@@ -42,6 +42,7 @@ class Cluster:
         self.data_dir = data_dir
         self.env = {**os.environ, "TOKENPIPE_ANNOUNCE_INTERVAL_S": "0.3", "TOKENPIPE_ACK_WAIT_S": "2",
                     "TOKENPIPE_THREADS": "1", "TOKENPIPE_DTYPE": "float32", "TOKENPIPE_LOG_LEVEL": "INFO",
+                    "TOKENPIPE_METRICS_PORT": "0",
                     **{f"TOKENPIPE_{k.upper()}": str(v) for k, v in env.items()}}
         self.relay_port = free_port()
         self.procs: list[subprocess.Popen[bytes]] = []

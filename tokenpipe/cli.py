@@ -47,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     _common(gen)
     _model_opts(gen)
     gen.add_argument("--max-batch", type=int, help="concurrent sequences (default 32)")
+    gen.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (default 9101; 0 = off)")
 
     relay = sub.add_parser("relay", help="run the HTTP/SSE relay")
     _common(relay)
@@ -91,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _settings(args: argparse.Namespace, **extra: Any) -> Settings:
     keys = ("nats_url", "data_dir", "log_level", "log_json", "model", "model_path", "device", "dtype", "host",
-            "port", "max_batch")
+            "port", "max_batch", "metrics_port")
     overrides = {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
     overrides.update(extra)
     return Settings.load(**overrides)

@@ -50,6 +50,8 @@ class Settings:
     max_deliver: int = 3
     announce_interval_s: float = 2.0
     threads: int = 0
+    metrics_port: int = 9101
+    metrics_host: str = "127.0.0.1"
     # relay
     host: str = "127.0.0.1"
     port: int = 8000

@@ -144,10 +144,12 @@ async def paced(source: AsyncIterator[StreamItem], speed: float) -> AsyncGenerat
 
 
 async def follow(bus: Bus, stream_id: str, *, after_seq: int = -1, idle: float | None = None,
-                 reorder_wait: float = 15.0) -> AsyncGenerator[StreamItem, None]:
+                 reorder_wait: float = 15.0,
+                 trace_headers: dict[str, str] | None = None) -> AsyncGenerator[StreamItem, None]:
     """Batches of ``stream_id`` with ``seq > after_seq``, in ``seq`` order, ending after the final one.
 
-    Yields :data:`PING` whenever ``idle`` seconds pass without a batch. A batch that a
+    Yields :data:`PING` whenever ``idle`` seconds pass without a batch. ``trace_headers``, if
+    given, receives the W3C trace headers the first batch carried (the generation's context). A batch that a
     generator had to republish after a NATS outage can be stored after later ones; those are
     held back (up to ``reorder_wait`` seconds) until the missing one arrives, so consumers
     always see contiguous batches, or an explicit :class:`Gap`.
@@ -183,6 +185,8 @@ async def follow(bus: Bus, stream_id: str, *, after_seq: int = -1, idle: float |
                     continue
             else:
                 batch = TokenBatch.decode(msg.data)
+                if trace_headers is not None and not trace_headers and msg.headers:
+                    trace_headers.update({k: v for k, v in msg.headers.items() if k in ("traceparent", "tracestate")})
                 if batch.seq < expected:
                     if batch.is_final and batch.seq <= after_seq and expected == after_seq + 1:
                         # Resuming after the final batch: its tokens were seen, but the end must still be told.

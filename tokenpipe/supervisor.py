@@ -61,7 +61,9 @@ class Supervisor:
             self._prepare_model()
             common = ["--nats-url", nats_url, "--data-dir", s.data_dir, "--log-level", s.log_level]
             for i in range(self.generators):
+                metrics_port = s.metrics_port + i if s.metrics_port > 0 else 0
                 self._spawn(f"generator-{i}", ["generator", *common, "--model", s.model, "--device", s.device,
+                                               "--metrics-port", str(metrics_port),
                                                *(["--model-path", s.model_path] if s.model_path else [])])
             self._spawn("relay", ["relay", *common, "--host", s.host, "--port", str(s.port)])
             url = f"http://{s.host}:{s.port}"
