@@ -67,7 +67,7 @@ async def create_stream(request: Request) -> JSONResponse:
                         messages=body.get("messages"), input_ids=body.get("input_ids"),
                         params={k: body[k] for k in _SAMPLING_KEYS if k in body}, coalesce=body.get("coalesce"))
     await state.admit(tenant, model)
-    await state.submit(req, request.headers)
+    await state.submit(req)
     return JSONResponse({"id": req.id, "model": model, "stream_url": f"/v1/streams/{req.id}"}, status_code=201,
                         headers={"X-Request-Id": req.id, "Location": f"/v1/streams/{req.id}"})
 

@@ -127,7 +127,7 @@ async def _start(request: Request, chat: bool) -> tuple[RelayState, TpRequest, d
     tenant = tenant_of(request)
     req = build_request(model=model, tenant=tenant, settings=state.settings, params=params, **content)
     await state.admit(tenant, model)
-    await state.submit(req, request.headers)
+    await state.submit(req)
     return state, req, body
 
 

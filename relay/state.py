@@ -138,12 +138,12 @@ class RelayState:
         self._queue_info[model] = (now, depth)
         return depth
 
-    async def submit(self, request: Request, http_headers: Any) -> None:
-        """Enqueue inside a PRODUCER span continuing the caller's trace."""
+    async def submit(self, request: Request) -> None:
+        """Enqueue inside a PRODUCER span, a child of the current (HTTP server) span."""
         bus = self.require_bus()
         subject = request_subject(request.model)
         with self.tracer.start_as_current_span(
-            f"publish {subject}", context=extract_context(http_headers), kind=SpanKind.PRODUCER,
+            f"publish {subject}", kind=SpanKind.PRODUCER,
             attributes={"messaging.system": "nats", "messaging.operation.type": "publish",
                         "messaging.destination.name": subject, "gen_ai.request.model": request.model,
                         "tokenpipe.stream.id": request.id}):
