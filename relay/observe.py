@@ -18,6 +18,8 @@ from tokenpipe.telemetry import extract_context
 
 __all__ = ["ObserveMiddleware", "route_of"]
 
+_UNTRACED = frozenset({"/healthz", "/readyz", "/metrics"})
+
 
 def route_of(path: str) -> str:
     """A low-cardinality route label (stream ids never become label values)."""
@@ -40,6 +42,9 @@ class ObserveMiddleware:
             await self.app(scope, receive, send)
             return
         route = route_of(scope["path"])
+        if route in _UNTRACED:
+            await self.app(scope, receive, send)  # probes and scrapes: every few seconds, never interesting
+            return
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope.get("headers", [])}
         status = {"code": 500}
 

@@ -1,48 +1,112 @@
-"""compose.yaml cross-checked against the code (no Docker engine runs here)."""
+"""compose.yaml and deploy/ cross-checked against the code (no Docker engine runs here)."""
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import fields
 from pathlib import Path
 
 import yaml
 
 from tokenpipe.cli import build_parser
+from tokenpipe.metrics import GeneratorMetrics, RelayMetrics
 from tokenpipe.settings import ENV_PREFIX, Settings
 
 ROOT = Path(__file__).resolve().parent.parent
+OTEL_VARS = {"OTEL_SERVICE_NAME", "OTEL_TRACES_EXPORTER", "OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_EXPORTER_OTLP_ENDPOINT"}
 
 
-def load() -> dict:
+def compose() -> dict:
     return yaml.safe_load((ROOT / "compose.yaml").read_text())
+
+
+def services() -> dict:
+    return compose()["services"]
 
 
 def test_services_run_real_cli_commands_with_known_flags() -> None:
     parser = build_parser()
-    services = load()["services"]
     for name in ("generator", "generator-gpu", "relay"):
-        cmd = services[name]["command"]
-        args = parser.parse_args(cmd)  # exits (fails the test) on an unknown subcommand or flag
+        args = parser.parse_args(services()[name]["command"])  # exits (fails) on an unknown flag
         assert args.cmd in ("generator", "relay")
 
 
-def test_environment_names_are_settings_fields() -> None:
+def test_environment_names_are_settings_or_otel_variables() -> None:
     known = {ENV_PREFIX + f.name.upper() for f in fields(Settings)}
-    for name, svc in load()["services"].items():
-        for key in (svc.get("environment") or {}):
+    for name, svc in services().items():
+        for key in svc.get("environment") or {}:
             if key.startswith(ENV_PREFIX):
                 assert key in known, f"{name}: {key} is not a setting"
+            elif key.startswith("OTEL_"):
+                assert key in OTEL_VARS, f"{name}: {key}"
 
 
-def test_relay_port_and_nats_url_agree() -> None:
-    services = load()["services"]
-    relay_cmd = services["relay"]["command"]
+def test_ports_agree_between_compose_code_and_prometheus() -> None:
+    svc = services()
+    relay_cmd = svc["relay"]["command"]
     port = relay_cmd[relay_cmd.index("--port") + 1]
-    assert any(p.endswith(f":{port}:{port}") for p in services["relay"]["ports"])
-    assert services["relay"]["environment"]["TOKENPIPE_NATS_URL"] == "nats://nats:4222"
-    assert "-js" in services["nats"]["command"]
-    assert services["generator-gpu"]["deploy"]["resources"]["reservations"]["devices"][0]["driver"] == "nvidia"
+    assert any(p.endswith(f":{port}:{port}") for p in svc["relay"]["ports"])
+    assert svc["relay"]["environment"]["TOKENPIPE_NATS_URL"] == "nats://nats:4222"
+    assert "-js" in svc["nats"]["command"] and "8222" in svc["nats"]["command"]
+    gen_port = svc["generator"]["environment"]["TOKENPIPE_METRICS_PORT"]
+    prom = yaml.safe_load((ROOT / "deploy/prometheus.yml").read_text())
+    jobs = {j["job_name"]: j for j in prom["scrape_configs"]}
+    assert jobs["tokenpipe-relay"]["static_configs"][0]["targets"] == [f"relay:{port}"]
+    dns = jobs["tokenpipe-generator"]["dns_sd_configs"][0]
+    assert str(dns["port"]) == gen_port and set(dns["names"]) == {"generator", "generator-gpu"}
+    exporter = svc["nats-exporter"]["command"]
+    assert jobs["nats"]["static_configs"][0]["targets"] == [f"nats-exporter:{exporter[exporter.index('-port') + 1]}"]
+    assert "http://nats:8222" in exporter
+    assert svc["generator-gpu"]["deploy"]["resources"]["reservations"]["devices"][0]["driver"] == "nvidia"
     assert (ROOT / ".env").read_text().strip() == "COMPOSE_PROFILES=cpu"
+
+
+def test_otlp_endpoints_reach_the_collector_and_the_collector_reaches_jaeger() -> None:
+    svc = services()
+    col = yaml.safe_load((ROOT / "deploy/otel-collector.yaml").read_text())
+    protocols = col["receivers"]["otlp"]["protocols"]
+    ports = {"grpc": protocols["grpc"]["endpoint"].rsplit(":", 1)[1],
+             "http/protobuf": protocols["http"]["endpoint"].rsplit(":", 1)[1]}
+    for name in ("generator", "relay"):
+        env = svc[name]["environment"]
+        assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == f"http://otel-collector:{ports[env['OTEL_EXPORTER_OTLP_PROTOCOL']]}"
+    pipeline = col["service"]["pipelines"]["traces"]
+    assert set(pipeline["receivers"]) <= set(col["receivers"])
+    assert set(pipeline["exporters"]) <= set(col["exporters"])
+    assert set(pipeline["processors"]) <= set(col["processors"])
+    assert col["exporters"]["otlp/jaeger"]["endpoint"].startswith("jaeger:")
+    mounted = [v.split(":")[0] for v in svc["otel-collector"]["volumes"]]
+    assert "./deploy/otel-collector.yaml" in mounted
+
+
+def _series_names() -> set[str]:
+    names: set[str] = set()
+    for registry in (GeneratorMetrics("m").registry, RelayMetrics().registry):
+        for family in registry.collect():
+            names.add(family.name)
+            for suffix in ("_total", "_bucket", "_sum", "_count"):
+                names.add(family.name + suffix)
+    return names
+
+
+def test_dashboard_is_valid_and_queries_only_existing_series() -> None:
+    dash = json.loads((ROOT / "deploy/grafana/dashboards/tokenpipe.json").read_text())
+    ds = yaml.safe_load((ROOT / "deploy/grafana/provisioning/datasources/prometheus.yaml").read_text())
+    uid = ds["datasources"][0]["uid"]
+    known = _series_names()
+    titles = [p["title"] for p in dash["panels"]]
+    for wanted in ("Time to first token", "Inter-token latency", "Output tokens/s", "Queue depth and running",
+                   "Batch size (sequences per step)", "Active SSE streams"):
+        assert wanted in titles
+    for p in dash["panels"]:
+        assert p["datasource"]["uid"] == uid
+        for t in p["targets"]:
+            for metric in re.findall(r"\b(tokenpipe_[a-z_]+)\b", t["expr"]):
+                assert metric in known, f"{p['title']}: {metric} is not exported"
+    provider = yaml.safe_load((ROOT / "deploy/grafana/provisioning/dashboards/tokenpipe.yaml").read_text())
+    path = provider["providers"][0]["options"]["path"]
+    assert any(v.endswith(":" + path + ":ro") for v in services()["grafana"]["volumes"])
 
 
 def test_dockerfile_copies_every_package() -> None:
