@@ -73,6 +73,23 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("--temperature", type=float, default=0.7)
     submit.add_argument("--seed", type=int, default=None)
     submit.add_argument("--json", action="store_true", help="print each batch as a JSON line")
+    bench = sub.add_parser("bench", help="load-test a running pipeline (TTFT, TPOT, ITL, E2E, tokens/s)")
+    bench.add_argument("--url", default="http://127.0.0.1:8000", help="relay URL")
+    bench.add_argument("--api", choices=["native", "openai", "sdk"], default="native")
+    bench.add_argument("--nats-url", default="nats://127.0.0.1:4222", help="for --api sdk")
+    bench.add_argument("--model", default=None)
+    bench.add_argument("--api-key", default=None)
+    bench.add_argument("--concurrency", type=int, default=8)
+    bench.add_argument("--rate", type=float, default=None, help="Poisson arrivals, requests/s (instead of concurrency)")
+    bench.add_argument("--num-requests", type=int, default=64)
+    bench.add_argument("--duration", type=float, default=None, help="stop starting requests after this many s")
+    bench.add_argument("--prompt-words", type=int, default=24)
+    bench.add_argument("--output-len", default="128", help="tokens per request: N or A-B (uniform)")
+    bench.add_argument("--coalesce-max-tokens", type=int, default=None)
+    bench.add_argument("--coalesce-max-delay-ms", type=float, default=None)
+    bench.add_argument("--json", dest="json_out", default=None, help="write the summary and records here")
+    bench.add_argument("--plot", default=None, help="write latency CDFs as a PNG here")
+
     rep = sub.add_parser("replay", help="print a kept stream with its original pacing")
     _common(rep)
     rep.add_argument("id")
@@ -147,9 +164,37 @@ def _dispatch(args: argparse.Namespace) -> int:
         return 0
     if args.cmd == "submit":
         return asyncio.run(_submit(args, settings))
+    if args.cmd == "bench":
+        return _bench(args)
     if args.cmd in ("replay", "streams", "tail"):
         return asyncio.run(_inspect(args, settings))
     raise AssertionError(args.cmd)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from bench.loadgen import LoadConfig, plot, records_json, run_load, summarize
+    from bench.report import summary_table
+
+    cfg = LoadConfig(url=args.url, api=args.api, nats_url=args.nats_url, model=args.model, api_key=args.api_key,
+                     concurrency=args.concurrency, rate=args.rate, num_requests=args.num_requests,
+                     duration_s=args.duration, prompt_words=args.prompt_words, output_len=args.output_len,
+                     coalesce_max_tokens=args.coalesce_max_tokens, coalesce_max_delay_ms=args.coalesce_max_delay_ms)
+    console = Console()
+    with Progress(console=console) as progress:
+        records, wall = asyncio.run(run_load(cfg, progress))
+    summary = summarize(records, wall)
+    console.print(summary_table(summary, f"tokenpipe bench — {cfg.api} API, "
+                                + (f"{cfg.rate} req/s" if cfg.rate else f"concurrency {cfg.concurrency}")))
+    if args.json_out:
+        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_out).write_text(json.dumps({"config": vars(cfg), "summary": summary,
+                                                   "records": records_json(records)}, indent=1))
+    if args.plot:
+        plot(records, args.plot, f"{cfg.api}, {summary['succeeded']} requests")
+    return 0 if summary["failed"] == 0 else 1
 
 
 async def _inspect(args: argparse.Namespace, settings: Settings) -> int:
