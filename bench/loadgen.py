@@ -90,7 +90,6 @@ async def _native(client: httpx.AsyncClient, cfg: LoadConfig, body: dict[str, An
 async def _openai(client: httpx.AsyncClient, cfg: LoadConfig, body: dict[str, Any], rec: Record) -> None:
     msgs = [{"role": "user", "content": body.pop("prompt")}]
     req = {**body, "messages": msgs, "stream": True, "stream_options": {"include_usage": True}}
-    before = 0
     async with client.stream("POST", "/v1/chat/completions", json=req) as resp:
         resp.raise_for_status()
         async for line in resp.aiter_lines():
@@ -100,14 +99,14 @@ async def _openai(client: httpx.AsyncClient, cfg: LoadConfig, body: dict[str, An
             if "error" in chunk:
                 rec.finish, rec.error = "error", chunk["error"]["message"]
                 return
-            if chunk.get("usage"):  # tokens are counted from usage, not chunks
-                total = chunk["usage"]["completion_tokens"]
-                if rec.batch_tokens:
-                    rec.batch_tokens[-1] += total - before
+            if chunk.get("usage"):
+                # OpenAI chunks do not say how many tokens each carries: spread the usage count over them.
+                total, n = chunk["usage"]["completion_tokens"], len(rec.batch_tokens)
+                if n:
+                    rec.batch_tokens = [total // n + (1 if i < total % n else 0) for i in range(n)]
                 rec.tokens = total
             elif chunk["choices"] and chunk["choices"][0].get("delta", {}).get("content"):
-                _batch(rec, 1, None)  # a chunk is one batch; its token count is fixed up from usage
-                before += 1
+                _batch(rec, 1, None)
             if chunk["choices"] and chunk["choices"][0].get("finish_reason"):
                 rec.finish = chunk["choices"][0]["finish_reason"]
 
