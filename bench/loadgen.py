@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 
-__all__ = ["LoadConfig", "Record", "run_load", "summarize", "plot"]
+__all__ = ["LoadConfig", "Record", "native_stream", "plot", "run_load", "summarize"]
 
 WORDS = ["stream", "token", "queue", "batch", "relay", "model", "prompt", "answer", "latency", "window", "cache",
          "replay", "resume", "worker", "subject", "message", "server", "client", "trace", "metric"]
@@ -68,7 +68,8 @@ def _prompt(rng: random.Random, words: int) -> str:
     return "Write about " + " ".join(rng.choice(WORDS) for _ in range(words)) + "."
 
 
-async def _native(client: httpx.AsyncClient, cfg: LoadConfig, body: dict[str, Any], rec: Record) -> None:
+async def native_stream(client: httpx.AsyncClient, body: dict[str, Any], rec: Record) -> None:
+    """POST /v1/streams then read its SSE to the end, recording every batch into ``rec``."""
     r = await client.post("/v1/streams", json=body)
     r.raise_for_status()
     sid = r.json()["id"]
@@ -87,7 +88,7 @@ async def _native(client: httpx.AsyncClient, cfg: LoadConfig, body: dict[str, An
                     return
 
 
-async def _openai(client: httpx.AsyncClient, cfg: LoadConfig, body: dict[str, Any], rec: Record) -> None:
+async def _openai(client: httpx.AsyncClient, body: dict[str, Any], rec: Record) -> None:
     msgs = [{"role": "user", "content": body.pop("prompt")}]
     req = {**body, "messages": msgs, "stream": True, "stream_options": {"include_usage": True}}
     async with client.stream("POST", "/v1/chat/completions", json=req) as resp:
@@ -121,7 +122,7 @@ def _batch(rec: Record, ntok: int, timings: dict[str, int] | None) -> None:
     rec.tokens += ntok
 
 
-async def _sdk(producer: Any, cfg: LoadConfig, body: dict[str, Any], rec: Record) -> None:
+async def _sdk(producer: Any, body: dict[str, Any], rec: Record) -> None:
     model = body.pop("model")
     handle = await producer.submit(model, **body)
     async for batch in handle:
@@ -159,11 +160,11 @@ async def run_load(cfg: LoadConfig, progress: Any = None) -> tuple[list[Record],
         rec = Record(ok=False, start=time.perf_counter())
         try:
             if cfg.api == "native":
-                await _native(client, cfg, body, rec)
+                await native_stream(client, body, rec)
             elif cfg.api == "openai":
-                await _openai(client, cfg, body, rec)
+                await _openai(client, body, rec)
             else:
-                await _sdk(producer, cfg, body, rec)
+                await _sdk(producer, body, rec)
             rec.ok = rec.finish in ("length", "stop")
         except (httpx.HTTPError, OSError) as exc:
             rec.error = repr(exc)

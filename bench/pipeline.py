@@ -23,7 +23,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +37,7 @@ from tokenpipe.natsserver import NatsServer, free_port
 from tokenpipe.settings import Settings
 
 from . import ceilings
+from .loadgen import Record, native_stream
 
 console = Console()
 TOPICS = ["a lighthouse", "the moon", "a robot", "coffee", "rivers", "a library", "winter", "trains", "bees",
@@ -55,42 +55,13 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
-@dataclass
-class StreamResult:
-    ttft_s: float
-    wall_s: float
-    tokens: int
-    batches: int
-    first_timings: dict[str, int] = field(default_factory=dict)
-    finish: str | None = None
-
-
-async def one_stream(client: httpx.AsyncClient, body: dict[str, Any]) -> StreamResult:
-    t0 = time.perf_counter()
-    r = await client.post("/v1/streams", json=body)
-    r.raise_for_status()
-    sid = r.json()["id"]
-    ttft = None
-    tokens = batches = 0
-    first_timings: dict[str, int] = {}
-    finish = None
-    event = ""
-    async with client.stream("GET", f"/v1/streams/{sid}") as resp:
-        async for line in resp.aiter_lines():
-            if line.startswith("event:"):
-                event = line[6:].strip()
-            elif line.startswith("data:"):
-                data = json.loads(line[5:])
-                if event == "tokens":
-                    if ttft is None:
-                        ttft = time.perf_counter() - t0
-                        first_timings = data.get("timings") or {}
-                    tokens += len(data["token_ids"])
-                    batches += 1
-                elif event in ("done", "error"):
-                    finish = data.get("finish", "error")
-                    break
-    return StreamResult(ttft or float("nan"), time.perf_counter() - t0, tokens, batches, first_timings, finish)
+async def one_stream(client: httpx.AsyncClient, body: dict[str, Any]) -> Record:
+    """One request over the native API, timed from the POST (the load generator's own path)."""
+    rec = Record(ok=False, start=time.perf_counter())
+    await native_stream(client, body, rec)
+    rec.e2e = time.perf_counter() - rec.start
+    rec.ok = rec.finish in ("length", "stop")
+    return rec
 
 
 class Pipeline:
@@ -157,7 +128,7 @@ async def drive(url: str, args: argparse.Namespace, progress: Progress) -> dict[
             progress.advance(task)
         task = progress.add_task(f"{args.streams} concurrent streams", total=args.streams)
 
-        async def tracked(i: int) -> StreamResult:
+        async def tracked(i: int) -> Record:
             res = await one_stream(client, {"messages": chat(i), **base})
             progress.advance(task)
             return res
@@ -233,11 +204,11 @@ def main(argv: list[str] | None = None) -> int:
             runs = asyncio.run(drive(pipe.url, args, progress))
 
     eng = results["engine"]
-    singles: list[StreamResult] = runs["singles"]
-    many: list[StreamResult] = runs["many"]
-    client_ttft = [s.ttft_s * 1e3 for s in singles]
+    singles: list[Record] = runs["singles"]
+    many: list[Record] = runs["many"]
+    client_ttft = [s.ttft * 1e3 for s in singles]
     # Per request: client TTFT minus the engine's own part (prefill: admitted -> first token).
-    added = [s.ttft_s * 1e3 - (s.first_timings["first_token"] - s.first_timings["admitted"]) / 1e6
+    added = [s.ttft * 1e3 - (s.first_timings["first_token"] - s.first_timings["admitted"]) / 1e6
              for s in singles if "admitted" in s.first_timings]
     total_tokens = sum(r.tokens for r in many)
     pipe_tok_s = total_tokens / runs["wall"]
@@ -252,8 +223,8 @@ def main(argv: list[str] | None = None) -> int:
         "tokens": total_tokens,
         "wall_s": runs["wall"],
         "tok_s": pipe_tok_s,
-        "batches": sum(r.batches for r in many),
-        "ttft_many_p50_ms": pct([r.ttft_s * 1e3 for r in many], 50),
+        "batches": sum(len(r.batch_tokens) for r in many),
+        "ttft_many_p50_ms": pct([r.ttft * 1e3 for r in many], 50),
         "all_finished": all(r.finish == "length" and r.tokens == args.max_tokens for r in many),
     }
     results["stages_32_streams_p50_ms"] = stage_breakdown(many)
@@ -276,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if results["pipeline"]["all_finished"] else 1
 
 
-def stage_breakdown(runs: list[StreamResult]) -> dict[str, float]:
+def stage_breakdown(runs: list[Record]) -> dict[str, float]:
     """Where the first batch's time went, from the timestamps it carries (same host clock)."""
     spans = {"queue (created→received)": ("created", "received"),
              "admission (received→admitted)": ("received", "admitted"),

@@ -48,6 +48,7 @@ class Cluster:
         self.procs: list[subprocess.Popen[bytes]] = []
         self.relay: subprocess.Popen[bytes] | None = None
         self.announcements: dict[int, dict[str, Any]] = {}
+        self.stream_id = ""
 
     @property
     def url(self) -> str:
@@ -153,6 +154,37 @@ async def read_events(resp: httpx.Response, on_tokens: Any = None) -> list[tuple
     return out
 
 
+def signal_holder(c: Cluster, at_batch: int, sig: int, done: list[int]) -> Any:
+    """An ``on_tokens`` callback: when the client has seen ``at_batch`` batches, send ``sig`` to
+    the generator holding the stream (``c.stream_id``) and note its pid in ``done``."""
+
+    async def on_tokens(n: int) -> None:
+        if n == at_batch and not done:
+            pid = c.holder(c.stream_id)
+            while pid is None:  # the holder's next announcement names the stream
+                await asyncio.sleep(0.05)
+                pid = c.holder(c.stream_id)
+            os.kill(pid, sig)
+            done.append(pid)
+
+    return on_tokens
+
+
+async def stream_through(c: Cluster, body: dict[str, Any], on_tokens: Any) -> list[tuple[str, str | None, dict]]:
+    async with httpx.AsyncClient(base_url=c.url, timeout=120) as http:
+        c.stream_id = (await http.post("/v1/streams", json=body)).json()["id"]
+        async with http.stream("GET", f"/v1/streams/{c.stream_id}") as resp:
+            return await read_events(resp, on_tokens)
+
+
+async def start(c: Cluster, generators: int) -> list[subprocess.Popen[bytes]]:
+    gens = [c.start_generator() for _ in range(generators)]
+    c.start_relay()
+    await c.wait_generators(generators)
+    await c.wait_relay()
+    return gens
+
+
 def assert_contiguous(events: list[tuple[str, str | None, dict]], total: int) -> list[int]:
     tokens = [d for e, _, d in events if e == "tokens"]
     expected = 0
@@ -177,26 +209,9 @@ def _greedy_ids(lm: LoadedModel, req: Request) -> list[int]:
 
 async def test_kill9_mid_stream_continues_on_another_worker(cluster_factory: Any, tiny_model: LoadedModel) -> None:
     c = await cluster_factory()
-    c.start_generator()
-    c.start_generator()
-    c.start_relay()
-    await c.wait_generators(2)
-    await c.wait_relay()
+    await start(c, generators=2)
     killed: list[int] = []
-
-    async def kill_holder(n: int) -> None:
-        if n == 40 and not killed:
-            pid = c.holder(sid)
-            while pid is None:  # the holder's next announcement names the stream
-                await asyncio.sleep(0.05)
-                pid = c.holder(sid)
-            os.kill(pid, signal.SIGKILL)
-            killed.append(pid)
-
-    async with httpx.AsyncClient(base_url=c.url, timeout=120) as http:
-        sid = (await http.post("/v1/streams", json=LONG)).json()["id"]
-        async with http.stream("GET", f"/v1/streams/{sid}") as resp:
-            events = await read_events(resp, kill_holder)
+    events = await stream_through(c, LONG, signal_holder(c, 40, signal.SIGKILL, killed))
     assert killed, "the stream finished before a worker could be killed"
     assert events[-1][0] == "done" and events[-1][2]["finish"] == "length", events[-1]
     assert events[-1][2]["usage"]["completion_tokens"] == 1500
@@ -209,25 +224,9 @@ async def test_kill9_mid_stream_continues_on_another_worker(cluster_factory: Any
 
 async def test_sigterm_drains_and_hands_back_to_another_worker(cluster_factory: Any) -> None:
     c = await cluster_factory(drain_timeout_s=0.2)
-    gens = [c.start_generator(), c.start_generator()]
-    c.start_relay()
-    await c.wait_generators(2)
-    await c.wait_relay()
+    gens = await start(c, generators=2)
     drained: list[int] = []
-
-    async def term_holder(n: int) -> None:
-        if n == 40 and not drained:
-            pid = c.holder(sid)
-            while pid is None:
-                await asyncio.sleep(0.05)
-                pid = c.holder(sid)
-            os.kill(pid, signal.SIGTERM)
-            drained.append(pid)
-
-    async with httpx.AsyncClient(base_url=c.url, timeout=120) as http:
-        sid = (await http.post("/v1/streams", json=LONG)).json()["id"]
-        async with http.stream("GET", f"/v1/streams/{sid}") as resp:
-            events = await read_events(resp, term_holder)
+    events = await stream_through(c, LONG, signal_holder(c, 40, signal.SIGTERM, drained))
     assert drained
     assert events[-1][0] == "done" and events[-1][2]["finish"] == "length"
     assert_contiguous(events, 1500)
@@ -237,26 +236,9 @@ async def test_sigterm_drains_and_hands_back_to_another_worker(cluster_factory: 
 
 async def test_exhausted_deliveries_end_the_stream_with_an_error(cluster_factory: Any) -> None:
     c = await cluster_factory(max_deliver=1)
-    c.start_generator()
-    c.start_generator()
-    c.start_relay()
-    await c.wait_generators(2)
-    await c.wait_relay()
+    await start(c, generators=2)
     killed: list[int] = []
-
-    async def kill_holder(n: int) -> None:
-        if n == 20 and not killed:
-            pid = c.holder(sid)
-            while pid is None:
-                await asyncio.sleep(0.05)
-                pid = c.holder(sid)
-            os.kill(pid, signal.SIGKILL)
-            killed.append(pid)
-
-    async with httpx.AsyncClient(base_url=c.url, timeout=120) as http:
-        sid = (await http.post("/v1/streams", json=LONG)).json()["id"]
-        async with http.stream("GET", f"/v1/streams/{sid}") as resp:
-            events = await read_events(resp, kill_holder)
+    events = await stream_through(c, LONG, signal_holder(c, 20, signal.SIGKILL, killed))
     assert killed
     assert events[-1][0] == "error"
     assert "attempted 1 times" in events[-1][2]["message"]
@@ -327,10 +309,7 @@ async def test_nats_restart_keeps_queued_requests(cluster_factory: Any) -> None:
 
 async def test_nats_restart_mid_stream_loses_no_batch(cluster_factory: Any) -> None:
     c = await cluster_factory()
-    c.start_generator()
-    c.start_relay()
-    await c.wait_generators(1)
-    await c.wait_relay()
+    await start(c, generators=1)
     restarted: list[bool] = []
 
     async def bounce(n: int) -> None:
@@ -339,10 +318,7 @@ async def test_nats_restart_mid_stream_loses_no_batch(cluster_factory: Any) -> N
             c.nats.start()
             restarted.append(True)
 
-    async with httpx.AsyncClient(base_url=c.url, timeout=120) as http:
-        sid = (await http.post("/v1/streams", json={**LONG, "max_tokens": 1200})).json()["id"]
-        async with http.stream("GET", f"/v1/streams/{sid}") as resp:
-            events = await asyncio.wait_for(read_events(resp, bounce), 90)
+    events = await asyncio.wait_for(stream_through(c, {**LONG, "max_tokens": 1200}, bounce), 90)
     assert restarted
     # Batches lost in the outage are republished (deduplicated by Msg-Id) and put back in order.
     assert events[-1][0] == "done", events[-1]
