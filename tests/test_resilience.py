@@ -135,8 +135,10 @@ async def cluster_factory(tmp_path: Path, data_dir: Path) -> AsyncIterator[Any]:
         await c.close()
 
 
-async def read_events(resp: httpx.Response, on_tokens: Any = None) -> list[tuple[str, str | None, dict]]:
-    out: list[tuple[str, str | None, dict]] = []
+async def read_events(resp: httpx.Response, on_tokens: Any = None,
+                      out: list[tuple[str, str | None, dict]] | None = None) -> list[tuple[str, str | None, dict]]:
+    """SSE events up to done/error; ``out`` (if given) keeps what arrived even if the read fails."""
+    out = [] if out is None else out
     event, eid = "message", None
     async for line in resp.aiter_lines():
         if line.startswith("event:"):
@@ -256,14 +258,14 @@ async def test_relay_restart_then_resume_with_last_event_id(cluster_factory: Any
     async with httpx.AsyncClient(base_url=c.url, timeout=120) as http:
         sid = (await http.post("/v1/streams", json=body)).json()["id"]
         first: list[tuple[str, str | None, dict]] = []
-        with pytest.raises(httpx.HTTPError):
-            async with http.stream("GET", f"/v1/streams/{sid}") as resp:
-                async def kill_relay(n: int) -> None:
-                    if n == 25:
-                        relay.kill()
 
-                async for _ in _events_until_error(resp, kill_relay, first):
-                    pass
+        async def kill_relay(n: int) -> None:
+            if n == 25:
+                relay.kill()
+
+        with pytest.raises(httpx.HTTPError):  # the relay died under the open stream
+            async with http.stream("GET", f"/v1/streams/{sid}") as resp:
+                await read_events(resp, kill_relay, first)
         assert 25 <= len([e for e in first if e[0] == "tokens"]) < 800
         c.start_relay()
         await c.wait_relay()
@@ -273,21 +275,6 @@ async def test_relay_restart_then_resume_with_last_event_id(cluster_factory: Any
     events = [e for e in first if e[0] == "tokens"] + rest
     assert events[-1][0] == "done" and events[-1][2]["finish"] == "length"
     assert_contiguous(events, 800)
-
-
-async def _events_until_error(resp: httpx.Response, on_tokens: Any, out: list) -> AsyncIterator[None]:
-    event, eid = "message", None
-    async for line in resp.aiter_lines():
-        if line.startswith("event:"):
-            event = line[6:].strip()
-        elif line.startswith("id:"):
-            eid = line[3:].strip()
-        elif line.startswith("data:"):
-            out.append((event, eid, json.loads(line[5:])))
-            if event == "tokens":
-                await on_tokens(len(out))
-            yield None
-    raise httpx.RemoteProtocolError("stream ended without done")
 
 
 async def test_nats_restart_keeps_queued_requests(cluster_factory: Any) -> None:
