@@ -76,17 +76,20 @@ class Engine:
         self.last_step_batch = 0
 
     # -- admission -------------------------------------------------------------------
-    def new_sequence(self, seq_id: str, prompt: list[int], params: SamplingParams) -> Sequence:
-        """Validate and build a sequence; raises :class:`InvalidRequest` if it cannot run."""
+    def new_sequence(self, seq_id: str, prompt: list[int], params: SamplingParams, carried: int = 0) -> Sequence:
+        """Validate and build a sequence; raises :class:`InvalidRequest` if it cannot run.
+
+        ``carried`` trailing prompt tokens were generated earlier (crash continuation): they count
+        against the context and ``max_tokens`` but not against the prompt-length limit."""
         if not prompt:
             raise InvalidRequest("the prompt is empty", param="prompt")
         vocab = int(self.model.config.vocab_size)
         if max(prompt) >= vocab:
             raise InvalidRequest(f"token id {max(prompt)} is outside the vocabulary ({vocab})", param="input_ids")
         room = self.max_seq_len - len(prompt)
-        if len(prompt) > self.max_prompt_tokens and room >= 1:
-            raise InvalidRequest(f"prompt has {len(prompt)} tokens; the limit here is {self.max_prompt_tokens}",
-                                 param="prompt")
+        if len(prompt) - carried > self.max_prompt_tokens and room >= 1:
+            raise InvalidRequest(f"prompt has {len(prompt) - carried} tokens; the limit here is "
+                                 f"{self.max_prompt_tokens}", param="prompt")
         if room < 1:
             raise InvalidRequest(
                 f"prompt has {len(prompt)} tokens; this model's context is {self.max_seq_len}", param="prompt"

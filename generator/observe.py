@@ -61,7 +61,7 @@ class Timeline:
                 span.set_attribute("tokenpipe.time_to_first_token_ms", (self.first_token - self.created) / 1e6)
         if batch.usage:
             m.labels(m.prompt_tokens).inc(batch.usage.prompt_tokens)
-            m.labels(m.generation_tokens).inc(batch.usage.completion_tokens - self.resumed_tokens)
+            m.labels(m.generation_tokens).inc(max(0, batch.usage.completion_tokens - self.resumed_tokens))
             span.set_attribute("gen_ai.usage.input_tokens", batch.usage.prompt_tokens)
             span.set_attribute("gen_ai.usage.output_tokens", batch.usage.completion_tokens)
         m.finished.labels(model_name=m.model, finished_reason=batch.finish or "").inc()

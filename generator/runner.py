@@ -155,25 +155,36 @@ class Runner:
 
     def _admit(self, job: Job) -> None:
         req = job.request
+        carried = len(job.resume_ids)
         try:
-            prompt = encode_prompt(self.loaded.tokenizer, req) + list(job.resume_ids)
+            original = encode_prompt(self.loaded.tokenizer, req)
             params = req.params
-            seq = self.engine.new_sequence(req.id, prompt, params)
-            seq.max_new = min(seq.max_new, params.max_tokens - len(job.resume_ids))
+            seq = self.engine.new_sequence(req.id, original + list(job.resume_ids), params, carried=carried)
+            seq.max_new = min(seq.max_new, params.max_tokens - carried)
             if seq.max_new < 1:
                 raise InvalidRequest("max_tokens already reached by resumed tokens")
         except TokenpipeError as exc:
             self.on_emit([Emission(req.id, (), "", time.time_ns(), finish="error", error=exc.message,
-                                   usage=Usage(0, 0), error_code=exc.code)])
+                                   usage=Usage(0, carried), error_code=exc.code)])
             return
         except Exception as exc:  # tokenizer failures on hostile input: report, keep serving
             log.exception("could not prepare request", extra={"request_id": req.id})
             self.on_emit([Emission(req.id, (), "", time.time_ns(), finish="error",
-                                   error=f"could not prepare request: {exc}", usage=Usage(0, 0),
+                                   error=f"could not prepare request: {exc}", usage=Usage(0, carried),
                                    error_code="invalid_request")])
             return
-        detok = IncrementalDetokenizer(self.loaded.tokenizer, prompt)
-        self._states[req.id] = _State(job, seq, detok, StopMatcher(params.stop))
+        # Rebuild the text state the previous worker had at the crash: text it still held back
+        # (a partial UTF-8 character, a possible stop-string prefix) is released later, as it
+        # would have been; what it had already published is not repeated.
+        detok = IncrementalDetokenizer(self.loaded.tokenizer, original)
+        stop = StopMatcher(params.stop)
+        for token in job.resume_ids:
+            _, matched = stop.feed(detok.push(token))
+            if matched:  # the stop string completed exactly at the crash
+                self.on_emit([Emission(req.id, (), "", time.time_ns(), finish="stop",
+                                       usage=Usage(len(original), carried))])
+                return
+        self._states[req.id] = _State(job, seq, detok, stop)
         self.engine.add(seq)
 
     def _emission(self, out: StepOutput) -> Emission:
@@ -203,9 +214,10 @@ class Runner:
     def _fail_all(self, message: str) -> None:
         emissions = []
         for seq in [*self.engine.rows, *self.engine.waiting]:
-            self._states.pop(seq.id, None)
+            st = self._states.pop(seq.id, None)
+            carried = len(st.job.resume_ids) if st else 0
             emissions.append(Emission(seq.id, (), "", time.time_ns(), finish="error", error=message,
-                                      usage=Usage(len(seq.prompt), len(seq.generated)),
+                                      usage=Usage(len(seq.prompt) - carried, len(seq.generated) + carried),
                                       error_code="generation_error"))
         self.engine.rows.clear()
         self.engine.waiting.clear()

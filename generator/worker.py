@@ -29,7 +29,7 @@ from tokenpipe.bus import Bus
 from tokenpipe.errors import TokenpipeError, WireFormatError
 from tokenpipe.metrics import GeneratorMetrics
 from tokenpipe.settings import Settings
-from tokenpipe.streams import history, last_batch
+from tokenpipe.streams import history
 from tokenpipe.subjects import (
     ANNOUNCE_PREFIX,
     CANCEL_WILDCARD,
@@ -159,7 +159,7 @@ class GeneratorWorker:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for sub in [*self._subs, self._psub]:
             await sub.unsubscribe()
-        self.runner.stop()
+        await asyncio.to_thread(self.runner.stop)
         await self.bus.nc.flush()
 
     # -- intake ----------------------------------------------------------------------
@@ -187,7 +187,10 @@ class GeneratorWorker:
                 await asyncio.sleep(0.5)
                 continue
             for msg in msgs:
-                await self._accept(msg)
+                if self._stopping.is_set():
+                    await msg.nak()  # fetched while stopping: hand it straight back
+                else:
+                    await self._accept(msg)
 
     async def _accept(self, msg: Msg) -> None:
         received = time.time_ns()
@@ -200,7 +203,8 @@ class GeneratorWorker:
             await self._reject(msg, msg.data, exc)
             return
         if request.id in self.active:
-            await msg.ack()  # duplicate delivery of a request we are already running
+            # Redelivered while we still run it (a late progress ack): keep it ours, do not ack it away.
+            await msg.in_progress()
             return
         ctx = extract_context(msg.headers)
         span = self.tracer.start_span(f"generate {self.model}", context=ctx, kind=SpanKind.CONSUMER, attributes={
@@ -289,21 +293,20 @@ class GeneratorWorker:
             advisory = json.loads(msg.data)
             raw = await self.bus.js.get_msg(REQUESTS_STREAM, int(advisory["stream_seq"]))
             request = Request.decode(raw.data or b"")
-            last = await last_batch(self.bus, request.id)
+            past = await history(self.bus, request.id)
         except (ValueError, KeyError, TokenpipeError) as exc:
             log.warning("unusable max-deliveries advisory", extra={"error": str(exc)})
             return
         except Exception as exc:  # the message may already be gone; nothing left to report
             log.warning("max-deliveries advisory: request unavailable", extra={"error": repr(exc)})
             return
-        if last is None or not last.is_final:
+        if not past or not past[-1].is_final:
             attempts = int(advisory.get("deliveries", self.settings.max_deliver))
+            produced = sum(len(b.token_ids) for b in past)
             batch = TokenBatch(
-                id=request.id, seq=last.seq + 1 if last else 0,
-                index=last.index + len(last.token_ids) if last else 0, finish="error",
+                id=request.id, seq=len(past), index=produced, finish="error",
                 error=f"generation failed: the request was attempted {attempts} times and every worker stopped",
-                error_code="generation_error", usage=Usage(0, last.index + len(last.token_ids) if last else 0),
-                timings={"emitted": time.time_ns()})
+                error_code="generation_error", usage=Usage(0, produced), timings={"emitted": time.time_ns()})
             await self.bus.nc.publish(token_subject(request.id), batch.encode(),
                                       headers={"Nats-Msg-Id": f"{batch.id}:{batch.seq}"})
             log.error("request exhausted its deliveries", extra={"request_id": request.id, "attempts": attempts})
@@ -337,13 +340,21 @@ class GeneratorWorker:
         last_progress = time.monotonic()
         while True:
             await asyncio.sleep(min(self.settings.announce_interval_s, progress_every))
-            await self._announce()
-            await self._refresh_gauges()
+            try:
+                await self._announce()
+                await self._refresh_gauges()
+            except Exception as exc:  # an outage must not end the announcements for good
+                log.warning("announce failed", extra={"error": repr(exc)})
             if time.monotonic() - last_progress >= progress_every:
                 last_progress = time.monotonic()
                 for act in list(self.active.values()):
-                    if act.msg is not None:
+                    if act.msg is None:
+                        continue
+                    try:
                         await act.msg.in_progress()
+                    except Exception as exc:  # one failure must not starve the other requests' progress acks
+                        log.warning("in-progress ack failed", extra={"request_id": act.request.id,
+                                                                     "error": repr(exc)})
 
     def _on_step(self, batch_size: int) -> None:
         """Engine thread, once per step (prometheus_client is thread-safe)."""
@@ -368,7 +379,10 @@ class GeneratorWorker:
 
     def _on_emissions(self, emissions: list[Emission]) -> None:
         for em in emissions:
-            self._emit_now(em.request_id, em)
+            try:
+                self._emit_now(em.request_id, em)
+            except Exception:  # one stream's failure must not drop the others' tokens of this step
+                log.exception("emission failed", extra={"request_id": em.request_id})
 
     def _emit_now(self, rid: str, em: Emission) -> None:
         act = self.active.get(rid)
@@ -458,6 +472,7 @@ class GeneratorWorker:
                 if item.ack is not None:
                     await item.ack.ack()
                     continue
+                backoff = 0.05
                 while True:
                     try:
                         if item.fut is None:
@@ -469,6 +484,8 @@ class GeneratorWorker:
                             item.fut.cancel()
                         log.warning("batch not confirmed; republishing", extra={"subject": item.subject,
                                                                                  "error": repr(exc)})
+                        await asyncio.sleep(backoff)  # no tight loop while JetStream is unavailable
+                        backoff = min(backoff * 2, 2.0)
                         while not nc.is_connected:
                             await asyncio.sleep(0.1)  # waiting out a reconnect
                         try:

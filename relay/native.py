@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 
 from tokenpipe.errors import InvalidRequest, TokenpipeError
@@ -23,6 +24,7 @@ __all__ = ["router", "build_request", "tenant_of"]
 
 router = APIRouter()
 
+_SEQ_RE = re.compile(r"[0-9]{1,18}")
 _SAMPLING_KEYS = {"max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "ignore_eos"}
 _NATIVE_KEYS = _SAMPLING_KEYS | {"model", "prompt", "messages", "input_ids", "coalesce"}
 
@@ -66,7 +68,7 @@ async def create_stream(request: Request) -> JSONResponse:
     req = build_request(model=model, tenant=tenant, settings=state.settings, prompt=body.get("prompt"),
                         messages=body.get("messages"), input_ids=body.get("input_ids"),
                         params={k: body[k] for k in _SAMPLING_KEYS if k in body}, coalesce=body.get("coalesce"))
-    await state.admit(tenant, model)
+    await state.admit(tenant, model, req.id)
     await state.submit(req)
     return JSONResponse({"id": req.id, "model": model, "stream_url": f"/v1/streams/{req.id}"}, status_code=201,
                         headers={"X-Request-Id": req.id, "Location": f"/v1/streams/{req.id}"})
@@ -76,13 +78,13 @@ def _resume_point(request: Request, last_event_id: int | None) -> int:
     header = request.headers.get("last-event-id")
     if header is None:
         return last_event_id if last_event_id is not None else -1
-    if not header.strip().lstrip("-").isdigit():
+    if not _SEQ_RE.fullmatch(header.strip()):  # ASCII digits only: str.isdigit() also accepts '²'
         raise InvalidRequest("Last-Event-ID must be a batch sequence number", param="Last-Event-ID")
     return int(header)
 
 
 @router.get("/v1/streams/{stream_id}")
-async def get_stream(stream_id: str, request: Request, last_event_id: int | None = None,
+async def get_stream(stream_id: str, request: Request, last_event_id: int | None = Query(None, ge=0),
                      cancel_on_disconnect: bool = True, replay: bool = False, speed: float = 1.0) -> Response:
     """The stream as SSE: history first, then live. ``replay=true`` re-times the history by the
     original gaps between batches divided by ``speed`` (0 = as fast as possible)."""
@@ -106,8 +108,10 @@ async def get_stream(stream_id: str, request: Request, last_event_id: int | None
 @router.delete("/v1/streams/{stream_id}")
 async def delete_stream(stream_id: str, request: Request) -> dict[str, Any]:
     state = state_of(request)
-    await state.owned_meta(stream_id, tenant_of(request))
+    tenant = tenant_of(request)
+    await state.owned_meta(stream_id, tenant)
     await state.cancel(stream_id)
+    state.release(tenant, stream_id)
     return {"id": stream_id, "cancelled": True}
 
 

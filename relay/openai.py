@@ -7,6 +7,8 @@ the native API.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -126,7 +128,7 @@ async def _start(request: Request, chat: bool) -> tuple[RelayState, TpRequest, d
     model = await state.resolve_model(body.get("model"))
     tenant = tenant_of(request)
     req = build_request(model=model, tenant=tenant, settings=state.settings, params=params, **content)
-    await state.admit(tenant, model)
+    await state.admit(tenant, model, req.id)
     await state.submit(req)
     return state, req, body
 
@@ -150,12 +152,27 @@ async def _complete(request: Request, chat: bool) -> Response:
                            send_timeout=state.settings.slow_client_timeout_s, stream_id=req.id)
     text: list[str] = []
     final: TokenBatch | None = None
-    async for item in state.batches(session):
-        if isinstance(item, TokenBatch):
-            text.append(item.text)
-            final = item
-        elif isinstance(item, Gap):
-            log.warning("tokens missing from a completion", extra={"request_id": req.id, "reason": item.reason})
+
+    async def collect() -> None:
+        nonlocal final
+        async for item in state.batches(session):
+            if isinstance(item, TokenBatch):
+                text.append(item.text)
+                final = item
+            elif isinstance(item, Gap):
+                log.warning("tokens missing from a completion", extra={"request_id": req.id, "reason": item.reason})
+
+    # A client that hangs up on a blocking completion cancels it, as a streaming one does.
+    collector = asyncio.ensure_future(collect())
+    watcher = asyncio.ensure_future(_disconnected(request))
+    await asyncio.wait({collector, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    watcher.cancel()
+    if not collector.done():
+        collector.cancel()  # state.batches() cancels the generation on its way out
+        with contextlib.suppress(asyncio.CancelledError):
+            await collector
+        return Response(status_code=499, headers={"X-Request-Id": req.id})  # nobody is listening
+    collector.result()
     assert final is not None and final.is_final
     if final.finish == "error":
         exc = InvalidRequest(final.error or "") if final.error_code == "invalid_request" else GenerationError(
@@ -172,6 +189,12 @@ async def _complete(request: Request, chat: bool) -> Response:
     return JSONResponse({"id": _object_id(req.id, chat), "object": "chat.completion" if chat else "text_completion",
                          "created": created, "model": req.model, "choices": [choice], "usage": usage},
                         headers={"X-Request-Id": req.id})
+
+
+async def _disconnected(request: Request) -> None:
+    """Return once the client hangs up (the body was read, so the next message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _object_id(stream_id: str, chat: bool) -> str:

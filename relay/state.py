@@ -48,6 +48,7 @@ __all__ = ["RelayState", "Session"]
 log = logging.getLogger(__name__)
 
 _QUEUE_INFO_TTL = 0.25  # seconds a consumer-lag reading is reused for admission decisions
+_RESERVATION_S = 900.0  # an unread stream holds its key's slot at most this long
 
 
 @dataclass
@@ -67,7 +68,8 @@ class RelayState:
         self.registry = GeneratorRegistry()
         self.keys = KeyRing.load(settings.api_keys, settings.api_keys_file)
         self.bus: Bus | None = None
-        self.active: Counter[str] = Counter()
+        self.active: Counter[str] = Counter()  # open readers per tenant
+        self.open_streams: dict[str, dict[str, float]] = {}  # tenant -> {stream id: reservation expiry}
         self.metrics = RelayMetrics()
         self._queue_info: dict[str, tuple[float, int]] = {}
 
@@ -114,13 +116,28 @@ class RelayState:
             await asyncio.sleep(0.1)  # waiting for an announcement; bounded by generator_wait_s
         return model
 
-    async def admit(self, tenant: str, model: str) -> None:
-        """429 when this key has too many open streams or the model's queue is too deep."""
-        if self.active[tenant] >= self.settings.max_streams_per_key:
-            raise Overloaded(f"too many concurrent streams for this key (limit {self.settings.max_streams_per_key})")
-        depth = await self.queue_depth(model)
-        if depth > self.settings.max_queue_depth:
-            raise Overloaded(f"{depth} requests are already waiting for {model!r}; retry shortly", retry_after=2)
+    async def admit(self, tenant: str, model: str, stream_id: str) -> None:
+        """Reserve a stream slot for ``tenant``; 429 when the key has too many unfinished streams
+        or the model's queue is too deep. The slot is freed when a reader sees the stream end,
+        when its owner cancels it, or after ``_RESERVATION_S`` (a stream nobody reads)."""
+        now = time.monotonic()
+        mine = self.open_streams.setdefault(tenant, {})
+        for sid in [k for k, expiry in mine.items() if expiry < now]:
+            del mine[sid]
+        if len(mine) >= self.settings.max_streams_per_key:
+            raise Overloaded(f"too many unfinished streams for this key (limit {self.settings.max_streams_per_key})")
+        mine[stream_id] = now + _RESERVATION_S  # no await between the check and this: no race
+        try:
+            depth = await self.queue_depth(model)
+            if depth > self.settings.max_queue_depth:
+                raise Overloaded(f"{depth} requests are already waiting for {model!r}; retry shortly",
+                                 retry_after=2)
+        except BaseException:
+            self.release(tenant, stream_id)
+            raise
+
+    def release(self, tenant: str, stream_id: str) -> None:
+        self.open_streams.get(tenant, {}).pop(stream_id, None)
 
     async def queue_depth(self, model: str) -> int:
         """Requests for ``model`` not yet pulled by any generator (JetStream consumer lag)."""
@@ -211,6 +228,7 @@ class RelayState:
                     self.metrics.batches.inc()
                     if item.is_final:
                         session.finished = True
+                        self.release(session.tenant, session.stream_id)
                         span.add_event("last_batch", {"tokenpipe.batch.seq": item.seq})
                         span.set_attribute("gen_ai.response.finish_reasons", [item.finish or ""])
                         if item.usage:

@@ -111,7 +111,9 @@ async def provision(js: JetStreamContext, settings: Settings) -> None:
                 storage=js_api.StorageType.FILE,
                 max_age=settings.token_max_age_s,
                 max_bytes=settings.token_max_bytes,
-                duplicate_window=min(10.0, settings.token_max_age_s),  # the server requires <= max_age
+                # Long enough to cover an outage plus PubAck timeouts, so republished batches dedup;
+                # the server requires it to be <= max_age.
+                duplicate_window=min(120.0, settings.token_max_age_s),
             ),
         )
         try:

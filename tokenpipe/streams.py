@@ -16,6 +16,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import nats.errors
 from nats.js import api as js_api
@@ -72,9 +73,10 @@ async def submit(bus: Bus, request: Request, headers: dict[str, str] | None = No
     meta = StreamMeta(request.id, request.tenant, request.model, request.created_at or time.time_ns())
     hdrs = dict(headers or {})
     hdrs["Nats-Msg-Id"] = request.id
+    payload = request.encode()  # before any write: an unencodable request leaves nothing behind
     try:
         await bus.meta.put(request.id, meta.encode())
-        await bus.js.publish(request_subject(request.model), request.encode(), headers=hdrs)
+        await bus.js.publish(request_subject(request.model), payload, headers=hdrs)
     except Exception as exc:  # nats raises several unrelated types here
         raise TransportError(f"could not enqueue request: {exc}") from exc
 
@@ -113,20 +115,43 @@ async def last_batch(bus: Bus, stream_id: str) -> TokenBatch | None:
 
 
 async def history(bus: Bus, stream_id: str) -> list[TokenBatch]:
-    """Every batch published so far for ``stream_id``, in order (empty if none)."""
-    last = await last_batch(bus, stream_id)
-    if last is None:
+    """The contiguous batches ``seq 0..k`` stored so far for ``stream_id``.
+
+    Reads every stored message (until the consumer reports nothing pending) and orders them
+    by ``seq``: after a NATS outage a republished batch can be stored after later ones, and a
+    duplicate past the dedup window can be stored twice, so "the last stored message" is not
+    "the last batch".
+    """
+    if await last_batch(bus, stream_id) is None:
         return []
+    try:
+        sub = await bus.js.subscribe(token_subject(stream_id), stream=TOKENS_STREAM, ordered_consumer=True,
+                                     deliver_policy=js_api.DeliverPolicy.ALL)
+    except Exception as exc:
+        raise TransportError(f"could not read stream history: {exc}") from exc
+    by_seq: dict[int, TokenBatch] = {}
+    try:
+        while True:
+            msg = await sub.next_msg(timeout=5.0)
+            batch = TokenBatch.decode(msg.data)
+            by_seq.setdefault(batch.seq, batch)
+            if msg.metadata.num_pending == 0:
+                break
+    except nats.errors.TimeoutError as exc:
+        raise TransportError(f"stream {stream_id} history stalled") from exc
+    finally:
+        await _unsubscribe(sub, stream_id)
     out: list[TokenBatch] = []
-    async for item in follow(bus, stream_id, idle=5.0):
-        if isinstance(item, Ping):
-            raise TransportError(f"stream {stream_id} history stalled before seq {last.seq}")
-        if isinstance(item, Gap):
-            raise TransportError(f"stream {stream_id} history has a hole: {item.reason}")
-        out.append(item)
-        if item.seq >= last.seq:
-            break
+    while len(out) in by_seq and not (out and out[-1].is_final):
+        out.append(by_seq[len(out)])
     return out
+
+
+async def _unsubscribe(sub: Any, stream_id: str) -> None:
+    try:
+        await sub.unsubscribe()
+    except Exception as exc:  # connection already closing; the ephemeral consumer expires by itself
+        log.debug("unsubscribe failed", extra={"stream_id": stream_id, "error": repr(exc)})
 
 
 async def paced(source: AsyncIterator[StreamItem], speed: float) -> AsyncGenerator[StreamItem, None]:
@@ -166,7 +191,7 @@ async def follow(bus: Bus, stream_id: str, *, after_seq: int = -1, idle: float |
         raise TransportError(f"could not follow stream: {exc}") from exc
     expected = after_seq + 1
     held: dict[int, TokenBatch] = {}
-    first = True
+    oldest_stored: int | None = None  # seq of the first message the stream still holds
     held_since: float | None = None
     try:
         while True:
@@ -185,6 +210,8 @@ async def follow(bus: Bus, stream_id: str, *, after_seq: int = -1, idle: float |
                     continue
             else:
                 batch = TokenBatch.decode(msg.data)
+                if oldest_stored is None:
+                    oldest_stored = batch.seq
                 if trace_headers is not None and not trace_headers and msg.headers:
                     trace_headers.update({k: v for k, v in msg.headers.items() if k in ("traceparent", "tracestate")})
                 if batch.seq < expected:
@@ -194,11 +221,11 @@ async def follow(bus: Bus, stream_id: str, *, after_seq: int = -1, idle: float |
                         return
                     continue  # already delivered (a republished duplicate) or before the resume point
                 held[batch.seq] = batch
-                if first and batch.seq > expected:
-                    # The oldest batches kept are newer than asked for: retention removed the rest.
-                    yield Gap(expected, batch.seq - 1, "expired from history (retention)")
-                    expected = batch.seq
-                first = False
+                caught_up = msg.metadata.num_pending == 0
+                if expected not in held and caught_up and oldest_stored > expected:
+                    # Everything stored is newer than what is asked for: retention removed the rest.
+                    yield Gap(expected, oldest_stored - 1, "expired from history (retention)")
+                    expected = oldest_stored
             while expected in held:
                 out = held.pop(expected)
                 expected += 1
@@ -207,7 +234,4 @@ async def follow(bus: Bus, stream_id: str, *, after_seq: int = -1, idle: float |
                     return
             held_since = (held_since or time.monotonic()) if held else None
     finally:
-        try:
-            await sub.unsubscribe()
-        except Exception as exc:  # connection already closing; the ephemeral consumer expires by itself
-            log.debug("unsubscribe failed", extra={"stream_id": stream_id, "error": repr(exc)})
+        await _unsubscribe(sub, stream_id)

@@ -34,12 +34,12 @@ ANNOUNCE_PREFIX = "tp.gen.announce"
 DISCOVER_SUBJECT = "tp.gen.discover"
 
 # Subject tokens may not contain '.', '*', '>' or whitespace; keep names boring.
-_MODEL_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_MODEL_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 def check_model_name(model: str) -> str:
-    if not isinstance(model, str) or not _MODEL_RE.match(model):
+    if not isinstance(model, str) or not _MODEL_RE.fullmatch(model):
         raise InvalidRequest(
             "model names use 1-64 of A-Z a-z 0-9 _ - (no dots or spaces)", param="model"
         )
@@ -47,7 +47,7 @@ def check_model_name(model: str) -> str:
 
 
 def check_stream_id(stream_id: str) -> str:
-    if not isinstance(stream_id, str) or not _ID_RE.match(stream_id):
+    if not isinstance(stream_id, str) or not _ID_RE.fullmatch(stream_id):
         raise InvalidRequest("malformed stream id", param="id")
     return stream_id
 

@@ -39,6 +39,7 @@ FINISH_REASONS: frozenset[str] = frozenset({"stop", "length", "cancelled", "erro
 MAX_STOP_STRINGS = 8
 MAX_STOP_LEN = 256
 MAX_TOKENS_LIMIT = 1 << 20
+MAX_TOKEN_ID = 1 << 31  # no vocabulary is larger; keeps every id encodable
 
 
 def new_request_id() -> str:
@@ -224,9 +225,10 @@ class Request:
         input_ids = obj.get("input_ids")
         if input_ids is not None:
             if not isinstance(input_ids, Sequence) or isinstance(input_ids, (str, bytes)) or not all(
-                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in input_ids
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < MAX_TOKEN_ID for t in input_ids
             ):
-                raise InvalidRequest("'input_ids' must be a list of non-negative integers", param="input_ids")
+                raise InvalidRequest(f"'input_ids' must be a list of integers in [0, {MAX_TOKEN_ID})",
+                                     param="input_ids")
             input_ids = tuple(input_ids)
         tenant = obj.get("tenant", "default")
         if not isinstance(tenant, str):
