@@ -1,0 +1,151 @@
+"""Regression tests, each named after the bug it pins (found in review)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+
+from generator.detok import IncrementalDetokenizer, StopMatcher
+from generator.models import LoadedModel
+from generator.runner import Emission, Job, Runner
+from generator.worker import GeneratorWorker
+from tokenpipe.bus import Bus
+from tokenpipe.settings import Settings
+from tokenpipe.streams import Gap, follow, history
+from tokenpipe.subjects import token_subject
+from tokenpipe.wire import Request, TokenBatch, new_request_id
+
+from .conftest import RelayServer, start_relay, wait_until
+
+
+async def store(bus: Bus, sid: str, seqs: list[int], final: int) -> None:
+    """Put batches of one token each into TP_TOKENS in the given (possibly shuffled) order."""
+    for seq in seqs:
+        batch = TokenBatch(id=sid, seq=seq, index=seq, token_ids=(100 + seq,), text=f"<{seq}>",
+                           finish="length" if seq == final else None)
+        await bus.js.publish(token_subject(sid), batch.encode())
+
+
+async def test_follow_returns_batches_stored_out_of_order_instead_of_calling_them_expired(bus: Bus) -> None:
+    sid = new_request_id()
+    await store(bus, sid, [1, 0, 2], final=2)
+    got = [b async for b in follow(bus, sid)]
+    assert [b.seq for b in got if isinstance(b, TokenBatch)] == [0, 1, 2]
+    assert not [g for g in got if isinstance(g, Gap)]
+    sid2 = new_request_id()
+    await store(bus, sid2, [0, 1, 2, 4, 3, 5], final=5)
+    resumed = [b async for b in follow(bus, sid2, after_seq=2)]
+    assert [b.seq for b in resumed if isinstance(b, TokenBatch)] == [3, 4, 5]
+
+
+async def test_history_orders_by_seq_not_by_storage(bus: Bus) -> None:
+    sid = new_request_id()
+    await store(bus, sid, [0, 1, 2, 4, 5, 3], final=99)
+    assert [b.seq for b in await history(bus, sid)] == [0, 1, 2, 3, 4, 5]
+    sid2 = new_request_id()
+    await store(bus, sid2, [0, 1, 3], final=99)  # 2 never stored: continuation must restart at 2
+    assert [b.seq for b in await history(bus, sid2)] == [0, 1]
+
+
+def test_resume_rebuilds_detokenizer_and_stop_state(tiny_model: LoadedModel) -> None:
+    """Text held back at a crash (stop-string prefix, partial character) is neither lost nor repeated."""
+
+    def run(job: Job) -> tuple[str, str | None, list[int]]:
+        done = threading.Event()
+        out: list[Emission] = []
+
+        def on_emit(ems: list[Emission]) -> None:
+            out.extend(ems)
+            if any(e.finish for e in ems):
+                done.set()
+
+        runner = Runner(tiny_model, on_emit, max_batch=2)
+        runner.start()
+        runner.submit(job)
+        assert done.wait(60)
+        runner.stop()
+        return "".join(e.text for e in out), out[-1].finish, [t for e in out for t in e.token_ids]
+
+    base = {"v": 1, "id": "r", "model": "tiny-random", "prompt": "The river"}
+    full_text, _, _ = run(Job(Request.from_map({**base, "params": {"max_tokens": 40, "temperature": 0,
+                                                                       "ignore_eos": True}})))
+    stop = full_text[12:16]
+    stopped_text, finish, stopped_ids = run(Job(Request.from_map(
+        {**base, "params": {"max_tokens": 40, "temperature": 0, "ignore_eos": True, "stop": [stop]}})))
+    assert finish == "stop" and stopped_text == full_text[: full_text.index(stop)]
+    tok = tiny_model.tokenizer
+    for cut in range(1, len(stopped_ids)):
+        # what the first worker published before dying at token `cut`, then the continuation
+        published = []
+        detok, matcher = IncrementalDetokenizer(tok, tok.encode(base["prompt"])), StopMatcher([stop])
+        for t in stopped_ids[:cut]:
+            published.append(matcher.feed(detok.push(t))[0])
+        req = Request.from_map({**base, "params": {"max_tokens": 40, "temperature": 0, "ignore_eos": True,
+                                                   "stop": [stop]}})
+        rest, finish2, _ = run(Job(req, resume_ids=tuple(stopped_ids[:cut])))
+        assert "".join(published) + rest == stopped_text, cut
+        assert finish2 == "stop"
+
+
+async def test_last_event_id_with_unicode_digit_is_400_not_500(http: httpx.AsyncClient) -> None:
+    sid = (await http.post("/v1/streams", json={"prompt": "x", "max_tokens": 2})).json()["id"]
+    for bad in ("²".encode(), b"--5", b"-5", b"1e3"):
+        r = await http.get(f"/v1/streams/{sid}", headers={"Last-Event-ID": bad})
+        assert r.status_code == 400, bad
+    assert (await http.get(f"/v1/streams/{sid}", params={"last_event_id": "-3"})).status_code == 400
+
+
+async def test_token_id_beyond_int32_is_400_not_503(http: httpx.AsyncClient) -> None:
+    r = await http.post("/v1/streams", json={"input_ids": [1, 2**64], "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input_ids"
+    r = await http.post("/v1/completions", json={"model": "tiny-random", "prompt": [2**40], "max_tokens": 2})
+    assert r.status_code == 400
+
+
+@pytest.fixture
+async def limited(settings: Settings, generator: GeneratorWorker) -> AsyncIterator[RelayServer]:
+    relay = await start_relay(settings.replace(max_streams_per_key=2))
+    yield relay
+    await relay.stop()
+
+
+async def test_unread_streams_count_against_the_key_limit(limited: RelayServer) -> None:
+    async with httpx.AsyncClient(base_url=limited.url, timeout=30) as http:
+        long = {"prompt": "x", "max_tokens": 1500, "temperature": 0, "ignore_eos": True}
+        ids = [(await http.post("/v1/streams", json=long)).json()["id"] for _ in range(2)]
+        third = await http.post("/v1/streams", json=long)
+        assert third.status_code == 429
+        await http.delete(f"/v1/streams/{ids[0]}")  # the owner's cancel frees its slot
+        assert (await http.post("/v1/streams", json={"prompt": "y", "max_tokens": 2})).status_code == 201
+        await http.delete(f"/v1/streams/{ids[1]}")
+        # concurrent creations cannot slip past the limit together
+        results = await asyncio.gather(*(http.post("/v1/streams", json=long) for _ in range(6)))
+        created = [r.json()["id"] for r in results if r.status_code == 201]
+        assert len(created) <= 1 and all(r.status_code in (201, 429) for r in results)
+        for sid in created:
+            await http.delete(f"/v1/streams/{sid}")
+
+
+async def test_blocking_completion_is_cancelled_when_the_client_hangs_up(relay: RelayServer, bus: Bus,
+                                                                         generator: GeneratorWorker) -> None:
+    body = {"model": "tiny-random", "prompt": "never waited for", "max_tokens": 2000, "temperature": 0,
+            "ignore_eos": True}
+    seen: set[str] = set()
+
+    async def note_running() -> None:
+        await wait_until(lambda: bool(generator.active), 20, "the completion to start")
+        seen.update(generator.active)
+
+    watcher = asyncio.create_task(note_running())
+    with pytest.raises(httpx.ReadTimeout):
+        async with httpx.AsyncClient(base_url=relay.url, timeout=httpx.Timeout(30, read=1.0)) as http:
+            await http.post("/v1/completions", json=body)
+    await watcher
+    (rid,) = seen
+    final = [b async for b in follow(bus, rid) if isinstance(b, TokenBatch) and b.is_final]
+    assert final[0].finish == "cancelled"
+    assert final[0].usage is not None and final[0].usage.completion_tokens < 2000
