@@ -26,7 +26,7 @@ from tokenpipe.settings import Settings
 from .loadgen import LoadConfig, run_load, summarize
 from .pipeline import Pipeline
 
-SETTINGS = [(0, 0.0), (4, 10.0), (8, 20.0), (16, 40.0), (32, 80.0), (64, 160.0)]
+SETTINGS = [(0, 0.0), (4, 10.0), (6, 15.0), (8, 16.0), (8, 20.0), (12, 24.0), (16, 40.0), (32, 80.0), (64, 160.0)]
 
 
 def cpu_seconds(pid: int) -> float:
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data-dir", default=Settings.load().data_dir)
     parser.add_argument("--out", default="bench/out/coalesce.json")
     args = parser.parse_args(argv)
-    console = Console()
+    console = Console(width=150)
     rows: list[dict[str, Any]] = []
     with Pipeline(args.model, args.data_dir) as pipe, Progress(console=console) as progress:
         relay_pid = pipe.procs[1].pid

@@ -250,8 +250,8 @@ def main(argv: list[str] | None = None) -> int:
         "naive_vs_ceiling": eng["naive_no_kv_cache_tok_s"] / eng["ceiling_tok_s"],
     }
     results["goals"] = {"pipeline_vs_ceiling>=0.7": results["ratios"]["pipeline_vs_ceiling"] >= 0.7}
-    for n, row in eng["engine_sweep"].items():
-        results["goals"][f"engine_{n}_streams_vs_ceiling>=0.8"] = row["ratio"] >= 0.8
+    for streams, row in eng["engine_sweep"].items():
+        results["goals"][f"engine_{streams}_streams_vs_ceiling>=0.8"] = row["ratio"] >= 0.8
     render(results)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -298,8 +298,8 @@ def render(r: dict[str, Any]) -> None:
     sweep = Table(title="Engine in-process vs the raw forward step at the same batch (best of fp32/bf16)")
     for col in ("streams", "raw step tok/s", "engine tok/s", "ratio (goal ≥ 0.8)"):
         sweep.add_column(col, justify="right")
-    for n, row in eng["engine_sweep"].items():
-        sweep.add_row(n, f"{row['ceiling_tok_s']:.1f}", f"{row['engine_tok_s']:.1f}", f"{row['ratio']:.2f}")
+    for streams, row in eng["engine_sweep"].items():
+        sweep.add_row(streams, f"{row['ceiling_tok_s']:.1f}", f"{row['engine_tok_s']:.1f}", f"{row['ratio']:.2f}")
     console.print(sweep)
     lat = Table(title="TTFT at 1 stream (ms)")
     for col in ("", "p50", "p99"):

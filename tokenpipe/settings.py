@@ -43,8 +43,8 @@ class Settings:
     max_seq_len: int = 2048
     max_prompt_tokens: int = 0
     prefill_token_budget: int = 4096
-    coalesce_max_tokens: int = 16
-    coalesce_max_delay_ms: float = 40.0
+    coalesce_max_tokens: int = 8
+    coalesce_max_delay_ms: float = 20.0
     ack_wait_s: float = 30.0
     drain_timeout_s: float = 10.0
     max_deliver: int = 3
