@@ -1,10 +1,11 @@
 """The generator's NATS adapter: pull requests when slots are free, publish coalesced batches.
 
-This is the only generator module that imports nats. It pulls from the shared
-durable consumer ``gen-<model>`` only as many requests as the batch has room for,
-hands them to the :class:`Runner` thread, coalesces what comes back, publishes each
-batch to ``tp.tok.<id>`` (core publish: the TP_TOKENS stream captures it without a
-per-batch ack on the hot path) and acks the request when its final batch is out.
+With :mod:`generator.publisher`, the only generator modules that import nats. It pulls
+from the shared durable consumer ``gen-<model>`` only as many requests as the batch has
+room for (continuing redelivered ones from their published history), hands them to the
+:class:`Runner` thread, coalesces what comes back, and passes each batch to the
+:class:`BatchPublisher` for ``tp.tok.<id>``; the request is acked once its final batch is
+stored.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from tokenpipe.wire import Request, TokenBatch, Usage
 from .coalesce import Coalescer
 from .models import LoadedModel
 from .observe import Timeline
+from .publisher import BatchPublisher
 from .runner import Emission, Job, Runner
 
 __all__ = ["GeneratorWorker"]
@@ -52,7 +54,6 @@ __all__ = ["GeneratorWorker"]
 log = logging.getLogger(__name__)
 
 _RECENT_CANCELS = 10_000
-_PUBACK_TIMEOUT_S = 5.0
 
 
 @dataclass
@@ -88,8 +89,7 @@ class GeneratorWorker:
         self._slot_freed = asyncio.Event()
         self._stopping = asyncio.Event()
         # (subject, payload, headers) to publish, or ("", b"", msg) to ack once what precedes is out
-        self._outbox: asyncio.Queue[tuple[str, bytes, Any]] = asyncio.Queue()
-        self._unconfirmed: asyncio.Queue[_Pending] = asyncio.Queue()
+        self.publisher = BatchPublisher(bus)
         self._tasks: list[asyncio.Task[None]] = []
         self._subs: list[Any] = []
         self.completed = 0
@@ -98,6 +98,7 @@ class GeneratorWorker:
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self.runner.start()
+        self.publisher.start()
         nc = self.bus.nc
         self._psub = await self.bus.js.pull_subscribe(
             request_subject(self.model),
@@ -118,8 +119,6 @@ class GeneratorWorker:
             queue=f"{consumer_name(self.model)}-advisories", cb=self._on_max_deliveries))
         self._tasks = [
             asyncio.create_task(self._fetch_loop(), name="fetch"),
-            asyncio.create_task(self._publish_loop(), name="publish"),
-            asyncio.create_task(self._confirm_loop(), name="confirm"),
             asyncio.create_task(self._keepalive_loop(), name="keepalive"),
         ]
         await self._announce()
@@ -143,11 +142,7 @@ class GeneratorWorker:
             act.span.end()
         self.active.clear()  # emissions still in flight for these are dropped, unpublished
         # Everything already coalesced must be in the stream before another worker reads it.
-        await self._outbox.join()
-        try:
-            await asyncio.wait_for(self._unconfirmed.join(), timeout=3 * _PUBACK_TIMEOUT_S)
-        except TimeoutError:
-            log.warning("some batches were not confirmed before hand-back")
+        await self.publisher.flush()
         for act in handed_back:
             if act.msg is not None:
                 await act.msg.nak()
@@ -157,6 +152,7 @@ class GeneratorWorker:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.publisher.close()
         for sub in [*self._subs, self._psub]:
             await sub.unsubscribe()
         await asyncio.to_thread(self.runner.stop)
@@ -422,7 +418,7 @@ class GeneratorWorker:
         # Msg-Id per (stream, seq): should two workers ever publish the same batch, JetStream keeps one.
         headers = {**act.headers, "Nats-Msg-Id": f"{batch.id}:{batch.seq}"}
         act.timeline.on_batch(self.metrics, batch, batch.timings.get("emitted", time.time_ns()))
-        self._outbox.put_nowait((token_subject(batch.id), batch.encode(), headers))
+        self.publisher.publish(token_subject(batch.id), batch.encode(), headers)
         if batch.is_final:
             self._finish(act, batch)
 
@@ -434,78 +430,10 @@ class GeneratorWorker:
         act.timeline.finish(self.metrics, self.tracer, act.span, batch)
         self.completed += 1
         if act.msg is not None:
-            self._outbox.put_nowait(("", b"", act.msg))
+            self.publisher.ack_after_published(act.msg)
         self._slot_freed.set()
         log.info("request finished", extra={"request_id": rid, "finish": batch.finish,
                                             "tokens": batch.usage.completion_tokens if batch.usage else 0})
-
-    async def _publish_loop(self) -> None:
-        """One publisher keeps every stream's batches in order. Publishes are JetStream-async
-        (no wait per batch); the confirm loop checks each PubAck in order, so a request is
-        acked only after its final batch is stored."""
-        js = self.bus.js
-        while True:
-            subject, data, extra = await self._outbox.get()
-            try:
-                if subject:
-                    fut = await js.publish_async(subject, data, headers=extra or None)
-                    await self._unconfirmed.put(_Pending(subject, data, extra, fut))
-                else:
-                    await self._unconfirmed.put(_Pending("", b"", None, None, ack=extra))
-            except Exception as exc:  # a lost connection must not kill the publisher
-                log.warning("publish failed; retrying in the confirm loop", extra={"subject": subject,
-                                                                                    "error": repr(exc)})
-                await self._unconfirmed.put(_Pending(subject, data, extra, None))
-            finally:
-                self._outbox.task_done()
-
-    async def _confirm_loop(self) -> None:
-        """Wait for each batch's PubAck in publish order; republish what a NATS outage lost.
-
-        ``Nats-Msg-Id`` makes a republish of a batch that did arrive a no-op. A republished batch
-        can land after later ones; readers restore the order by ``seq`` (see ``streams.follow``).
-        """
-        js, nc = self.bus.js, self.bus.nc
-        while True:
-            item = await self._unconfirmed.get()
-            try:
-                if item.ack is not None:
-                    await item.ack.ack()
-                    continue
-                backoff = 0.05
-                while True:
-                    try:
-                        if item.fut is None:
-                            raise ConnectionError("never sent")
-                        await asyncio.wait_for(item.fut, timeout=_PUBACK_TIMEOUT_S)
-                        break
-                    except Exception as exc:  # lost in an outage, timed out, or refused: send it again
-                        if item.fut is not None and not item.fut.done():
-                            item.fut.cancel()
-                        log.warning("batch not confirmed; republishing", extra={"subject": item.subject,
-                                                                                 "error": repr(exc)})
-                        await asyncio.sleep(backoff)  # no tight loop while JetStream is unavailable
-                        backoff = min(backoff * 2, 2.0)
-                        while not nc.is_connected:
-                            await asyncio.sleep(0.1)  # waiting out a reconnect
-                        try:
-                            item.fut = await js.publish_async(item.subject, item.data, headers=item.headers or None)
-                        except Exception as again:
-                            log.warning("republish failed", extra={"error": repr(again)})
-                            item.fut = None
-            except Exception as exc:  # an ack on a dead connection: the request is redelivered and resumed
-                log.warning("ack failed", extra={"error": repr(exc)})
-            finally:
-                self._unconfirmed.task_done()
-
-
-@dataclass
-class _Pending:
-    subject: str
-    data: bytes
-    headers: Any
-    fut: asyncio.Future[Any] | None
-    ack: Msg | None = None
 
 
 def _peek_id(data: bytes) -> str | None:

@@ -1,0 +1,123 @@
+"""Ordered, confirmed publishing of token batches and request acks (the generator's NATS output).
+
+Batches go out with ``js.publish_async`` (no wait per batch on the hot path); a confirm task
+checks each PubAck in publish order and republishes what a NATS outage lost. A request's
+ack rides the same ordered queue, so it is sent only after its final batch is stored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from nats.aio.msg import Msg
+
+from tokenpipe.bus import Bus
+
+__all__ = ["BatchPublisher"]
+
+log = logging.getLogger(__name__)
+
+_PUBACK_TIMEOUT_S = 5.0
+
+
+@dataclass
+class _Pending:
+    subject: str
+    data: bytes
+    headers: Any
+    fut: asyncio.Future[Any] | None
+    ack: Msg | None = None
+
+
+class BatchPublisher:
+    def __init__(self, bus: Bus) -> None:
+        self.bus = bus
+        # (subject, payload, headers) to publish, or ("", b"", msg) to ack once what precedes is stored
+        self._outbox: asyncio.Queue[tuple[str, bytes, Any]] = asyncio.Queue()
+        self._unconfirmed: asyncio.Queue[_Pending] = asyncio.Queue()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._publish_loop(), name="publish"),
+                       asyncio.create_task(self._confirm_loop(), name="confirm")]
+
+    def publish(self, subject: str, data: bytes, headers: dict[str, str]) -> None:
+        self._outbox.put_nowait((subject, data, headers))
+
+    def ack_after_published(self, msg: Msg) -> None:
+        self._outbox.put_nowait(("", b"", msg))
+
+    async def flush(self) -> None:
+        """Until everything queued so far is stored (or has waited out its retries' budget)."""
+        await self._outbox.join()
+        try:
+            await asyncio.wait_for(self._unconfirmed.join(), timeout=3 * _PUBACK_TIMEOUT_S)
+        except TimeoutError:
+            log.warning("some batches were not confirmed in time")
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _publish_loop(self) -> None:
+        """One publisher keeps every stream's batches in order. Publishes are JetStream-async
+        (no wait per batch); the confirm loop checks each PubAck in order, so a request is
+        acked only after its final batch is stored."""
+        js = self.bus.js
+        while True:
+            subject, data, extra = await self._outbox.get()
+            try:
+                if subject:
+                    fut = await js.publish_async(subject, data, headers=extra or None)
+                    await self._unconfirmed.put(_Pending(subject, data, extra, fut))
+                else:
+                    await self._unconfirmed.put(_Pending("", b"", None, None, ack=extra))
+            except Exception as exc:  # a lost connection must not kill the publisher
+                log.warning("publish failed; retrying in the confirm loop", extra={"subject": subject,
+                                                                                    "error": repr(exc)})
+                await self._unconfirmed.put(_Pending(subject, data, extra, None))
+            finally:
+                self._outbox.task_done()
+
+    async def _confirm_loop(self) -> None:
+        """Wait for each batch's PubAck in publish order; republish what a NATS outage lost.
+
+        ``Nats-Msg-Id`` makes a republish of a batch that did arrive a no-op. A republished batch
+        can land after later ones; readers restore the order by ``seq`` (see ``streams.follow``).
+        """
+        js, nc = self.bus.js, self.bus.nc
+        while True:
+            item = await self._unconfirmed.get()
+            try:
+                if item.ack is not None:
+                    await item.ack.ack()
+                    continue
+                backoff = 0.05
+                while True:
+                    try:
+                        if item.fut is None:
+                            raise ConnectionError("never sent")
+                        await asyncio.wait_for(item.fut, timeout=_PUBACK_TIMEOUT_S)
+                        break
+                    except Exception as exc:  # lost in an outage, timed out, or refused: send it again
+                        if item.fut is not None and not item.fut.done():
+                            item.fut.cancel()
+                        log.warning("batch not confirmed; republishing", extra={"subject": item.subject,
+                                                                                 "error": repr(exc)})
+                        await asyncio.sleep(backoff)  # no tight loop while JetStream is unavailable
+                        backoff = min(backoff * 2, 2.0)
+                        while not nc.is_connected:
+                            await asyncio.sleep(0.1)  # waiting out a reconnect
+                        try:
+                            item.fut = await js.publish_async(item.subject, item.data, headers=item.headers or None)
+                        except Exception as again:
+                            log.warning("republish failed", extra={"error": repr(again)})
+                            item.fut = None
+            except Exception as exc:  # an ack on a dead connection: the request is redelivered and resumed
+                log.warning("ack failed", extra={"error": repr(exc)})
+            finally:
+                self._unconfirmed.task_done()
