@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 
-__all__ = ["LoadConfig", "Record", "native_stream", "plot", "run_load", "summarize"]
+__all__ = ["LoadConfig", "Record", "latency_stats", "native_stream", "plot", "run_load", "summarize"]
 
 WORDS = ["stream", "token", "queue", "batch", "relay", "model", "prompt", "answer", "latency", "window", "cache",
          "replay", "resume", "worker", "subject", "message", "server", "client", "trace", "metric"]
@@ -201,7 +201,7 @@ async def run_load(cfg: LoadConfig, progress: Any = None) -> tuple[list[Record],
     return records, time.perf_counter() - t0
 
 
-def _stats(values: list[float], scale: float = 1e3) -> dict[str, float]:
+def latency_stats(values: list[float], scale: float = 1e3) -> dict[str, float]:
     vals = sorted(v * scale for v in values if v == v)
     if not vals:
         return {"mean": float("nan"), "p50": float("nan"), "p90": float("nan"), "p99": float("nan")}
@@ -226,8 +226,9 @@ def summarize(records: list[Record], wall: float) -> dict[str, Any]:
         "requests": len(records), "succeeded": len(ok), "failed": len(records) - len(ok),
         "wall_s": wall, "request_throughput": len(ok) / wall, "output_tokens": tokens,
         "output_tok_s": tokens / wall,
-        "ttft_ms": _stats([r.ttft for r in ok]), "tpot_ms": _stats(tpot), "itl_ms": _stats(itl),
-        "e2e_ms": _stats([r.e2e for r in ok]), "inter_batch_ms": _stats(inter_batch),
+        "ttft_ms": latency_stats([r.ttft for r in ok]), "tpot_ms": latency_stats(tpot),
+        "itl_ms": latency_stats(itl), "e2e_ms": latency_stats([r.e2e for r in ok]),
+        "inter_batch_ms": latency_stats(inter_batch),
         "tokens_per_batch": statistics.fmean([n for r in ok for n in r.batch_tokens]) if ok else float("nan"),
         "batches": sum(len(r.batch_tokens) for r in ok),
         "errors": sorted({r.error for r in records if r.error})[:5],
