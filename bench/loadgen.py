@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 
-__all__ = ["LoadConfig", "Record", "latency_stats", "native_stream", "plot", "run_load", "summarize"]
+__all__ = ["LoadConfig", "Record", "latency_stats", "native_stream", "percentile", "plot", "run_load", "summarize"]
 
 WORDS = ["stream", "token", "queue", "batch", "relay", "model", "prompt", "answer", "latency", "window", "cache",
          "replay", "resume", "worker", "subject", "message", "server", "client", "trace", "metric"]
@@ -201,15 +201,19 @@ async def run_load(cfg: LoadConfig, progress: Any = None) -> tuple[list[Record],
     return records, time.perf_counter() - t0
 
 
+def percentile(ordered: list[float], fraction: float) -> float:
+    """Nearest-rank percentile of an already sorted list (NaN when empty)."""
+    if not ordered:
+        return float("nan")
+    return ordered[min(len(ordered) - 1, round(fraction * (len(ordered) - 1)))]
+
+
 def latency_stats(values: list[float], scale: float = 1e3) -> dict[str, float]:
     vals = sorted(v * scale for v in values if v == v)
     if not vals:
         return {"mean": float("nan"), "p50": float("nan"), "p90": float("nan"), "p99": float("nan")}
-
-    def q(p: float) -> float:
-        return vals[min(len(vals) - 1, round(p * (len(vals) - 1)))]
-
-    return {"mean": statistics.fmean(vals), "p50": q(0.5), "p90": q(0.9), "p99": q(0.99)}
+    return {"mean": statistics.fmean(vals), "p50": percentile(vals, 0.5), "p90": percentile(vals, 0.9),
+            "p99": percentile(vals, 0.99)}
 
 
 def summarize(records: list[Record], wall: float) -> dict[str, Any]:

@@ -37,7 +37,7 @@ from tokenpipe.natsserver import NatsServer, free_port
 from tokenpipe.settings import Settings
 
 from . import ceilings
-from .loadgen import Record, native_stream
+from .loadgen import Record, native_stream, percentile
 
 console = Console()
 TOPICS = ["a lighthouse", "the moon", "a robot", "coffee", "rivers", "a library", "winter", "trains", "bees",
@@ -49,10 +49,7 @@ def chat(i: int) -> list[dict[str, str]]:
 
 
 def pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+    return percentile(sorted(values), q / 100)
 
 
 async def one_stream(client: httpx.AsyncClient, body: dict[str, Any]) -> Record:

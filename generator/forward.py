@@ -58,9 +58,6 @@ class SlotKVCache:
         for t in self.k + self.v:
             t[dst, :, :length].copy_(t[src, :, :length])
 
-    def nbytes_used(self, rows: int, length: int) -> int:
-        return 2 * self.layers * rows * self.kv_heads * length * self.head_dim * self.k[0].element_size()
-
 
 def _rotate_half(x: Tensor) -> Tensor:
     x1, x2 = x.chunk(2, dim=-1)

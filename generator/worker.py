@@ -23,7 +23,7 @@ from typing import Any
 
 from nats.aio.msg import Msg
 from nats.js import api as js_api
-from opentelemetry import propagate, trace
+from opentelemetry import trace
 from opentelemetry.trace import SpanKind, TracerProvider
 
 from tokenpipe.bus import Bus
@@ -40,7 +40,7 @@ from tokenpipe.subjects import (
     request_subject,
     token_subject,
 )
-from tokenpipe.telemetry import extract_context, get_tracer
+from tokenpipe.telemetry import extract_context, get_tracer, inject_headers
 from tokenpipe.wire import Request, TokenBatch, Usage
 
 from .coalesce import Coalescer
@@ -213,7 +213,7 @@ class GeneratorWorker:
             "gen_ai.request.temperature": request.params.temperature,
             "tokenpipe.stream.id": request.id,
         })
-        headers = self._span_headers(span)
+        headers = inject_headers(span=span)
         past: list[TokenBatch] = []
         if msg.metadata.num_delivered > 1:
             # Redelivered: a worker died or handed it back. Continue after what it published.
@@ -252,12 +252,6 @@ class GeneratorWorker:
                                                 usage=Usage(0, len(resume))))
             return
         self.runner.submit(Job(request, resume_ids=resume, received_ns=received))
-
-    @staticmethod
-    def _span_headers(span: Any) -> dict[str, str]:
-        headers: dict[str, str] = {}
-        propagate.inject(headers, context=trace.set_span_in_context(span))
-        return headers
 
     async def _reject_undecodable(self, msg: Msg, exc: Exception) -> None:
         log.warning("terminating undecodable request", extra={"subject": msg.subject, "error": str(exc)})

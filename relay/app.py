@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import AsyncIterator
 from importlib import resources
 from typing import Any
@@ -25,8 +24,6 @@ from .observe import ObserveMiddleware
 from .state import RelayState
 
 __all__ = ["create_app"]
-
-log = logging.getLogger(__name__)
 
 
 async def authenticate(request: Request) -> None:

@@ -27,6 +27,8 @@ from tokenpipe.settings import Settings
 from tokenpipe.subjects import ANNOUNCE_PREFIX
 from tokenpipe.wire import Request
 
+from .conftest import wait_until
+
 pytestmark = pytest.mark.timeout(180)
 
 LONG = {"prompt": "keep going", "max_tokens": 1500, "temperature": 0, "ignore_eos": True,
@@ -84,7 +86,7 @@ class Cluster:
 
     async def wait_generators(self, n: int) -> None:
         live = {p.pid for p in self.procs if p.poll() is None}
-        await until(lambda: len({pid for pid, a in self.announcements.items() if a["ready"] and pid in live}) >= n,
+        await wait_until(lambda: len({pid for pid, a in self.announcements.items() if a["ready"] and pid in live}) >= n,
                     60, f"{n} generators")
 
     async def wait_relay(self) -> None:
@@ -95,7 +97,7 @@ class Cluster:
             except httpx.HTTPError:
                 return False
 
-        await until(ready, 60, "relay ready")
+        await wait_until(ready, 60, "relay ready")
 
     def holder(self, stream_id: str) -> int | None:
         for pid, info in self.announcements.items():
@@ -111,12 +113,6 @@ class Cluster:
         if hasattr(self, "bus"):
             await self.bus.close()
         self.nats.stop()
-
-
-async def until(cond: Any, timeout: float, what: str) -> None:
-    from .conftest import wait_until
-
-    await wait_until(cond, timeout, what)
 
 
 @pytest.fixture

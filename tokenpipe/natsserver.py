@@ -102,13 +102,6 @@ class NatsServer:
             proc.kill()
             proc.wait()
 
-    def kill(self) -> None:
-        """SIGKILL, for crash tests."""
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait()
-            self.proc = None
-
     def __enter__(self) -> NatsServer:
         return self.start()
 

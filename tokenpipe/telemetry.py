@@ -12,7 +12,7 @@ from collections.abc import Mapping
 
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
-from opentelemetry.trace import Tracer, TracerProvider
+from opentelemetry.trace import Span, Tracer, TracerProvider
 
 __all__ = ["setup_tracing", "inject_headers", "extract_context", "get_tracer"]
 
@@ -62,10 +62,10 @@ def get_tracer(provider: TracerProvider) -> Tracer:
     return provider.get_tracer(INSTRUMENTATION)
 
 
-def inject_headers(headers: dict[str, str] | None = None) -> dict[str, str]:
-    """W3C trace context of the current span, as NATS headers."""
+def inject_headers(headers: dict[str, str] | None = None, *, span: Span | None = None) -> dict[str, str]:
+    """W3C trace context of ``span`` (default: the current span), as NATS headers."""
     headers = {} if headers is None else headers
-    propagate.inject(headers)
+    propagate.inject(headers, context=trace.set_span_in_context(span) if span is not None else None)
     return headers
 
 
