@@ -1,12 +1,16 @@
 """Relay fan-out with a SYNTHETIC token source: no model, just batches published to NATS.
 
-    python -m bench.fanout [--streams 1000] [--batches 20] [--interval-ms 50]
+    python -m bench.fanout                      # the three default scenarios (about 2 minutes)
+    python -m bench.fanout --scenario shared:10000:20:500
 
-Starts nats-server and one `tokenpipe relay` process, opens ``--streams`` SSE connections
-(each a stream whose meta entry and batches come from :class:`SyntheticSource`), publishes
-``--batches`` batches per stream every ``--interval-ms``, and reports batches/s forwarded,
-the added latency (batch ``emitted`` stamp → client arrival, same host clock), relay RSS per
-open stream, and the NATS core request/reply round trip as a ceiling for one hop.
+Each scenario (``fanout-mode:streams:batches:interval-ms``) starts its own nats-server and one
+``tokenpipe relay`` process, opens the SSE connections (raw asyncio clients: httpx would cost
+more CPU than the relay), then a :class:`SyntheticSource` publishes every stream's batches
+spread evenly over each interval. Reported: batches/s forwarded, the added latency (batch
+``emitted`` stamp → client arrival, same host clock, so it includes NATS and the relay), the
+relay's CPU per forwarded batch, and its RSS per open stream. The default scenarios compare the
+relay's two fan-out modes at the same load (``consumer``: one JetStream consumer per SSE
+stream; ``shared``: one wildcard subscription), then run the 10,000-stream target.
 """
 
 from __future__ import annotations
@@ -14,10 +18,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,9 +41,35 @@ from tokenpipe.wire import TokenBatch, new_request_id
 
 from .loadgen import latency_stats
 
+DEFAULT_SCENARIOS = ("consumer:1000:20:100", "shared:1000:20:100", "shared:10000:20:500")
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass(frozen=True)
+class Scenario:
+    mode: str
+    streams: int
+    batches: int
+    interval_ms: float
+
+    @classmethod
+    def parse(cls, text: str) -> Scenario:
+        mode, streams, batches, interval = text.split(":")
+        if mode not in ("shared", "consumer"):
+            raise argparse.ArgumentTypeError(f"fan-out mode must be shared or consumer, not {mode!r}")
+        return cls(mode, int(streams), int(batches), float(interval))
+
+    @property
+    def offered(self) -> float:
+        return self.streams / (self.interval_ms / 1000)
+
+    def __str__(self) -> str:
+        return f"{self.mode} · {self.streams:,} streams × {self.batches} batches every {self.interval_ms:g} ms"
+
 
 class SyntheticSource:
-    """Stands in for generators: meta entries plus timed token batches (no model involved)."""
+    """Stands in for generators (no model involved): meta entries, then each stream's batches
+    published round-robin, spread evenly over every interval as many independent generators would."""
 
     def __init__(self, bus: Bus, streams: int) -> None:
         self.bus = bus
@@ -48,22 +80,70 @@ class SyntheticSource:
             await self.bus.meta.put(sid, StreamMeta(sid, "default", "synthetic", time.time_ns()).encode())
 
     async def run(self, batches: int, interval: float, tokens_per_batch: int = 4) -> None:
-        for seq in range(batches):
-            final = seq == batches - 1
-            for sid in self.ids:
-                batch = TokenBatch(id=sid, seq=seq, index=seq * tokens_per_batch,
+        n = len(self.ids)
+        total, sent = n * batches, 0
+        rate = n / interval
+        t0 = time.perf_counter()
+        while sent < total:
+            due = min(total, int((time.perf_counter() - t0) * rate) + 1)
+            while sent < due:
+                seq, sid = divmod(sent, n)
+                sid_s = self.ids[sid]
+                batch = TokenBatch(id=sid_s, seq=seq, index=seq * tokens_per_batch,
                                    token_ids=tuple(range(tokens_per_batch)), text=" tok" * tokens_per_batch,
-                                   finish="length" if final else None, timings={"emitted": time.time_ns()})
-                await self.bus.nc.publish(token_subject(sid), batch.encode())
-            await self.bus.nc.flush()
-            await asyncio.sleep(interval)  # the synthetic generator's pacing
+                                   finish="length" if seq == batches - 1 else None,
+                                   timings={"emitted": time.time_ns()})
+                await self.bus.nc.publish(token_subject(sid_s), batch.encode())
+                sent += 1
+            await asyncio.sleep(0.001)  # the synthetic generators' pacing
 
 
-def rss_kib(pid: int) -> int:
+class _SSEClient(asyncio.Protocol):
+    """A minimal SSE reader: counts `tokens` events and their latency from the `emitted` stamp."""
+
+    def __init__(self, path: str, latencies: list[int], done: asyncio.Future[None]) -> None:
+        self.path = path
+        self.latencies = latencies
+        self.done = done
+        self.opened: asyncio.Future[None] = done.get_loop().create_future()
+        self.buf = b""
+        self.events = 0
+
+    def connection_made(self, transport: Any) -> None:  # uvloop's transports are not asyncio.Transport
+        transport.write(f"GET {self.path} HTTP/1.1\r\nHost: bench\r\nAccept: text/event-stream\r\n\r\n".encode())
+
+    def data_received(self, data: bytes) -> None:
+        now = time.time_ns()
+        if not self.opened.done():
+            if not data.startswith(b"HTTP/1.1 200"):
+                self.opened.set_exception(RuntimeError(data[:200].decode(errors="replace")))
+                return
+            self.opened.set_result(None)
+        *events, self.buf = (self.buf + data).split(b"\n\n")
+        for ev in events:
+            at = ev.find(b'"emitted":')
+            if at >= 0:
+                end = at + 10
+                while ev[end:end + 1].isdigit():
+                    end += 1
+                self.latencies.append(now - int(ev[at + 10:end]))
+                self.events += 1
+            if (b"event: done" in ev or b"event: error" in ev) and not self.done.done():
+                self.done.set_result(None)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.done.done():
+            self.done.set_exception(ConnectionError(f"{self.path}: connection lost ({exc})"))
+
+
+def _proc(pid: int) -> tuple[int, float]:
+    """(RSS KiB, CPU seconds) of a process."""
+    rss = 0
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    return 0
+            rss = int(line.split()[1])
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return rss, (int(fields[11]) + int(fields[12])) / _TICKS
 
 
 async def nats_round_trip(bus: Bus, n: int = 2000) -> dict[str, float]:
@@ -80,101 +160,125 @@ async def nats_round_trip(bus: Bus, n: int = 2000) -> dict[str, float]:
     return latency_stats(samples)
 
 
-async def drive(url: str, source: SyntheticSource, args: argparse.Namespace, relay_pid: int,
-                progress: Progress) -> dict[str, Any]:
-    latencies: list[float] = []
-    received = 0
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    opened = asyncio.Event()
-    open_count = 0
-    async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as client:
-        task = progress.add_task("streams done", total=len(source.ids))
+async def _drive(port: int, source: SyntheticSource, sc: Scenario, relay_pid: int,
+                 progress: Progress) -> dict[str, Any]:
+    loop = asyncio.get_running_loop()
+    latencies: list[int] = []
+    clients: list[_SSEClient] = []
+    transports: list[asyncio.BaseTransport] = []
+    base_rss, _ = _proc(relay_pid)
+    task = progress.add_task(f"opening {sc.streams:,} SSE streams", total=sc.streams)
+    gate = asyncio.Semaphore(256)  # the relay's accept backlog is finite
 
-        async def reader(sid: str) -> None:
-            nonlocal received, open_count
-            async with client.stream("GET", f"/v1/streams/{sid}") as resp:
-                open_count += 1
-                if open_count == len(source.ids):
-                    opened.set()
-                event = ""
-                async for line in resp.aiter_lines():
-                    if line.startswith("event:"):
-                        event = line[6:].strip()
-                    elif line.startswith("data:") and event == "tokens":
-                        data = json.loads(line[5:])
-                        latencies.append((time.time_ns() - data["timings"]["emitted"]) / 1e9)
-                        received += 1
-                    elif line.startswith("data:") and event in ("done", "error"):
-                        break
+    async def open_one(sid: str) -> None:
+        async with gate:
+            client = _SSEClient(f"/v1/streams/{sid}", latencies, loop.create_future())
+            transport, _ = await loop.create_connection(lambda: client, "127.0.0.1", port)
+            transports.append(transport)
+            clients.append(client)
+            await client.opened
             progress.advance(task)
 
-        base_rss = rss_kib(relay_pid)
-        readers = [asyncio.create_task(reader(sid)) for sid in source.ids]
-        await asyncio.wait_for(opened.wait(), 300)
-        open_rss = rss_kib(relay_pid)
-        t0 = time.perf_counter()
-        await source.run(args.batches, args.interval_ms / 1000)
-        await asyncio.gather(*readers)
-        wall = time.perf_counter() - t0
-    return {"batches_received": received, "batches_expected": len(source.ids) * args.batches,
-            "batches_s": received / wall, "added_latency_ms": latency_stats(latencies),
-            "rss_per_stream_kib": (open_rss - base_rss) / len(source.ids), "relay_rss_open_kib": open_rss}
+    t_open = time.perf_counter()
+    await asyncio.gather(*(open_one(sid) for sid in source.ids))
+    open_s = time.perf_counter() - t_open
+    open_rss, cpu0 = _proc(relay_pid)
+    fwd = progress.add_task("forwarding", total=sc.streams * sc.batches)
+    t0 = time.perf_counter()
+    publisher = asyncio.create_task(source.run(sc.batches, sc.interval_ms / 1000))
+    while not all(c.done.done() for c in clients):
+        await asyncio.sleep(0.2)  # progress display only; completion is the clients' futures
+        progress.update(fwd, completed=len(latencies))
+    wall = time.perf_counter() - t0
+    await publisher
+    _, cpu1 = _proc(relay_pid)
+    progress.update(fwd, completed=len(latencies))
+    for t in transports:
+        t.close()
+    errors = [c.done.exception() for c in clients if c.done.exception()]
+    received = len(latencies)
+    return {"batches_received": received, "batches_expected": sc.streams * sc.batches, "errors": len(errors),
+            "open_s": open_s, "batches_s": received / wall, "offered_batches_s": sc.offered,
+            "added_latency_ms": latency_stats([v / 1e9 for v in latencies]),
+            "relay_cpu_pct": 100 * (cpu1 - cpu0) / wall,
+            "relay_cpu_us_per_batch": 1e6 * (cpu1 - cpu0) / max(1, received),
+            "rss_per_stream_kib": (open_rss - base_rss) / sc.streams, "relay_rss_open_kib": open_rss}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--streams", type=int, default=1000)
-    parser.add_argument("--batches", type=int, default=20)
-    parser.add_argument("--interval-ms", type=float, default=50.0)
-    parser.add_argument("--out", default="bench/out/fanout.json")
-    args = parser.parse_args(argv)
-    console = Console(width=150)
+def run_scenario(sc: Scenario, console: Console) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp, NatsServer(Path(tmp) / "nats") as nats:
         port = free_port()
         settings = Settings.load(env={}, nats_url=nats.url, data_dir=tmp)
         relay = subprocess.Popen([sys.executable, "-m", "tokenpipe", "relay", "--nats-url", nats.url, "--data-dir", tmp,
-                                  "--port", str(port), "--log-level", "WARNING"])
+                                  "--port", str(port), "--log-level", "WARNING", "--fanout", sc.mode])
         try:
             async def run() -> dict[str, Any]:
                 bus = await connect(settings, name="bench-fanout")
                 try:
-                    url = f"http://127.0.0.1:{port}"
                     deadline = time.monotonic() + 60
                     while time.monotonic() < deadline:
                         try:
                             async with httpx.AsyncClient() as c:
-                                if (await c.get(url + "/healthz")).status_code == 200:
+                                if (await c.get(f"http://127.0.0.1:{port}/healthz")).status_code == 200:
                                     break
                         except httpx.HTTPError:
                             await asyncio.sleep(0.2)  # the relay process is still starting
                     rtt = await nats_round_trip(bus)
-                    source = SyntheticSource(bus, args.streams)
+                    source = SyntheticSource(bus, sc.streams)
                     await source.register()
-                    with Progress(console=console) as progress:
-                        result = await drive(url, source, args, relay.pid, progress)
-                    return {"nats_round_trip_ms": {k: v for k, v in rtt.items()}, **result}
+                    with Progress(console=console, transient=True) as progress:
+                        result = await _drive(port, source, sc, relay.pid, progress)
+                    return {"nats_round_trip_ms": rtt, **result}
                 finally:
                     await bus.close()
 
-            result = asyncio.run(run())
+            return {"scenario": str(sc), **vars(sc), **_run_fast(run())}
         finally:
             relay.terminate()
-            relay.wait(20)
-    table = Table(title=f"relay fan-out, SYNTHETIC token source — {args.streams} streams × {args.batches} batches "
-                        f"every {args.interval_ms:g} ms")
-    table.add_column("what")
-    table.add_column("value", justify="right")
-    lat, rtt = result["added_latency_ms"], result["nats_round_trip_ms"]
-    table.add_row("batches forwarded / expected", f"{result['batches_received']} / {result['batches_expected']}")
-    table.add_row("batches/s forwarded", f"{result['batches_s']:,.0f}")
-    table.add_row("added latency p50 / p99 (emitted → client)", f"{lat['p50']:.1f} / {lat['p99']:.1f} ms")
-    table.add_row("relay RSS per open stream", f"{result['rss_per_stream_kib']:.1f} KiB")
-    table.add_row("NATS request/reply round trip p50 / p99", f"{rtt['p50']:.3f} / {rtt['p99']:.3f} ms")
-    console.print(table)
+            relay.wait(30)
+
+
+def _run_fast(coro: Any) -> Any:
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(coro)
+
+
+def results_table(results: list[dict[str, Any]]) -> Table:
+    table = Table(title="relay fan-out, SYNTHETIC token source")
+    for col in ("fan-out", "streams", "offered/s", "forwarded/s", "added p50 / p99 ms", "relay CPU", "CPU µs/batch",
+                "RSS/stream KiB", "open s"):
+        table.add_column(col, justify="right")
+    for r in results:
+        lat = r["added_latency_ms"]
+        table.add_row(r["mode"], f"{r['streams']:,}", f"{r['offered_batches_s']:,.0f}", f"{r['batches_s']:,.0f}",
+                      f"{lat['p50']:.1f} / {lat['p99']:.1f}", f"{r['relay_cpu_pct']:.0f}%",
+                      f"{r['relay_cpu_us_per_batch']:.0f}", f"{r['rss_per_stream_kib']:.1f}", f"{r['open_s']:.1f}")
+    return table
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--scenario", action="append", type=Scenario.parse,
+                        help="mode:streams:batches:interval_ms (repeatable); default: " + " ".join(DEFAULT_SCENARIOS))
+    parser.add_argument("--out", default="bench/out/fanout.json")
+    args = parser.parse_args(argv)
+    scenarios = args.scenario or [Scenario.parse(s) for s in DEFAULT_SCENARIOS]
+    console = Console(width=150)
+    results = []
+    for sc in scenarios:
+        console.print(f"[bold]{sc}[/bold]")
+        results.append(run_scenario(sc, console))
+    console.print(results_table(results))
+    rtt = results[0]["nats_round_trip_ms"]
+    console.print(f"NATS request/reply round trip p50 / p99: {rtt['p50']:.3f} / {rtt['p99']:.3f} ms")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"config": vars(args), **result}, indent=1))
-    return 0 if result["batches_received"] == result["batches_expected"] else 1
+    out.write_text(json.dumps({"scenarios": results}, indent=1))
+    return 0 if all(r["batches_received"] == r["batches_expected"] and not r["errors"] for r in results) else 1
 
 
 if __name__ == "__main__":

@@ -3,21 +3,24 @@ and an SSE response that drops a client that stops reading."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from starlette.types import Send
+from starlette.types import Receive, Scope, Send
 
 from tokenpipe.errors import InvalidRequest, TokenpipeError
 
 from .sse import SSE_HEADERS
 
-__all__ = ["error_body", "error_response", "read_json", "RequestTooLarge", "SSEResponse", "error_type"]
+__all__ = ["error_body", "error_response", "read_json", "RequestTooLarge", "SSEResponse", "WriteWatchdog", "error_type"]
 
 log = logging.getLogger(__name__)
 
@@ -71,37 +74,96 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
     return obj
 
 
-class SSEResponse(StreamingResponse):
-    """``text/event-stream`` whose every write has a deadline.
+class WriteWatchdog:
+    """Ends SSE responses whose write has been blocked longer than ``timeout`` seconds.
 
-    A client that stops reading fills the socket buffers and then blocks our write; after
-    ``send_timeout`` seconds the stream is dropped (logged) instead of buffering without
-    bound. ``on_drop`` lets the caller keep the generation running so the client can resume.
+    A client that stops reading fills the socket buffers and then blocks our write. One task
+    checks every response mid-write, instead of a cancel scope around every write: at 20k
+    events/s those scopes alone cost a tenth of the relay's CPU. A write that does not block
+    never yields to this task, so for it the bookkeeping is one dict insert and one delete.
     """
 
-    def __init__(self, content: AsyncIterator[bytes], *, send_timeout: float, stream_id: str,
-                 on_drop: Callable[[], None] | None = None, headers: dict[str, str] | None = None) -> None:
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self._writing: dict[SSEResponse, float] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    def begin(self, response: SSEResponse) -> None:
+        self._writing[response] = time.monotonic()
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="sse-write-watchdog")
+
+    def end(self, response: SSEResponse) -> None:
+        self._writing.pop(response, None)
+
+    async def _run(self) -> None:
+        period = min(1.0, max(0.02, self.timeout / 4))
+        while self._writing:
+            await asyncio.sleep(period)  # a periodic check: the deadline's precision is a quarter of it
+            cutoff = time.monotonic() - self.timeout
+            for response, started in list(self._writing.items()):
+                if started < cutoff:
+                    self._writing.pop(response, None)
+                    response.abandon()
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+
+class SSEResponse(StreamingResponse):
+    """``text/event-stream`` whose every write has a deadline (kept by a :class:`WriteWatchdog`).
+
+    After ``watchdog.timeout`` seconds of a blocked write the stream is dropped (logged)
+    instead of buffering without bound. ``on_drop`` lets the caller keep the generation running
+    so the client can resume; ``on_close`` runs however the response ends, even if the body
+    was never read.
+    """
+
+    def __init__(self, content: AsyncIterator[bytes], *, watchdog: WriteWatchdog, stream_id: str,
+                 on_drop: Callable[[], None] | None = None, on_close: Callable[[], None] | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(content, media_type="text/event-stream",
                          headers={**SSE_HEADERS, "X-Request-Id": stream_id, **(headers or {})})
-        self.send_timeout = send_timeout
+        self.watchdog = watchdog
         self.stream_id = stream_id
         self.on_drop = on_drop
+        self.on_close = on_close
+        self._scope: anyio.CancelScope | None = None
+
+    def abandon(self) -> None:
+        if self._scope is not None:
+            self._scope.cancel()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if self.on_close is not None:
+                self.on_close()  # runs even when the client left before the body was ever read
 
     async def stream_response(self, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         iterator = self.body_iterator
-        async for chunk in iterator:
-            data = chunk.encode() if isinstance(chunk, str) else bytes(chunk)
-            try:
-                with anyio.fail_after(self.send_timeout):
+        watchdog = self.watchdog
+        with anyio.CancelScope() as cancel_scope:
+            self._scope = cancel_scope
+            async for chunk in iterator:
+                data = chunk.encode() if isinstance(chunk, str) else bytes(chunk)
+                watchdog.begin(self)
+                try:
                     await send({"type": "http.response.body", "body": data, "more_body": True})
-            except TimeoutError:
-                log.warning("dropping slow SSE client: a write blocked too long",
-                            extra={"request_id": self.stream_id, "send_timeout_s": self.send_timeout})
-                if self.on_drop is not None:
-                    self.on_drop()
-                aclose = getattr(iterator, "aclose", None)
-                if aclose is not None:
-                    await aclose()
-                return  # the server closes the connection; the client may resume with Last-Event-ID
+                finally:
+                    watchdog.end(self)
+        if cancel_scope.cancelled_caught:
+            log.warning("dropping slow SSE client: a write blocked too long",
+                        extra={"request_id": self.stream_id, "send_timeout_s": watchdog.timeout})
+            if self.on_drop is not None:
+                self.on_drop()
+            aclose = getattr(iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
+            return  # the server closes the connection; the client may resume with Last-Event-ID
         await send({"type": "http.response.body", "body": b"", "more_body": False})

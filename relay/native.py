@@ -102,7 +102,8 @@ async def get_stream(stream_id: str, request: Request, last_event_id: int | None
         session.cancel_on_exit = False  # a slow client is cut off, not its generation: it may resume
 
     return SSEResponse(_native_events(state, session, after, speed if replay else None),
-                       send_timeout=state.settings.slow_client_timeout_s, stream_id=stream_id, on_drop=dropped)
+                       watchdog=state.watchdog, stream_id=stream_id, on_drop=dropped,
+                       on_close=session.close)
 
 
 @router.delete("/v1/streams/{stream_id}")

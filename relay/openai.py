@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -25,7 +24,7 @@ from tokenpipe.wire import TokenBatch
 
 from .http import SSEResponse, error_body, read_json
 from .native import build_request, state_of, tenant_of
-from .sse import sse_comment
+from .sse import sse_comment, sse_event
 from .state import RelayState, Session
 
 __all__ = ["router"]
@@ -117,7 +116,7 @@ def _prompt(prompt: Any) -> dict[str, Any]:
                          param="prompt")
 
 
-async def _start(request: Request, chat: bool) -> tuple[RelayState, TpRequest, dict[str, Any]]:
+async def _start(request: Request, chat: bool) -> tuple[RelayState, TpRequest, dict[str, Any], Session]:
     state = state_of(request)
     body = await read_json(request, state.settings.max_body_bytes)
     params = _params(body)
@@ -129,8 +128,8 @@ async def _start(request: Request, chat: bool) -> tuple[RelayState, TpRequest, d
     tenant = tenant_of(request)
     req = build_request(model=model, tenant=tenant, settings=state.settings, params=params, **content)
     await state.admit(tenant, model, req.id)
-    await state.submit(req)
-    return state, req, body
+    live = await state.submit(req, follow=True)
+    return state, req, body, Session(req.id, req.tenant, live=live)
 
 
 @router.post("/v1/chat/completions")
@@ -144,12 +143,20 @@ async def completions(request: Request) -> Response:
 
 
 async def _complete(request: Request, chat: bool) -> Response:
-    state, req, body = await _start(request, chat)
-    session = Session(req.id, req.tenant)
+    state, req, body, session = await _start(request, chat)
     created = int(time.time())
     if body.get("stream"):
         return SSEResponse(_chunks(state, session, req, created, chat, _include_usage(body)),
-                           send_timeout=state.settings.slow_client_timeout_s, stream_id=req.id)
+                           watchdog=state.watchdog, stream_id=req.id,
+                           on_close=session.close)
+    try:
+        return await _complete_blocking(request, state, session, req, created, chat)
+    finally:
+        session.close()
+
+
+async def _complete_blocking(request: Request, state: RelayState, session: Session, req: TpRequest, created: int,
+                             chat: bool) -> Response:
     text: list[str] = []
     final: TokenBatch | None = None
 
@@ -202,7 +209,7 @@ def _object_id(stream_id: str, chat: bool) -> str:
 
 
 def _data(obj: Any) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+    return sse_event(obj)
 
 
 async def _chunks(state: RelayState, session: Session, req: TpRequest, created: int, chat: bool,

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
+
+import orjson
 
 __all__ = ["sse_event", "sse_comment", "SSE_HEADERS"]
 
@@ -15,15 +16,15 @@ SSE_HEADERS = {
 
 
 def sse_event(data: Any, *, event: str | None = None, id: str | int | None = None) -> bytes:
-    """One event. ``data`` that is not a str is JSON-encoded; multi-line data is split per the spec."""
-    text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"), ensure_ascii=False)
-    lines = []
+    """One event. ``data`` that is not a str is JSON-encoded (compact, UTF-8: orjson, which is
+    several times cheaper than ``json`` on this per-event path); multi-line data is split per the spec."""
+    body = data.encode() if isinstance(data, str) else orjson.dumps(data)
+    head = b""
     if id is not None:
-        lines.append(f"id: {id}")
+        head += b"id: " + str(id).encode() + b"\n"
     if event is not None:
-        lines.append(f"event: {event}")
-    lines.extend(f"data: {line}" for line in text.split("\n"))
-    return ("\n".join(lines) + "\n\n").encode()
+        head += b"event: " + event.encode() + b"\n"
+    return head + b"data: " + body.replace(b"\n", b"\ndata: ") + b"\n\n"
 
 
 def sse_comment(text: str = "ping") -> bytes:

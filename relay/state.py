@@ -16,6 +16,7 @@ from opentelemetry.trace import SpanKind, TracerProvider
 
 from tokenpipe.bus import Bus, connect
 from tokenpipe.errors import InvalidRequest, ModelNotFound, NoGenerator, Overloaded, StreamNotFound
+from tokenpipe.fanout import Fanout, LiveStream
 from tokenpipe.metrics import RelayMetrics
 from tokenpipe.settings import Settings
 from tokenpipe.streams import (
@@ -41,6 +42,7 @@ from tokenpipe.telemetry import extract_context, get_tracer, inject_headers
 from tokenpipe.wire import Request, TokenBatch
 
 from .auth import KeyRing
+from .http import WriteWatchdog
 from .registry import GeneratorRegistry
 
 __all__ = ["RelayState", "Session"]
@@ -59,6 +61,13 @@ class Session:
     tenant: str
     cancel_on_exit: bool = True
     finished: bool = False
+    live: LiveStream | None = None  # registered before submission (nothing published can be missed)
+
+    def close(self) -> None:
+        """Unregister the live reader; safe to call more than once, and needed when the response
+        was cancelled before it ever read the stream."""
+        if self.live is not None:
+            self.live.close()
 
 
 class RelayState:
@@ -68,6 +77,11 @@ class RelayState:
         self.registry = GeneratorRegistry()
         self.keys = KeyRing.load(settings.api_keys, settings.api_keys_file)
         self.bus: Bus | None = None
+        self.fanout: Fanout | None = None
+        self.watchdog = WriteWatchdog(settings.slow_client_timeout_s)
+        if settings.relay_fanout not in ("shared", "consumer"):
+            raise InvalidRequest(f"relay_fanout must be 'shared' or 'consumer', not {settings.relay_fanout!r}",
+                                 param="relay_fanout")
         self.active: Counter[str] = Counter()  # open readers per tenant
         self.open_streams: dict[str, dict[str, float]] = {}  # tenant -> {stream id: reservation expiry}
         self.metrics = RelayMetrics()
@@ -78,6 +92,9 @@ class RelayState:
             log.warning("relay listens beyond loopback without API keys: set TOKENPIPE_API_KEYS",
                         extra={"host": self.settings.host})
         self.bus = await connect(self.settings, name="tokenpipe-relay")
+        if self.settings.relay_fanout == "shared":
+            self.fanout = Fanout(self.bus)
+            await self.fanout.start()
         nc = self.bus.nc
         await nc.subscribe(f"{ANNOUNCE_PREFIX}.>", cb=self._on_announce)
         # Ask running generators to introduce themselves instead of waiting a full interval.
@@ -86,6 +103,9 @@ class RelayState:
         await nc.publish(DISCOVER_SUBJECT, b"", reply=inbox)
 
     async def stop(self) -> None:
+        await self.watchdog.stop()
+        if self.fanout is not None:
+            await self.fanout.stop()
         if self.bus is not None:
             await self.bus.close()
 
@@ -155,9 +175,20 @@ class RelayState:
         self._queue_info[model] = (now, depth)
         return depth
 
-    async def submit(self, request: Request) -> None:
-        """Enqueue inside a PRODUCER span, a child of the current (HTTP server) span."""
+    async def submit(self, request: Request, *, follow: bool = False) -> LiveStream | None:
+        """Enqueue inside a PRODUCER span, a child of the current (HTTP server) span. With
+        ``follow``, a live reader is registered first and returned (for :class:`Session`)."""
         bus = self.require_bus()
+        live = self.fanout.open(request.id, fresh=True) if follow and self.fanout is not None else None
+        try:
+            await self._submit(bus, request)
+        except BaseException:
+            if live is not None:
+                live.close()
+            raise
+        return live
+
+    async def _submit(self, bus: Bus, request: Request) -> None:
         subject = request_subject(request.model)
         with self.tracer.start_as_current_span(
             f"publish {subject}", kind=SpanKind.PRODUCER,
@@ -206,7 +237,12 @@ class RelayState:
         generation is cancelled unless ``session.cancel_on_exit`` was cleared."""
         bus = self.require_bus()
         trace_headers: dict[str, str] = {}
-        source = follow(bus, session.stream_id, after_seq=after, idle=idle, trace_headers=trace_headers)
+        if session.live is None and self.fanout is not None:
+            session.live = self.fanout.open(session.stream_id, after_seq=after)
+        if session.live is not None:
+            source = session.live.items(idle=idle, trace_headers=trace_headers)
+        else:
+            source = follow(bus, session.stream_id, after_seq=after, idle=idle, trace_headers=trace_headers)
         agen = source if speed is None else paced(source, speed)
         self.active[session.tenant] += 1
         self.metrics.active_sse.inc()
@@ -244,6 +280,7 @@ class RelayState:
             with anyio.CancelScope(shield=True):
                 await agen.aclose()
                 await source.aclose()
+                session.close()
                 if not session.finished and session.cancel_on_exit and bus.nc.is_connected:
                     log.info("client went away; cancelling", extra={"request_id": session.stream_id})
                     await cancel(bus, session.stream_id)

@@ -14,7 +14,7 @@ from openai import AsyncOpenAI, AuthenticationError
 
 from generator.worker import GeneratorWorker
 from relay.auth import KeyRing, Unauthorized
-from relay.http import SSEResponse
+from relay.http import SSEResponse, WriteWatchdog
 from tokenpipe.settings import Settings
 
 from .conftest import RelayServer, read_sse, start_relay, wait_until
@@ -160,7 +160,7 @@ async def test_slow_client_is_dropped_without_cancelling_generation() -> None:
             await anyio.sleep_forever()  # the client stopped reading: the socket is full
         sent.append(message.get("body", b""))
 
-    resp = SSEResponse(body(), send_timeout=0.2, stream_id="slow", on_drop=lambda: dropped.append(True))
+    resp = SSEResponse(body(), watchdog=WriteWatchdog(0.2), stream_id="slow", on_drop=lambda: dropped.append(True))
     with anyio.fail_after(5):
         await resp.stream_response(send)
     assert dropped == [True] and closed.is_set()

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import nats
+import nats.errors
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js import api as js_api
@@ -29,10 +31,16 @@ class Bus:
     nc: NATS
     js: JetStreamContext
     meta: KeyValue
+    # Called after every reconnect: core subscribers may have missed messages meanwhile.
+    on_reconnect: list[Callable[[], None]] = field(default_factory=list)
 
     async def close(self) -> None:
-        if not self.nc.is_closed:
+        if self.nc.is_closed:
+            return
+        try:
             await self.nc.drain()
+        except nats.errors.ConnectionReconnectingError:
+            await self.nc.close()  # the server is gone: nothing can be drained to it
 
 
 async def connect(settings: Settings, *, name: str, provision_streams: bool = True) -> Bus:
@@ -44,8 +52,12 @@ async def connect(settings: Settings, *, name: str, provision_streams: bool = Tr
     async def _disc() -> None:
         log.warning("nats disconnected")
 
+    bus: Bus | None = None
+
     async def _reconn() -> None:
         log.info("nats reconnected")
+        for hook in bus.on_reconnect if bus is not None else ():
+            hook()
 
     try:
         nc = await nats.connect(
@@ -64,7 +76,8 @@ async def connect(settings: Settings, *, name: str, provision_streams: bool = Tr
     if provision_streams:
         await provision(js, settings)
     meta = await js.key_value(META_BUCKET)
-    return Bus(nc=nc, js=js, meta=meta)
+    bus = Bus(nc=nc, js=js, meta=meta)
+    return bus
 
 
 async def _ensure_stream(js: JetStreamContext, config: js_api.StreamConfig) -> None:

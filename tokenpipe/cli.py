@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import sys
+from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     relay.add_argument("--host")
     relay.add_argument("--port", type=int)
     relay.add_argument("--model", help="default model for requests that name none")
+    relay.add_argument("--fanout", dest="relay_fanout", choices=("shared", "consumer"),
+                       help="live batches from one wildcard subscription (shared, default) "
+                            "or one JetStream consumer per SSE stream")
 
     nats = sub.add_parser("nats", help="run nats-server with JetStream in the foreground")
     nats.add_argument("--data-dir")
@@ -109,10 +113,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _settings(args: argparse.Namespace, **extra: Any) -> Settings:
     keys = ("nats_url", "data_dir", "log_level", "log_json", "model", "model_path", "device", "dtype", "host",
-            "port", "max_batch", "metrics_port")
+            "port", "max_batch", "metrics_port", "relay_fanout")
     overrides = {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
     overrides.update(extra)
     return Settings.load(**overrides)
+
+
+def _run_service(coro: Coroutine[Any, Any, None]) -> None:
+    """Run a long-lived service on uvloop where it is installed (it is, via ``uvicorn[standard]``,
+    except on Windows): a cheaper event loop for the per-message work of the relay and workers."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(coro)
+        return
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(coro)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,12 +171,12 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.cmd == "generator":
         from generator.main import serve as serve_generator
 
-        asyncio.run(serve_generator(settings))
+        _run_service(serve_generator(settings))
         return 0
     if args.cmd == "relay":
         from relay.main import serve as serve_relay
 
-        asyncio.run(serve_relay(settings))
+        _run_service(serve_relay(settings))
         return 0
     if args.cmd == "submit":
         return asyncio.run(_submit(args, settings))

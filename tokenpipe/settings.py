@@ -65,6 +65,9 @@ class Settings:
     max_streams_per_key: int = 64
     max_queue_depth: int = 256
     slow_client_timeout_s: float = 30.0
+    # "shared": one wildcard subscription dispatching to every SSE stream (JetStream for catch-up);
+    # "consumer": one ordered JetStream consumer per SSE stream (no traffic for unread streams).
+    relay_fanout: str = "shared"
     # process
     log_level: str = "INFO"
     log_json: bool = False

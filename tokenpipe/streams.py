@@ -28,7 +28,7 @@ from .subjects import TOKENS_STREAM, cancel_subject, check_stream_id, request_su
 from .wire import Request, TokenBatch
 
 __all__ = ["PING", "Gap", "Ping", "StreamItem", "StreamMeta", "cancel", "follow", "get_meta", "history",
-           "last_batch", "paced", "stream_not_found", "submit"]
+           "last_batch", "paced", "stored", "stream_not_found", "submit"]
 
 log = logging.getLogger(__name__)
 
@@ -114,36 +114,41 @@ async def last_batch(bus: Bus, stream_id: str) -> TokenBatch | None:
     return TokenBatch.decode(raw.data or b"")
 
 
-async def history(bus: Bus, stream_id: str) -> list[TokenBatch]:
-    """The contiguous batches ``seq 0..k`` stored so far for ``stream_id``.
+async def stored(bus: Bus, stream_id: str) -> dict[int, tuple[TokenBatch, dict[str, str]]]:
+    """Every batch JetStream still holds for ``stream_id``, by ``seq``, with the headers it carried.
 
-    Reads every stored message (until the consumer reports nothing pending) and orders them
-    by ``seq``: after a NATS outage a republished batch can be stored after later ones, and a
-    duplicate past the dedup window can be stored twice, so "the last stored message" is not
-    "the last batch".
+    Reads every stored message (until the consumer reports nothing pending): after a NATS
+    outage a republished batch can be stored after later ones, and a duplicate past the dedup
+    window can be stored twice, so "the last stored message" is not "the last batch".
     """
     if await last_batch(bus, stream_id) is None:
-        return []
+        return {}
     try:
         sub = await bus.js.subscribe(token_subject(stream_id), stream=TOKENS_STREAM, ordered_consumer=True,
                                      deliver_policy=js_api.DeliverPolicy.ALL)
     except Exception as exc:
         raise TransportError(f"could not read stream history: {exc}") from exc
-    by_seq: dict[int, TokenBatch] = {}
+    by_seq: dict[int, tuple[TokenBatch, dict[str, str]]] = {}
     try:
         while True:
             msg = await sub.next_msg(timeout=5.0)
             batch = TokenBatch.decode(msg.data)
-            by_seq.setdefault(batch.seq, batch)
+            by_seq.setdefault(batch.seq, (batch, dict(msg.headers or {})))
             if msg.metadata.num_pending == 0:
                 break
     except nats.errors.TimeoutError as exc:
         raise TransportError(f"stream {stream_id} history stalled") from exc
     finally:
         await _unsubscribe(sub, stream_id)
+    return by_seq
+
+
+async def history(bus: Bus, stream_id: str) -> list[TokenBatch]:
+    """The contiguous batches ``seq 0..k`` stored so far for ``stream_id``, in order."""
+    by_seq = await stored(bus, stream_id)
     out: list[TokenBatch] = []
     while len(out) in by_seq and not (out and out[-1].is_final):
-        out.append(by_seq[len(out)])
+        out.append(by_seq[len(out)][0])
     return out
 
 

@@ -1,0 +1,142 @@
+"""The relay's shared fan-out: one wildcard subscription, readers in seq order, JetStream catch-up."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+
+from tokenpipe.bus import Bus
+from tokenpipe.fanout import Fanout, LiveStream
+from tokenpipe.settings import Settings
+from tokenpipe.streams import Gap, StreamItem
+from tokenpipe.subjects import token_subject
+from tokenpipe.wire import TokenBatch, new_request_id
+
+from .conftest import RelayServer, read_sse, start_relay, wait_until
+
+
+def batch(sid: str, seq: int, final: bool = False) -> TokenBatch:
+    return TokenBatch(id=sid, seq=seq, index=seq, token_ids=(seq,), text=f"t{seq}",
+                      finish="stop" if final else None)
+
+
+@pytest.fixture
+async def fanout(bus: Bus) -> AsyncIterator[Fanout]:
+    f = Fanout(bus, resync_s=0.5, reorder_wait=0.5)
+    await f.start()
+    yield f
+    await f.stop()
+
+
+async def publish(bus: Bus, b: TokenBatch) -> None:
+    await bus.js.publish(token_subject(b.id), b.encode())
+
+
+async def collect(reader: LiveStream, idle: float | None = None) -> list[StreamItem]:
+    return [item async for item in reader.items(idle=idle)]
+
+
+async def test_reader_gets_live_batches_in_seq_order_even_when_published_out_of_order(
+        bus: Bus, fanout: Fanout) -> None:
+    sid = new_request_id()
+    reader = fanout.open(sid, fresh=True)
+    task = asyncio.create_task(collect(reader))
+    for seq in (0, 2, 1, 1, 3):  # a hole, then the missing batch, then a duplicate
+        await publish(bus, batch(sid, seq, final=seq == 3))
+    items = await asyncio.wait_for(task, 30)
+    assert [b.seq for b in items if isinstance(b, TokenBatch)] == [0, 1, 2, 3]
+    assert fanout.readers == 0
+
+
+async def test_reader_opened_late_catches_up_from_jetstream_then_continues_live(bus: Bus, fanout: Fanout) -> None:
+    sid = new_request_id()
+    for seq in range(3):
+        await publish(bus, batch(sid, seq))
+    reader = fanout.open(sid, after_seq=0)  # resume: wants 1, 2, then live
+    task = asyncio.create_task(collect(reader))
+    await wait_until(lambda: not reader._fresh and reader._waiter is not None, 10, "reader to catch up and wait")
+    await publish(bus, batch(sid, 3, final=True))
+    items = await asyncio.wait_for(task, 30)
+    assert [b.seq for b in items if isinstance(b, TokenBatch)] == [1, 2, 3]
+
+
+async def test_resume_after_the_final_batch_still_reports_the_end(bus: Bus, fanout: Fanout) -> None:
+    sid = new_request_id()
+    for seq in range(2):
+        await publish(bus, batch(sid, seq, final=seq == 1))
+    items = await asyncio.wait_for(collect(fanout.open(sid, after_seq=1)), 30)
+    assert len(items) == 1 and isinstance(items[0], TokenBatch)
+    assert items[0].is_final and items[0].token_ids == ()
+
+
+async def test_batch_that_never_arrives_becomes_an_explicit_gap(bus: Bus, fanout: Fanout) -> None:
+    sid = new_request_id()
+    reader = fanout.open(sid, fresh=True)
+    task = asyncio.create_task(collect(reader))
+    await publish(bus, batch(sid, 0))
+    await publish(bus, batch(sid, 3, final=True))  # 1 and 2 are never published (nor stored)
+    items = await asyncio.wait_for(task, 30)
+    assert [(type(i).__name__, getattr(i, "seq", None)) for i in items] == [
+        ("TokenBatch", 0), ("Gap", None), ("TokenBatch", 3)]
+    gap = items[1]
+    assert isinstance(gap, Gap) and (gap.from_seq, gap.to_seq) == (1, 2)
+
+
+async def test_final_batch_missed_by_the_live_path_is_found_by_resync(bus: Bus, fanout: Fanout) -> None:
+    """Core delivery is at-most-once: a batch stored while nobody was registered must still arrive."""
+    sid = new_request_id()
+    reader = fanout.open(sid, fresh=True)  # fresh: no initial catch-up
+    fanout._close(reader)  # simulate the live copy being lost: unregistered while it is published
+    await publish(bus, batch(sid, 0, final=True))
+    fanout._readers.setdefault(reader.subject, []).append(reader)
+    items = await asyncio.wait_for(collect(reader), 30)
+    assert [b.seq for b in items if isinstance(b, TokenBatch)] == [0]
+
+
+async def test_undecodable_message_on_a_token_subject_is_skipped(bus: Bus, fanout: Fanout) -> None:
+    sid = new_request_id()
+    reader = fanout.open(sid, fresh=True)
+    task = asyncio.create_task(collect(reader))
+    await bus.nc.publish(token_subject(sid), b"\xc1 not msgpack")
+    await publish(bus, batch(sid, 0, final=True))
+    items = await asyncio.wait_for(task, 30)
+    assert [b.seq for b in items if isinstance(b, TokenBatch)] == [0]
+
+
+async def test_regression_openai_client_gone_before_reading_leaves_no_registered_reader(
+        relay: RelayServer) -> None:
+    """A live reader registered before submission must be unregistered even when the response
+    is never read (it would otherwise sit in the dispatch table for good)."""
+    fan = relay.app.state.relay.fanout
+    assert fan is not None
+    before = fan.readers
+    async with httpx.AsyncClient(base_url=relay.url, timeout=60) as client:
+        for _ in range(5):
+            async with client.stream("POST", "/v1/chat/completions", json={
+                    "messages": [{"role": "user", "content": "hi"}], "max_tokens": 500, "stream": True,
+                    "ignore_eos": True}) as resp:
+                assert resp.status_code == 200
+            # leaving the block closes the connection without reading a byte
+        await wait_until(lambda: fan.readers == before, 30, "readers to be unregistered")
+
+
+async def test_consumer_fanout_mode_streams_the_same_tokens(settings: Settings, relay: RelayServer) -> None:
+    body = {"prompt": "same either way", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    other = await start_relay(settings.replace(relay_fanout="consumer"))
+    try:
+        texts = []
+        for server in (relay, other):
+            async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+                sid = (await client.post("/v1/streams", json=body)).json()["id"]
+                async with client.stream("GET", f"/v1/streams/{sid}") as resp:
+                    events = await read_sse(resp)
+            assert events[-1][0] == "done"
+            texts.append([e for e in events if e[0] == "tokens"])
+        assert other.app.state.relay.fanout is None
+        strip = [[t[2].split('"timings"')[0] for t in ev] for ev in texts]
+        assert strip[0] == strip[1]
+    finally:
+        await other.stop()

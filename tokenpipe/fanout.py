@@ -1,0 +1,230 @@
+"""Live token batches for many readers from one wildcard subscription per process.
+
+One core-NATS subscription on ``tp.tok.>``; each message is matched to the readers of its
+stream by one dict lookup and decoded once, and only if someone is reading that stream. This
+replaces one JetStream consumer per reader (a consumer-create round trip per SSE connection,
+flow control and heartbeats per stream on the server) — ``python -m bench.fanout`` measures
+both. The price: every process holding a :class:`Fanout` receives all token traffic.
+
+Core delivery is at-most-once, so JetStream stays the source of truth. A reader catches up
+from it when it opens (unless the stream is known to be fresh: registered before the request
+was submitted), as soon as a batch arrives out of order (a hole), after a reconnect, and when
+nothing arrived for ``resync_s`` (a dropped final batch must not leave a reader waiting).
+Readers see batches in ``seq`` order, each once, or an explicit :class:`~tokenpipe.streams.Gap`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from .bus import Bus
+from .errors import WireFormatError
+from .streams import PING, Gap, StreamItem, last_batch, stored
+from .subjects import TOKEN_WILDCARD, token_subject
+from .wire import TokenBatch
+
+__all__ = ["Fanout", "LiveStream"]
+
+log = logging.getLogger(__name__)
+
+_Held = dict[int, tuple[TokenBatch, dict[str, str] | None]]
+_TRACE_KEYS = ("traceparent", "tracestate")
+
+
+class Fanout:
+    """Dispatches ``tp.tok.<id>`` messages to the :class:`LiveStream` readers of each stream."""
+
+    def __init__(self, bus: Bus, *, resync_s: float = 5.0, reorder_wait: float = 15.0) -> None:
+        self.bus = bus
+        self.resync_s = resync_s
+        self.reorder_wait = reorder_wait
+        self._readers: dict[str, list[LiveStream]] = {}  # subject -> readers
+        self._sub: Any = None
+
+    async def start(self) -> None:
+        # Generous pending limits: a burst is better queued here than dropped (and re-read).
+        self._sub = await self.bus.nc.subscribe(TOKEN_WILDCARD, cb=self._on_msg, pending_msgs_limit=1 << 20,
+                                                pending_bytes_limit=512 << 20)
+        self.bus.on_reconnect.append(self._on_reconnect)
+
+    async def stop(self) -> None:
+        if self._on_reconnect in self.bus.on_reconnect:
+            self.bus.on_reconnect.remove(self._on_reconnect)
+        if self._sub is not None and not self.bus.nc.is_closed:
+            await self._sub.unsubscribe()
+        self._sub = None
+
+    @property
+    def readers(self) -> int:
+        return sum(len(v) for v in self._readers.values())
+
+    def open(self, stream_id: str, *, after_seq: int = -1, fresh: bool = False) -> LiveStream:
+        """Register a reader now: every batch published from here on reaches it. ``fresh``
+        promises that nothing was published before (the request is not submitted yet)."""
+        reader = LiveStream(self, stream_id, after_seq=after_seq, fresh=fresh)
+        self._readers.setdefault(token_subject(stream_id), []).append(reader)
+        return reader
+
+    def _close(self, reader: LiveStream) -> None:
+        readers = self._readers.get(reader.subject)
+        if readers is not None and reader in readers:
+            readers.remove(reader)
+            if not readers:
+                del self._readers[reader.subject]
+
+    async def _on_msg(self, msg: Any) -> None:
+        readers = self._readers.get(msg.subject)
+        if not readers:
+            return  # nobody here reads this stream: not even decoded
+        try:
+            batch = TokenBatch.decode(msg.data)
+        except WireFormatError as exc:
+            log.warning("undecodable token batch", extra={"subject": msg.subject, "error": str(exc)})
+            return
+        for reader in readers:
+            reader._push(batch, msg.headers)
+
+    def _on_reconnect(self) -> None:
+        for readers in self._readers.values():
+            for reader in readers:
+                reader._resync = True
+                reader._wake()
+
+
+def _timeout(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+class LiveStream:
+    """One reader of one stream, registered with its :class:`Fanout` from creation until
+    :meth:`items` ends (or :meth:`close`)."""
+
+    __slots__ = ("_arrived", "_fanout", "_fresh", "_inbox", "_resync", "_waiter", "after_seq", "stream_id",
+                 "subject")
+
+    def __init__(self, fanout: Fanout, stream_id: str, *, after_seq: int, fresh: bool) -> None:
+        self._fanout = fanout
+        self.stream_id = stream_id
+        self.subject = token_subject(stream_id)
+        self.after_seq = after_seq
+        self._fresh = fresh
+        self._inbox: list[tuple[TokenBatch, dict[str, str] | None]] = []
+        self._waiter: asyncio.Future[None] | None = None
+        self._resync = False
+        self._arrived = time.monotonic()
+
+    def close(self) -> None:
+        self._fanout._close(self)
+
+    def _push(self, batch: TokenBatch, headers: dict[str, str] | None) -> None:
+        self._inbox.append((batch, headers))
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def _wait(self, timeout: float) -> None:
+        """Until a push, a wake-up or ``timeout`` seconds (a timer, not a task: this runs per batch)."""
+        if self._inbox or self._resync:
+            return
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        self._waiter = fut
+        handle = loop.call_later(max(0.0, timeout), _timeout, fut)
+        try:
+            await fut
+        finally:
+            handle.cancel()
+            self._waiter = None
+
+    async def _catch_up(self, expected: int, held: _Held) -> StreamItem | None:
+        """Add what JetStream holds from ``expected`` on to ``held``; returns a Gap when retention
+        removed ``expected``, or the final batch (without tokens) when resuming past the end."""
+        bus = self._fanout.bus
+        last = await last_batch(bus, self.stream_id)  # one direct get: the common case costs no consumer
+        self._arrived = time.monotonic()
+        if last is None or (last.seq == expected - 1 and not last.is_final):
+            return None
+        if last.seq == expected:
+            held.setdefault(last.seq, (last, None))
+            return None
+        by_seq = await stored(bus, self.stream_id)
+        for seq, entry in by_seq.items():
+            if seq >= expected:
+                held.setdefault(seq, entry)
+            elif entry[0].is_final:
+                # Resuming after the final batch: its tokens were seen, but the end must still be told.
+                return dataclasses.replace(entry[0], token_ids=(), text="")
+        if by_seq and expected not in held and min(by_seq) > expected:
+            return Gap(expected, min(by_seq) - 1, "expired from history (retention)")
+        return None
+
+    async def items(self, *, idle: float | None = None,
+                    trace_headers: dict[str, str] | None = None) -> AsyncGenerator[StreamItem, None]:
+        """Batches with ``seq > after_seq`` in order, ending after the final one; :data:`PING`
+        after ``idle`` quiet seconds. ``trace_headers`` receives the first batch's trace context."""
+        fanout = self._fanout
+        expected = self.after_seq + 1
+        held: _Held = {}
+        sync = not self._fresh
+        hole_since: float | None = None
+        last_out = time.monotonic()
+        try:
+            while True:
+                if sync or self._resync:
+                    sync = self._resync = False
+                    special = await self._catch_up(expected, held)
+                    if isinstance(special, Gap):
+                        yield special
+                        expected = special.to_seq + 1
+                    elif special is not None:
+                        yield special
+                        return
+                if self._inbox:
+                    self._arrived = time.monotonic()
+                    inbox, self._inbox = self._inbox, []
+                    for batch, headers in inbox:
+                        if batch.seq >= expected:
+                            held.setdefault(batch.seq, (batch, headers))
+                while expected in held:
+                    batch, headers = held.pop(expected)
+                    expected += 1
+                    if trace_headers is not None and not trace_headers and headers:
+                        trace_headers.update({k: v for k, v in headers.items() if k in _TRACE_KEYS})
+                    last_out = time.monotonic()
+                    yield batch
+                    if batch.is_final:
+                        return
+                now = time.monotonic()
+                if held and hole_since is None:
+                    hole_since, sync = now, True  # a batch is missing: JetStream may have it already
+                    continue
+                if not held:
+                    hole_since = None
+                elif now >= hole_since + fanout.reorder_wait:  # type: ignore[operator]
+                    nxt = min(held)
+                    yield Gap(expected, nxt - 1, "lost: never stored after a NATS outage")
+                    expected, hole_since = nxt, None
+                    continue
+                if idle and now >= last_out + idle:
+                    last_out = now
+                    yield PING
+                    continue
+                if now >= self._arrived + fanout.resync_s:
+                    sync = True
+                    continue
+                deadlines = [self._arrived + fanout.resync_s]
+                if idle:
+                    deadlines.append(last_out + idle)
+                if hole_since is not None:
+                    deadlines.append(hole_since + fanout.reorder_wait)
+                await self._wait(min(deadlines) - now)
+        finally:
+            self.close()
