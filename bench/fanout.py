@@ -41,7 +41,7 @@ from tokenpipe.wire import TokenBatch, new_request_id
 
 from .loadgen import latency_stats
 
-DEFAULT_SCENARIOS = ("consumer:1000:20:100", "shared:1000:20:100", "shared:10000:20:500")
+DEFAULT_SCENARIOS = ("consumer:1000:20:100", "shared:1000:20:100", "shared:2000:40:100", "shared:10000:20:500")
 _TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -160,7 +160,7 @@ async def nats_round_trip(bus: Bus, n: int = 2000) -> dict[str, float]:
     return latency_stats(samples)
 
 
-async def _drive(port: int, source: SyntheticSource, sc: Scenario, relay_pid: int,
+async def _drive(port: int, source: SyntheticSource, sc: Scenario, relay_pid: int, nats_pid: int,
                  progress: Progress) -> dict[str, Any]:
     loop = asyncio.get_running_loop()
     latencies: list[int] = []
@@ -183,6 +183,7 @@ async def _drive(port: int, source: SyntheticSource, sc: Scenario, relay_pid: in
     await asyncio.gather(*(open_one(sid) for sid in source.ids))
     open_s = time.perf_counter() - t_open
     open_rss, cpu0 = _proc(relay_pid)
+    nats0, own0 = _proc(nats_pid)[1], time.process_time()
     fwd = progress.add_task("forwarding", total=sc.streams * sc.batches)
     t0 = time.perf_counter()
     publisher = asyncio.create_task(source.run(sc.batches, sc.interval_ms / 1000))
@@ -192,6 +193,7 @@ async def _drive(port: int, source: SyntheticSource, sc: Scenario, relay_pid: in
     wall = time.perf_counter() - t0
     await publisher
     _, cpu1 = _proc(relay_pid)
+    nats1, own1 = _proc(nats_pid)[1], time.process_time()
     progress.update(fwd, completed=len(latencies))
     for t in transports:
         t.close()
@@ -202,6 +204,7 @@ async def _drive(port: int, source: SyntheticSource, sc: Scenario, relay_pid: in
             "added_latency_ms": latency_stats([v / 1e9 for v in latencies]),
             "relay_cpu_pct": 100 * (cpu1 - cpu0) / wall,
             "relay_cpu_us_per_batch": 1e6 * (cpu1 - cpu0) / max(1, received),
+            "nats_cpu_pct": 100 * (nats1 - nats0) / wall, "bench_cpu_pct": 100 * (own1 - own0) / wall,
             "rss_per_stream_kib": (open_rss - base_rss) / sc.streams, "relay_rss_open_kib": open_rss}
 
 
@@ -227,7 +230,8 @@ def run_scenario(sc: Scenario, console: Console) -> dict[str, Any]:
                     source = SyntheticSource(bus, sc.streams)
                     await source.register()
                     with Progress(console=console, transient=True) as progress:
-                        result = await _drive(port, source, sc, relay.pid, progress)
+                        assert nats.proc is not None
+                        result = await _drive(port, source, sc, relay.pid, nats.proc.pid, progress)
                     return {"nats_round_trip_ms": rtt, **result}
                 finally:
                     await bus.close()
@@ -250,13 +254,14 @@ def _run_fast(coro: Any) -> Any:
 def results_table(results: list[dict[str, Any]]) -> Table:
     table = Table(title="relay fan-out, SYNTHETIC token source")
     for col in ("fan-out", "streams", "offered/s", "forwarded/s", "added p50 / p99 ms", "relay CPU", "CPU µs/batch",
-                "RSS/stream KiB", "open s"):
+                "RSS/stream KiB", "open s", "nats / bench CPU"):
         table.add_column(col, justify="right")
     for r in results:
         lat = r["added_latency_ms"]
         table.add_row(r["mode"], f"{r['streams']:,}", f"{r['offered_batches_s']:,.0f}", f"{r['batches_s']:,.0f}",
                       f"{lat['p50']:.1f} / {lat['p99']:.1f}", f"{r['relay_cpu_pct']:.0f}%",
-                      f"{r['relay_cpu_us_per_batch']:.0f}", f"{r['rss_per_stream_kib']:.1f}", f"{r['open_s']:.1f}")
+                      f"{r['relay_cpu_us_per_batch']:.0f}", f"{r['rss_per_stream_kib']:.1f}", f"{r['open_s']:.1f}",
+                      f"{r['nats_cpu_pct']:.0f}% / {r['bench_cpu_pct']:.0f}%")
     return table
 
 

@@ -31,8 +31,8 @@ class Bus:
     nc: NATS
     js: JetStreamContext
     meta: KeyValue
-    # Called after every reconnect: core subscribers may have missed messages meanwhile.
-    on_reconnect: list[Callable[[], None]] = field(default_factory=list)
+    # Called after a reconnect or a slow-consumer error: core subscribers may have missed messages.
+    on_possible_loss: list[Callable[[], None]] = field(default_factory=list)
 
     async def close(self) -> None:
         if self.nc.is_closed:
@@ -46,17 +46,20 @@ class Bus:
 async def connect(settings: Settings, *, name: str, provision_streams: bool = True) -> Bus:
     """Connect (retrying forever on disconnect), provision streams, open the meta bucket."""
 
+    bus: Bus | None = None
+
     async def _err(exc: Exception) -> None:
         log.warning("nats error", extra={"error": repr(exc)})
+        if isinstance(exc, nats.errors.SlowConsumerError):
+            for hook in bus.on_possible_loss if bus is not None else ():
+                hook()
 
     async def _disc() -> None:
         log.warning("nats disconnected")
 
-    bus: Bus | None = None
-
     async def _reconn() -> None:
         log.info("nats reconnected")
-        for hook in bus.on_reconnect if bus is not None else ():
+        for hook in bus.on_possible_loss if bus is not None else ():
             hook()
 
     try:

@@ -8,8 +8,10 @@ both. The price: every process holding a :class:`Fanout` receives all token traf
 
 Core delivery is at-most-once, so JetStream stays the source of truth. A reader catches up
 from it when it opens (unless the stream is known to be fresh: registered before the request
-was submitted), as soon as a batch arrives out of order (a hole), after a reconnect, and when
-nothing arrived for ``resync_s`` (a dropped final batch must not leave a reader waiting).
+was submitted) and once more ``settle_s`` later (a batch delivered just before the reader was
+registered may be stored just after the first look), as soon as a batch arrives out of order
+(a hole), after a reconnect or a slow-consumer error, and when nothing arrived for
+``resync_s`` (jittered: thousands of readers opened together must not resync together).
 Readers see batches in ``seq`` order, each once, or an explicit :class:`~tokenpipe.streams.Gap`.
 """
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import random
 import time
 from collections.abc import AsyncGenerator
 from typing import Any
@@ -39,9 +42,11 @@ _TRACE_KEYS = ("traceparent", "tracestate")
 class Fanout:
     """Dispatches ``tp.tok.<id>`` messages to the :class:`LiveStream` readers of each stream."""
 
-    def __init__(self, bus: Bus, *, resync_s: float = 5.0, reorder_wait: float = 15.0) -> None:
+    def __init__(self, bus: Bus, *, resync_s: float = 30.0, settle_s: float = 1.0,
+                 reorder_wait: float = 15.0) -> None:
         self.bus = bus
         self.resync_s = resync_s
+        self.settle_s = settle_s
         self.reorder_wait = reorder_wait
         self._readers: dict[str, list[LiveStream]] = {}  # subject -> readers
         self._sub: Any = None
@@ -50,11 +55,11 @@ class Fanout:
         # Generous pending limits: a burst is better queued here than dropped (and re-read).
         self._sub = await self.bus.nc.subscribe(TOKEN_WILDCARD, cb=self._on_msg, pending_msgs_limit=1 << 20,
                                                 pending_bytes_limit=512 << 20)
-        self.bus.on_reconnect.append(self._on_reconnect)
+        self.bus.on_possible_loss.append(self._on_possible_loss)
 
     async def stop(self) -> None:
-        if self._on_reconnect in self.bus.on_reconnect:
-            self.bus.on_reconnect.remove(self._on_reconnect)
+        if self._on_possible_loss in self.bus.on_possible_loss:
+            self.bus.on_possible_loss.remove(self._on_possible_loss)
         if self._sub is not None and not self.bus.nc.is_closed:
             await self._sub.unsubscribe()
         self._sub = None
@@ -89,7 +94,7 @@ class Fanout:
         for reader in readers:
             reader._push(batch, msg.headers)
 
-    def _on_reconnect(self) -> None:
+    def _on_possible_loss(self) -> None:
         for readers in self._readers.values():
             for reader in readers:
                 reader._resync = True
@@ -105,7 +110,7 @@ class LiveStream:
     """One reader of one stream, registered with its :class:`Fanout` from creation until
     :meth:`items` ends (or :meth:`close`)."""
 
-    __slots__ = ("_arrived", "_fanout", "_fresh", "_inbox", "_resync", "_waiter", "after_seq", "stream_id",
+    __slots__ = ("_fanout", "_fresh", "_inbox", "_next_sync", "_resync", "_waiter", "after_seq", "stream_id",
                  "subject")
 
     def __init__(self, fanout: Fanout, stream_id: str, *, after_seq: int, fresh: bool) -> None:
@@ -117,7 +122,7 @@ class LiveStream:
         self._inbox: list[tuple[TokenBatch, dict[str, str] | None]] = []
         self._waiter: asyncio.Future[None] | None = None
         self._resync = False
-        self._arrived = time.monotonic()
+        self._next_sync = time.monotonic() + fanout.resync_s
 
     def close(self) -> None:
         self._fanout._close(self)
@@ -149,7 +154,7 @@ class LiveStream:
         removed ``expected``, or the final batch (without tokens) when resuming past the end."""
         bus = self._fanout.bus
         last = await last_batch(bus, self.stream_id)  # one direct get: the common case costs no consumer
-        self._arrived = time.monotonic()
+        self._next_sync = time.monotonic() + self._fanout.resync_s * (1 + 0.25 * random.random())
         if last is None or (last.seq == expected - 1 and not last.is_final):
             return None
         if last.seq == expected:
@@ -174,6 +179,7 @@ class LiveStream:
         expected = self.after_seq + 1
         held: _Held = {}
         sync = not self._fresh
+        settled = self._fresh  # a fresh stream has no "published before I registered" race
         hole_since: float | None = None
         last_out = time.monotonic()
         try:
@@ -181,6 +187,8 @@ class LiveStream:
                 if sync or self._resync:
                     sync = self._resync = False
                     special = await self._catch_up(expected, held)
+                    if not settled:
+                        settled, self._next_sync = True, time.monotonic() + fanout.settle_s
                     if isinstance(special, Gap):
                         yield special
                         expected = special.to_seq + 1
@@ -188,7 +196,7 @@ class LiveStream:
                         yield special
                         return
                 if self._inbox:
-                    self._arrived = time.monotonic()
+                    self._next_sync = time.monotonic() + fanout.resync_s
                     inbox, self._inbox = self._inbox, []
                     for batch, headers in inbox:
                         if batch.seq >= expected:
@@ -217,10 +225,10 @@ class LiveStream:
                     last_out = now
                     yield PING
                     continue
-                if now >= self._arrived + fanout.resync_s:
+                if now >= self._next_sync:
                     sync = True
                     continue
-                deadlines = [self._arrived + fanout.resync_s]
+                deadlines = [self._next_sync]
                 if idle:
                     deadlines.append(last_out + idle)
                 if hole_since is not None:
