@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from functools import partial
 
 import torch
 from prometheus_client import start_http_server
@@ -14,7 +15,8 @@ from tokenpipe.metrics import GeneratorMetrics
 from tokenpipe.settings import Settings
 from tokenpipe.telemetry import setup_tracing
 
-from .models import load_model
+from .models import LoadedModel, load_model
+from .runner import torch_thread
 from .worker import GeneratorWorker
 
 __all__ = ["serve"]
@@ -22,16 +24,21 @@ __all__ = ["serve"]
 log = logging.getLogger(__name__)
 
 
+def _load(settings: Settings) -> LoadedModel:
+    if settings.threads > 0:
+        torch.set_num_threads(settings.threads)  # OpenMP's thread count is per calling thread
+    return load_model(settings.model, path=settings.model_path, device=settings.device, dtype=settings.dtype,
+                      data_dir=settings.data_dir)
+
+
 async def serve(settings: Settings) -> None:
     """Load the model, connect, serve until SIGINT/SIGTERM, then drain."""
-    if settings.threads > 0:
-        torch.set_num_threads(settings.threads)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    loaded = await asyncio.to_thread(load_model, settings.model, path=settings.model_path, device=settings.device,
-                                     dtype=settings.dtype, data_dir=settings.data_dir)
+    engine_thread = torch_thread()
+    loaded = await loop.run_in_executor(engine_thread, partial(_load, settings))
     provider = setup_tracing("tokenpipe-generator")
     bus = await connect(settings, name=f"tokenpipe-generator-{loaded.name}")
     metrics = GeneratorMetrics(loaded.name)
@@ -42,12 +49,14 @@ async def serve(settings: Settings) -> None:
         except OSError as exc:  # another generator on this host holds the port: serve, just without metrics
             log.warning("metrics port unavailable; metrics disabled",
                         extra={"port": settings.metrics_port, "error": str(exc)})
-    worker = GeneratorWorker(settings, loaded, bus, tracer_provider=provider, metrics=metrics)
+    worker = GeneratorWorker(settings, loaded, bus, tracer_provider=provider, metrics=metrics,
+                             torch_thread=engine_thread)
     await worker.start()
     await stop.wait()
     log.info("shutting down: draining", extra={"active": len(worker.active)})
     await worker.stop(drain_timeout=settings.drain_timeout_s)
     await bus.close()
+    engine_thread.shutdown(wait=False)
     shutdown = getattr(provider, "shutdown", None)
     if shutdown is not None:
         shutdown()

@@ -18,6 +18,7 @@ import secrets
 import socket
 import time
 from collections import OrderedDict
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,7 +73,7 @@ class GeneratorWorker:
 
     def __init__(self, settings: Settings, loaded: LoadedModel, bus: Bus,
                  tracer_provider: TracerProvider | None = None, worker_id: str | None = None,
-                 metrics: GeneratorMetrics | None = None) -> None:
+                 metrics: GeneratorMetrics | None = None, torch_thread: Executor | None = None) -> None:
         self.settings = settings
         self.loaded = loaded
         self.model = loaded.name
@@ -82,7 +83,7 @@ class GeneratorWorker:
         self.metrics = metrics or GeneratorMetrics(loaded.name)
         self.runner = Runner(loaded, self._from_engine_thread, on_step=self._on_step, max_batch=settings.max_batch,
                              max_seq_len=settings.max_seq_len, prefill_token_budget=settings.prefill_token_budget,
-                             max_prompt_tokens=settings.max_prompt_tokens)
+                             max_prompt_tokens=settings.max_prompt_tokens, torch_thread=torch_thread)
         self.active: dict[str, _Active] = {}
         self.recent_cancels: OrderedDict[str, None] = OrderedDict()
         self._loop: asyncio.AbstractEventLoop | None = None

@@ -5,13 +5,15 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import AsyncIterator
+from functools import partial
+from pathlib import Path
 
 import httpx
 import pytest
 
 from generator.detok import IncrementalDetokenizer, StopMatcher
-from generator.models import LoadedModel
-from generator.runner import Emission, Job, Runner
+from generator.models import LoadedModel, load_model
+from generator.runner import Emission, Job, Runner, torch_thread
 from generator.worker import GeneratorWorker
 from tokenpipe.bus import Bus
 from tokenpipe.settings import Settings
@@ -149,3 +151,30 @@ async def test_blocking_completion_is_cancelled_when_the_client_hangs_up(relay: 
     final = [b async for b in follow(bus, rid) if isinstance(b, TokenBatch) and b.is_final]
     assert final[0].finish == "cancelled"
     assert final[0].usage is not None and final[0].usage.completion_tokens < 2000
+
+
+def test_regression_engine_steps_on_the_thread_that_loaded_the_model(data_dir: Path) -> None:
+    """Steps on a second torch thread ran 1.5x slower (OpenMP keeps a team per thread): the
+    generator now loads the model, allocates the KV cache and steps on one ``torch_thread``."""
+    pool = torch_thread()
+    try:
+        loader_thread = pool.submit(threading.get_ident).result()
+        loaded = pool.submit(partial(load_model, "tiny-random", device="cpu", dtype="float32",
+                                     data_dir=data_dir)).result()
+        steps_on: set[int] = set()
+        done = threading.Event()
+
+        def on_emit(ems: list[Emission]) -> None:
+            steps_on.add(threading.get_ident())
+            if any(e.finish for e in ems):
+                done.set()
+
+        runner = Runner(loaded, on_emit, max_batch=2, torch_thread=pool)
+        runner.start()
+        runner.submit(Job(Request.from_map({"v": 1, "id": "t", "model": "tiny-random", "prompt": "hi",
+                                            "params": {"max_tokens": 5, "ignore_eos": True}})))
+        assert done.wait(60)
+        runner.stop()
+        assert steps_on == {loader_thread}
+    finally:
+        pool.shutdown()
