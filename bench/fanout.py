@@ -265,6 +265,23 @@ def results_table(results: list[dict[str, Any]]) -> Table:
     return table
 
 
+def fanout_goals(results: list[dict[str, Any]]) -> dict[str, tuple[bool, str]]:
+    """The issue's two fan-out goals, each judged on the scenarios that test it."""
+    big = [r for r in results if r["streams"] >= 10_000]
+    fast = [r for r in results if r["offered_batches_s"] >= 20_000]
+    mem = min((r["rss_per_stream_kib"] for r in big), default=None)
+    best = max(fast, key=lambda r: (r["batches_s"], -r["added_latency_ms"]["p99"]), default=None)
+    return {
+        "10,000 SSE streams at <= 50 KiB RSS each": (
+            mem is not None and mem <= 50, "not run" if mem is None else f"{mem:.1f} KiB"),
+        ">= 20,000 batches/s forwarded at p99 added latency <= 5 ms": (
+            best is not None and best["batches_s"] >= 20_000 and best["added_latency_ms"]["p99"] <= 5,
+            "not run" if best is None else
+            f"{best['batches_s']:,.0f}/s at p99 {best['added_latency_ms']['p99']:.1f} ms "
+            f"({best['streams']:,} streams)"),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scenario", action="append", type=Scenario.parse,
@@ -278,11 +295,18 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"[bold]{sc}[/bold]")
         results.append(run_scenario(sc, console))
     console.print(results_table(results))
+    goals = fanout_goals(results)
+    gt = Table(title="Goals (benchmark issue, relay fan-out)")
+    for col in ("goal", "best measured", ""):
+        gt.add_column(col)
+    for name, (met, measured) in goals.items():
+        gt.add_row(name, measured, "[green]met[/]" if met else "[red]not met[/]")
+    console.print(gt)
     rtt = results[0]["nats_round_trip_ms"]
     console.print(f"NATS request/reply round trip p50 / p99: {rtt['p50']:.3f} / {rtt['p99']:.3f} ms")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"scenarios": results}, indent=1))
+    out.write_text(json.dumps({"scenarios": results, "goals": {k: v[0] for k, v in goals.items()}}, indent=1))
     return 0 if all(r["batches_received"] == r["batches_expected"] and not r["errors"] for r in results) else 1
 
 

@@ -27,7 +27,16 @@ log = logging.getLogger(__name__)
 
 SMOLLM2 = "smollm2-135m"
 TINY = "tiny-random"
-BUILTIN_MODELS = (SMOLLM2, TINY)
+RANDOM_1B = "llama-1b-random"
+BUILTIN_MODELS = (SMOLLM2, TINY, RANDOM_1B)
+# Shapes of randomly initialised Llamas (no weights needed to measure speed): tests, and a
+# Llama-3.2-1B-shaped model (1.07B parameters with SmolLM2's 49k vocabulary) for GPU benchmarks.
+_RANDOM_SHAPES: dict[str, dict[str, int]] = {
+    TINY: {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "num_key_value_heads": 2},
+    RANDOM_1B: {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
+                "num_key_value_heads": 8},
+}
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _CACHE_VERSION = "1"
 
@@ -124,25 +133,20 @@ def prepare_smollm2(data_dir: str | os.PathLike[str]) -> Path:
     return target
 
 
-def _tiny_random(data_dir: str | os.PathLike[str], dtype: torch.dtype) -> tuple[Any, Any]:
+def _random_llama(name: str, data_dir: str | os.PathLike[str], dtype: torch.dtype,
+                  device: torch.device) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
     tok = AutoTokenizer.from_pretrained(prepare_smollm2(data_dir))
-    config = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-    )
-    # Same weights in every process (tests compare relay output with in-process output).
-    with torch.random.fork_rng(devices=[]):
+    config = LlamaConfig.from_dict({
+        "vocab_size": len(tok), "max_position_embeddings": 2048, "tie_word_embeddings": True,
+        "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id,
+        **_RANDOM_SHAPES[name]})
+    # Same weights in every process (tests compare relay output with in-process output). The
+    # tiny model is built on the CPU (bit-identical everywhere); the 1B one where it will run
+    # (initialising a billion parameters on a CPU takes a while).
+    where = torch.device("cpu") if name == TINY else device
+    with torch.random.fork_rng(devices=[] if where.type == "cpu" else [where]), torch.device(where):
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model, tok
@@ -166,8 +170,8 @@ def load_model(name: str, *, path: str = "", device: str = "auto", dtype: str = 
         src = prepare_smollm2(data_dir)
         model = AutoModelForCausalLM.from_pretrained(src, dtype=dt)
         tok = AutoTokenizer.from_pretrained(src)
-    elif name == TINY:
-        model, tok = _tiny_random(data_dir, dt)
+    elif name in _RANDOM_SHAPES:
+        model, tok = _random_llama(name, data_dir, dt, dev)
     elif Path(name).is_dir():
         return load_model(model_name_for_path(name), path=name, device=device, dtype=dtype, data_dir=data_dir)
     else:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -31,3 +35,43 @@ async def test_poisson_rate_mode(relay: RelayServer) -> None:
     cfg = LoadConfig(url=relay.url, model="tiny-random", rate=50.0, num_requests=8, output_len="4")
     records, wall = await run_load(cfg)
     assert summarize(records, wall)["output_tokens"] == 32
+
+
+def _run(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_pipeline_benchmark_and_gpu_summary_run_end_to_end(tmp_path: Path, data_dir: Path) -> None:
+    """`make bench` and bench/gpu.sh's plumbing, on the tiny model (the real runs take minutes)."""
+    out = tmp_path / "pipeline.json"
+    proc = _run(["bench.pipeline", "--model", "tiny-random", "--dtype", "float32", "--streams", "4",
+                 "--engine-batches", "2,4", "--max-tokens", "12", "--ttft-requests", "3", "--baseline-tokens", "4",
+                 "--data-dir", str(data_dir), "--out", str(out)])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["pipeline"]["all_finished"] and result["pipeline"]["tokens"] == 4 * 12
+    assert set(result["goals"]) >= {"pipeline_vs_engine>=0.95", "added_ttft_p50<=2ms"}
+    summary = tmp_path / "gpu.json"
+    proc = _run(["bench.gpu_summary", str(out), "--out", str(summary)])
+    assert proc.returncode == 0, proc.stderr
+    [row] = json.loads(summary.read_text())
+    assert row["model"] == "tiny-random" and row["pipeline_tok_s"] > 0 and set(row["sweep"]) == {"2", "4"}
+
+
+def test_fanout_benchmark_forwards_every_batch_in_both_modes(tmp_path: Path) -> None:
+    out = tmp_path / "fanout.json"
+    proc = _run(["bench.fanout", "--scenario", "consumer:20:4:50", "--scenario", "shared:20:4:50", "--out", str(out)])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    runs = json.loads(out.read_text())["scenarios"]
+    assert [r["mode"] for r in runs] == ["consumer", "shared"]
+    for r in runs:
+        assert r["batches_received"] == r["batches_expected"] == 80 and r["errors"] == 0
+        assert r["relay_cpu_us_per_batch"] > 0
+
+
+def test_gpu_script_refuses_clearly_without_a_gpu() -> None:
+    if shutil.which("nvidia-smi"):
+        pytest.skip("this machine has an NVIDIA GPU: bench/gpu.sh would run for minutes")
+    script = Path(__file__).parents[1] / "bench" / "gpu.sh"
+    proc = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2 and "no NVIDIA GPU" in proc.stderr

@@ -25,10 +25,12 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def _model_opts(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="smollm2-135m (default), tiny-random, or a local transformers directory")
+    p.add_argument("--model", help="smollm2-135m (default), tiny-random, llama-1b-random (random weights, for "
+                                  "benchmarks), or a local transformers directory")
     p.add_argument("--model-path", help="serve this transformers directory under the name --model")
     p.add_argument("--device", help="auto (default), cpu, cuda, cuda:1 ...")
-    p.add_argument("--dtype", help="auto (default: bf16 on CUDA, fp32 on CPU), float32, bfloat16")
+    p.add_argument("--dtype", help="auto (default: bf16 on CUDA and on CPUs with native bf16, else fp32), "
+                                  "float32, bfloat16, float16")
 
 
 def build_parser() -> argparse.ArgumentParser:
