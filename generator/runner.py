@@ -37,6 +37,8 @@ class Job:
     request: Request
     resume_ids: tuple[int, ...] = ()
     received_ns: int = field(default_factory=time.time_ns)
+    # More of the same burst were fetched with this one and are being handed over right behind it.
+    more_coming: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,8 +99,9 @@ class Runner:
     def __init__(self, loaded: LoadedModel, on_emit: Callable[[list[Emission]], None], *,
                  on_step: Callable[[int], None] | None = None, max_batch: int = 32,
                  max_seq_len: int = 2048, prefill_token_budget: int = 4096, max_prompt_tokens: int = 0,
-                 torch_thread: Executor | None = None) -> None:
+                 torch_thread: Executor | None = None, admission_hold_s: float = 0.01) -> None:
         self.loaded = loaded
+        self.admission_hold_s = admission_hold_s
         self.torch_thread = torch_thread
         make = partial(Engine, loaded, max_batch=max_batch, max_seq_len=max_seq_len,
                        prefill_token_budget=prefill_token_budget, max_prompt_tokens=max_prompt_tokens)
@@ -142,19 +145,24 @@ class Runner:
 
     # -- engine thread ---------------------------------------------------------------
     def _loop(self) -> None:
+        hold_until = 0.0
         while True:
+            wait = hold_until - time.monotonic()
             try:
-                item = self._inbox.get(block=self.engine.idle)
+                item = self._inbox.get(timeout=wait) if wait > 0 else self._inbox.get(block=self.engine.idle)
             except queue.Empty:
                 item = None
             while item is not None:
                 if item is _STOP:
                     return
                 self._handle(item)
+                hold_until = self._hold(item, hold_until)
                 try:
                     item = self._inbox.get_nowait()
                 except queue.Empty:
                     item = None
+            if hold_until > time.monotonic():
+                continue  # the rest of a burst is being handed over: prefill it together
             if self.engine.idle:
                 continue
             try:
@@ -168,6 +176,18 @@ class Runner:
             emissions = [self._emission(o) for o in outputs]
             if emissions:
                 self.on_emit(emissions)
+
+    def _hold(self, item: Any, hold_until: float) -> float:
+        """Until when to wait before the next step: an idle engine holds its first prefill while
+        the worker hands over the rest of a burst it fetched (at most ``admission_hold_s``). A
+        lone request is never held, and running rows never wait for newcomers."""
+        if not isinstance(item, Job):
+            return hold_until
+        if not item.more_coming:
+            return 0.0
+        if self.engine.rows or hold_until:
+            return hold_until
+        return time.monotonic() + self.admission_hold_s
 
     def _handle(self, item: Any) -> None:
         if isinstance(item, Job):

@@ -83,7 +83,8 @@ class GeneratorWorker:
         self.metrics = metrics or GeneratorMetrics(loaded.name)
         self.runner = Runner(loaded, self._from_engine_thread, on_step=self._on_step, max_batch=settings.max_batch,
                              max_seq_len=settings.max_seq_len, prefill_token_budget=settings.prefill_token_budget,
-                             max_prompt_tokens=settings.max_prompt_tokens, torch_thread=torch_thread)
+                             max_prompt_tokens=settings.max_prompt_tokens, torch_thread=torch_thread,
+                             admission_hold_s=settings.admission_hold_ms / 1000)
         self.active: dict[str, _Active] = {}
         self.recent_cancels: OrderedDict[str, None] = OrderedDict()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -175,6 +176,16 @@ class GeneratorWorker:
                 # One at a time: nats-py's fetch(n) lingers for all n once the first arrives, which
                 # would hold a lone request back; fetch(1) returns as soon as one is available.
                 msgs = await self._psub.fetch(1, timeout=1.0)
+                # A burst: what the queue already holds comes in one round trip, and the engine
+                # is told more is coming so that it prefills the burst together.
+                pending = msgs[-1].metadata.num_pending if msgs else 0
+                while pending > 0 and self.free_slots > len(msgs) and not self._stopping.is_set():
+                    try:
+                        more = await self._psub.fetch(min(pending, self.free_slots - len(msgs)), timeout=0.02)
+                    except TimeoutError:
+                        break  # another worker took them
+                    msgs += more
+                    pending = more[-1].metadata.num_pending if more else 0
             except TimeoutError:
                 continue
             except Exception as exc:  # reconnects and server restarts surface here; retry
@@ -183,13 +194,13 @@ class GeneratorWorker:
                 log.warning("fetch failed; retrying", extra={"error": repr(exc)})
                 await asyncio.sleep(0.5)
                 continue
-            for msg in msgs:
+            for i, msg in enumerate(msgs):
                 if self._stopping.is_set():
                     await msg.nak()  # fetched while stopping: hand it straight back
                 else:
-                    await self._accept(msg)
+                    await self._accept(msg, more_coming=i < len(msgs) - 1)
 
-    async def _accept(self, msg: Msg) -> None:
+    async def _accept(self, msg: Msg, *, more_coming: bool = False) -> None:
         received = time.time_ns()
         try:
             request = Request.decode(msg.data)
@@ -252,7 +263,7 @@ class GeneratorWorker:
             self._emit_now(request.id, Emission(request.id, (), "", time.time_ns(), finish="cancelled",
                                                 usage=Usage(0, len(resume))))
             return
-        self.runner.submit(Job(request, resume_ids=resume, received_ns=received))
+        self.runner.submit(Job(request, resume_ids=resume, received_ns=received, more_coming=more_coming))
 
     async def _reject_undecodable(self, msg: Msg, exc: Exception) -> None:
         log.warning("terminating undecodable request", extra={"subject": msg.subject, "error": str(exc)})

@@ -178,3 +178,33 @@ def test_regression_engine_steps_on_the_thread_that_loaded_the_model(data_dir: P
         assert steps_on == {loader_thread}
     finally:
         pool.shutdown()
+
+
+def test_burst_handed_over_one_by_one_is_prefilled_together(tiny_model: LoadedModel) -> None:
+    """A burst used to be prefilled in waves (the first job alone, the rest a prefill later):
+    jobs flagged ``more_coming`` make an idle engine wait for the rest of their burst."""
+    prefills: list[set[str]] = []  # per engine step: the requests whose first token it produced
+    done = threading.Event()
+
+    def on_emit(ems: list[Emission]) -> None:
+        firsts = {e.request_id for e in ems if e.admitted_ns}
+        if firsts:
+            prefills.append(firsts)
+        if sum(map(len, prefills)) == 3:
+            done.set()
+
+    runner = Runner(tiny_model, on_emit, max_batch=4, admission_hold_s=5.0)
+    runner.start()
+    try:
+        def job(rid: str, more: bool) -> Job:
+            return Job(Request.from_map({"v": 1, "id": rid, "model": "tiny-random", "prompt": f"burst {rid}",
+                                         "params": {"max_tokens": 3, "ignore_eos": True}}), more_coming=more)
+
+        runner.submit(job("a", True))
+        runner.submit(job("b", True))
+        assert not done.wait(0.3)  # held: the burst is not complete yet
+        runner.submit(job("c", False))
+        assert done.wait(60)
+        assert prefills == [{"a", "b", "c"}]  # one prefill for all three
+    finally:
+        runner.stop()

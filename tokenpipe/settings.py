@@ -43,6 +43,9 @@ class Settings:
     max_seq_len: int = 2048
     max_prompt_tokens: int = 0
     prefill_token_budget: int = 4096
+    # An idle engine waits at most this long for the rest of a burst the worker fetched at
+    # once, to prefill it as one batch; a lone request is never held.
+    admission_hold_ms: float = 10.0
     coalesce_max_tokens: int = 8
     coalesce_max_delay_ms: float = 20.0
     ack_wait_s: float = 30.0
