@@ -125,17 +125,20 @@ async def drive(url: str, args: argparse.Namespace, progress: Progress) -> dict[
         for i in range(args.ttft_requests):
             singles.append(await one_stream(client, {"messages": chat(i), **base, "max_tokens": 4}))
             progress.advance(task)
-        task = progress.add_task(f"{args.streams} concurrent streams", total=args.streams)
+        task = progress.add_task(f"{args.streams} concurrent streams × {args.repeats}",
+                                 total=args.streams * args.repeats)
 
         async def tracked(i: int) -> Record:
             res = await one_stream(client, {"messages": chat(i), **base})
             progress.advance(task)
             return res
 
-        t0 = time.perf_counter()
-        many = await asyncio.gather(*(tracked(i) for i in range(args.streams)))
-        wall = time.perf_counter() - t0
-    return {"singles": singles, "many": many, "wall": wall}
+        rounds = []
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            many = await asyncio.gather(*(tracked(i) for i in range(args.streams)))
+            rounds.append((many, time.perf_counter() - t0))
+    return {"singles": singles, "rounds": rounds}
 
 
 def measure_engine(lm: LoadedModel, args: argparse.Namespace, progress: Progress) -> dict[str, Any]:
@@ -167,7 +170,7 @@ def measure_engine(lm: LoadedModel, args: argparse.Namespace, progress: Progress
     progress.advance(task)
     out["ceiling_tok_s"] = max(out["raw_forward_fp32_tok_s"], out["raw_forward_bf16_tok_s"])
     run = ceilings.engine_tok_s(lm, prompts[: args.streams], args.max_tokens, max_batch=args.streams)
-    out["engine_tok_s"] = run.tok_s
+    out["engine_tok_s_before"] = run.tok_s
     out["engine_wall_s"] = run.wall_s
     progress.advance(task)
     ttfts = [ceilings.engine_tok_s(lm, [prompts[i % len(prompts)]], 1, max_batch=1).ttft_s
@@ -192,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="stream counts for the engine-vs-ceiling sweep (comma-separated)")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--ttft-requests", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=2, help="rounds of the concurrent-streams phase (mean)")
     parser.add_argument("--baseline-tokens", type=int, default=32)
     parser.add_argument("--data-dir", default=Settings.load().data_dir)
     parser.add_argument("--out", default="bench/out/pipeline.json")
@@ -207,22 +211,31 @@ def main(argv: list[str] | None = None) -> int:
     }
     with Progress(console=console, transient=False) as progress:
         lm = load_model(args.model, device=args.device, dtype=args.dtype, data_dir=args.data_dir)
-        results["engine"] = measure_engine(lm, args, progress)
-        del lm
-        gc.collect()
+        results["engine"] = eng = measure_engine(lm, args, progress)
         extra_env = dict(kv.split("=", 1) for kv in args.gen_env)
         with Pipeline(args.model, args.data_dir, extra_env, args.device, args.dtype) as pipe:
             runs = asyncio.run(drive(pipe.url, args, progress))
+        # The engine again, after the pipeline: this machine's speed drifts (shared cores), so the
+        # pipeline is compared with the mean of the engine measured before and after it.
+        prompts = [lm.tokenizer.apply_chat_template(chat(i), add_generation_prompt=True, tokenize=True)["input_ids"]
+                   for i in range(args.streams)]
+        after = ceilings.engine_tok_s(lm, prompts, args.max_tokens, max_batch=args.streams)
+        eng["engine_tok_s_after"] = after.tok_s
+        eng["engine_tok_s"] = (eng["engine_tok_s_before"] + after.tok_s) / 2
+        del lm
+        gc.collect()
 
     eng = results["engine"]
     singles: list[Record] = runs["singles"]
-    many: list[Record] = runs["many"]
+    rounds: list[tuple[list[Record], float]] = runs["rounds"]
+    many = [r for batch, _ in rounds for r in batch]
     client_ttft = [s.ttft * 1e3 for s in singles]
     # Per request: client TTFT minus the engine's own part (prefill: admitted -> first token).
     added = [s.ttft * 1e3 - (s.first_timings["first_token"] - s.first_timings["admitted"]) / 1e6
              for s in singles if "admitted" in s.first_timings]
-    total_tokens = sum(r.tokens for r in many)
-    pipe_tok_s = total_tokens / runs["wall"]
+    round_tok_s = [sum(r.tokens for r in batch) / wall for batch, wall in rounds]
+    total_tokens = sum(r.tokens for r in rounds[0][0])
+    pipe_tok_s = statistics.fmean(round_tok_s)
     results["pipeline"] = {
         "ttft_1_stream_p50_ms": pct(client_ttft, 50),
         "ttft_1_stream_p99_ms": pct(client_ttft, 99),
@@ -232,9 +245,10 @@ def main(argv: list[str] | None = None) -> int:
         "added_ttft_vs_engine_p99_ms": pct(client_ttft, 99) - eng["engine_ttft_p99_ms"],
         "streams": args.streams,
         "tokens": total_tokens,
-        "wall_s": runs["wall"],
+        "wall_s": statistics.fmean(wall for _, wall in rounds),
+        "rounds_tok_s": round_tok_s,
         "tok_s": pipe_tok_s,
-        "batches": sum(len(r.batch_tokens) for r in many),
+        "batches": sum(len(r.batch_tokens) for r in rounds[0][0]),
         "ttft_many_p50_ms": pct([r.ttft * 1e3 for r in many], 50),
         "all_finished": all(r.finish == "length" and r.tokens == args.max_tokens for r in many),
     }
@@ -290,8 +304,9 @@ def render(r: dict[str, Any]) -> None:
         (f"raw forward step, batch {n}, fp32 (ceiling candidate)", eng["raw_forward_fp32_tok_s"]),
         (f"raw forward step, batch {n}, bf16 (ceiling candidate)", eng["raw_forward_bf16_tok_s"]),
         (f"tokenpipe's own decode step alone, batch {n}, {eng['engine_dtype']}", eng["own_forward_tok_s"]),
-        (f"tokenpipe engine in-process, {n} streams", eng["engine_tok_s"]),
-        (f"full pipeline HTTP→NATS→generator→NATS→SSE, {n} streams", pipe["tok_s"]),
+        (f"tokenpipe engine in-process, {n} streams (mean of before/after the pipeline)", eng["engine_tok_s"]),
+        (f"full pipeline HTTP→NATS→generator→NATS→SSE, {n} streams (mean of {len(pipe['rounds_tok_s'])})",
+         pipe["tok_s"]),
         ("HF generate, one request at a time", eng["hf_generate_1_at_a_time_tok_s"]),
         ("naive loop without KV cache, batch 1", eng["naive_no_kv_cache_tok_s"]),
     ]
