@@ -133,6 +133,9 @@ async def drive(url: str, args: argparse.Namespace, progress: Progress) -> dict[
             progress.advance(task)
             return res
 
+        # A short burst first, like the in-process engine had (its sweep ran these batch shapes).
+        await asyncio.gather(*(one_stream(client, {"messages": chat(i), **base, "max_tokens": 4})
+                               for i in range(args.streams)))
         rounds = []
         for _ in range(args.repeats):
             t0 = time.perf_counter()

@@ -101,17 +101,12 @@ class Fanout:
                 reader._wake()
 
 
-def _timeout(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
-
-
 class LiveStream:
     """One reader of one stream, registered with its :class:`Fanout` from creation until
     :meth:`items` ends (or :meth:`close`)."""
 
-    __slots__ = ("_fanout", "_fresh", "_inbox", "_next_sync", "_resync", "_waiter", "after_seq", "stream_id",
-                 "subject")
+    __slots__ = ("_fanout", "_fresh", "_inbox", "_next_sync", "_resync", "_timer", "_timer_at", "_waiter",
+                 "after_seq", "stream_id", "subject")
 
     def __init__(self, fanout: Fanout, stream_id: str, *, after_seq: int, fresh: bool) -> None:
         self._fanout = fanout
@@ -121,11 +116,16 @@ class LiveStream:
         self._fresh = fresh
         self._inbox: list[tuple[TokenBatch, dict[str, str] | None]] = []
         self._waiter: asyncio.Future[None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
         self._resync = False
         self._next_sync = time.monotonic() + fanout.resync_s
 
     def close(self) -> None:
         self._fanout._close(self)
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     def _push(self, batch: TokenBatch, headers: dict[str, str] | None) -> None:
         self._inbox.append((batch, headers))
@@ -135,18 +135,27 @@ class LiveStream:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
-    async def _wait(self, timeout: float) -> None:
-        """Until a push, a wake-up or ``timeout`` seconds (a timer, not a task: this runs per batch)."""
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._wake()
+
+    async def _wait(self, deadline: float) -> None:
+        """Until a push, a wake-up or the monotonic ``deadline``. This runs per batch, so the timer
+        is not re-armed per wait: deadlines only move later with activity, and a timer that fires
+        early just makes the caller recompute and wait again."""
         if self._inbox or self._resync:
             return
         loop = asyncio.get_running_loop()
+        if self._timer is None or self._timer_at > deadline:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer_at = deadline
+            self._timer = loop.call_later(max(0.0, deadline - time.monotonic()), self._on_timer)
         fut: asyncio.Future[None] = loop.create_future()
         self._waiter = fut
-        handle = loop.call_later(max(0.0, timeout), _timeout, fut)
         try:
             await fut
         finally:
-            handle.cancel()
             self._waiter = None
 
     async def _catch_up(self, expected: int, held: _Held) -> StreamItem | None:
@@ -233,6 +242,6 @@ class LiveStream:
                     deadlines.append(last_out + idle)
                 if hole_since is not None:
                     deadlines.append(hole_since + fanout.reorder_wait)
-                await self._wait(min(deadlines) - now)
+                await self._wait(min(deadlines))
         finally:
             self.close()
