@@ -13,13 +13,14 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from opentelemetry.trace import TracerProvider
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
 
 from tokenpipe.errors import TokenpipeError
 from tokenpipe.metrics import render
 from tokenpipe.settings import Settings
 
 from . import native, openai
-from .http import error_body, error_response
+from .http import RAW_SEND, error_body, error_response
 from .observe import ObserveMiddleware
 from .state import RelayState
 
@@ -30,6 +31,14 @@ async def authenticate(request: Request) -> None:
     """Resolve the caller's tenant from its API key (or the default tenant when keys are off)."""
     state: RelayState = request.app.state.relay
     request.state.tenant = state.keys.tenant_for(request.headers.get("authorization"))
+
+
+class _RelayApp(FastAPI):
+    """Hands the server's own ``send`` to SSE responses (see :class:`relay.http.SSEResponse`)."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        scope[RAW_SEND] = send
+        await super().__call__(scope, receive, send)
 
 
 def create_app(settings: Settings, tracer_provider: TracerProvider | None = None) -> FastAPI:
@@ -44,7 +53,7 @@ def create_app(settings: Settings, tracer_provider: TracerProvider | None = None
         finally:
             await state.stop()
 
-    app = FastAPI(title="tokenpipe relay", version="0.1.0", lifespan=lifespan)
+    app = _RelayApp(title="tokenpipe relay", version="0.1.0", lifespan=lifespan)
     app.state.relay = state
 
     @app.exception_handler(TokenpipeError)

@@ -20,7 +20,13 @@ from tokenpipe.errors import InvalidRequest, TokenpipeError
 
 from .sse import SSE_HEADERS
 
-__all__ = ["error_body", "error_response", "read_json", "RequestTooLarge", "SSEResponse", "WriteWatchdog", "error_type"]
+__all__ = ["RAW_SEND", "error_body", "error_response", "read_json", "RequestTooLarge", "SSEResponse", "WriteWatchdog",
+           "error_type"]
+
+# Scope key under which the relay app leaves the server's own ``send``: an SSE body chunk then
+# skips three middleware wrappers that only ever look at the response start (4% of the relay's
+# samples in a py-spy profile at 20k batches/s).
+RAW_SEND = "tokenpipe.raw_send"
 
 log = logging.getLogger(__name__)
 
@@ -132,12 +138,14 @@ class SSEResponse(StreamingResponse):
         self.on_drop = on_drop
         self.on_close = on_close
         self._scope: anyio.CancelScope | None = None
+        self._raw_send: Send | None = None
 
     def abandon(self) -> None:
         if self._scope is not None:
             self._scope.cancel()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self._raw_send = scope.get(RAW_SEND)
         try:
             await super().__call__(scope, receive, send)
         finally:
@@ -146,6 +154,7 @@ class SSEResponse(StreamingResponse):
 
     async def stream_response(self, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        body_send = self._raw_send or send  # the start went through the middlewares; body chunks need not
         iterator = self.body_iterator
         watchdog = self.watchdog
         with anyio.CancelScope() as cancel_scope:
@@ -154,7 +163,7 @@ class SSEResponse(StreamingResponse):
                 data = chunk.encode() if isinstance(chunk, str) else bytes(chunk)
                 watchdog.begin(self)
                 try:
-                    await send({"type": "http.response.body", "body": data, "more_body": True})
+                    await body_send({"type": "http.response.body", "body": data, "more_body": True})
                 finally:
                     watchdog.end(self)
         if cancel_scope.cancelled_caught:
@@ -166,4 +175,4 @@ class SSEResponse(StreamingResponse):
             if aclose is not None:
                 await aclose()
             return  # the server closes the connection; the client may resume with Last-Event-ID
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        await body_send({"type": "http.response.body", "body": b"", "more_body": False})
