@@ -55,6 +55,8 @@ class Record:
     arrivals: list[float] = field(default_factory=list)  # seconds since start, per batch
     batch_tokens: list[int] = field(default_factory=list)
     first_timings: dict[str, int] = field(default_factory=dict)
+    start_ns: int = field(default_factory=time.time_ns)  # wall clock at start (batch stamps are wall clock)
+    first_arrival_ns: int = 0
 
 
 def _output_len(spec: str, rng: random.Random) -> int:
@@ -117,6 +119,7 @@ def _batch(rec: Record, ntok: int, timings: dict[str, int] | None) -> None:
     if not rec.arrivals:
         rec.ttft = now
         rec.first_timings = timings or {}
+        rec.first_arrival_ns = time.time_ns()
     rec.arrivals.append(now)
     rec.batch_tokens.append(ntok)
     rec.tokens += ntok

@@ -281,16 +281,22 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def stage_breakdown(runs: list[Record]) -> dict[str, float]:
-    """Where the first batch's time went, from the timestamps it carries (same host clock)."""
-    spans = {"queue (created→received)": ("created", "received"),
-             "admission (received→admitted)": ("received", "admitted"),
-             "prefill (admitted→first token)": ("admitted", "first_token"),
-             "publish (first token→emitted)": ("first_token", "emitted")}
+    """Where the first batch's time went, from the timestamps it carries and the client's own
+    wall clock at the POST and at the first event (same host clock)."""
+    spans = {"client → relay (POST → request built)": ("start", "created"),
+             "relay → generator (built → received)": ("created", "received"),
+             "generator → engine (received → admitted)": ("received", "admitted"),
+             "prefill (admitted → first token)": ("admitted", "first_token"),
+             "coalescer (first token → emitted)": ("first_token", "emitted"),
+             "generator → client (emitted → first SSE event)": ("emitted", "arrival")}
     out = {}
     for name, (a, b) in spans.items():
-        vals = [(r.first_timings[b] - r.first_timings[a]) / 1e6 for r in runs if a in r.first_timings
-                and b in r.first_timings]
-        out[name] = pct(vals, 50)
+        vals = []
+        for r in runs:
+            stamps = {**r.first_timings, "start": r.start_ns, "arrival": r.first_arrival_ns}
+            if stamps.get(a) and stamps.get(b):
+                vals.append((stamps[b] - stamps[a]) / 1e6)
+        out[name] = pct(vals, 50) if vals else float("nan")
     return out
 
 
