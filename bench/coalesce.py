@@ -55,25 +55,35 @@ def main(argv: list[str] | None = None) -> int:
             records, wall = asyncio.run(run_load(cfg, progress))
             relay_cpu = (cpu_seconds(relay_pid) - before) / wall
             s = summarize(records, wall)
-            rows.append({"max_tokens": max_tokens, "max_delay_ms": max_delay, "messages_s": s["batches"] / wall,
+            # The coalescer's own share of TTFT: first token -> first batch emitted (batch stamps).
+            held = [(r.first_timings["emitted"] - r.first_timings["first_token"]) / 1e6 for r in records
+                    if "emitted" in r.first_timings and "first_token" in r.first_timings]
+            rows.append({"max_tokens": max_tokens, "max_delay_ms": max_delay, "messages": s["batches"],
+                         "messages_s": s["batches"] / wall, "first_batch_hold_max_ms": max(held, default=0.0),
                          "tokens_per_batch": s["tokens_per_batch"], "ttft_p50_ms": s["ttft_ms"]["p50"],
                          "ttft_p99_ms": s["ttft_ms"]["p99"], "itl_p99_ms": s["itl_ms"]["p99"],
                          "inter_batch_p99_ms": s["inter_batch_ms"]["p99"], "relay_cpu": relay_cpu,
                          "output_tok_s": s["output_tok_s"], "failed": s["failed"]})
     base = rows[0]
     for r in rows:
-        r["fewer_messages_x"] = base["messages_s"] / r["messages_s"] if r["messages_s"] else float("nan")
+        # Every row generates the same tokens, so fewer messages is a count ratio (a rate ratio
+        # would also move with each row's throughput).
+        r["fewer_messages_x"] = base["messages"] / r["messages"] if r["messages"] else float("nan")
         r["added_latency_p99_ms"] = r["inter_batch_p99_ms"] - base["inter_batch_p99_ms"]
+        # "No TTFT penalty" is judged where the coalescer could add it: between the first token and
+        # its batch. Client TTFT at 32 simultaneous arrivals moves by tens of ms between rows with
+        # the shared 32-way prefill, whatever the windows.
         r["meets_goal"] = (r["fewer_messages_x"] >= 3 and r["added_latency_p99_ms"] <= 25
-                           and r["ttft_p50_ms"] <= base["ttft_p50_ms"] * 1.1 + 1)
+                           and r["first_batch_hold_max_ms"] <= 1.0)
     table = Table(title=f"coalescing study — {args.model}, {args.streams} streams, {args.output_len} tokens each")
-    for col in ("count", "time ms", "msgs/s", "× fewer", "tok/batch", "TTFT p50", "TTFT p99", "inter-batch p99",
-                "+p99 ms", "relay CPU", "goal"):
+    for col in ("count", "time ms", "msgs/s", "× fewer", "tok/batch", "TTFT p50", "TTFT p99", "1st batch hold max",
+                "inter-batch p99", "+p99 ms", "relay CPU", "goal"):
         table.add_column(col, justify="right")
     for r in rows:
         table.add_row(str(r["max_tokens"]), f"{r['max_delay_ms']:g}", f"{r['messages_s']:.0f}",
                       f"{r['fewer_messages_x']:.1f}", f"{r['tokens_per_batch']:.1f}", f"{r['ttft_p50_ms']:.1f}",
-                      f"{r['ttft_p99_ms']:.1f}", f"{r['inter_batch_p99_ms']:.1f}", f"{r['added_latency_p99_ms']:+.1f}",
+                      f"{r['ttft_p99_ms']:.1f}", f"{r['first_batch_hold_max_ms']:.2f}",
+                      f"{r['inter_batch_p99_ms']:.1f}", f"{r['added_latency_p99_ms']:+.1f}",
                       f"{r['relay_cpu']:.0%}", "met" if r["meets_goal"] else "—")
     console.print(table)
     out = Path(args.out)

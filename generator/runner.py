@@ -133,7 +133,10 @@ class Runner:
         if self._thread is not None:
             self._thread.join(timeout)
         if self._running is not None:
-            self._running.result(timeout)
+            try:
+                self._running.result(timeout)
+            except TimeoutError:
+                log.warning("engine thread did not stop in time", extra={"timeout_s": timeout})
 
     @property
     def running(self) -> int:
@@ -161,8 +164,10 @@ class Runner:
                     item = self._inbox.get_nowait()
                 except queue.Empty:
                     item = None
-            if hold_until > time.monotonic():
-                continue  # the rest of a burst is being handed over: prefill it together
+            if hold_until:
+                if hold_until > time.monotonic():
+                    continue  # the rest of a burst is being handed over: prefill it together
+                hold_until = 0.0  # waited long enough: the next burst gets its own hold
             if self.engine.idle:
                 continue
             try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import AsyncIterator
 from functools import partial
 from pathlib import Path
@@ -206,5 +207,16 @@ def test_burst_handed_over_one_by_one_is_prefilled_together(tiny_model: LoadedMo
         runner.submit(job("c", False))
         assert done.wait(60)
         assert prefills == [{"a", "b", "c"}]  # one prefill for all three
+        # A hold that ran out must not keep later bursts from being held (it once did).
+        runner.admission_hold_s = 0.5
+        runner.submit(job("d", True))
+        time.sleep(0.8)  # the scenario: d's hold runs out (no "last of the burst" comes) and d runs alone
+        runner.submit(job("e", True))
+        time.sleep(0.1)  # the scenario: f comes 0.1 s after e, well inside e's own hold
+        runner.submit(job("f", False))
+        deadline = time.monotonic() + 60
+        while sum(map(len, prefills)) < 6 and time.monotonic() < deadline:
+            time.sleep(0.01)  # polling what the engine thread records
+        assert prefills[1:] == [{"d"}, {"e", "f"}]
     finally:
         runner.stop()
