@@ -289,12 +289,14 @@ def fanout_goals(results: list[dict[str, Any]]) -> dict[str, tuple[bool, str]]:
     big = [r for r in results if r["streams"] >= 10_000]
     fast = [r for r in results if r["offered_batches_s"] >= 20_000]
     mem = min((r["rss_per_stream_kib"] for r in big), default=None)
-    best = min(fast, key=lambda r: r["added_latency_steady_ms"]["p99"], default=None)
+    meeting = [r for r in fast if r["steady_batches_s"] >= 20_000 and r["added_latency_steady_ms"]["p99"] <= 5]
+    ranked = meeting or sorted(fast, key=lambda r: r["added_latency_steady_ms"]["p99"])
+    best = ranked[0] if ranked else None
     return {
         "10,000 SSE streams at <= 50 KiB RSS each": (
             mem is not None and mem <= 50, "not run" if mem is None else f"{mem:.1f} KiB"),
         ">= 20,000 batches/s forwarded at steady-state p99 added latency <= 5 ms": (
-            best is not None and best["steady_batches_s"] >= 20_000 and best["added_latency_steady_ms"]["p99"] <= 5,
+            bool(meeting),
             "not run" if best is None else
             f"{best['steady_batches_s']:,.0f}/s at steady p99 {best['added_latency_steady_ms']['p99']:.1f} ms "
             f"({best['streams']:,} streams)"),
