@@ -33,10 +33,12 @@ class Bus:
     meta: KeyValue
     # Called after a reconnect or a slow-consumer error: core subscribers may have missed messages.
     on_possible_loss: list[Callable[[], None]] = field(default_factory=list)
+    closing: bool = False
 
     async def close(self) -> None:
         if self.nc.is_closed:
             return
+        self.closing = True  # the disconnect that follows is ours, not news
         try:
             await self.nc.drain()
         except nats.errors.ConnectionReconnectingError:
@@ -55,7 +57,10 @@ async def connect(settings: Settings, *, name: str, provision_streams: bool = Tr
                 hook()
 
     async def _disc() -> None:
-        log.warning("nats disconnected")
+        if bus is not None and bus.closing:
+            log.debug("nats connection closed")
+        else:
+            log.warning("nats disconnected")
 
     async def _reconn() -> None:
         log.info("nats reconnected")
