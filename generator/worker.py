@@ -131,6 +131,14 @@ class GeneratorWorker:
         """Stop fetching, let running requests finish for ``drain_timeout``, NAK the rest."""
         self._stopping.set()
         self._slot_freed.set()
+        try:
+            await self._hand_back(drain_timeout)
+        finally:
+            # Always: the engine runs on a non-daemon thread that would keep the process alive.
+            await asyncio.to_thread(self.runner.stop)
+        await self.bus.nc.flush()
+
+    async def _hand_back(self, drain_timeout: float) -> None:
         deadline = time.monotonic() + drain_timeout
         while self.active and time.monotonic() < deadline:
             self._slot_freed.clear()
@@ -157,8 +165,6 @@ class GeneratorWorker:
         await self.publisher.close()
         for sub in [*self._subs, self._psub]:
             await sub.unsubscribe()
-        await asyncio.to_thread(self.runner.stop)
-        await self.bus.nc.flush()
 
     # -- intake ----------------------------------------------------------------------
     @property
@@ -184,6 +190,9 @@ class GeneratorWorker:
                         more = await self._psub.fetch(min(pending, self.free_slots - len(msgs)), timeout=0.02)
                     except TimeoutError:
                         break  # another worker took them
+                    except Exception as exc:  # keep what was fetched; the outer loop retries the rest
+                        log.warning("fetch failed; retrying", extra={"error": repr(exc)})
+                        break
                     msgs += more
                     pending = more[-1].metadata.num_pending if more else 0
             except TimeoutError:

@@ -93,10 +93,11 @@ class WriteWatchdog:
         self.timeout = timeout
         self._writing: dict[SSEResponse, float] = {}
         self._task: asyncio.Task[None] | None = None
+        self._stopped = False
 
     def begin(self, response: SSEResponse) -> None:
         self._writing[response] = time.monotonic()
-        if self._task is None or self._task.done():
+        if (self._task is None or self._task.done()) and not self._stopped:
             self._task = asyncio.get_running_loop().create_task(self._run(), name="sse-write-watchdog")
 
     def end(self, response: SSEResponse) -> None:
@@ -113,6 +114,7 @@ class WriteWatchdog:
                     response.abandon()
 
     async def stop(self) -> None:
+        self._stopped = True
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from tokenpipe.bus import Bus
+from tokenpipe.errors import TransportError
 from tokenpipe.fanout import Fanout, LiveStream
 from tokenpipe.settings import Settings
 from tokenpipe.streams import Gap, StreamItem
@@ -140,3 +141,67 @@ async def test_consumer_fanout_mode_streams_the_same_tokens(settings: Settings, 
         assert strip[0] == strip[1]
     finally:
         await other.stop()
+
+
+async def test_regression_reader_that_catches_up_the_first_batch_still_gets_its_trace_context(
+        bus: Bus, fanout: Fanout) -> None:
+    """The first batch read back with one direct get used to come without its headers, so the
+    relay's forward span lost the generation's trace whenever the client connected late."""
+    sid = new_request_id()
+    parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    await bus.js.publish(token_subject(sid), batch(sid, 0).encode(), headers={"traceparent": parent})
+    reader = fanout.open(sid)
+    trace_headers: dict[str, str] = {}
+    got: list[StreamItem] = []
+
+    async def read() -> None:
+        async for item in reader.items(trace_headers=trace_headers):
+            got.append(item)
+
+    task = asyncio.create_task(read())
+    await wait_until(lambda: len(got) == 1, 10, "the stored first batch")
+    await publish(bus, batch(sid, 1, final=True))
+    await asyncio.wait_for(task, 30)
+    assert trace_headers.get("traceparent") == parent
+
+
+async def test_failed_catch_up_is_retried_and_the_stream_goes_on(bus: Bus, fanout: Fanout,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A JetStream look that fails (the server still recovering after a restart) used to end the
+    client's stream, and the relay then cancelled the generation."""
+    import tokenpipe.fanout as fanout_module
+
+    real = fanout_module.last_stored
+    failures = []
+
+    async def flaky(b: Bus, sid: str) -> object:
+        if not failures:
+            failures.append(sid)
+            raise TransportError("JetStream not ready (injected)")
+        return await real(b, sid)
+
+    monkeypatch.setattr(fanout_module, "last_stored", flaky)
+    sid = new_request_id()
+    await publish(bus, batch(sid, 0))
+    task = asyncio.create_task(collect(fanout.open(sid)))
+    await wait_until(lambda: bool(failures), 10, "the injected failure")
+    await publish(bus, batch(sid, 1, final=True))
+    items = await asyncio.wait_for(task, 30)
+    assert [b.seq for b in items if isinstance(b, TokenBatch)] == [0, 1]
+
+
+async def test_reconnect_makes_readers_look_again_without_waiting_for_the_idle_resync(bus: Bus) -> None:
+    fan = Fanout(bus, resync_s=3600, loss_spread_s=0.2)
+    await fan.start()
+    try:
+        sid = new_request_id()
+        reader = fan.open(sid, fresh=True)
+        task = asyncio.create_task(collect(reader))
+        fan._close(reader)  # the final batch's live copy is lost, as during a disconnect
+        await publish(bus, batch(sid, 0, final=True))
+        fan._readers.setdefault(reader.subject, []).append(reader)
+        fan._on_possible_loss(None)  # what the reconnect callback does
+        items = await asyncio.wait_for(task, 10)  # not the hour-long idle resync
+        assert [b.seq for b in items if isinstance(b, TokenBatch)] == [0]
+    finally:
+        await fan.stop()

@@ -31,8 +31,9 @@ class Bus:
     nc: NATS
     js: JetStreamContext
     meta: KeyValue
-    # Called after a reconnect or a slow-consumer error: core subscribers may have missed messages.
-    on_possible_loss: list[Callable[[], None]] = field(default_factory=list)
+    # Called after a reconnect (with None: any subscription may have missed messages) or a
+    # slow-consumer error (with the subscription that dropped messages).
+    on_possible_loss: list[Callable[[Any], None]] = field(default_factory=list)
     closing: bool = False
 
     async def close(self) -> None:
@@ -54,7 +55,7 @@ async def connect(settings: Settings, *, name: str, provision_streams: bool = Tr
         log.warning("nats error", extra={"error": repr(exc)})
         if isinstance(exc, nats.errors.SlowConsumerError):
             for hook in bus.on_possible_loss if bus is not None else ():
-                hook()
+                hook(exc.sub)
 
     async def _disc() -> None:
         if bus is not None and bus.closing:
@@ -65,7 +66,7 @@ async def connect(settings: Settings, *, name: str, provision_streams: bool = Tr
     async def _reconn() -> None:
         log.info("nats reconnected")
         for hook in bus.on_possible_loss if bus is not None else ():
-            hook()
+            hook(None)
 
     try:
         nc = await nats.connect(
@@ -102,6 +103,7 @@ async def _ensure_stream(js: JetStreamContext, config: js_api.StreamConfig) -> N
         "max_age": config.max_age,
         "max_bytes": config.max_bytes,
         "duplicate_window": config.duplicate_window,
+        "allow_direct": config.allow_direct,
     }
     if any(getattr(have, k) != v for k, v in wanted.items() if v is not None):
         # Retention/storage can't change in place; the rest can, so settings changes apply.
@@ -135,6 +137,9 @@ async def provision(js: JetStreamContext, settings: Settings) -> None:
                 # Long enough to cover an outage plus PubAck timeouts, so republished batches dedup;
                 # the server requires it to be <= max_age.
                 duplicate_window=min(120.0, settings.token_max_age_s),
+                # Readers catch up with "last message for subject" direct gets, which any server
+                # answers without a trip through the JetStream API queue.
+                allow_direct=True,
             ),
         )
         try:

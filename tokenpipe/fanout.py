@@ -10,8 +10,11 @@ Core delivery is at-most-once, so JetStream stays the source of truth. A reader 
 from it when it opens (unless the stream is known to be fresh: registered before the request
 was submitted) and once more ``settle_s`` later (a batch delivered just before the reader was
 registered may be stored just after the first look), as soon as a batch arrives out of order
-(a hole), after a reconnect or a slow-consumer error, and when nothing arrived for
-``resync_s`` (jittered: thousands of readers opened together must not resync together).
+(a hole), within ``loss_spread_s`` of a reconnect or a slow-consumer drop (spread out, one
+second per 2,000 readers beyond that, so 10,000 readers do not ask JetStream at once), once
+more before a missing batch is declared a gap, and when nothing arrived for ``resync_s``
+(jittered). A look that fails (JetStream still
+recovering) is retried a second later while live batches keep flowing.
 Readers see batches in ``seq`` order, each once, or an explicit :class:`~tokenpipe.streams.Gap`.
 """
 
@@ -26,8 +29,8 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 from .bus import Bus
-from .errors import WireFormatError
-from .streams import PING, Gap, StreamItem, last_batch, stored
+from .errors import TransportError, WireFormatError
+from .streams import PING, Gap, StreamItem, last_stored, stored
 from .subjects import TOKEN_WILDCARD, token_subject
 from .wire import TokenBatch
 
@@ -43,11 +46,13 @@ class Fanout:
     """Dispatches ``tp.tok.<id>`` messages to the :class:`LiveStream` readers of each stream."""
 
     def __init__(self, bus: Bus, *, resync_s: float = 30.0, settle_s: float = 1.0,
-                 reorder_wait: float = 15.0) -> None:
+                 reorder_wait: float = 15.0, loss_spread_s: float = 1.0) -> None:
         self.bus = bus
         self.resync_s = resync_s
         self.settle_s = settle_s
         self.reorder_wait = reorder_wait
+        self.loss_spread_s = loss_spread_s
+        self._loss_pending = False
         self._readers: dict[str, list[LiveStream]] = {}  # subject -> readers
         self._sub: Any = None
 
@@ -94,18 +99,32 @@ class Fanout:
         for reader in readers:
             reader._push(batch, msg.headers)
 
-    def _on_possible_loss(self) -> None:
+    def _on_possible_loss(self, sub: Any) -> None:
+        """After a reconnect (``sub`` None) or a slow-consumer drop on our subscription: every
+        reader reads JetStream in full within ``loss_spread_s``. nats-py reports a drop per
+        message, so one pass per event-loop turn is scheduled, not one per report."""
+        if sub is not None and sub is not self._sub:
+            return
+        if not self._loss_pending:
+            self._loss_pending = True
+            asyncio.get_running_loop().call_soon(self._schedule_resyncs)
+
+    def _schedule_resyncs(self) -> None:
+        self._loss_pending = False
+        now = time.monotonic()
+        spread = max(self.loss_spread_s, self.readers / 2000)  # each look is a JetStream consumer read
         for readers in self._readers.values():
             for reader in readers:
-                reader._resync = True
-                reader._wake()
+                reader._thorough = True
+                reader._next_sync = min(reader._next_sync, now + random.random() * spread)
+                reader._wake()  # to re-arm its timer for the earlier deadline
 
 
 class LiveStream:
     """One reader of one stream, registered with its :class:`Fanout` from creation until
     :meth:`items` ends (or :meth:`close`)."""
 
-    __slots__ = ("_fanout", "_fresh", "_inbox", "_next_sync", "_resync", "_timer", "_timer_at", "_waiter",
+    __slots__ = ("_fanout", "_fresh", "_inbox", "_next_sync", "_thorough", "_timer", "_timer_at", "_waiter",
                  "after_seq", "stream_id", "subject")
 
     def __init__(self, fanout: Fanout, stream_id: str, *, after_seq: int, fresh: bool) -> None:
@@ -118,8 +137,8 @@ class LiveStream:
         self._waiter: asyncio.Future[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
-        self._resync = False
-        self._next_sync = time.monotonic() + fanout.resync_s
+        self._thorough = False  # the next look at JetStream reads everything (messages may be lost)
+        self._next_sync = time.monotonic() + fanout.resync_s * (1 + 0.25 * random.random())
 
     def close(self) -> None:
         self._fanout._close(self)
@@ -143,7 +162,7 @@ class LiveStream:
         """Until a push, a wake-up or the monotonic ``deadline``. This runs per batch, so the timer
         is not re-armed per wait: deadlines only move later with activity, and a timer that fires
         early just makes the caller recompute and wait again."""
-        if self._inbox or self._resync:
+        if self._inbox:
             return
         loop = asyncio.get_running_loop()
         if self._timer is None or self._timer_at > deadline:
@@ -158,17 +177,23 @@ class LiveStream:
         finally:
             self._waiter = None
 
-    async def _catch_up(self, expected: int, held: _Held) -> StreamItem | None:
+    async def _catch_up(self, expected: int, held: _Held, *, thorough: bool) -> StreamItem | None:
         """Add what JetStream holds from ``expected`` on to ``held``; returns a Gap when retention
-        removed ``expected``, or the final batch (without tokens) when resuming past the end."""
+        removed ``expected``, or the final batch (without tokens) when resuming past the end.
+        Unless ``thorough``, the last stored batch decides whether a full read is needed; after
+        an outage it can be a republished older batch, so losses and holes read everything."""
         bus = self._fanout.bus
-        last = await last_batch(bus, self.stream_id)  # one direct get: the common case costs no consumer
         self._next_sync = time.monotonic() + self._fanout.resync_s * (1 + 0.25 * random.random())
-        if last is None or (last.seq == expected - 1 and not last.is_final):
-            return None
-        if last.seq == expected:
-            held.setdefault(last.seq, (last, None))
-            return None
+        if not thorough:
+            entry = await last_stored(bus, self.stream_id)  # one direct get, no consumer
+            if entry is None:
+                return None
+            last, headers = entry
+            if last.seq == expected - 1 and not last.is_final:
+                return None
+            if last.seq == expected:
+                held.setdefault(last.seq, (last, headers))  # its headers carry the generation's trace context
+                return None
         by_seq = await stored(bus, self.stream_id)
         for seq, entry in by_seq.items():
             if seq >= expected:
@@ -193,11 +218,22 @@ class LiveStream:
         last_out = time.monotonic()
         try:
             while True:
-                if sync or self._resync:
-                    sync = self._resync = False
-                    special = await self._catch_up(expected, held)
-                    if not settled:
-                        settled, self._next_sync = True, time.monotonic() + fanout.settle_s
+                if sync:
+                    sync, thorough, self._thorough = False, self._thorough or hole_since is not None, False
+                    try:
+                        special = await self._catch_up(expected, held, thorough=thorough)
+                    except TransportError as exc:
+                        # JetStream may still be recovering; live batches keep flowing meanwhile.
+                        log.warning("stream catch-up failed; retrying", extra={"request_id": self.stream_id,
+                                                                                "error": exc.message})
+                        special, settled = None, False
+                        self._thorough = thorough
+                        self._next_sync = time.monotonic() + 0.5 + random.random()
+                    else:
+                        if not settled or thorough:
+                            # Again a moment later: a batch delivered just before this look can be
+                            # stored just after it.
+                            settled, self._next_sync = True, time.monotonic() + fanout.settle_s
                     if isinstance(special, Gap):
                         yield special
                         expected = special.to_seq + 1
@@ -226,9 +262,16 @@ class LiveStream:
                 if not held:
                     hole_since = None
                 elif now >= hole_since + fanout.reorder_wait:  # type: ignore[operator]
-                    nxt = min(held)
-                    yield Gap(expected, nxt - 1, "lost: never stored after a NATS outage")
-                    expected, hole_since = nxt, None
+                    try:  # one last full look before calling it lost
+                        await self._catch_up(expected, held, thorough=True)
+                    except TransportError as exc:
+                        log.warning("stream catch-up failed", extra={"request_id": self.stream_id,
+                                                                      "error": exc.message})
+                    if expected not in held:
+                        nxt = min(held)
+                        yield Gap(expected, nxt - 1, "lost: never stored after a NATS outage")
+                        expected = nxt
+                    hole_since = None
                     continue
                 if idle and now >= last_out + idle:
                     last_out = now

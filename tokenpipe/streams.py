@@ -28,7 +28,7 @@ from .subjects import TOKENS_STREAM, cancel_subject, check_stream_id, request_su
 from .wire import Request, TokenBatch
 
 __all__ = ["PING", "Gap", "Ping", "StreamItem", "StreamMeta", "cancel", "follow", "get_meta", "history",
-           "last_batch", "paced", "stored", "stream_not_found", "submit"]
+           "last_batch", "last_stored", "paced", "stored", "stream_not_found", "submit"]
 
 log = logging.getLogger(__name__)
 
@@ -74,13 +74,16 @@ async def submit(bus: Bus, request: Request, headers: dict[str, str] | None = No
     hdrs = dict(headers or {})
     hdrs["Nats-Msg-Id"] = request.id
     payload = request.encode()  # before any write: an unencodable request leaves nothing behind
-    try:
-        # Concurrently (one round trip, not two, before the caller's 201): nothing reads the
-        # meta entry before submit returns, and a generator never needs it.
-        await asyncio.gather(bus.meta.put(request.id, meta.encode()),
-                             bus.js.publish(request_subject(request.model), payload, headers=hdrs))
-    except Exception as exc:  # nats raises several unrelated types here
-        raise TransportError(f"could not enqueue request: {exc}") from exc
+    # Concurrently (one round trip, not two, before the caller's 201): nothing reads the meta
+    # entry before submit returns, and a generator never needs it.
+    owned, queued = await asyncio.gather(bus.meta.put(request.id, meta.encode()),
+                                         bus.js.publish(request_subject(request.model), payload, headers=hdrs),
+                                         return_exceptions=True)
+    if isinstance(owned, BaseException) and not isinstance(queued, BaseException):
+        await cancel(bus, request.id)  # enqueued without an owner record: nobody could read it
+    failed = next((r for r in (queued, owned) if isinstance(r, BaseException)), None)
+    if failed is not None:
+        raise TransportError(f"could not enqueue request: {failed}") from failed
 
 
 def stream_not_found(stream_id: str) -> StreamNotFound:
@@ -105,15 +108,22 @@ async def cancel(bus: Bus, stream_id: str) -> None:
     await bus.nc.publish(cancel_subject(stream_id), b"")
 
 
-async def last_batch(bus: Bus, stream_id: str) -> TokenBatch | None:
-    """The newest batch kept for ``stream_id`` (None if nothing was published or it expired)."""
+async def last_stored(bus: Bus, stream_id: str) -> tuple[TokenBatch, dict[str, str]] | None:
+    """The newest batch kept for ``stream_id`` with the headers it carried (trace context
+    included), or None if nothing was published or it expired. One direct get, no consumer."""
     try:
-        raw = await bus.js.get_last_msg(TOKENS_STREAM, token_subject(stream_id))
+        raw = await bus.js.get_last_msg(TOKENS_STREAM, token_subject(stream_id), direct=True)
     except NotFoundError:
         return None
     except Exception as exc:
         raise TransportError(f"could not read stream history: {exc}") from exc
-    return TokenBatch.decode(raw.data or b"")
+    return TokenBatch.decode(raw.data or b""), dict(raw.headers or {})
+
+
+async def last_batch(bus: Bus, stream_id: str) -> TokenBatch | None:
+    """The newest batch kept for ``stream_id`` (None if nothing was published or it expired)."""
+    entry = await last_stored(bus, stream_id)
+    return entry[0] if entry is not None else None
 
 
 async def stored(bus: Bus, stream_id: str) -> dict[int, tuple[TokenBatch, dict[str, str]]]:
