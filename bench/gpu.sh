@@ -6,25 +6,39 @@
 #
 #   make install && bench/gpu.sh          # or PY=/path/to/python bench/gpu.sh
 #
-# Writes bench/out/gpu-<model>.json and bench/out/gpu.json (the summary table's data).
+# On an offline machine whose python3 has torch + transformers (the lent H200), prepare
+# .gpu-carry/ here first with bench/gpu_pack.sh: the missing wheels are installed from it and,
+# since the SmolLM2 weights cannot travel, smollm2-135m-random (same shapes, same speed) is
+# measured in their place. Writes bench/out/gpu-<model>.json and bench/out/gpu.json.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PY:-.venv/bin/python}
-STREAMS=${STREAMS:-64}
-MAX_TOKENS=${MAX_TOKENS:-256}
-PER_MODEL_S=${PER_MODEL_S:-200}   # hard limit per model: two models + set-up stay under 8 minutes
-
 if ! command -v nvidia-smi >/dev/null 2>&1; then
   echo "bench/gpu.sh: no NVIDIA GPU here (nvidia-smi not found); bench/RESULTS.md has the CPU numbers" >&2
   exit 2
 fi
+if [ -x .venv/bin/python ]; then PY=${PY:-.venv/bin/python}; else PY=${PY:-python3}; fi
+DATA_ARGS=()
+SMOLLM2=smollm2-135m
+if [ -d .gpu-carry/whl ]; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/tokenpipe-site .gpu-carry/whl/*.whl
+  export PYTHONPATH="/tmp/tokenpipe-site:$PWD${PYTHONPATH:+:$PYTHONPATH}" PATH="/tmp/tokenpipe-site/bin:$PATH"
+  DATA_ARGS=(--data-dir "$PWD/.gpu-carry/data")
+  SMOLLM2=smollm2-135m-random
+fi
+STREAMS=${STREAMS:-64}
+MAX_TOKENS=${MAX_TOKENS:-256}
+PER_MODEL_S=${PER_MODEL_S:-200}   # hard limit per model: two models + set-up stay under 8 minutes
+
 "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else "bench/gpu.sh: this torch sees no CUDA device")'
 mkdir -p bench/out
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee bench/out/gpu-device.txt
-"$PY" -m tokenpipe prepare            # one-time GGUF de-quantization (~20 s), outside the timed runs
-for model in smollm2-135m llama-1b-random; do
+if [ "$SMOLLM2" = smollm2-135m ]; then
+  "$PY" -m tokenpipe prepare          # one-time GGUF de-quantization (~20 s), outside the timed runs
+fi
+for model in "$SMOLLM2" llama-1b-random; do
   timeout "$PER_MODEL_S" "$PY" -m bench.pipeline --model "$model" --device cuda --dtype bfloat16 \
     --streams "$STREAMS" --engine-batches 8,32,64 --max-tokens "$MAX_TOKENS" --ttft-requests 20 \
-    --out "bench/out/gpu-$model.json"
+    "${DATA_ARGS[@]}" --out "bench/out/gpu-$model.json"
 done
-"$PY" -m bench.gpu_summary bench/out/gpu-smollm2-135m.json bench/out/gpu-llama-1b-random.json --out bench/out/gpu.json
+"$PY" -m bench.gpu_summary "bench/out/gpu-$SMOLLM2.json" bench/out/gpu-llama-1b-random.json --out bench/out/gpu.json

@@ -28,14 +28,19 @@ log = logging.getLogger(__name__)
 SMOLLM2 = "smollm2-135m"
 TINY = "tiny-random"
 RANDOM_1B = "llama-1b-random"
-BUILTIN_MODELS = (SMOLLM2, TINY, RANDOM_1B)
-# Shapes of randomly initialised Llamas (no weights needed to measure speed): tests, and a
-# Llama-3.2-1B-shaped model (1.07B parameters with SmolLM2's 49k vocabulary) for GPU benchmarks.
+SMOLLM2_RANDOM = "smollm2-135m-random"
+BUILTIN_MODELS = (SMOLLM2, TINY, RANDOM_1B, SMOLLM2_RANDOM)
+# Shapes of randomly initialised Llamas (no weights needed to measure speed): tests, a
+# Llama-3.2-1B-shaped model (1.07B parameters with SmolLM2's 49k vocabulary) for GPU benchmarks,
+# and SmolLM2-135M's own shapes.
 _RANDOM_SHAPES: dict[str, dict[str, int]] = {
     TINY: {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
            "num_key_value_heads": 2},
     RANDOM_1B: {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
                 "num_key_value_heads": 8},
+    # SmolLM2-135M's shapes: its speed where its weights cannot be had (an offline GPU machine).
+    SMOLLM2_RANDOM: {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+                     "num_key_value_heads": 3},
 }
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _CACHE_VERSION = "1"
