@@ -19,7 +19,8 @@ from typing import Any
 
 import httpx
 
-__all__ = ["LoadConfig", "Record", "latency_stats", "native_stream", "percentile", "plot", "run_load", "summarize"]
+__all__ = ["LoadConfig", "Record", "latency_stats", "native_stream", "percentile", "plot", "record_batch", "run_load",
+           "summarize"]
 
 WORDS = ["stream", "token", "queue", "batch", "relay", "model", "prompt", "answer", "latency", "window", "cache",
          "replay", "resume", "worker", "subject", "message", "server", "client", "trace", "metric"]
@@ -83,7 +84,7 @@ async def native_stream(client: httpx.AsyncClient, body: dict[str, Any], rec: Re
             elif line.startswith("data:"):
                 data = json.loads(line[5:])
                 if event == "tokens":
-                    _batch(rec, len(data["token_ids"]), data.get("timings"))
+                    record_batch(rec, len(data["token_ids"]), data.get("timings"))
                 elif event in ("done", "error"):
                     rec.finish = data.get("finish", "error")
                     rec.error = data.get("message")
@@ -109,12 +110,13 @@ async def _openai(client: httpx.AsyncClient, body: dict[str, Any], rec: Record) 
                     rec.batch_tokens = [total // n + (1 if i < total % n else 0) for i in range(n)]
                 rec.tokens = total
             elif chunk["choices"] and chunk["choices"][0].get("delta", {}).get("content"):
-                _batch(rec, 1, None)
+                record_batch(rec, 1, None)
             if chunk["choices"] and chunk["choices"][0].get("finish_reason"):
                 rec.finish = chunk["choices"][0]["finish_reason"]
 
 
-def _batch(rec: Record, ntok: int, timings: dict[str, int] | None) -> None:
+def record_batch(rec: Record, ntok: int, timings: dict[str, int] | None) -> None:
+    """Note one batch's arrival (the first one sets TTFT and the stage timestamps)."""
     now = time.perf_counter() - rec.start
     if not rec.arrivals:
         rec.ttft = now
@@ -129,7 +131,7 @@ async def _sdk(producer: Any, body: dict[str, Any], rec: Record) -> None:
     model = body.pop("model")
     handle = await producer.submit(model, **body)
     async for batch in handle:
-        _batch(rec, len(batch.token_ids), dict(batch.timings))
+        record_batch(rec, len(batch.token_ids), dict(batch.timings))
         if batch.is_final:
             rec.finish, rec.error = batch.finish, batch.error
 

@@ -66,7 +66,9 @@ def test_fanout_benchmark_forwards_every_batch_in_both_modes(tmp_path: Path) -> 
     assert [r["mode"] for r in runs] == ["consumer", "shared"]
     for r in runs:
         assert r["batches_received"] == r["batches_expected"] == 80 and r["errors"] == 0
-        assert r["relay_cpu_us_per_batch"] > 0
+        lat, steady = r["added_latency_ms"], r["added_latency_steady_ms"]
+        assert 0 < lat["p50"] <= lat["p99"] and 0 < steady["p50"] <= steady["p99"]
+        assert r["steady_batches_s"] > 0  # (CPU per batch is not checked: 80 batches are below the clock tick)
 
 
 def test_gpu_script_refuses_clearly_without_a_gpu() -> None:
