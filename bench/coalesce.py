@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -25,13 +24,9 @@ from tokenpipe.settings import Settings
 
 from .loadgen import LoadConfig, run_load, summarize
 from .pipeline import Pipeline
+from .procstat import cpu_seconds
 
 SETTINGS = [(0, 0.0), (4, 10.0), (6, 15.0), (8, 16.0), (8, 20.0), (12, 24.0), (16, 40.0), (32, 80.0), (64, 160.0)]
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -35,6 +34,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from tokenpipe import eventloop
 from tokenpipe.bus import Bus, connect
 from tokenpipe.natsserver import NatsServer, free_port
 from tokenpipe.settings import Settings
@@ -43,9 +43,9 @@ from tokenpipe.subjects import token_subject
 from tokenpipe.wire import TokenBatch, new_request_id
 
 from .loadgen import latency_stats
+from .procstat import cpu_seconds, rss_kib
 
 DEFAULT_SCENARIOS = ("consumer:1000:20:100", "shared:1000:20:100", "shared:2000:60:90", "shared:10000:20:500")
-_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 @dataclass(frozen=True)
@@ -149,16 +149,6 @@ class _SSEClient(asyncio.Protocol):
             self.done.set_exception(ConnectionError(f"{self.path}: connection lost ({exc})"))
 
 
-def _proc(pid: int) -> tuple[int, float]:
-    """(RSS KiB, CPU seconds) of a process."""
-    rss = 0
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            rss = int(line.split()[1])
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return rss, (int(fields[11]) + int(fields[12])) / _TICKS
-
-
 async def nats_round_trip(bus: Bus, n: int = 2000) -> dict[str, float]:
     async def echo(msg: Any) -> None:
         await msg.respond(msg.data)
@@ -181,7 +171,7 @@ async def _drive(port: int, source: SyntheticSource, sc: Scenario, relay_pid: in
     span = [0, 0]
     clients: list[_SSEClient] = []
     transports: list[asyncio.BaseTransport] = []
-    base_rss, _ = _proc(relay_pid)
+    base_rss = rss_kib(relay_pid)
     task = progress.add_task(f"opening {sc.streams:,} SSE streams", total=sc.streams)
     gate = asyncio.Semaphore(256)  # the relay's accept backlog is finite
 
@@ -197,8 +187,8 @@ async def _drive(port: int, source: SyntheticSource, sc: Scenario, relay_pid: in
     t_open = time.perf_counter()
     await asyncio.gather(*(open_one(sid) for sid in source.ids))
     open_s = time.perf_counter() - t_open
-    open_rss, cpu0 = _proc(relay_pid)
-    nats0, own0 = _proc(nats_pid)[1], time.process_time()
+    open_rss, cpu0 = rss_kib(relay_pid), cpu_seconds(relay_pid)
+    nats0, own0 = cpu_seconds(nats_pid), time.process_time()
     fwd = progress.add_task("forwarding", total=sc.streams * sc.batches)
     t0 = time.perf_counter()
     publisher = asyncio.create_task(source.run(sc.batches, sc.interval_ms / 1000))
@@ -207,8 +197,8 @@ async def _drive(port: int, source: SyntheticSource, sc: Scenario, relay_pid: in
         progress.update(fwd, completed=len(latencies))
     wall = time.perf_counter() - t0
     await publisher
-    _, cpu1 = _proc(relay_pid)
-    nats1, own1 = _proc(nats_pid)[1], time.process_time()
+    cpu1 = cpu_seconds(relay_pid)
+    nats1, own1 = cpu_seconds(nats_pid), time.process_time()
     progress.update(fwd, completed=len(latencies))
     for t in transports:
         t.close()
@@ -253,19 +243,10 @@ def run_scenario(sc: Scenario, console: Console) -> dict[str, Any]:
                 finally:
                     await bus.close()
 
-            return {"scenario": str(sc), **vars(sc), **_run_fast(run())}
+            return {"scenario": str(sc), **vars(sc), **eventloop.run(run())}
         finally:
             relay.terminate()
             relay.wait(30)
-
-
-def _run_fast(coro: Any) -> Any:
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(coro)
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(coro)
 
 
 def results_table(results: list[dict[str, Any]]) -> Table:

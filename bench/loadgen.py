@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 
 __all__ = ["LoadConfig", "Record", "latency_stats", "native_stream", "percentile", "plot", "record_batch", "run_load",
-           "summarize"]
+           "summarize", "feed_native_sse"]
 
 WORDS = ["stream", "token", "queue", "batch", "relay", "model", "prompt", "answer", "latency", "window", "cache",
          "replay", "resume", "worker", "subject", "message", "server", "client", "trace", "metric"]
@@ -79,16 +79,25 @@ async def native_stream(client: httpx.AsyncClient, body: dict[str, Any], rec: Re
     event = ""
     async with client.stream("GET", f"/v1/streams/{sid}") as resp:
         async for line in resp.aiter_lines():
-            if line.startswith("event:"):
-                event = line[6:].strip()
-            elif line.startswith("data:"):
-                data = json.loads(line[5:])
-                if event == "tokens":
-                    record_batch(rec, len(data["token_ids"]), data.get("timings"))
-                elif event in ("done", "error"):
-                    rec.finish = data.get("finish", "error")
-                    rec.error = data.get("message")
-                    return
+            event, ended = feed_native_sse(rec, event, line)
+            if ended:
+                return
+
+
+def feed_native_sse(rec: Record, event: str, line: str) -> tuple[str, bool]:
+    """One line of the native API's SSE into ``rec``: returns the current event name and
+    whether the stream ended (``done`` or ``error``)."""
+    if line.startswith("event:"):
+        return line[6:].strip(), False
+    if line.startswith("data:"):
+        data = json.loads(line[5:])
+        if event == "tokens":
+            record_batch(rec, len(data["token_ids"]), data.get("timings"))
+        elif event in ("done", "error"):
+            rec.finish = data.get("finish", "error")
+            rec.error = data.get("message")
+            return event, True
+    return event, False
 
 
 async def _openai(client: httpx.AsyncClient, body: dict[str, Any], rec: Record) -> None:

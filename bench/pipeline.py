@@ -37,7 +37,7 @@ from tokenpipe.natsserver import NatsServer, free_port
 from tokenpipe.settings import Settings
 
 from . import ceilings
-from .loadgen import Record, native_stream, percentile, record_batch
+from .loadgen import Record, feed_native_sse, native_stream, percentile
 
 console = Console()
 TOPICS = ["a lighthouse", "the moon", "a robot", "coffee", "rivers", "a library", "winter", "trains", "bees",
@@ -77,19 +77,12 @@ async def raw_stream(url: str, body: dict[str, Any]) -> Record:
                       if line.lower().startswith(b"content-length"))
         sid = json.loads(await reader.readexactly(length))["id"]
         writer.write(f"GET /v1/streams/{sid} HTTP/1.1\r\nHost: bench\r\nAccept: text/event-stream\r\n\r\n".encode())
-        event = ""
-        while True:
-            line = (await reader.readline()).strip()
-            if line.startswith(b"event:"):
-                event = line[6:].strip().decode()
-            elif line.startswith(b"data:") and event == "tokens":
-                data = json.loads(line[5:])
-                record_batch(rec, len(data["token_ids"]), data.get("timings"))
-            elif line.startswith(b"data:") and event in ("done", "error"):
-                rec.finish = json.loads(line[5:]).get("finish", "error")
-                break
-            elif not line and reader.at_eof():
-                break
+        event, ended = "", False
+        while not ended:
+            raw = await reader.readline()
+            if not raw:
+                break  # connection closed before the end of the stream
+            event, ended = feed_native_sse(rec, event, raw.decode().strip())
     finally:
         writer.close()
     rec.e2e = time.perf_counter() - rec.start

@@ -6,11 +6,11 @@ import argparse
 import asyncio
 import json
 import sys
-from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
 from .errors import TokenpipeError
+from .eventloop import run
 from .logs import setup_logging
 from .settings import Settings
 
@@ -121,18 +121,6 @@ def _settings(args: argparse.Namespace, **extra: Any) -> Settings:
     return Settings.load(**overrides)
 
 
-def _run_service(coro: Coroutine[Any, Any, None]) -> None:
-    """Run a long-lived service on uvloop where it is installed (it is, via ``uvicorn[standard]``,
-    except on Windows): a cheaper event loop for the per-message work of the relay and workers."""
-    try:
-        import uvloop
-    except ImportError:
-        asyncio.run(coro)
-        return
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        runner.run(coro)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -173,12 +161,12 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.cmd == "generator":
         from generator.main import serve as serve_generator
 
-        _run_service(serve_generator(settings))
+        run(serve_generator(settings))
         return 0
     if args.cmd == "relay":
         from relay.main import serve as serve_relay
 
-        _run_service(serve_relay(settings))
+        run(serve_relay(settings))
         return 0
     if args.cmd == "submit":
         return asyncio.run(_submit(args, settings))
