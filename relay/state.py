@@ -50,6 +50,7 @@ __all__ = ["RelayState", "Session"]
 log = logging.getLogger(__name__)
 
 _QUEUE_INFO_TTL = 0.25  # seconds a consumer-lag reading is reused for admission decisions
+_LAPSED_GRACE_S = 1.0  # how long a request waits for a generator whose announcements lapsed
 _RESERVATION_S = 900.0  # an unread stream holds its key's slot at most this long
 
 
@@ -86,6 +87,7 @@ class RelayState:
         self.open_streams: dict[str, dict[str, float]] = {}  # tenant -> {stream id: reservation expiry}
         self.metrics = RelayMetrics()
         self._queue_info: dict[str, tuple[float, int]] = {}
+        self._discover_inbox = ""
 
     async def start(self) -> None:
         if not self.keys.enabled and self.settings.host not in ("127.0.0.1", "localhost", "::1"):
@@ -98,9 +100,12 @@ class RelayState:
         nc = self.bus.nc
         await nc.subscribe(f"{ANNOUNCE_PREFIX}.>", cb=self._on_announce)
         # Ask running generators to introduce themselves instead of waiting a full interval.
-        inbox = nc.new_inbox()
-        await nc.subscribe(inbox, cb=self._on_announce)
-        await nc.publish(DISCOVER_SUBJECT, b"", reply=inbox)
+        self._discover_inbox = nc.new_inbox()
+        await nc.subscribe(self._discover_inbox, cb=self._on_announce)
+        await self._discover()
+
+    async def _discover(self) -> None:
+        await self.require_bus().nc.publish(DISCOVER_SUBJECT, b"", reply=self._discover_inbox)
 
     async def stop(self) -> None:
         await self.watchdog.stop()
@@ -126,7 +131,13 @@ class RelayState:
         if not isinstance(model, str):
             raise InvalidRequest("'model' must be a string", param="model")
         check_model_name(model)
-        deadline = time.monotonic() + self.settings.generator_wait_s
+        wait_s = self.settings.generator_wait_s
+        if not self.registry.has_model(model) and model in self.registry.seen_models:
+            # Announcements lapsed: the generator may be gone, or only late (a stalled event loop,
+            # a slow network). Ask it directly and give it a moment before answering 503.
+            await self._discover()
+            wait_s = max(wait_s, _LAPSED_GRACE_S)
+        deadline = time.monotonic() + wait_s
         while not self.registry.has_model(model):
             if time.monotonic() >= deadline:
                 if model in self.registry.seen_models:

@@ -109,6 +109,17 @@ async def test_token_id_beyond_int32_is_400_not_503(http: httpx.AsyncClient) -> 
     assert r.status_code == 400
 
 
+async def test_regression_stream_refused_503_after_a_stalled_event_loop(relay: RelayServer) -> None:
+    """CI failure: a synchronous test blocked the shared event loop past the announcements' TTL and
+    the next POST got 503 at once although the generator was alive. A lapsed model is now asked
+    for directly (discovery) and given a moment before the relay answers 503."""
+    for info in relay.app.state.relay.registry.workers.values():
+        info.expires = 0.0  # as if no announcement arrived for longer than the TTL
+    async with httpx.AsyncClient(base_url=relay.url, timeout=30) as http:
+        r = await http.post("/v1/streams", json={"prompt": "x", "max_tokens": 2})
+        assert r.status_code == 201, r.text
+
+
 @pytest.fixture
 async def limited(settings: Settings, generator: GeneratorWorker) -> AsyncIterator[RelayServer]:
     relay = await start_relay(settings.replace(max_streams_per_key=2))

@@ -25,7 +25,9 @@ BODY = {"prompt": "replay me", "max_tokens": 60, "temperature": 0, "ignore_eos":
 
 
 async def make_stream(http: httpx.AsyncClient, body: dict = BODY) -> tuple[str, list[tuple[str, str | None, str]]]:
-    sid = (await http.post("/v1/streams", json=body)).json()["id"]
+    created = await http.post("/v1/streams", json=body)
+    assert created.status_code == 201, created.text
+    sid = created.json()["id"]
     async with http.stream("GET", f"/v1/streams/{sid}") as resp:
         return sid, await read_sse(resp)
 
