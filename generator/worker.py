@@ -1,8 +1,8 @@
-"""The generator's NATS adapter: pull requests when slots are free, publish coalesced batches.
+"""The generator's NATS adapter: take requests when slots are free, publish coalesced batches.
 
-With :mod:`generator.publisher`, the only generator modules that import nats. It pulls
-from the shared durable consumer ``gen-<model>`` only as many requests as the batch has
-room for (continuing redelivered ones from their published history), hands them to the
+With :mod:`generator.intake` and :mod:`generator.publisher`, the only generator modules
+that import nats. It takes the requests :class:`RequestIntake` pulls for the free slots
+(continuing redelivered ones from their published history), hands them to the
 :class:`Runner` thread, coalesces what comes back, and passes each batch to the
 :class:`BatchPublisher` for ``tp.tok.<id>``; the request is acked once its final batch is
 stored.
@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nats.aio.msg import Msg
-from nats.js import api as js_api
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, TracerProvider
 
@@ -38,13 +37,13 @@ from tokenpipe.subjects import (
     DISCOVER_SUBJECT,
     REQUESTS_STREAM,
     consumer_name,
-    request_subject,
     token_subject,
 )
 from tokenpipe.telemetry import extract_context, get_tracer, inject_headers
 from tokenpipe.wire import Request, TokenBatch, Usage
 
 from .coalesce import Coalescer
+from .intake import RequestIntake
 from .models import LoadedModel
 from .observe import Timeline
 from .publisher import BatchPublisher
@@ -92,6 +91,7 @@ class GeneratorWorker:
         self._stopping = asyncio.Event()
         # (subject, payload, headers) to publish, or ("", b"", msg) to ack once what precedes is out
         self.publisher = BatchPublisher(bus)
+        self.intake = RequestIntake(bus, loaded.name, settings)
         self._tasks: list[asyncio.Task[None]] = []
         self._subs: list[Any] = []
         self.completed = 0
@@ -102,23 +102,9 @@ class GeneratorWorker:
         self.runner.start()
         self.publisher.start()
         nc = self.bus.nc
-        self._psub = await self.bus.js.pull_subscribe(
-            request_subject(self.model),
-            durable=consumer_name(self.model),
-            stream=REQUESTS_STREAM,
-            config=js_api.ConsumerConfig(
-                ack_policy=js_api.AckPolicy.EXPLICIT,
-                ack_wait=self.settings.ack_wait_s,
-                max_deliver=self.settings.max_deliver,
-                max_ack_pending=-1,
-            ),
-        )
+        await self.intake.subscribe()
         self._subs.append(await nc.subscribe(CANCEL_WILDCARD, cb=self._on_cancel))
         self._subs.append(await nc.subscribe(DISCOVER_SUBJECT, cb=self._on_discover))
-        # One worker per model (queue group) reports requests that ran out of delivery attempts.
-        self._subs.append(await nc.subscribe(
-            f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{REQUESTS_STREAM}.{consumer_name(self.model)}",
-            queue=f"{consumer_name(self.model)}-advisories", cb=self._on_max_deliveries))
         self._tasks = [
             asyncio.create_task(self._fetch_loop(), name="fetch"),
             asyncio.create_task(self._keepalive_loop(), name="keepalive"),
@@ -163,8 +149,9 @@ class GeneratorWorker:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.publisher.close()
-        for sub in [*self._subs, self._psub]:
+        for sub in self._subs:
             await sub.unsubscribe()
+        await self.intake.close()
 
     # -- intake ----------------------------------------------------------------------
     @property
@@ -179,22 +166,7 @@ class GeneratorWorker:
                 await self._slot_freed.wait()
                 continue
             try:
-                # One at a time: nats-py's fetch(n) lingers for all n once the first arrives, which
-                # would hold a lone request back; fetch(1) returns as soon as one is available.
-                msgs = await self._psub.fetch(1, timeout=1.0)
-                # A burst: what the queue already holds comes in one round trip, and the engine
-                # is told more is coming so that it prefills the burst together.
-                pending = msgs[-1].metadata.num_pending if msgs else 0
-                while pending > 0 and self.free_slots > len(msgs) and not self._stopping.is_set():
-                    try:
-                        more = await self._psub.fetch(min(pending, self.free_slots - len(msgs)), timeout=0.02)
-                    except TimeoutError:
-                        break  # another worker took them
-                    except Exception as exc:  # keep what was fetched; the outer loop retries the rest
-                        log.warning("fetch failed; retrying", extra={"error": repr(exc)})
-                        break
-                    msgs += more
-                    pending = more[-1].metadata.num_pending if more else 0
+                msgs = await self.intake.next_burst(lambda: self.free_slots, self._stopping)
             except TimeoutError:
                 continue
             except Exception as exc:  # reconnects and server restarts surface here; retry
@@ -214,10 +186,10 @@ class GeneratorWorker:
         try:
             request = Request.decode(msg.data)
         except WireFormatError as exc:
-            await self._reject_undecodable(msg, exc)
+            await self.intake.reject_undecodable(msg, exc)
             return
         except TokenpipeError as exc:
-            await self._reject(msg, msg.data, exc)
+            await self.intake.reject(msg, exc)
             return
         if request.id in self.active:
             # Redelivered while we still run it (a late progress ack): keep it ours, do not ack it away.
@@ -274,20 +246,6 @@ class GeneratorWorker:
             return
         self.runner.submit(Job(request, resume_ids=resume, received_ns=received, more_coming=more_coming))
 
-    async def _reject_undecodable(self, msg: Msg, exc: Exception) -> None:
-        log.warning("terminating undecodable request", extra={"subject": msg.subject, "error": str(exc)})
-        await msg.term()
-
-    async def _reject(self, msg: Msg, data: bytes, exc: TokenpipeError) -> None:
-        """A decodable but invalid request: tell its stream (if it has an id), then terminate."""
-        rid = _peek_id(data)
-        log.warning("rejecting invalid request", extra={"request_id": rid, "error": exc.message})
-        if rid is not None:
-            batch = TokenBatch(id=rid, seq=0, index=0, finish="error", error=exc.message, usage=Usage(0, 0),
-                               timings={"emitted": time.time_ns()}, error_code=exc.code)
-            await self.bus.nc.publish(token_subject(rid), batch.encode())
-        await msg.term()
-
     # -- cancellation & discovery ----------------------------------------------------
     async def _on_cancel(self, msg: Msg) -> None:
         rid = msg.subject.rsplit(".", 1)[-1]
@@ -297,31 +255,6 @@ class GeneratorWorker:
         if rid in self.active:
             log.info("cancel requested", extra={"request_id": rid})
             self.runner.cancel(rid)
-
-    async def _on_max_deliveries(self, msg: Msg) -> None:
-        """Every attempt failed (workers died): end the client's stream with a clear error."""
-        try:
-            advisory = json.loads(msg.data)
-            raw = await self.bus.js.get_msg(REQUESTS_STREAM, int(advisory["stream_seq"]))
-            request = Request.decode(raw.data or b"")
-            past = await history(self.bus, request.id)
-        except (ValueError, KeyError, TokenpipeError) as exc:
-            log.warning("unusable max-deliveries advisory", extra={"error": str(exc)})
-            return
-        except Exception as exc:  # the message may already be gone; nothing left to report
-            log.warning("max-deliveries advisory: request unavailable", extra={"error": repr(exc)})
-            return
-        if not past or not past[-1].is_final:
-            attempts = int(advisory.get("deliveries", self.settings.max_deliver))
-            produced = sum(len(b.token_ids) for b in past)
-            batch = TokenBatch(
-                id=request.id, seq=len(past), index=produced, finish="error",
-                error=f"generation failed: the request was attempted {attempts} times and every worker stopped",
-                error_code="generation_error", usage=Usage(0, produced), timings={"emitted": time.time_ns()})
-            await self.bus.nc.publish(token_subject(request.id), batch.encode(),
-                                      headers={"Nats-Msg-Id": f"{batch.id}:{batch.seq}"})
-            log.error("request exhausted its deliveries", extra={"request_id": request.id, "attempts": attempts})
-        await self.bus.js.delete_msg(REQUESTS_STREAM, int(advisory["stream_seq"]))
 
     async def _on_discover(self, msg: Msg) -> None:
         if msg.reply:
@@ -450,16 +383,3 @@ class GeneratorWorker:
         log.info("request finished", extra={"request_id": rid, "finish": batch.finish,
                                             "tokens": batch.usage.completion_tokens if batch.usage else 0})
 
-
-def _peek_id(data: bytes) -> str | None:
-    import msgpack
-
-    try:
-        obj = msgpack.unpackb(data, raw=False)
-    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError):
-        return None
-    rid = obj.get("id") if isinstance(obj, dict) else None
-    try:
-        return rid if isinstance(rid, str) and token_subject(rid) else None
-    except TokenpipeError:
-        return None

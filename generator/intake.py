@@ -1,0 +1,135 @@
+"""Pulling requests from JetStream, and answering the ones that cannot run.
+
+With :mod:`generator.worker` and :mod:`generator.publisher`, the only generator modules that
+import nats. Requests come from the shared durable consumer ``gen-<model>``, never more than
+the batch has room for; a burst already waiting in the queue comes in one round trip. A
+request that cannot run (undecodable, invalid, out of delivery attempts) gets an error batch
+on its stream, so its client is told instead of waiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+from nats.aio.msg import Msg
+from nats.js import api as js_api
+
+from tokenpipe.bus import Bus
+from tokenpipe.errors import TokenpipeError
+from tokenpipe.settings import Settings
+from tokenpipe.streams import history
+from tokenpipe.subjects import REQUESTS_STREAM, consumer_name, request_subject, token_subject
+from tokenpipe.wire import Request, TokenBatch, Usage
+
+__all__ = ["RequestIntake"]
+
+log = logging.getLogger(__name__)
+
+
+class RequestIntake:
+    """The pull subscription of one model's generators, and the max-deliveries advisories."""
+
+    def __init__(self, bus: Bus, model: str, settings: Settings) -> None:
+        self.bus = bus
+        self.model = model
+        self.settings = settings
+        self._psub: Any = None
+        self._advisories: Any = None
+
+    async def subscribe(self) -> None:
+        self._psub = await self.bus.js.pull_subscribe(
+            request_subject(self.model),
+            durable=consumer_name(self.model),
+            stream=REQUESTS_STREAM,
+            config=js_api.ConsumerConfig(
+                ack_policy=js_api.AckPolicy.EXPLICIT,
+                ack_wait=self.settings.ack_wait_s,
+                max_deliver=self.settings.max_deliver,
+                max_ack_pending=-1,
+            ),
+        )
+        # One worker per model (queue group) reports requests that ran out of delivery attempts.
+        self._advisories = await self.bus.nc.subscribe(
+            f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{REQUESTS_STREAM}.{consumer_name(self.model)}",
+            queue=f"{consumer_name(self.model)}-advisories", cb=self._on_max_deliveries)
+
+    async def close(self) -> None:
+        for sub in (self._advisories, self._psub):
+            if sub is not None:
+                await sub.unsubscribe()
+
+    async def next_burst(self, free_slots: Callable[[], int], stopping: asyncio.Event) -> list[Msg]:
+        """The next request, and whatever else the queue already holds that fits in
+        ``free_slots()``. Raises ``TimeoutError`` when nothing arrived within a second."""
+        # One at a time: nats-py's fetch(n) lingers for all n once the first arrives, which
+        # would hold a lone request back; fetch(1) returns as soon as one is available.
+        msgs: list[Msg] = await self._psub.fetch(1, timeout=1.0)
+        pending = msgs[-1].metadata.num_pending if msgs else 0
+        while pending > 0 and free_slots() > len(msgs) and not stopping.is_set():
+            try:
+                more = await self._psub.fetch(min(pending, free_slots() - len(msgs)), timeout=0.02)
+            except TimeoutError:
+                break  # another worker took them
+            except Exception as exc:  # keep what was fetched; the caller's next round retries the rest
+                log.warning("fetch failed; retrying", extra={"error": repr(exc)})
+                break
+            msgs += more
+            pending = more[-1].metadata.num_pending if more else 0
+        return msgs
+
+    async def reject_undecodable(self, msg: Msg, exc: Exception) -> None:
+        log.warning("terminating undecodable request", extra={"subject": msg.subject, "error": str(exc)})
+        await msg.term()
+
+    async def reject(self, msg: Msg, exc: TokenpipeError) -> None:
+        """A decodable but invalid request: tell its stream (if it has an id), then terminate."""
+        rid = _peek_id(msg.data)
+        log.warning("rejecting invalid request", extra={"request_id": rid, "error": exc.message})
+        if rid is not None:
+            batch = TokenBatch(id=rid, seq=0, index=0, finish="error", error=exc.message, usage=Usage(0, 0),
+                               timings={"emitted": time.time_ns()}, error_code=exc.code)
+            await self.bus.nc.publish(token_subject(rid), batch.encode())
+        await msg.term()
+
+    async def _on_max_deliveries(self, msg: Msg) -> None:
+        """Every attempt failed (workers died): end the client's stream with a clear error."""
+        try:
+            advisory = json.loads(msg.data)
+            raw = await self.bus.js.get_msg(REQUESTS_STREAM, int(advisory["stream_seq"]))
+            request = Request.decode(raw.data or b"")
+            past = await history(self.bus, request.id)
+        except (ValueError, KeyError, TokenpipeError) as exc:
+            log.warning("unusable max-deliveries advisory", extra={"error": str(exc)})
+            return
+        except Exception as exc:  # the message may already be gone; nothing left to report
+            log.warning("max-deliveries advisory: request unavailable", extra={"error": repr(exc)})
+            return
+        if not past or not past[-1].is_final:
+            attempts = int(advisory.get("deliveries", self.settings.max_deliver))
+            produced = sum(len(b.token_ids) for b in past)
+            batch = TokenBatch(
+                id=request.id, seq=len(past), index=produced, finish="error",
+                error=f"generation failed: the request was attempted {attempts} times and every worker stopped",
+                error_code="generation_error", usage=Usage(0, produced), timings={"emitted": time.time_ns()})
+            await self.bus.nc.publish(token_subject(request.id), batch.encode(),
+                                      headers={"Nats-Msg-Id": f"{batch.id}:{batch.seq}"})
+            log.error("request exhausted its deliveries", extra={"request_id": request.id, "attempts": attempts})
+        await self.bus.js.delete_msg(REQUESTS_STREAM, int(advisory["stream_seq"]))
+
+
+def _peek_id(data: bytes) -> str | None:
+    try:
+        obj = msgpack.unpackb(data, raw=False)
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError):
+        return None
+    rid = obj.get("id") if isinstance(obj, dict) else None
+    try:
+        return rid if isinstance(rid, str) and token_subject(rid) else None
+    except TokenpipeError:
+        return None
