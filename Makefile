@@ -34,7 +34,7 @@ up: install
 test: install
 	$(PY) -m pytest $(ARGS)
 
-# Every table of bench/RESULTS.md (about 15 minutes on 2 cores); ARGS go to bench.pipeline.
+# Every table of bench/RESULTS.md (3 to 15 minutes on 2 cores); ARGS go to bench.pipeline.
 bench: install
 	$(PY) -m bench.pipeline $(ARGS)
 	$(PY) -m bench.fanout
