@@ -175,6 +175,8 @@ class GeneratorWorker:
                 log.warning("fetch failed; retrying", extra={"error": repr(exc)})
                 await asyncio.sleep(0.5)
                 continue
+            # All but the last of a burst are flagged: an idle engine holds its first prefill
+            # (at most admission_hold_ms) so that the burst is prefilled together.
             for i, msg in enumerate(msgs):
                 if self._stopping.is_set():
                     await msg.nak()  # fetched while stopping: hand it straight back

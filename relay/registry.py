@@ -28,6 +28,7 @@ class GeneratorRegistry:
     def __init__(self) -> None:
         self.workers: dict[str, GeneratorInfo] = {}
         self.seen_models: set[str] = set()
+        self._lapsed: dict[str, float] = {}  # model -> when its last lapsed announcement expired
 
     def update(self, payload: bytes, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
@@ -55,8 +56,15 @@ class GeneratorRegistry:
     def live(self, now: float | None = None) -> list[GeneratorInfo]:
         now = time.monotonic() if now is None else now
         for key in [k for k, w in self.workers.items() if w.expires < now]:
-            del self.workers[key]
+            lapsed = self.workers.pop(key)
+            self._lapsed[lapsed.model] = max(lapsed.expires, self._lapsed.get(lapsed.model, 0.0))
         return list(self.workers.values())
+
+    def recently_lapsed(self, model: str, within: float, now: float | None = None) -> bool:
+        """Whether a generator of ``model`` stopped announcing less than ``within`` seconds ago
+        (it may be gone, or only late), rather than long ago or never."""
+        now = time.monotonic() if now is None else now
+        return now - self._lapsed.get(model, -float("inf")) < within
 
     def models(self) -> list[str]:
         return sorted({w.model for w in self.live()})

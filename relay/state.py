@@ -50,7 +50,8 @@ __all__ = ["RelayState", "Session"]
 log = logging.getLogger(__name__)
 
 _QUEUE_INFO_TTL = 0.25  # seconds a consumer-lag reading is reused for admission decisions
-_LAPSED_GRACE_S = 1.0  # how long a request waits for a generator whose announcements lapsed
+_LAPSED_GRACE_S = 1.0  # how long a request waits for a generator whose announcements just lapsed
+_LAPSED_RECENT_S = 30.0  # ... when they lapsed at most this long ago (long gone: 503 at once)
 _RESERVATION_S = 900.0  # an unread stream holds its key's slot at most this long
 
 
@@ -132,9 +133,9 @@ class RelayState:
             raise InvalidRequest("'model' must be a string", param="model")
         check_model_name(model)
         wait_s = self.settings.generator_wait_s
-        if not self.registry.has_model(model) and model in self.registry.seen_models:
-            # Announcements lapsed: the generator may be gone, or only late (a stalled event loop,
-            # a slow network). Ask it directly and give it a moment before answering 503.
+        if not self.registry.has_model(model) and self.registry.recently_lapsed(model, _LAPSED_RECENT_S):
+            # Announcements just lapsed: the generator may be gone, or only late (a stalled event
+            # loop, a slow network). Ask it directly and give it a moment before answering 503.
             await self._discover()
             wait_s = max(wait_s, _LAPSED_GRACE_S)
         deadline = time.monotonic() + wait_s

@@ -16,6 +16,7 @@ from generator.detok import IncrementalDetokenizer, StopMatcher
 from generator.models import LoadedModel, load_model
 from generator.runner import Emission, Job, Runner, torch_thread
 from generator.worker import GeneratorWorker
+from relay.registry import GeneratorRegistry
 from tokenpipe.bus import Bus
 from tokenpipe.settings import Settings
 from tokenpipe.streams import Gap, follow, history
@@ -114,10 +115,20 @@ async def test_regression_stream_refused_503_after_a_stalled_event_loop(relay: R
     the next POST got 503 at once although the generator was alive. A lapsed model is now asked
     for directly (discovery) and given a moment before the relay answers 503."""
     for info in relay.app.state.relay.registry.workers.values():
-        info.expires = 0.0  # as if no announcement arrived for longer than the TTL
+        info.expires = time.monotonic() - 0.01  # as if the last announcement's TTL just ran out
     async with httpx.AsyncClient(base_url=relay.url, timeout=30) as http:
         r = await http.post("/v1/streams", json={"prompt": "x", "max_tokens": 2})
         assert r.status_code == 201, r.text
+
+
+def test_only_a_recently_lapsed_generator_is_waited_for() -> None:
+    registry = GeneratorRegistry()
+    registry.update(b'{"worker": "w1", "model": "m", "ttl_s": 1.0}', now=100.0)
+    assert len(registry.live(now=100.5)) == 1 and not registry.recently_lapsed("m", 30.0, now=100.5)
+    assert registry.live(now=101.5) == []
+    assert registry.recently_lapsed("m", 30.0, now=101.5)  # expired at 101.0: maybe only late
+    assert not registry.recently_lapsed("m", 30.0, now=131.5)  # long gone: refuse at once
+    assert not registry.recently_lapsed("never-served", 30.0, now=101.5)
 
 
 @pytest.fixture
