@@ -4,6 +4,11 @@ The first token of a request is released at once (TTFT never waits). After it,
 tokens accumulate until ``max_tokens`` are pending (count window) or ``max_delay_ns``
 has passed since the first pending token (time window); a final batch is released
 immediately. ``max_tokens == 0`` or ``max_delay_ns == 0`` means every token.
+
+A token that comes ``max_delay_ns`` or more after the previous one is released at once as
+well: the stream is decoding slower than the window, so the next token would most likely
+come after the window closed and holding this one would only delay it (a loaded CPU
+engine, or a large batch, steps slower than a 20 ms window).
 Batches carry ``seq`` and ``index`` so a consumer can prove nothing was lost.
 """
 
@@ -29,6 +34,7 @@ class Coalescer:
         self.pending_since: int | None = None
         self.first_timings = dict(first_timings or {})
         self.released = False  # nothing published yet by this coalescer: next token goes at once
+        self.last_token_ns: int | None = None
         self.done = False
 
     @property
@@ -46,15 +52,20 @@ class Coalescer:
         """Add what one step produced; return a batch if a window (or the end) says so."""
         if self.done:
             raise RuntimeError(f"stream {self.stream_id} already finished")
+        slow = False
         if token_ids or text:
             if self.pending_since is None:
                 self.pending_since = now_ns
             self.tokens.extend(token_ids)
             self.text.append(text)
+        if token_ids:
+            slow = self.last_token_ns is not None and now_ns - self.last_token_ns >= self.max_delay_ns
+            self.last_token_ns = now_ns
         if (
             finish is not None
             or not self.released
             or self.every_token
+            or slow
             or len(self.tokens) >= self.max_tokens
             or (self.pending_since is not None and now_ns - self.pending_since >= self.max_delay_ns)
         ):

@@ -32,14 +32,31 @@ def test_time_window_releases_on_due_and_on_add() -> None:
     c = make(max_tokens=100, max_delay_ms=20)
     c.add([1], "a", 0)
     assert c.add([2], "b", 5 * MS) is None
+    assert c.add([3], "c", 15 * MS) is None
     assert c.deadline() == 25 * MS
     assert c.due(24 * MS) is None
     b = c.due(25 * MS)
-    assert b is not None and b.token_ids == (2,)
+    assert b is not None and b.token_ids == (2, 3)
     assert c.deadline() is None and c.due(10**12) is None
-    c.add([3], "c", 30 * MS)
-    b = c.add([4], "d", 50 * MS)  # 20 ms since the first pending token
-    assert b is not None and b.token_ids == (3, 4)
+    assert c.add([4], "d", 30 * MS) is None
+    assert c.add([5], "e", 45 * MS) is None
+    b = c.add([6], "f", 50 * MS)  # 20 ms since the first pending token
+    assert b is not None and b.token_ids == (4, 5, 6)
+
+
+def test_regression_a_stream_slower_than_the_window_is_not_held() -> None:
+    """SmolLM2 at 32 streams on a CPU steps every ~45 ms: with a 20 ms window every token sat
+    in the coalescer for the whole window (and a timer per token) before going out alone anyway."""
+    c = make(max_tokens=8, max_delay_ms=20)
+    assert c.add([1], "a", 0) is not None
+    for i, t in enumerate(range(45, 450, 45), start=2):
+        b = c.add([i], "x", t * MS)
+        assert b is not None and b.token_ids == (i,) and b.timings["emitted"] == t * MS
+    assert c.deadline() is None
+    # decoding faster than the window again (a GPU-like step): the windows apply
+    assert c.add([100], "y", 410 * MS) is None
+    assert c.add([101], "z", 415 * MS) is None
+    assert c.deadline() == 430 * MS
 
 
 def test_final_batch_is_immediate_and_carries_usage() -> None:

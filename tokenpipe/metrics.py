@@ -6,6 +6,8 @@ so tests can run a relay and a generator in one process and read both.
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 __all__ = ["GeneratorMetrics", "RelayMetrics", "LATENCY_BUCKETS", "render"]
@@ -48,9 +50,15 @@ class GeneratorMetrics:
                                      _COUNT_BUCKETS)
         self.kv_cache = Gauge("tokenpipe_kv_cache_usage_perc", "Fraction of KV-cache positions in use", m, registry=r)
         self.model = model
+        self._children: dict[int, Any] = {}
 
     def labels(self, metric: Histogram | Counter | Gauge):  # type: ignore[no-untyped-def]
-        return metric.labels(model_name=self.model)
+        # The child is cached: prometheus_client's labels() validates and locks on every call,
+        # and the generator observes several metrics per token.
+        child = self._children.get(id(metric))
+        if child is None:
+            child = self._children[id(metric)] = metric.labels(model_name=self.model)
+        return child
 
 
 class RelayMetrics:
