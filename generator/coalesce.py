@@ -9,6 +9,7 @@ A token that comes ``max_delay_ns`` or more after the previous one is released a
 well: the stream is decoding slower than the window, so the next token would most likely
 come after the window closed and holding this one would only delay it (a loaded CPU
 engine, or a large batch, steps slower than a 20 ms window).
+
 Batches carry ``seq`` and ``index`` so a consumer can prove nothing was lost.
 """
 
