@@ -32,6 +32,7 @@ from .bus import Bus
 from .errors import TransportError, WireFormatError
 from .streams import PING, Gap, StreamItem, last_stored, stored
 from .subjects import TOKEN_WILDCARD, token_subject
+from .telemetry import trace_context_headers
 from .wire import TokenBatch
 
 __all__ = ["Fanout", "LiveStream"]
@@ -39,7 +40,6 @@ __all__ = ["Fanout", "LiveStream"]
 log = logging.getLogger(__name__)
 
 _Held = dict[int, tuple[TokenBatch, dict[str, str] | None]]
-_TRACE_KEYS = ("traceparent", "tracestate")
 
 
 class Fanout:
@@ -250,7 +250,7 @@ class LiveStream:
                     batch, headers = held.pop(expected)
                     expected += 1
                     if trace_headers is not None and not trace_headers and headers:
-                        trace_headers.update({k: v for k, v in headers.items() if k in _TRACE_KEYS})
+                        trace_headers.update(trace_context_headers(headers))
                     last_out = time.monotonic()
                     yield batch
                     if batch.is_final:

@@ -25,6 +25,7 @@ from nats.js.errors import KeyNotFoundError, NotFoundError
 from .bus import Bus
 from .errors import StreamNotFound, TransportError
 from .subjects import TOKENS_STREAM, cancel_subject, check_stream_id, request_subject, token_subject
+from .telemetry import trace_context_headers
 from .wire import Request, TokenBatch
 
 __all__ = ["PING", "Gap", "Ping", "StreamItem", "StreamMeta", "cancel", "follow", "get_meta", "history",
@@ -230,7 +231,7 @@ async def follow(bus: Bus, stream_id: str, *, after_seq: int = -1, idle: float |
                 if oldest_stored is None:
                     oldest_stored = batch.seq
                 if trace_headers is not None and not trace_headers and msg.headers:
-                    trace_headers.update({k: v for k, v in msg.headers.items() if k in ("traceparent", "tracestate")})
+                    trace_headers.update(trace_context_headers(msg.headers))
                 if batch.seq < expected:
                     if batch.is_final and batch.seq <= after_seq and expected == after_seq + 1:
                         # Resuming after the final batch: its tokens were seen, but the end must still be told.

@@ -14,7 +14,9 @@ from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.trace import Span, Tracer, TracerProvider
 
-__all__ = ["setup_tracing", "inject_headers", "extract_context", "get_tracer"]
+__all__ = ["setup_tracing", "inject_headers", "extract_context", "get_tracer", "trace_context_headers"]
+
+_TRACE_KEYS = ("traceparent", "tracestate")
 
 INSTRUMENTATION = "tokenpipe"
 
@@ -67,6 +69,11 @@ def inject_headers(headers: dict[str, str] | None = None, *, span: Span | None =
     headers = {} if headers is None else headers
     propagate.inject(headers, context=trace.set_span_in_context(span) if span is not None else None)
     return headers
+
+
+def trace_context_headers(headers: Mapping[str, str]) -> dict[str, str]:
+    """Only the W3C trace-context entries of ``headers`` (a batch also carries ``Nats-Msg-Id``)."""
+    return {k: v for k, v in headers.items() if k in _TRACE_KEYS}
 
 
 def extract_context(headers: Mapping[str, str] | None) -> otel_context.Context:
