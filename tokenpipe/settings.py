@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_type_hints
 
@@ -26,54 +26,100 @@ def default_data_dir() -> str:
     return str(Path(base) / "tokenpipe")
 
 
+def _doc(meaning: str, *, shown: str | None = None) -> dict[str, str]:
+    """A field's documentation: what it means, and its default as README.md shows it
+    (``shown``, where ``repr`` of the value would say less or depend on the machine)."""
+    return {"doc": meaning, "shown": shown} if shown is not None else {"doc": meaning}
+
+
 @dataclass(frozen=True)
 class Settings:
+    """Every knob of every role. Each field's ``metadata["doc"]`` is its one documentation:
+    README.md's configuration table is rendered from it (:mod:`tokenpipe.settings_doc`)."""
+
     # transport
-    nats_url: str = "nats://127.0.0.1:4222"
-    data_dir: str = dataclasses.field(default_factory=default_data_dir)
-    token_max_age_s: float = 3600.0
-    token_max_bytes: int = -1
-    request_max_age_s: float = 24 * 3600.0
+    nats_url: str = field(default="nats://127.0.0.1:4222", metadata=_doc("NATS server (every role)"))
+    data_dir: str = field(
+        default_factory=default_data_dir,
+        metadata=_doc("nats-server's JetStream store (`tokenpipe up`, `tokenpipe nats`) and the converted model cache",
+                      shown="`$XDG_STATE_HOME/tokenpipe`, else `~/.local/state/tokenpipe`"),
+    )
+    token_max_age_s: float = field(
+        default=3600.0, metadata=_doc("how long token streams are kept in JetStream (replay, resume, redelivery)"))
+    token_max_bytes: int = field(
+        default=-1, metadata=_doc("size cap of all token streams together, oldest batches dropped first (-1: none)"))
+    request_max_age_s: float = field(
+        default=24 * 3600.0, metadata=_doc("how long a queued request waits for a generator before JetStream drops it"))
     # generator
-    model: str = "smollm2-135m"
-    model_path: str = ""
-    device: str = "auto"
-    dtype: str = "auto"
-    max_batch: int = 32
-    max_seq_len: int = 2048
-    max_prompt_tokens: int = 0
-    prefill_token_budget: int = 4096
-    # An idle engine waits at most this long for the rest of a burst the worker fetched at
-    # once, to prefill it as one batch; a lone request is never held.
-    admission_hold_ms: float = 10.0
-    coalesce_max_tokens: int = 8
-    coalesce_max_delay_ms: float = 20.0
-    ack_wait_s: float = 30.0
-    drain_timeout_s: float = 10.0
-    max_deliver: int = 3
-    announce_interval_s: float = 2.0
-    threads: int = 0
-    metrics_port: int = 9101
-    metrics_host: str = "127.0.0.1"
+    model: str = field(default="smollm2-135m", metadata=_doc("model served (generator) / default model (relay)"))
+    model_path: str = field(
+        default="",
+        metadata=_doc("a local Llama-family transformers directory served under the name `TOKENPIPE_MODEL`"),
+    )
+    device: str = field(
+        default="auto", metadata=_doc("`auto` (CUDA when present, else CPU), `cpu`, `cuda`, `cuda:1`, …"))
+    dtype: str = field(
+        default="auto",
+        metadata=_doc("`auto`: bf16 on CUDA and on CPUs with native bf16 (AVX512-BF16/AMX), else fp32; "
+                      "or `float32`, `bfloat16`"),
+    )
+    max_batch: int = field(default=32, metadata=_doc("concurrent sequences per generator (= requests it pulls)"))
+    max_seq_len: int = field(
+        default=2048, metadata=_doc("prompt + output limit per sequence (at most the model's context)"))
+    max_prompt_tokens: int = field(
+        default=0, metadata=_doc("longest prompt in tokens, else an `error` event (0: `TOKENPIPE_MAX_SEQ_LEN` − 1)"))
+    prefill_token_budget: int = field(
+        default=4096, metadata=_doc("padded tokens one prefill step may process; a larger admission wave is split"))
+    admission_hold_ms: float = field(
+        default=10.0,
+        metadata=_doc("an idle engine waits at most this long for the rest of a burst it fetched, to prefill it "
+                      "as one batch (a lone request is never held)"),
+    )
+    coalesce_max_tokens: int = field(
+        default=8, metadata=_doc("count window: tokens per published batch (chosen by `python -m bench.coalesce`, "
+                                 "see bench/RESULTS.md; a request's `coalesce` overrides it)"))
+    coalesce_max_delay_ms: float = field(
+        default=20.0, metadata=_doc("time window: the longest a token waits to be published"))
+    ack_wait_s: float = field(
+        default=30.0, metadata=_doc("a request whose generator stops acknowledging progress is redelivered after this"))
+    drain_timeout_s: float = field(
+        default=10.0, metadata=_doc("on SIGTERM, how long running requests may finish before they are handed back"))
+    max_deliver: int = field(
+        default=3, metadata=_doc("delivery attempts per request; after the last, the stream ends with an `error`"))
+    announce_interval_s: float = field(
+        default=2.0, metadata=_doc("how often a generator announces its model and load (lapses after 3 intervals)"))
+    threads: int = field(default=0, metadata=_doc("torch CPU threads for the engine (0: torch's default)"))
+    metrics_port: int = field(
+        default=9101, metadata=_doc("generator `/metrics` port (`tokenpipe up` counts up from it; 0: off)"))
+    metrics_host: str = field(default="127.0.0.1", metadata=_doc("generator `/metrics` bind address"))
     # relay
-    host: str = "127.0.0.1"
-    port: int = 8000
-    keepalive_s: float = 15.0
-    max_body_bytes: int = 1 << 20
-    max_prompt_chars: int = 200_000
-    max_tokens_cap: int = 4096
-    generator_wait_s: float = 0.0
-    api_keys: str = ""
-    api_keys_file: str = ""
-    max_streams_per_key: int = 64
-    max_queue_depth: int = 256
-    slow_client_timeout_s: float = 30.0
-    # "shared": one wildcard subscription dispatching to every SSE stream (JetStream for catch-up);
-    # "consumer": one ordered JetStream consumer per SSE stream (no traffic for unread streams).
-    relay_fanout: str = "shared"
+    host: str = field(default="127.0.0.1", metadata=_doc("relay bind address"))
+    port: int = field(default=8000, metadata=_doc("relay port"))
+    keepalive_s: float = field(default=15.0, metadata=_doc("SSE ping interval while a stream is idle"))
+    max_body_bytes: int = field(default=1 << 20, metadata=_doc("largest request body (413)", shown="1048576 (1 MiB)"))
+    max_prompt_chars: int = field(default=200_000, metadata=_doc("longest prompt in characters at the relay (400)"))
+    max_tokens_cap: int = field(default=4096, metadata=_doc("largest `max_tokens` a request may ask for (400)"))
+    generator_wait_s: float = field(
+        default=0.0,
+        metadata=_doc("how long a request waits for a generator of its model to announce before 404/503 (0: answer "
+                      "at once; a generator whose announcements just lapsed is always given 1 s)"),
+    )
+    api_keys: str = field(default="", metadata=_doc("API keys → tenants, `key:tenant,…` (none, and no file: keys off)"))
+    api_keys_file: str = field(
+        default="", metadata=_doc("a file with one `key tenant` per line, added to `TOKENPIPE_API_KEYS`"))
+    max_streams_per_key: int = field(default=64, metadata=_doc("unfinished streams per key (429)"))
+    max_queue_depth: int = field(default=256, metadata=_doc("JetStream consumer lag for the model (429)"))
+    slow_client_timeout_s: float = field(
+        default=30.0, metadata=_doc("drop a client whose socket stays full this long (the generation goes on)"))
+    relay_fanout: str = field(
+        default="shared",
+        metadata=_doc("`shared`: one `tp.tok.>` subscription dispatching to all SSE streams (JetStream only to "
+                      "catch up); `consumer`: one JetStream consumer per SSE stream (a relay then receives only "
+                      "the streams it serves) — `tokenpipe relay --fanout`"),
+    )
     # process
-    log_level: str = "INFO"
-    log_json: bool = False
+    log_level: str = field(default="INFO", metadata=_doc("log level"))
+    log_json: bool = field(default=False, metadata=_doc("JSON log lines instead of `key=value`"))
 
     @classmethod
     def load(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
@@ -112,3 +158,4 @@ def _parse(name: str, typ: Any, raw: str) -> Any:
         return raw
     except ValueError as exc:
         raise InvalidRequest(f"{ENV_PREFIX}{name.upper()}={raw!r} is not a valid {typ.__name__}") from exc
+
