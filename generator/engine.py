@@ -72,7 +72,6 @@ class Engine:
         self.cache = SlotKVCache(self.model, max_batch, self.max_seq_len, loaded.device, loaded.dtype)
         self.rows: list[Sequence] = []  # running, index == cache row
         self.waiting: deque[Sequence] = deque()
-        self.steps = 0
         self.last_step_batch = 0
 
     # -- admission -------------------------------------------------------------------
@@ -115,10 +114,6 @@ class Engine:
             self._retire()
 
     @property
-    def free_slots(self) -> int:
-        return self.max_batch - len(self.rows) - len(self.waiting)
-
-    @property
     def idle(self) -> bool:
         return not self.rows and not self.waiting
 
@@ -142,7 +137,6 @@ class Engine:
         if decoding:
             out += self._decode(decoding)
         self._retire()
-        self.steps += 1
         self.last_step_batch = decoding + len(admitted)
         return out
 

@@ -142,10 +142,6 @@ class Runner:
     def running(self) -> int:
         return len(self.engine.rows)
 
-    @property
-    def waiting(self) -> int:
-        return len(self.engine.waiting)
-
     # -- engine thread ---------------------------------------------------------------
     def _loop(self) -> None:
         hold_until = 0.0

@@ -6,16 +6,10 @@ import json
 import logging
 import sys
 import time
-from typing import Any
 
-__all__ = ["setup_logging", "kv"]
+__all__ = ["setup_logging"]
 
 _RESERVED = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime", "color_message"}
-
-
-def kv(**fields: Any) -> dict[str, Any]:
-    """Structured fields for a log call: ``log.info("done", extra=kv(request_id=rid))``."""
-    return fields
 
 
 class _Formatter(logging.Formatter):
