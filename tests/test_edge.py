@@ -121,8 +121,17 @@ async def test_deep_queue_answers_429(settings: Settings, generator: GeneratorWo
     created: list[str] = []
     try:
         async with httpx.AsyncClient(base_url=relay.url, timeout=30) as http:
+            # The batch fills first: wait until the generator runs every one of them (how fast it
+            # pulls depends on the machine's load), so that what follows can only queue.
+            await wait_until(lambda: not generator.active, 30, "earlier requests to finish")
+            for _ in range(settings.max_batch):
+                r = await http.post("/v1/streams", json=LONG)
+                assert r.status_code == 201, r.text
+                created.append(r.json()["id"])
+            await wait_until(lambda: len(generator.active) == settings.max_batch, 30, "a full batch")
             statuses = []
-            for _ in range(settings.max_batch + 6):
+            for _ in range(6):
+                relay.app.state.relay._queue_info.clear()  # read fresh consumer lag each time
                 r = await http.post("/v1/streams", json=LONG)
                 statuses.append(r.status_code)
                 if r.status_code == 201:
@@ -131,9 +140,8 @@ async def test_deep_queue_answers_429(settings: Settings, generator: GeneratorWo
                     assert r.status_code == 429 and r.headers["retry-after"] == "2"
                     assert "waiting" in r.json()["error"]["message"]
                     break
-                relay.app.state.relay._queue_info.clear()  # read fresh consumer lag each time
             assert statuses[-1] == 429
-            assert len(created) > settings.max_batch  # the batch filled first, then the queue grew
+            assert len(created) > settings.max_batch  # then the queue grew until it was too deep
     finally:
         async with httpx.AsyncClient(base_url=relay.url, timeout=30) as http:
             for sid in created:

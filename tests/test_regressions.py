@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from functools import partial
 from pathlib import Path
 
@@ -159,18 +159,16 @@ async def test_blocking_completion_is_cancelled_when_the_client_hangs_up(relay: 
                                                                          generator: GeneratorWorker) -> None:
     body = {"model": "tiny-random", "prompt": "never waited for", "max_tokens": 2000, "temperature": 0,
             "ignore_eos": True}
-    seen: set[str] = set()
-
-    async def note_running() -> None:
+    await wait_until(lambda: not generator.active, 30, "earlier requests to finish")
+    async with httpx.AsyncClient(base_url=relay.url, timeout=30) as http:
+        call = asyncio.create_task(http.post("/v1/completions", json=body))
+        # Hang up as soon as the generation runs (not after a fixed delay, which a fast machine
+        # could outlast): cancelling the call closes the connection.
         await wait_until(lambda: bool(generator.active), 20, "the completion to start")
-        seen.update(generator.active)
-
-    watcher = asyncio.create_task(note_running())
-    with pytest.raises(httpx.ReadTimeout):
-        async with httpx.AsyncClient(base_url=relay.url, timeout=httpx.Timeout(30, read=1.0)) as http:
-            await http.post("/v1/completions", json=body)
-    await watcher
-    (rid,) = seen
+        (rid,) = generator.active
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
     final = [b async for b in follow(bus, rid) if isinstance(b, TokenBatch) and b.is_final]
     assert final[0].finish == "cancelled"
     assert final[0].usage is not None and final[0].usage.completion_tokens < 2000
@@ -207,14 +205,22 @@ def test_burst_handed_over_one_by_one_is_prefilled_together(tiny_model: LoadedMo
     """A burst used to be prefilled in waves (the first job alone, the rest a prefill later):
     jobs flagged ``more_coming`` make an idle engine wait for the rest of their burst."""
     prefills: list[set[str]] = []  # per engine step: the requests whose first token it produced
+    finished: set[str] = set()
     done = threading.Event()
 
     def on_emit(ems: list[Emission]) -> None:
         firsts = {e.request_id for e in ems if e.admitted_ns}
         if firsts:
             prefills.append(firsts)
+        finished.update(e.request_id for e in ems if e.finish)
         if sum(map(len, prefills)) == 3:
             done.set()
+
+    def until(cond: Callable[[], bool], what: str) -> None:
+        deadline = time.monotonic() + 60
+        while not cond():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            time.sleep(0.01)  # polling what the engine thread records
 
     runner = Runner(tiny_model, on_emit, max_batch=4, admission_hold_s=5.0)
     runner.start()
@@ -230,15 +236,14 @@ def test_burst_handed_over_one_by_one_is_prefilled_together(tiny_model: LoadedMo
         assert done.wait(60)
         assert prefills == [{"a", "b", "c"}]  # one prefill for all three
         # A hold that ran out must not keep later bursts from being held (it once did).
-        runner.admission_hold_s = 0.5
-        runner.submit(job("d", True))
-        time.sleep(0.8)  # the scenario: d's hold runs out (no "last of the burst" comes) and d runs alone
+        runner.admission_hold_s = 0.2
+        runner.submit(job("d", True))  # no "last of the burst" comes: d's hold runs out, d runs alone
+        until(lambda: "d" in finished, "d to run alone and finish")  # the engine is idle again
+        runner.admission_hold_s = 30.0  # e's hold outlasts any stall of this thread
         runner.submit(job("e", True))
-        time.sleep(0.1)  # the scenario: f comes 0.1 s after e, well inside e's own hold
+        time.sleep(0.1)  # the scenario, not a synchronisation: f comes a little after e, inside e's hold
         runner.submit(job("f", False))
-        deadline = time.monotonic() + 60
-        while sum(map(len, prefills)) < 6 and time.monotonic() < deadline:
-            time.sleep(0.01)  # polling what the engine thread records
+        until(lambda: sum(map(len, prefills)) == 6, "e and f to start")
         assert prefills[1:] == [{"d"}, {"e", "f"}]
     finally:
         runner.stop()
