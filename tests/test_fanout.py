@@ -8,9 +8,9 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
+from relay.fanout import Fanout, LiveStream
 from tokenpipe.bus import Bus
 from tokenpipe.errors import TransportError
-from tokenpipe.fanout import Fanout, LiveStream
 from tokenpipe.settings import Settings
 from tokenpipe.streams import Gap, StreamItem
 from tokenpipe.subjects import token_subject
@@ -169,7 +169,7 @@ async def test_failed_catch_up_is_retried_and_the_stream_goes_on(bus: Bus, fanou
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """A JetStream look that fails (the server still recovering after a restart) used to end the
     client's stream, and the relay then cancelled the generation."""
-    import tokenpipe.fanout as fanout_module
+    import relay.fanout as fanout_module
 
     real = fanout_module.last_stored
     failures = []
