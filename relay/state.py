@@ -16,7 +16,6 @@ from opentelemetry.trace import SpanKind, TracerProvider
 
 from tokenpipe.bus import Bus, connect
 from tokenpipe.errors import InvalidRequest, ModelNotFound, NoGenerator, Overloaded, StreamNotFound
-from tokenpipe.fanout import Fanout, LiveStream
 from tokenpipe.metrics import RelayMetrics
 from tokenpipe.settings import Settings
 from tokenpipe.streams import (
@@ -42,6 +41,7 @@ from tokenpipe.telemetry import extract_context, get_tracer, inject_headers
 from tokenpipe.wire import Request, TokenBatch
 
 from .auth import KeyRing
+from .fanout import Fanout, LiveStream
 from .http import WriteWatchdog
 from .registry import GeneratorRegistry
 

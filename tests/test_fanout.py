@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 
 import httpx
 import pytest
 
+from relay.fanout import Fanout, LiveStream
 from tokenpipe.bus import Bus
 from tokenpipe.errors import TransportError
-from tokenpipe.fanout import Fanout, LiveStream
+from tokenpipe.reorder import Gap
 from tokenpipe.settings import Settings
-from tokenpipe.streams import Gap, StreamItem
+from tokenpipe.streams import StreamItem
 from tokenpipe.subjects import token_subject
 from tokenpipe.wire import TokenBatch, new_request_id
 
@@ -40,6 +42,16 @@ async def collect(reader: LiveStream, idle: float | None = None) -> list[StreamI
     return [item async for item in reader.items(idle=idle)]
 
 
+def seqs(items: list[StreamItem]) -> list[int]:
+    return [b.seq for b in items if isinstance(b, TokenBatch)]
+
+
+def loss_reported(bus: Bus) -> None:
+    """What the bus does after a reconnect: every subscription may have missed messages."""
+    for hook in list(bus.on_possible_loss):
+        hook(None)
+
+
 async def test_reader_gets_live_batches_in_seq_order_even_when_published_out_of_order(
         bus: Bus, fanout: Fanout) -> None:
     sid = new_request_id()
@@ -57,11 +69,17 @@ async def test_reader_opened_late_catches_up_from_jetstream_then_continues_live(
     for seq in range(3):
         await publish(bus, batch(sid, seq))
     reader = fanout.open(sid, after_seq=0)  # resume: wants 1, 2, then live
-    task = asyncio.create_task(collect(reader))
-    await wait_until(lambda: not reader._fresh and reader._waiter is not None, 10, "reader to catch up and wait")
+    got: list[StreamItem] = []
+
+    async def read() -> None:
+        async for item in reader.items():
+            got.append(item)
+
+    task = asyncio.create_task(read())
+    await wait_until(lambda: seqs(got) == [1, 2], 10, "the stored batches after the resume point")
     await publish(bus, batch(sid, 3, final=True))
-    items = await asyncio.wait_for(task, 30)
-    assert [b.seq for b in items if isinstance(b, TokenBatch)] == [1, 2, 3]
+    await asyncio.wait_for(task, 30)
+    assert seqs(got) == [1, 2, 3]
 
 
 async def test_resume_after_the_final_batch_still_reports_the_end(bus: Bus, fanout: Fanout) -> None:
@@ -89,10 +107,8 @@ async def test_batch_that_never_arrives_becomes_an_explicit_gap(bus: Bus, fanout
 async def test_final_batch_missed_by_the_live_path_is_found_by_resync(bus: Bus, fanout: Fanout) -> None:
     """Core delivery is at-most-once: a batch stored while nobody was registered must still arrive."""
     sid = new_request_id()
-    reader = fanout.open(sid, fresh=True)  # fresh: no initial catch-up
-    fanout._close(reader)  # simulate the live copy being lost: unregistered while it is published
-    await publish(bus, batch(sid, 0, final=True))
-    fanout._readers.setdefault(reader.subject, []).append(reader)
+    await publish(bus, batch(sid, 0, final=True))  # stored before the reader exists: no live copy reaches it
+    reader = fanout.open(sid, fresh=True)  # a (wrong) promise of freshness: no initial catch-up
     items = await asyncio.wait_for(collect(reader), 30)
     assert [b.seq for b in items if isinstance(b, TokenBatch)] == [0]
 
@@ -125,20 +141,24 @@ async def test_regression_openai_client_gone_before_reading_leaves_no_registered
 
 
 async def test_consumer_fanout_mode_streams_the_same_tokens(settings: Settings, relay: RelayServer) -> None:
+    """Compares tokens and text, not batches: where a run's batch boundaries fall depends on
+    timing (this used to fail on a busy machine, [970, 970, 970, 970] vs [970, 970, 970])."""
     body = {"prompt": "same either way", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
     other = await start_relay(settings.replace(relay_fanout="consumer"))
     try:
-        texts = []
+        runs = []
         for server in (relay, other):
             async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
                 sid = (await client.post("/v1/streams", json=body)).json()["id"]
                 async with client.stream("GET", f"/v1/streams/{sid}") as resp:
                     events = await read_sse(resp)
             assert events[-1][0] == "done"
-            texts.append([e for e in events if e[0] == "tokens"])
+            batches = [json.loads(data) for event, _, data in events if event == "tokens"]
+            assert [b["seq"] for b in batches] == list(range(len(batches)))  # in order, each once
+            runs.append(([t for b in batches for t in b["token_ids"]], "".join(b["text"] for b in batches)))
         assert other.app.state.relay.fanout is None
-        strip = [[t[2].split('"timings"')[0] for t in ev] for ev in texts]
-        assert strip[0] == strip[1]
+        assert len(runs[0][0]) == 24
+        assert runs[0] == runs[1]
     finally:
         await other.stop()
 
@@ -169,7 +189,7 @@ async def test_failed_catch_up_is_retried_and_the_stream_goes_on(bus: Bus, fanou
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """A JetStream look that fails (the server still recovering after a restart) used to end the
     client's stream, and the relay then cancelled the generation."""
-    import tokenpipe.fanout as fanout_module
+    import relay.fanout as fanout_module
 
     real = fanout_module.last_stored
     failures = []
@@ -195,12 +215,9 @@ async def test_reconnect_makes_readers_look_again_without_waiting_for_the_idle_r
     await fan.start()
     try:
         sid = new_request_id()
-        reader = fan.open(sid, fresh=True)
-        task = asyncio.create_task(collect(reader))
-        fan._close(reader)  # the final batch's live copy is lost, as during a disconnect
-        await publish(bus, batch(sid, 0, final=True))
-        fan._readers.setdefault(reader.subject, []).append(reader)
-        fan._on_possible_loss(None)  # what the reconnect callback does
+        await publish(bus, batch(sid, 0, final=True))  # its live copy never reaches the reader, as in a disconnect
+        task = asyncio.create_task(collect(fan.open(sid, fresh=True)))  # fresh: no initial catch-up
+        loss_reported(bus)
         items = await asyncio.wait_for(task, 10)  # not the hour-long idle resync
         assert [b.seq for b in items if isinstance(b, TokenBatch)] == [0]
     finally:

@@ -10,7 +10,6 @@ the same cursor, so nothing arriving during the switch can be lost or repeated.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import time
@@ -24,8 +23,8 @@ from nats.js.errors import KeyNotFoundError, NotFoundError
 
 from .bus import Bus
 from .errors import StreamNotFound, TransportError
+from .reorder import Gap, Reorder
 from .subjects import TOKENS_STREAM, cancel_subject, check_stream_id, request_subject, token_subject
-from .telemetry import trace_context_headers
 from .wire import Request, TokenBatch
 
 __all__ = ["PING", "Gap", "Ping", "StreamItem", "StreamMeta", "cancel", "follow", "get_meta", "history",
@@ -55,15 +54,6 @@ class Ping:
 
 
 PING = Ping()
-
-
-@dataclass(frozen=True)
-class Gap:
-    """Batches ``from_seq..to_seq`` will not arrive: expired from history, or lost for good."""
-
-    from_seq: int
-    to_seq: int
-    reason: str
 
 
 StreamItem = TokenBatch | Ping | Gap
@@ -192,10 +182,11 @@ async def follow(bus: Bus, stream_id: str, *, after_seq: int = -1, idle: float |
     """Batches of ``stream_id`` with ``seq > after_seq``, in ``seq`` order, ending after the final one.
 
     Yields :data:`PING` whenever ``idle`` seconds pass without a batch. ``trace_headers``, if
-    given, receives the W3C trace headers the first batch carried (the generation's context). A batch that a
-    generator had to republish after a NATS outage can be stored after later ones; those are
-    held back (up to ``reorder_wait`` seconds) until the missing one arrives, so consumers
-    always see contiguous batches, or an explicit :class:`Gap`.
+    given, receives the W3C trace headers the first batch carried (the generation's context).
+    Order, duplicates and gaps are handled by :class:`~tokenpipe.reorder.Reorder`: a batch
+    republished after a NATS outage can be stored after later ones, which are held back (up to
+    ``reorder_wait`` seconds) until it arrives, so consumers always see contiguous batches, or
+    an explicit :class:`Gap`.
     """
     try:
         sub = await bus.js.subscribe(
@@ -207,49 +198,28 @@ async def follow(bus: Bus, stream_id: str, *, after_seq: int = -1, idle: float |
         )
     except Exception as exc:
         raise TransportError(f"could not follow stream: {exc}") from exc
-    expected = after_seq + 1
-    held: dict[int, TokenBatch] = {}
-    oldest_stored: int | None = None  # seq of the first message the stream still holds
-    held_since: float | None = None
+    buf = Reorder(after_seq, wait=reorder_wait, trace_headers=trace_headers)
+    oldest_stored: int | None = None  # lowest seq the stream still holds (read from its start)
     try:
-        while True:
+        while not buf.done:
             timeout = idle if idle else 3600.0
-            if held_since is not None:
-                timeout = min(timeout, max(0.0, held_since + reorder_wait - time.monotonic()))
+            deadline = buf.deadline
+            if deadline is not None:
+                timeout = min(timeout, max(0.0, deadline - time.monotonic()))
             try:
                 msg = await sub.next_msg(timeout=timeout)
             except nats.errors.TimeoutError:
-                if held_since is not None and time.monotonic() >= held_since + reorder_wait:
-                    nxt = min(held)
-                    yield Gap(expected, nxt - 1, "lost: never stored after a NATS outage")
-                    expected = nxt
-                else:
+                if not buf.expire(time.monotonic()):
                     yield PING
                     continue
             else:
                 batch = TokenBatch.decode(msg.data)
-                if oldest_stored is None:
-                    oldest_stored = batch.seq
-                if trace_headers is not None and not trace_headers and msg.headers:
-                    trace_headers.update(trace_context_headers(msg.headers))
-                if batch.seq < expected:
-                    if batch.is_final and batch.seq <= after_seq and expected == after_seq + 1:
-                        # Resuming after the final batch: its tokens were seen, but the end must still be told.
-                        yield dataclasses.replace(batch, token_ids=(), text="")
-                        return
-                    continue  # already delivered (a republished duplicate) or before the resume point
-                held[batch.seq] = batch
-                caught_up = msg.metadata.num_pending == 0
-                if expected not in held and caught_up and oldest_stored > expected:
-                    # Everything stored is newer than what is asked for: retention removed the rest.
-                    yield Gap(expected, oldest_stored - 1, "expired from history (retention)")
-                    expected = oldest_stored
-            while expected in held:
-                out = held.pop(expected)
-                expected += 1
-                yield out
-                if out.is_final:
-                    return
-            held_since = (held_since or time.monotonic()) if held else None
+                oldest_stored = batch.seq if oldest_stored is None else min(oldest_stored, batch.seq)
+                now = time.monotonic()
+                buf.feed(batch, msg.headers, now=now)
+                if msg.metadata.num_pending == 0:
+                    buf.caught_up(oldest_stored, now=now)
+            for item in buf.ready():
+                yield item
     finally:
         await _unsubscribe(sub, stream_id)

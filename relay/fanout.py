@@ -13,33 +13,32 @@ registered may be stored just after the first look), as soon as a batch arrives 
 (a hole), within ``loss_spread_s`` of a reconnect or a slow-consumer drop (spread out, one
 second per 2,000 readers beyond that, so 10,000 readers do not ask JetStream at once), once
 more before a missing batch is declared a gap, and when nothing arrived for ``resync_s``
-(jittered). A look that fails (JetStream still
-recovering) is retried a second later while live batches keep flowing.
-Readers see batches in ``seq`` order, each once, or an explicit :class:`~tokenpipe.streams.Gap`.
+(jittered). A look that fails (JetStream still recovering) is retried a second later while
+live batches keep flowing.
+
+Order, duplicates and gaps are :class:`~tokenpipe.reorder.Reorder`'s: readers see batches in
+``seq`` order, each once, or an explicit :class:`~tokenpipe.reorder.Gap`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import random
 import time
 from collections.abc import AsyncGenerator
 from typing import Any
 
-from .bus import Bus
-from .errors import TransportError, WireFormatError
-from .streams import PING, Gap, StreamItem, last_stored, stored
-from .subjects import TOKEN_WILDCARD, token_subject
-from .telemetry import trace_context_headers
-from .wire import TokenBatch
+from tokenpipe.bus import Bus
+from tokenpipe.errors import TransportError, WireFormatError
+from tokenpipe.reorder import Reorder
+from tokenpipe.streams import PING, StreamItem, last_stored, stored
+from tokenpipe.subjects import TOKEN_WILDCARD, token_subject
+from tokenpipe.wire import TokenBatch
 
 __all__ = ["Fanout", "LiveStream"]
 
 log = logging.getLogger(__name__)
-
-_Held = dict[int, tuple[TokenBatch, dict[str, str] | None]]
 
 
 class Fanout:
@@ -177,56 +176,50 @@ class LiveStream:
         finally:
             self._waiter = None
 
-    async def _catch_up(self, expected: int, held: _Held, *, thorough: bool) -> StreamItem | None:
-        """Add what JetStream holds from ``expected`` on to ``held``; returns a Gap when retention
-        removed ``expected``, or the final batch (without tokens) when resuming past the end.
-        Unless ``thorough``, the last stored batch decides whether a full read is needed; after
-        an outage it can be a republished older batch, so losses and holes read everything."""
+    async def _catch_up(self, buf: Reorder, *, thorough: bool) -> None:
+        """Feed ``buf`` what JetStream holds from ``buf.expected`` on (or the final batch, when
+        resuming past the end). Unless ``thorough``, the last stored batch decides whether a
+        full read is needed; after an outage it can be a republished older batch, so losses
+        and holes read everything."""
         bus = self._fanout.bus
         self._next_sync = time.monotonic() + self._fanout.resync_s * (1 + 0.25 * random.random())
         if not thorough:
             entry = await last_stored(bus, self.stream_id)  # one direct get, no consumer
             if entry is None:
-                return None
+                return
             last, headers = entry
-            if last.seq == expected - 1 and not last.is_final:
-                return None
-            if last.seq == expected:
-                held.setdefault(last.seq, (last, headers))  # its headers carry the generation's trace context
-                return None
+            if last.seq == buf.expected or (last.seq == buf.expected - 1 and not last.is_final):
+                # Nothing else to read; fed even when old: its headers carry the generation's trace context.
+                buf.feed(last, headers, now=time.monotonic())
+                return
         by_seq = await stored(bus, self.stream_id)
-        for seq, entry in by_seq.items():
-            if seq >= expected:
-                held.setdefault(seq, entry)
-            elif entry[0].is_final:
-                # Resuming after the final batch: its tokens were seen, but the end must still be told.
-                return dataclasses.replace(entry[0], token_ids=(), text="")
-        if by_seq and expected not in held and min(by_seq) > expected:
-            return Gap(expected, min(by_seq) - 1, "expired from history (retention)")
-        return None
+        now = time.monotonic()
+        for batch, headers in by_seq.values():
+            buf.feed(batch, headers, now=now)
+        if by_seq:
+            buf.caught_up(min(by_seq), now=now)
 
     async def items(self, *, idle: float | None = None,
                     trace_headers: dict[str, str] | None = None) -> AsyncGenerator[StreamItem, None]:
         """Batches with ``seq > after_seq`` in order, ending after the final one; :data:`PING`
         after ``idle`` quiet seconds. ``trace_headers`` receives the first batch's trace context."""
         fanout = self._fanout
-        expected = self.after_seq + 1
-        held: _Held = {}
+        buf = Reorder(self.after_seq, wait=fanout.reorder_wait, trace_headers=trace_headers)
         sync = not self._fresh
         settled = self._fresh  # a fresh stream has no "published before I registered" race
-        hole_since: float | None = None
+        looked_for: float | None = None  # the hole clock (``buf.hole_since``) already looked for
         last_out = time.monotonic()
         try:
             while True:
                 if sync:
-                    sync, thorough, self._thorough = False, self._thorough or hole_since is not None, False
+                    sync, thorough, self._thorough = False, self._thorough or buf.holding, False
                     try:
-                        special = await self._catch_up(expected, held, thorough=thorough)
+                        await self._catch_up(buf, thorough=thorough)
                     except TransportError as exc:
                         # JetStream may still be recovering; live batches keep flowing meanwhile.
                         log.warning("stream catch-up failed; retrying", extra={"request_id": self.stream_id,
                                                                                 "error": exc.message})
-                        special, settled = None, False
+                        settled = False
                         self._thorough = thorough
                         self._next_sync = time.monotonic() + 0.5 + random.random()
                     else:
@@ -234,44 +227,29 @@ class LiveStream:
                             # Again a moment later: a batch delivered just before this look can be
                             # stored just after it.
                             settled, self._next_sync = True, time.monotonic() + fanout.settle_s
-                    if isinstance(special, Gap):
-                        yield special
-                        expected = special.to_seq + 1
-                    elif special is not None:
-                        yield special
-                        return
                 if self._inbox:
-                    self._next_sync = time.monotonic() + fanout.resync_s
+                    now = time.monotonic()
+                    self._next_sync = now + fanout.resync_s
                     inbox, self._inbox = self._inbox, []
                     for batch, headers in inbox:
-                        if batch.seq >= expected:
-                            held.setdefault(batch.seq, (batch, headers))
-                while expected in held:
-                    batch, headers = held.pop(expected)
-                    expected += 1
-                    if trace_headers is not None and not trace_headers and headers:
-                        trace_headers.update(trace_context_headers(headers))
+                        buf.feed(batch, headers, now=now)
+                for item in buf.ready():
                     last_out = time.monotonic()
-                    yield batch
-                    if batch.is_final:
-                        return
+                    yield item
+                if buf.done:
+                    return
                 now = time.monotonic()
-                if held and hole_since is None:
-                    hole_since, sync = now, True  # a batch is missing: JetStream may have it already
+                if buf.hole_since is not None and buf.hole_since != looked_for:
+                    looked_for, sync = buf.hole_since, True  # a batch is missing: JetStream may have it already
                     continue
-                if not held:
-                    hole_since = None
-                elif now >= hole_since + fanout.reorder_wait:  # type: ignore[operator]
+                deadline = buf.deadline
+                if deadline is not None and now >= deadline:
                     try:  # one last full look before calling it lost
-                        await self._catch_up(expected, held, thorough=True)
+                        await self._catch_up(buf, thorough=True)
                     except TransportError as exc:
                         log.warning("stream catch-up failed", extra={"request_id": self.stream_id,
                                                                       "error": exc.message})
-                    if expected not in held:
-                        nxt = min(held)
-                        yield Gap(expected, nxt - 1, "lost: never stored after a NATS outage")
-                        expected = nxt
-                    hole_since = None
+                    buf.expire(time.monotonic())
                     continue
                 if idle and now >= last_out + idle:
                     last_out = now
@@ -283,8 +261,8 @@ class LiveStream:
                 deadlines = [self._next_sync]
                 if idle:
                     deadlines.append(last_out + idle)
-                if hole_since is not None:
-                    deadlines.append(hole_since + fanout.reorder_wait)
+                if deadline is not None:
+                    deadlines.append(deadline)
                 await self._wait(min(deadlines))
         finally:
             self.close()
