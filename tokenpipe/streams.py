@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -26,28 +25,12 @@ from .bus import Bus
 from .errors import StreamNotFound, TransportError
 from .subjects import TOKENS_STREAM, cancel_subject, check_stream_id, request_subject, token_subject
 from .telemetry import trace_context_headers
-from .wire import Request, TokenBatch
+from .wire import Request, StreamMeta, TokenBatch
 
-__all__ = ["PING", "Gap", "Ping", "StreamItem", "StreamMeta", "cancel", "follow", "get_meta", "history",
+__all__ = ["PING", "Gap", "Ping", "StreamItem", "cancel", "follow", "get_meta", "history",
            "last_batch", "last_stored", "paced", "stored", "stream_not_found", "submit"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class StreamMeta:
-    id: str
-    tenant: str
-    model: str
-    created_at: int
-
-    def encode(self) -> bytes:
-        return json.dumps(self.__dict__).encode()
-
-    @classmethod
-    def decode(cls, data: bytes) -> StreamMeta:
-        obj = json.loads(data)
-        return cls(id=obj["id"], tenant=obj["tenant"], model=obj["model"], created_at=int(obj["created_at"]))
 
 
 class Ping:
