@@ -6,9 +6,14 @@ import json
 
 import msgpack
 import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
 
 from tokenpipe.errors import InvalidRequest, WireFormatError
 from tokenpipe.subjects import cancel_subject, request_subject, token_subject
+from tokenpipe.telemetry import producer_span
 from tokenpipe.wire import (
     WIRE_VERSION,
     Announcement,
@@ -162,3 +167,15 @@ def test_malformed_control_messages_raise_wire_format_error(data: bytes) -> None
     with pytest.raises(WireFormatError):
         StreamMeta.decode(data)
 
+
+def test_producer_span_carries_messaging_attributes_and_its_own_context() -> None:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    with producer_span(provider.get_tracer("t"), "tp.req.m", {"tokenpipe.stream.id": "s"}) as headers:
+        pass
+    (span,) = exporter.get_finished_spans()
+    assert span.kind == SpanKind.PRODUCER and span.name == "publish tp.req.m"
+    assert dict(span.attributes or {}) == {"messaging.system": "nats", "messaging.operation.type": "publish",
+                                           "messaging.destination.name": "tp.req.m", "tokenpipe.stream.id": "s"}
+    assert headers["traceparent"].split("-")[2] == format(span.context.span_id, "016x")
