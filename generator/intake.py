@@ -12,20 +12,18 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
 from collections.abc import Callable
 from typing import Any
 
-import msgpack
 from nats.aio.msg import Msg
 from nats.js import api as js_api
 
 from tokenpipe.bus import Bus
-from tokenpipe.errors import TokenpipeError
+from tokenpipe.errors import GenerationError, TokenpipeError
 from tokenpipe.settings import Settings
 from tokenpipe.streams import history
 from tokenpipe.subjects import REQUESTS_STREAM, consumer_name, request_subject, token_subject
-from tokenpipe.wire import Request, TokenBatch, Usage
+from tokenpipe.wire import Request, TokenBatch, peek_request_id
 
 __all__ = ["RequestIntake"]
 
@@ -89,11 +87,10 @@ class RequestIntake:
 
     async def reject(self, msg: Msg, exc: TokenpipeError) -> None:
         """A decodable but invalid request: tell its stream (if it has an id), then terminate."""
-        rid = _peek_id(msg.data)
+        rid = peek_request_id(msg.data)
         log.warning("rejecting invalid request", extra={"request_id": rid, "error": exc.message})
         if rid is not None:
-            batch = TokenBatch(id=rid, seq=0, index=0, finish="error", error=exc.message, usage=Usage(0, 0),
-                               timings={"emitted": time.time_ns()}, error_code=exc.code)
+            batch = TokenBatch.error_for(rid, exc.message, exc.code)
             await self.bus.nc.publish(token_subject(rid), batch.encode())
         await msg.term()
 
@@ -113,23 +110,11 @@ class RequestIntake:
         if not past or not past[-1].is_final:
             attempts = int(advisory.get("deliveries", self.settings.max_deliver))
             produced = sum(len(b.token_ids) for b in past)
-            batch = TokenBatch(
-                id=request.id, seq=len(past), index=produced, finish="error",
-                error=f"generation failed: the request was attempted {attempts} times and every worker stopped",
-                error_code="generation_error", usage=Usage(0, produced), timings={"emitted": time.time_ns()})
+            batch = TokenBatch.error_for(
+                request.id, f"generation failed: the request was attempted {attempts} times and every worker stopped",
+                GenerationError.code, seq=len(past), index=produced)
             await self.bus.nc.publish(token_subject(request.id), batch.encode(),
                                       headers={"Nats-Msg-Id": f"{batch.id}:{batch.seq}"})
             log.error("request exhausted its deliveries", extra={"request_id": request.id, "attempts": attempts})
         await self.bus.js.delete_msg(REQUESTS_STREAM, int(advisory["stream_seq"]))
 
-
-def _peek_id(data: bytes) -> str | None:
-    try:
-        obj = msgpack.unpackb(data, raw=False)
-    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError):
-        return None
-    rid = obj.get("id") if isinstance(obj, dict) else None
-    try:
-        return rid if isinstance(rid, str) and token_subject(rid) else None
-    except TokenpipeError:
-        return None

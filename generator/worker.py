@@ -1,17 +1,16 @@
-"""The generator's NATS adapter: take requests when slots are free, publish coalesced batches.
+"""The generator worker: its lifecycle, taking requests when slots are free, and cancelling them.
 
 With :mod:`generator.intake` and :mod:`generator.publisher`, the only generator modules
 that import nats. It takes the requests :class:`RequestIntake` pulls for the free slots
 (continuing redelivered ones from their published history), hands them to the
-:class:`Runner` thread, coalesces what comes back, and passes each batch to the
-:class:`BatchPublisher` for ``tp.tok.<id>``; the request is acked once its final batch is
-stored.
+:class:`Runner` thread, and routes what comes back to each request's
+:class:`~generator.output.RequestOutput` (coalescing, publishing, the ack).
+:class:`~generator.announce.Announcer` makes the worker known to the relays.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import secrets
@@ -19,7 +18,6 @@ import socket
 import time
 from collections import OrderedDict
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
 from typing import Any
 
 from nats.aio.msg import Msg
@@ -31,21 +29,14 @@ from tokenpipe.errors import TokenpipeError, WireFormatError
 from tokenpipe.metrics import GeneratorMetrics
 from tokenpipe.settings import Settings
 from tokenpipe.streams import history
-from tokenpipe.subjects import (
-    ANNOUNCE_PREFIX,
-    CANCEL_WILDCARD,
-    DISCOVER_SUBJECT,
-    REQUESTS_STREAM,
-    consumer_name,
-    token_subject,
-)
-from tokenpipe.telemetry import extract_context, get_tracer, inject_headers
+from tokenpipe.subjects import CANCEL_WILDCARD
+from tokenpipe.telemetry import extract_context, get_tracer
 from tokenpipe.wire import Request, TokenBatch, Usage
 
-from .coalesce import Coalescer
+from .announce import Announcer, step_observer
 from .intake import RequestIntake
 from .models import LoadedModel
-from .observe import Timeline
+from .output import OutputContext, RequestOutput
 from .publisher import BatchPublisher
 from .runner import Emission, Job, Runner
 
@@ -54,17 +45,6 @@ __all__ = ["GeneratorWorker"]
 log = logging.getLogger(__name__)
 
 _RECENT_CANCELS = 10_000
-
-
-@dataclass
-class _Active:
-    msg: Msg | None
-    request: Request
-    coalescer: Coalescer
-    span: Any
-    timeline: Timeline
-    headers: dict[str, str] = field(default_factory=dict)
-    timer: asyncio.TimerHandle | None = None
 
 
 class GeneratorWorker:
@@ -80,36 +60,37 @@ class GeneratorWorker:
         self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
         self.tracer = get_tracer(tracer_provider or trace.NoOpTracerProvider())
         self.metrics = metrics or GeneratorMetrics(loaded.name)
-        self.runner = Runner(loaded, self._from_engine_thread, on_step=self._on_step, max_batch=settings.max_batch,
-                             max_seq_len=settings.max_seq_len, prefill_token_budget=settings.prefill_token_budget,
+        self.runner = Runner(loaded, self._from_engine_thread, on_step=step_observer(self.metrics),
+                             max_batch=settings.max_batch, max_seq_len=settings.max_seq_len,
+                             prefill_token_budget=settings.prefill_token_budget,
                              max_prompt_tokens=settings.max_prompt_tokens, torch_thread=torch_thread,
                              admission_hold_s=settings.admission_hold_ms / 1000)
-        self.active: dict[str, _Active] = {}
+        self.active: dict[str, RequestOutput] = {}  # the requests this worker holds, by stream id
         self.recent_cancels: OrderedDict[str, None] = OrderedDict()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._slot_freed = asyncio.Event()
         self._stopping = asyncio.Event()
-        # (subject, payload, headers) to publish, or ("", b"", msg) to ack once what precedes is out
         self.publisher = BatchPublisher(bus)
         self.intake = RequestIntake(bus, loaded.name, settings)
+        self.announcer = Announcer(bus, settings, worker_id=self.worker_id, model=self.model,
+                                   device=str(loaded.device), runner=self.runner, streams=self.active,
+                                   metrics=self.metrics)
+        self._output = OutputContext(settings, self.publisher, self.metrics, self.tracer, self._finished)
         self._tasks: list[asyncio.Task[None]] = []
-        self._subs: list[Any] = []
-        self.completed = 0
+        self._cancels: Any = None
 
     # -- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self.runner.start()
         self.publisher.start()
-        nc = self.bus.nc
         await self.intake.subscribe()
-        self._subs.append(await nc.subscribe(CANCEL_WILDCARD, cb=self._on_cancel))
-        self._subs.append(await nc.subscribe(DISCOVER_SUBJECT, cb=self._on_discover))
+        self._cancels = await self.bus.nc.subscribe(CANCEL_WILDCARD, cb=self._on_cancel)
         self._tasks = [
             asyncio.create_task(self._fetch_loop(), name="fetch"),
-            asyncio.create_task(self._keepalive_loop(), name="keepalive"),
+            asyncio.create_task(self._progress_loop(), name="progress"),
         ]
-        await self._announce()
+        await self.announcer.start()
         log.info("generator ready", extra={"model": self.model, "worker": self.worker_id,
                                            "max_batch": self.settings.max_batch, "device": str(self.loaded.device)})
 
@@ -133,24 +114,24 @@ class GeneratorWorker:
             except TimeoutError:
                 break
         handed_back = list(self.active.values())
-        for act in handed_back:
-            self.runner.cancel(act.request.id)
-            act.span.end()
-        self.active.clear()  # emissions still in flight for these are dropped, unpublished
-        # Everything already coalesced must be in the stream before another worker reads it.
+        for out in handed_back:
+            self.runner.cancel(out.request.id)
+            out.abandon()  # emissions still in flight for it are dropped, unpublished
+        self.active.clear()
+        # Every batch already handed to the publisher must be stored before another worker reads the stream.
         await self.publisher.flush()
-        for act in handed_back:
-            if act.msg is not None:
-                await act.msg.nak()
+        for out in handed_back:
+            if out.msg is not None:
+                await out.msg.nak()
         if handed_back:
             log.info("handed back unfinished requests", extra={"count": len(handed_back)})
-        await self._announce(ready=False)
+        await self.announcer.stop()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.publisher.close()
-        for sub in self._subs:
-            await sub.unsubscribe()
+        if self._cancels is not None:
+            await self._cancels.unsubscribe()
         await self.intake.close()
 
     # -- intake ----------------------------------------------------------------------
@@ -208,7 +189,6 @@ class GeneratorWorker:
             "gen_ai.request.temperature": request.params.temperature,
             "tokenpipe.stream.id": request.id,
         })
-        headers = inject_headers(span=span)
         past: list[TokenBatch] = []
         if msg.metadata.num_delivered > 1:
             # Redelivered: a worker died or handed it back. Continue after what it published.
@@ -227,28 +207,16 @@ class GeneratorWorker:
         resume = tuple(t for b in past for t in b.token_ids)
         span.set_attribute("tokenpipe.delivery", msg.metadata.num_delivered)
         span.set_attribute("tokenpipe.resumed_tokens", len(resume))
-        co = request.coalesce
-        coalescer = Coalescer(
-            request.id,
-            max_tokens=co.max_tokens if co.max_tokens is not None else self.settings.coalesce_max_tokens,
-            max_delay_ns=int(1e6 * (co.max_delay_ms if co.max_delay_ms is not None
-                                    else self.settings.coalesce_max_delay_ms)),
-            start_seq=past[-1].seq + 1 if past else 0,
-            start_index=len(resume),
-            first_timings={"created": request.created_at, "received": received},
-        )
-        timeline = Timeline(created=request.created_at, received=received, resumed_tokens=len(resume))
-        self.active[request.id] = _Active(msg, request, coalescer, span, timeline, headers)
+        out = self.active[request.id] = RequestOutput(self._output, request, msg, span, past=past, received=received)
         if past:
             log.info("continuing redelivered request", extra={"request_id": request.id, "resumed_tokens": len(resume),
                                                               "delivery": msg.metadata.num_delivered})
         if request.id in self.recent_cancels:
-            self._emit_now(request.id, Emission(request.id, (), "", time.time_ns(), finish="cancelled",
-                                                usage=Usage(0, len(resume))))
+            out.emit(Emission(request.id, (), "", time.time_ns(), finish="cancelled", usage=Usage(0, len(resume))))
             return
         self.runner.submit(Job(request, resume_ids=resume, received_ns=received, more_coming=more_coming))
 
-    # -- cancellation & discovery ----------------------------------------------------
+    # -- cancellation ----------------------------------------------------------------
     async def _on_cancel(self, msg: Msg) -> None:
         rid = msg.subject.rsplit(".", 1)[-1]
         self.recent_cancels[rid] = None
@@ -258,65 +226,18 @@ class GeneratorWorker:
             log.info("cancel requested", extra={"request_id": rid})
             self.runner.cancel(rid)
 
-    async def _on_discover(self, msg: Msg) -> None:
-        if msg.reply:
-            await self.bus.nc.publish(msg.reply, self._announcement(True))
-
-    def _announcement(self, ready: bool) -> bytes:
-        return json.dumps({
-            "worker": self.worker_id,
-            "model": self.model,
-            "ready": ready,
-            "max_batch": self.settings.max_batch,
-            "running": self.runner.running,
-            "active": len(self.active),
-            "pid": os.getpid(),
-            "streams": sorted(self.active),  # which worker holds which stream, for operators and tests
-            "device": str(self.loaded.device),
-            "ttl_s": self.settings.announce_interval_s * 3,
-            "ts": time.time(),
-        }).encode()
-
-    async def _announce(self, ready: bool = True) -> None:
-        await self.bus.nc.publish(f"{ANNOUNCE_PREFIX}.{self.worker_id}", self._announcement(ready))
-
-    async def _keepalive_loop(self) -> None:
-        """Announce ourselves and tell JetStream long requests are still in progress."""
+    async def _progress_loop(self) -> None:
+        """Tell JetStream that long requests are still in progress (before ``ack_wait`` runs out)."""
         progress_every = max(self.settings.ack_wait_s / 3, 0.5)
-        last_progress = time.monotonic()
         while True:
-            await asyncio.sleep(min(self.settings.announce_interval_s, progress_every))
-            try:
-                await self._announce()
-                await self._refresh_gauges()
-            except Exception as exc:  # an outage must not end the announcements for good
-                log.warning("announce failed", extra={"error": repr(exc)})
-            if time.monotonic() - last_progress >= progress_every:
-                last_progress = time.monotonic()
-                for act in list(self.active.values()):
-                    if act.msg is None:
-                        continue
-                    try:
-                        await act.msg.in_progress()
-                    except Exception as exc:  # one failure must not starve the other requests' progress acks
-                        log.warning("in-progress ack failed", extra={"request_id": act.request.id,
-                                                                     "error": repr(exc)})
-
-    def _on_step(self, batch_size: int) -> None:
-        """Engine thread, once per step (prometheus_client is thread-safe)."""
-        m = self.metrics
-        m.labels(m.batch_size).observe(batch_size)
-
-    async def _refresh_gauges(self) -> None:
-        m, engine = self.metrics, self.runner.engine
-        m.labels(m.running).set(self.runner.running)
-        used = sum(s.next_position for s in list(engine.rows))
-        m.labels(m.kv_cache).set(used / (engine.max_batch * engine.max_seq_len))
-        try:
-            info = await self.bus.js.consumer_info(REQUESTS_STREAM, consumer_name(self.model))
-            m.labels(m.waiting).set(int(info.num_pending or 0))
-        except Exception as exc:  # a reconnect in progress; the next round catches up
-            log.debug("consumer info unavailable", extra={"error": repr(exc)})
+            await asyncio.sleep(progress_every)
+            for out in list(self.active.values()):
+                if out.msg is None:
+                    continue
+                try:
+                    await out.msg.in_progress()
+                except Exception as exc:  # one failure must not starve the other requests' progress acks
+                    log.warning("in-progress ack failed", extra={"request_id": out.request.id, "error": repr(exc)})
 
     # -- output ----------------------------------------------------------------------
     def _from_engine_thread(self, emissions: list[Emission]) -> None:
@@ -325,63 +246,17 @@ class GeneratorWorker:
 
     def _on_emissions(self, emissions: list[Emission]) -> None:
         for em in emissions:
+            out = self.active.get(em.request_id)
+            if out is None:
+                continue  # finished, or handed back while this step ran
             try:
-                self._emit_now(em.request_id, em)
+                out.emit(em)
             except Exception:  # one stream's failure must not drop the others' tokens of this step
                 log.exception("emission failed", extra={"request_id": em.request_id})
 
-    def _emit_now(self, rid: str, em: Emission) -> None:
-        act = self.active.get(rid)
-        if act is None:
-            return
-        if em.admitted_ns:
-            act.coalescer.first_timings["admitted"] = em.admitted_ns
-            act.timeline.admitted = em.admitted_ns
-        if em.token_ids:
-            act.timeline.on_token(self.metrics, em.at_ns)
-        batch = act.coalescer.add(list(em.token_ids), em.text, em.at_ns, finish=em.finish, error=em.error,
-                                  usage=em.usage, error_code=em.error_code)
-        if batch is not None:
-            self._send(act, batch)
-        self._arm_timer(rid, act)
-
-    def _arm_timer(self, rid: str, act: _Active) -> None:
-        if act.timer is not None:
-            act.timer.cancel()
-            act.timer = None
-        deadline = act.coalescer.deadline()
-        if deadline is not None and self._loop is not None:
-            delay = max(0.0, (deadline - time.time_ns()) / 1e9)
-            act.timer = self._loop.call_later(delay, self._on_deadline, rid)
-
-    def _on_deadline(self, rid: str) -> None:
-        act = self.active.get(rid)
-        if act is None:
-            return
-        act.timer = None
-        batch = act.coalescer.due(time.time_ns())
-        if batch is not None:
-            self._send(act, batch)
-        self._arm_timer(rid, act)
-
-    def _send(self, act: _Active, batch: TokenBatch) -> None:
-        # Msg-Id per (stream, seq): should two workers ever publish the same batch, JetStream keeps one.
-        headers = {**act.headers, "Nats-Msg-Id": f"{batch.id}:{batch.seq}"}
-        act.timeline.on_batch(self.metrics, batch, batch.timings.get("emitted", time.time_ns()))
-        self.publisher.publish(token_subject(batch.id), batch.encode(), headers)
-        if batch.is_final:
-            self._finish(act, batch)
-
-    def _finish(self, act: _Active, batch: TokenBatch) -> None:
-        rid = act.request.id
+    def _finished(self, out: RequestOutput, batch: TokenBatch) -> None:
+        rid = out.request.id
         self.active.pop(rid, None)
-        if act.timer is not None:
-            act.timer.cancel()
-        act.timeline.finish(self.metrics, self.tracer, act.span, batch)
-        self.completed += 1
-        if act.msg is not None:
-            self.publisher.ack_after_published(act.msg)
         self._slot_freed.set()
         log.info("request finished", extra={"request_id": rid, "finish": batch.finish,
                                             "tokens": batch.usage.completion_tokens if batch.usage else 0})
-

@@ -14,15 +14,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from opentelemetry import trace
-from opentelemetry.trace import SpanKind, TracerProvider
+from opentelemetry.trace import TracerProvider
 
 from tokenpipe.bus import Bus, connect
 from tokenpipe.errors import GenerationError
 from tokenpipe.settings import Settings
 from tokenpipe.streams import Gap, Ping, cancel, follow, paced, submit
 from tokenpipe.subjects import check_model_name, request_subject
-from tokenpipe.telemetry import get_tracer, inject_headers
-from tokenpipe.wire import Request, TokenBatch, Usage, new_request_id, now_ns
+from tokenpipe.telemetry import get_tracer, producer_span
+from tokenpipe.wire import Request, TokenBatch, Usage
 
 __all__ = ["Producer", "StreamHandle", "Result"]
 
@@ -122,23 +122,11 @@ class Producer:
         """Enqueue a job; ``params`` are sampling parameters (max_tokens, temperature, top_p, top_k,
         stop, seed, ignore_eos). Invalid values raise :class:`tokenpipe.errors.InvalidRequest`."""
         check_model_name(model)
-        req = Request.from_map({
-            "id": request_id or new_request_id(),
-            "model": model,
-            "prompt": prompt,
-            "messages": list(messages) if messages is not None else None,
-            "input_ids": list(input_ids) if input_ids is not None else None,
-            "params": params,
-            "coalesce": coalesce,
-            "tenant": self.tenant,
-            "created_at": now_ns(),
-        })
-        with self.tracer.start_as_current_span(f"publish {request_subject(model)}", kind=SpanKind.PRODUCER,
-                                               attributes={"messaging.system": "nats",
-                                                           "messaging.destination.name": request_subject(model),
-                                                           "gen_ai.request.model": model,
-                                                           "tokenpipe.stream.id": req.id}):
-            await submit(self.bus, req, inject_headers())
+        req = Request.build(model, prompt=prompt, messages=messages, input_ids=input_ids, params=params,
+                            coalesce=coalesce, tenant=self.tenant, request_id=request_id)
+        with producer_span(self.tracer, request_subject(model),
+                           {"gen_ai.request.model": model, "tokenpipe.stream.id": req.id}) as headers:
+            await submit(self.bus, req, headers)
         return StreamHandle(req.id, self)
 
     def stream(self, stream_id: str, *, after_seq: int = -1) -> StreamHandle:

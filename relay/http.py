@@ -16,12 +16,13 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from tokenpipe.errors import InvalidRequest, TokenpipeError
+from tokenpipe.errors import GenerationError, InvalidRequest, TokenpipeError
+from tokenpipe.wire import TokenBatch
 
 from .sse import SSE_HEADERS
 
 __all__ = ["RAW_SEND", "error_body", "error_response", "read_json", "RequestTooLarge", "SSEResponse", "WriteWatchdog",
-           "error_type"]
+           "error_type", "stream_error"]
 
 # Scope key under which the relay app leaves the server's own ``send``: an SSE body chunk then
 # skips three middleware wrappers that only ever look at the response start (4% of the relay's
@@ -31,15 +32,27 @@ RAW_SEND = "tokenpipe.raw_send"
 log = logging.getLogger(__name__)
 
 
+# The OpenAI error ``type`` of each status the relay answers with; any other is a server error.
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "not_found_error", 413: "invalid_request_error", 422: "invalid_request_error",
+                429: "rate_limit_error", 503: "service_unavailable_error"}
+
+
 def error_type(status: int) -> str:
-    return {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-            404: "not_found_error", 413: "invalid_request_error", 422: "invalid_request_error",
-            429: "rate_limit_error", 503: "service_unavailable_error"}.get(status, "server_error")
+    return _ERROR_TYPES.get(status, "server_error")
 
 
 def error_body(message: str, *, status: int, code: str | None = None, param: str | None = None) -> dict[str, Any]:
     """The OpenAI error shape: ``{"error": {"message", "type", "param", "code"}}``."""
     return {"error": {"message": message, "type": error_type(status), "param": param, "code": code}}
+
+
+def stream_error(batch: TokenBatch) -> tuple[int, dict[str, Any]]:
+    """A stream that ended in error (its final batch) as an HTTP status and an OpenAI error body:
+    a request the generator refused as invalid is the caller's error (400), any other failure
+    the server's (500)."""
+    status = InvalidRequest.status if batch.error_code == InvalidRequest.code else GenerationError.status
+    return status, error_body(batch.error or "generation failed", status=status, code=batch.error_code)
 
 
 def error_response(exc: TokenpipeError, headers: dict[str, str] | None = None) -> JSONResponse:

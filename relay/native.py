@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -13,12 +12,13 @@ from fastapi.responses import JSONResponse, Response
 from tokenpipe.errors import InvalidRequest, TokenpipeError
 from tokenpipe.settings import Settings
 from tokenpipe.streams import Gap, Ping
-from tokenpipe.wire import CoalesceParams, SamplingParams, TokenBatch, new_request_id
 from tokenpipe.wire import Request as TpRequest
+from tokenpipe.wire import SamplingParams, TokenBatch
 
+from .forward import Session
 from .http import SSEResponse, read_json
 from .sse import sse_comment, sse_event
-from .state import RelayState, Session
+from .state import RelayState
 
 __all__ = ["router", "build_request", "tenant_of"]
 
@@ -49,11 +49,8 @@ def build_request(*, model: str, tenant: str, settings: Settings, prompt: Any = 
     if chars > settings.max_prompt_chars:
         raise InvalidRequest(f"the prompt exceeds {settings.max_prompt_chars} characters",
                              param="messages" if messages is not None else "prompt")
-    return TpRequest.from_map({
-        "id": new_request_id(), "model": model, "prompt": prompt, "messages": messages, "input_ids": input_ids,
-        "params": sampling.to_map(), "coalesce": CoalesceParams.from_map(coalesce).to_map(), "tenant": tenant,
-        "created_at": time.time_ns(),
-    })
+    return TpRequest.build(model, prompt=prompt, messages=messages, input_ids=input_ids, params=params,
+                           coalesce=coalesce, tenant=tenant)
 
 
 @router.post("/v1/streams", status_code=201)
@@ -63,13 +60,13 @@ async def create_stream(request: Request) -> JSONResponse:
     unknown = sorted(set(body) - _NATIVE_KEYS)
     if unknown:
         raise InvalidRequest(f"unknown field(s): {', '.join(unknown)}", param=unknown[0])
-    model = await state.resolve_model(body.get("model"))
+    model = await state.registry.resolve(body.get("model"))
     tenant = tenant_of(request)
     req = build_request(model=model, tenant=tenant, settings=state.settings, prompt=body.get("prompt"),
                         messages=body.get("messages"), input_ids=body.get("input_ids"),
                         params={k: body[k] for k in _SAMPLING_KEYS if k in body}, coalesce=body.get("coalesce"))
-    await state.admit(tenant, model, req.id)
-    await state.submit(req)
+    await state.admission.admit(tenant, model, req.id)
+    await state.forwarder.submit(req)
     return JSONResponse({"id": req.id, "model": model, "stream_url": f"/v1/streams/{req.id}"}, status_code=201,
                         headers={"X-Request-Id": req.id, "Location": f"/v1/streams/{req.id}"})
 
@@ -90,8 +87,8 @@ async def get_stream(stream_id: str, request: Request, last_event_id: int | None
     original gaps between batches divided by ``speed`` (0 = as fast as possible)."""
     state = state_of(request)
     tenant = tenant_of(request)
-    meta = await state.owned_meta(stream_id, tenant)
-    await state.check_retained(meta)
+    meta = await state.forwarder.owned_meta(stream_id, tenant)
+    await state.forwarder.check_retained(meta)
     after = _resume_point(request, last_event_id)
     if not 0 <= speed <= 1000:
         raise InvalidRequest("'speed' must be between 0 and 1000", param="speed")
@@ -110,16 +107,16 @@ async def get_stream(stream_id: str, request: Request, last_event_id: int | None
 async def delete_stream(stream_id: str, request: Request) -> dict[str, Any]:
     state = state_of(request)
     tenant = tenant_of(request)
-    await state.owned_meta(stream_id, tenant)
-    await state.cancel(stream_id)
-    state.release(tenant, stream_id)
+    await state.forwarder.owned_meta(stream_id, tenant)
+    await state.forwarder.cancel(stream_id)
+    state.admission.release(tenant, stream_id)
     return {"id": stream_id, "cancelled": True}
 
 
 async def _native_events(state: RelayState, session: Session, after: int,
                          speed: float | None) -> AsyncIterator[bytes]:
     try:
-        async for item in state.batches(session, after=after, idle=state.settings.keepalive_s, speed=speed):
+        async for item in state.forwarder.batches(session, after=after, idle=state.settings.keepalive_s, speed=speed):
             if isinstance(item, Ping):
                 yield sse_comment()
             elif isinstance(item, Gap):

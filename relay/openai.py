@@ -17,15 +17,16 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from tokenpipe.errors import GenerationError, InvalidRequest, TokenpipeError
+from tokenpipe.errors import InvalidRequest, TokenpipeError
 from tokenpipe.streams import Gap, Ping
 from tokenpipe.wire import Request as TpRequest
 from tokenpipe.wire import TokenBatch
 
-from .http import SSEResponse, error_body, read_json
+from .forward import Session
+from .http import SSEResponse, error_body, read_json, stream_error
 from .native import build_request, state_of, tenant_of
 from .sse import sse_comment, sse_event
-from .state import RelayState, Session
+from .state import RelayState
 
 __all__ = ["router"]
 
@@ -124,11 +125,11 @@ async def _start(request: Request, chat: bool) -> tuple[RelayState, TpRequest, d
         raise InvalidRequest("'model' must be a string", param="model")
     content = {"messages": _chat_messages(body.get("messages"))} if chat else _prompt(body.get("prompt"))
     _include_usage(body)
-    model = await state.resolve_model(body.get("model"))
+    model = await state.registry.resolve(body.get("model"))
     tenant = tenant_of(request)
     req = build_request(model=model, tenant=tenant, settings=state.settings, params=params, **content)
-    await state.admit(tenant, model, req.id)
-    live = await state.submit(req, follow=True)
+    await state.admission.admit(tenant, model, req.id)
+    live = await state.forwarder.submit(req, follow=True)
     return state, req, body, Session(req.id, req.tenant, live=live)
 
 
@@ -162,7 +163,7 @@ async def _complete_blocking(request: Request, state: RelayState, session: Sessi
 
     async def collect() -> None:
         nonlocal final
-        async for item in state.batches(session):
+        async for item in state.forwarder.batches(session):
             if isinstance(item, TokenBatch):
                 text.append(item.text)
                 final = item
@@ -175,17 +176,15 @@ async def _complete_blocking(request: Request, state: RelayState, session: Sessi
     await asyncio.wait({collector, watcher}, return_when=asyncio.FIRST_COMPLETED)
     watcher.cancel()
     if not collector.done():
-        collector.cancel()  # state.batches() cancels the generation on its way out
+        collector.cancel()  # Forwarder.batches() cancels the generation on its way out
         with contextlib.suppress(asyncio.CancelledError):
             await collector
         return Response(status_code=499, headers={"X-Request-Id": req.id})  # nobody is listening
     collector.result()
     assert final is not None and final.is_final
     if final.finish == "error":
-        exc = InvalidRequest(final.error or "") if final.error_code == "invalid_request" else GenerationError(
-            final.error or "generation failed")
-        return JSONResponse(error_body(exc.message, status=exc.status, code=final.error_code), status_code=exc.status,
-                            headers={"X-Request-Id": req.id})
+        status, body = stream_error(final)
+        return JSONResponse(body, status_code=status, headers={"X-Request-Id": req.id})
     usage = final.usage.to_map() if final.usage else None
     full = "".join(text)
     choice: dict[str, Any] = {"index": 0, "finish_reason": _finish_reason(final.finish), "logprobs": None}
@@ -235,7 +234,7 @@ async def _chunks(state: RelayState, session: Session, req: TpRequest, created: 
     if chat:
         yield chunk("", None, first=True)
     try:
-        async for item in state.batches(session, idle=state.settings.keepalive_s):
+        async for item in state.forwarder.batches(session, idle=state.settings.keepalive_s):
             if isinstance(item, Ping):
                 yield sse_comment()
                 continue
@@ -247,9 +246,7 @@ async def _chunks(state: RelayState, session: Session, req: TpRequest, created: 
                 out += chunk(item.text, None)
             if item.is_final:
                 if item.finish == "error":
-                    out += _data({"error": {"message": item.error or "generation failed", "type": "server_error"
-                                            if item.error_code != "invalid_request" else "invalid_request_error",
-                                            "param": None, "code": item.error_code}})
+                    out += _data(stream_error(item)[1])
                 else:
                     out += chunk(None, _finish_reason(item.finish))
                     if include_usage and item.usage:

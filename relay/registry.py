@@ -1,15 +1,25 @@
-"""Which generators are alive, from their announcements on NATS (no static list)."""
+"""Which generators are alive, from their announcements on NATS (no static list), and which
+model a request gets."""
 
 from __future__ import annotations
 
-import json
+import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
+
+from tokenpipe.errors import InvalidRequest, ModelNotFound, NoGenerator, WireFormatError
+from tokenpipe.subjects import check_model_name
+from tokenpipe.wire import Announcement
 
 __all__ = ["GeneratorRegistry", "GeneratorInfo"]
 
 log = logging.getLogger(__name__)
+
+_LAPSED_GRACE_S = 1.0  # how long a request waits for a generator whose announcements just lapsed
+_LAPSED_RECENT_S = 30.0  # ... when they lapsed at most this long ago (long gone: 503 at once)
 
 
 @dataclass
@@ -22,10 +32,23 @@ class GeneratorInfo:
     active: int = 0
 
 
-class GeneratorRegistry:
-    """Tracks announcements; an entry lapses after its ``ttl_s`` without a fresh one."""
+async def _nobody_to_ask() -> None:
+    return None
 
-    def __init__(self) -> None:
+
+class GeneratorRegistry:
+    """Tracks announcements; an entry lapses after its ``ttl_s`` without a fresh one.
+
+    ``default_model`` is the model of a request that names none (when it is served, or nothing
+    is); ``wait_s`` how long :meth:`resolve` waits for a model to be announced; ``discover``
+    asks every running generator to announce itself now.
+    """
+
+    def __init__(self, *, default_model: str = "", wait_s: float = 0.0,
+                 discover: Callable[[], Awaitable[None]] = _nobody_to_ask) -> None:
+        self.default_model = default_model
+        self.wait_s = wait_s
+        self.discover = discover
         self.workers: dict[str, GeneratorInfo] = {}
         self.seen_models: set[str] = set()
         self._lapsed: dict[str, float] = {}  # model -> when its last lapsed announcement expired
@@ -35,18 +58,12 @@ class GeneratorRegistry:
         if not payload:
             return  # a no-responders status on the discovery inbox: nobody to register
         try:
-            obj = json.loads(payload)
-            info = GeneratorInfo(
-                worker=str(obj["worker"]),
-                model=str(obj["model"]),
-                ready=bool(obj.get("ready", True)),
-                expires=now + float(obj.get("ttl_s", 6.0)),
-                max_batch=int(obj.get("max_batch", 0)),
-                active=int(obj.get("active", 0)),
-            )
-        except (ValueError, KeyError, TypeError) as exc:
-            log.warning("ignoring malformed generator announcement", extra={"error": str(exc)})
+            ann = Announcement.decode(payload)
+        except WireFormatError as exc:
+            log.warning("ignoring malformed generator announcement", extra={"error": exc.message})
             return
+        info = GeneratorInfo(worker=ann.worker, model=ann.model, ready=ann.ready, expires=now + ann.ttl_s,
+                             max_batch=ann.max_batch, active=ann.active)
         if info.ready:
             self.workers[info.worker] = info
             self.seen_models.add(info.model)
@@ -71,3 +88,27 @@ class GeneratorRegistry:
 
     def has_model(self, model: str) -> bool:
         return any(w.model == model for w in self.live())
+
+    async def resolve(self, model: Any) -> str:
+        """The model to use; 404 if nobody ever served it, 503 if its generators are gone."""
+        if model is None:
+            models = self.models()
+            model = self.default_model if self.default_model in models or not models else models[0]
+        if not isinstance(model, str):
+            raise InvalidRequest("'model' must be a string", param="model")
+        check_model_name(model)
+        wait_s = self.wait_s
+        if not self.has_model(model) and self.recently_lapsed(model, _LAPSED_RECENT_S):
+            # Announcements just lapsed: the generator may be gone, or only late (a stalled event
+            # loop, a slow network). Ask it directly and give it a moment before answering 503.
+            await self.discover()
+            wait_s = max(wait_s, _LAPSED_GRACE_S)
+        deadline = time.monotonic() + wait_s
+        while not self.has_model(model):
+            if time.monotonic() >= deadline:
+                if model in self.seen_models:
+                    raise NoGenerator(f"no generator is currently serving model {model!r}")
+                known = ", ".join(self.models()) or "none yet"
+                raise ModelNotFound(f"model {model!r} is not served here (available: {known})", param="model")
+            await asyncio.sleep(0.1)  # waiting for an announcement; bounded by wait_s
+        return model

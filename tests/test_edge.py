@@ -105,7 +105,7 @@ async def test_concurrent_streams_per_key_are_limited(keyed: RelayServer) -> Non
         async with http.stream("GET", f"/v1/streams/{ids[0]}", headers=auth("key-alice")) as a, \
                 http.stream("GET", f"/v1/streams/{ids[1]}", headers=auth("key-alice")) as b:
             assert a.status_code == b.status_code == 200
-            await wait_until(lambda: keyed.app.state.relay.active["alice"] == 2, 10, "two open streams")
+            await wait_until(lambda: keyed.app.state.relay.forwarder.active["alice"] == 2, 10, "two open streams")
             r = await http.post("/v1/streams", headers=auth("key-alice"), json={"prompt": "x", "max_tokens": 2})
             assert r.status_code == 429 and r.headers["retry-after"]
             assert r.json()["error"]["type"] == "rate_limit_error"
@@ -131,7 +131,7 @@ async def test_deep_queue_answers_429(settings: Settings, generator: GeneratorWo
             await wait_until(lambda: len(generator.active) == settings.max_batch, 30, "a full batch")
             statuses = []
             for _ in range(6):
-                relay.app.state.relay._queue_info.clear()  # read fresh consumer lag each time
+                relay.app.state.relay.admission._queue_info.clear()  # read fresh consumer lag each time
                 r = await http.post("/v1/streams", json=LONG)
                 statuses.append(r.status_code)
                 if r.status_code == 201:

@@ -2,12 +2,28 @@
 
 from __future__ import annotations
 
+import json
+
 import msgpack
 import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
 
 from tokenpipe.errors import InvalidRequest, WireFormatError
 from tokenpipe.subjects import cancel_subject, request_subject, token_subject
-from tokenpipe.wire import WIRE_VERSION, Request, SamplingParams, TokenBatch, Usage
+from tokenpipe.telemetry import producer_span
+from tokenpipe.wire import (
+    WIRE_VERSION,
+    Announcement,
+    Request,
+    SamplingParams,
+    StreamMeta,
+    TokenBatch,
+    Usage,
+    peek_request_id,
+)
 
 
 def test_request_roundtrip_keeps_every_field() -> None:
@@ -84,3 +100,82 @@ def test_subjects_refuse_dots_and_wildcards() -> None:
             token_subject(bad)
         with pytest.raises(InvalidRequest):
             cancel_subject(bad)
+
+
+def test_build_validates_untrusted_values_and_stamps_id_and_time() -> None:
+    req = Request.build("m", messages=[{"role": "developer", "content": "x"}], params={"max_tokens": 3, "stop": "\n"},
+                        coalesce={"max_tokens": 0}, tenant="acme")
+    assert req.messages == ({"role": "system", "content": "x"},) and req.params.stop == ("\n",)
+    assert req.coalesce.max_tokens == 0 and req.tenant == "acme" and req.created_at > 0
+    assert Request.decode(req.encode()) == req
+    assert Request.build("m", prompt="p", request_id="mine").id == "mine"
+    assert Request.build("m", messages=(m for m in [{"role": "user", "content": "x"}])).messages
+    assert Request.build("m", input_ids=iter([1, 2])).input_ids == (1, 2)
+    with pytest.raises(InvalidRequest) as info:
+        Request.build("m", prompt="p", params={"temperature": 9})
+    assert info.value.param == "temperature"
+    with pytest.raises(InvalidRequest) as info:
+        Request.build("m", messages="not a list")
+    assert info.value.param == "messages"
+
+
+@pytest.mark.parametrize("data, expected", [
+    (msgpack.packb({"id": "abc_1", "model": 5}), "abc_1"),  # undecodable as a Request, id still usable
+    (msgpack.packb({"id": "a.b"}), None),  # not a stream id: no stream to tell
+    (msgpack.packb({"id": 7}), None),
+    (msgpack.packb([1, 2]), None),
+    (b"\xc1", None),
+    (b"", None),
+])
+def test_peek_request_id_finds_only_usable_ids(data: bytes, expected: str | None) -> None:
+    assert peek_request_id(data) == expected
+
+
+def test_error_batch_ends_the_stream_after_what_was_published() -> None:
+    first = TokenBatch.error_for("s", "bad", "invalid_request")
+    assert (first.seq, first.index, first.finish, first.error, first.error_code) == (0, 0, "error", "bad",
+                                                                                      "invalid_request")
+    assert first.usage == Usage(0, 0) and first.timings["emitted"] > 0 and first.is_final
+    later = TokenBatch.error_for("s", "died", "generation_error", seq=3, index=17)
+    assert (later.seq, later.index, later.usage) == (3, 17, Usage(0, 17))
+    assert TokenBatch.decode(later.encode()) == later
+
+
+def test_stream_meta_roundtrip_and_entries_written_before_versioning() -> None:
+    meta = StreamMeta("abc", "acme", "m", 123)
+    assert StreamMeta.decode(meta.encode()) == meta
+    assert json.loads(meta.encode())["v"] == WIRE_VERSION
+    old = json.dumps({"id": "abc", "tenant": "acme", "model": "m", "created_at": 123}).encode()
+    assert StreamMeta.decode(old) == meta
+    assert StreamMeta.decode(json.dumps({**json.loads(old), "later": [1]}).encode()) == meta
+
+
+def test_announcement_roundtrip_defaults_and_unknown_keys() -> None:
+    ann = Announcement(worker="w", model="m", ready=False, max_batch=32, running=2, active=3, pid=9,
+                       streams=("a", "b"), device="cpu", ttl_s=1.5, ts=2.0)
+    assert Announcement.decode(ann.encode()) == ann
+    sparse = Announcement.decode(b'{"worker": "w1", "model": "m", "ttl_s": 1.0, "shiny": true}')
+    assert sparse == Announcement(worker="w1", model="m", ttl_s=1.0) and sparse.ready
+
+
+@pytest.mark.parametrize("data", [b"", b"{", b"[1]", b'{"model": "m"}', b'{"worker": "w", "model": "m", "ttl_s": "x"}',
+                                  b'{"v": 99, "worker": "w", "model": "m"}', b'{"v": "1", "worker": "w", "model": "m"}',
+                                  b"\xff"])
+def test_malformed_control_messages_raise_wire_format_error(data: bytes) -> None:
+    with pytest.raises(WireFormatError):
+        Announcement.decode(data)
+    with pytest.raises(WireFormatError):
+        StreamMeta.decode(data)
+
+
+def test_producer_span_carries_messaging_attributes_and_its_own_context() -> None:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    with producer_span(provider.get_tracer("t"), "tp.req.m", {"tokenpipe.stream.id": "s"}) as headers:
+        pass
+    (span,) = exporter.get_finished_spans()
+    assert span.kind == SpanKind.PRODUCER and span.name == "publish tp.req.m"
+    assert dict(span.attributes or {}) == {"messaging.system": "nats", "messaging.operation.type": "publish",
+                                           "messaging.destination.name": "tp.req.m", "tokenpipe.stream.id": "s"}
+    assert headers["traceparent"].split("-")[2] == format(span.context.span_id, "016x")

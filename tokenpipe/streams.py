@@ -10,11 +10,9 @@ the same cursor, so nothing arriving during the switch can be lost or repeated.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 import nats.errors
@@ -25,28 +23,12 @@ from .bus import Bus
 from .errors import StreamNotFound, TransportError
 from .reorder import Gap, Reorder
 from .subjects import TOKENS_STREAM, cancel_subject, check_stream_id, request_subject, token_subject
-from .wire import Request, TokenBatch
+from .wire import Request, StreamMeta, TokenBatch
 
-__all__ = ["PING", "Gap", "Ping", "StreamItem", "StreamMeta", "cancel", "follow", "get_meta", "history",
+__all__ = ["PING", "Gap", "Ping", "StreamItem", "cancel", "follow", "get_meta", "history",
            "last_batch", "last_stored", "paced", "stored", "stream_not_found", "submit"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class StreamMeta:
-    id: str
-    tenant: str
-    model: str
-    created_at: int
-
-    def encode(self) -> bytes:
-        return json.dumps(self.__dict__).encode()
-
-    @classmethod
-    def decode(cls, data: bytes) -> StreamMeta:
-        obj = json.loads(data)
-        return cls(id=obj["id"], tenant=obj["tenant"], model=obj["model"], created_at=int(obj["created_at"]))
 
 
 class Ping:

@@ -7,14 +7,17 @@ tracer. Tests pass their own provider (with an in-memory exporter) explicitly.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
-from opentelemetry.trace import Span, Tracer, TracerProvider
+from opentelemetry.trace import Span, SpanKind, Tracer, TracerProvider
+from opentelemetry.util.types import AttributeValue
 
-__all__ = ["setup_tracing", "inject_headers", "extract_context", "get_tracer", "trace_context_headers"]
+__all__ = ["setup_tracing", "inject_headers", "extract_context", "get_tracer", "trace_context_headers",
+           "producer_span"]
 
 _TRACE_KEYS = ("traceparent", "tracestate")
 
@@ -69,6 +72,17 @@ def inject_headers(headers: dict[str, str] | None = None, *, span: Span | None =
     headers = {} if headers is None else headers
     propagate.inject(headers, context=trace.set_span_in_context(span) if span is not None else None)
     return headers
+
+
+@contextlib.contextmanager
+def producer_span(tracer: Tracer, subject: str,
+                  attributes: Mapping[str, AttributeValue] | None = None) -> Iterator[dict[str, str]]:
+    """A PRODUCER span (messaging conventions) around publishing to ``subject``, current while
+    the block runs; yields the NATS headers that carry its context to the consumer."""
+    attrs: dict[str, AttributeValue] = {"messaging.system": "nats", "messaging.operation.type": "publish",
+                                        "messaging.destination.name": subject, **(attributes or {})}
+    with tracer.start_as_current_span(f"publish {subject}", kind=SpanKind.PRODUCER, attributes=attrs) as span:
+        yield inject_headers(span=span)
 
 
 def trace_context_headers(headers: Mapping[str, str]) -> dict[str, str]:

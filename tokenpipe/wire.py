@@ -1,22 +1,28 @@
-"""The wire contract: requests and token batches, msgpack-encoded and versioned.
+"""The wire contract: every shape that crosses a process boundary, encoded and versioned.
 
-Every message is a msgpack map with a ``v`` field. Decoders ignore unknown keys so
-newer peers can add fields; ``v`` bumps only on an incompatible change. These are
-pure functions over bytes: no transport is imported here.
+Requests and token batches are msgpack maps. The two control-plane shapes, a generator's
+:class:`Announcement` and a stream's :class:`StreamMeta` (its entry in the meta bucket), are
+JSON maps: operators read them with ``nats sub`` and ``nats kv get``, and entries written
+before this module existed must stay readable. Every map has a ``v`` field (the JSON shapes
+accept its absence: older peers wrote none); decoders ignore unknown keys so newer peers can
+add fields, and ``v`` bumps only on an incompatible change. These are pure functions over
+bytes: no transport is imported here.
 """
 
 from __future__ import annotations
 
-import math
+import json
 import secrets
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import msgpack
 
 from .errors import InvalidRequest, WireFormatError
+from .params import CoalesceParams, SamplingParams
+from .subjects import check_stream_id
 
 __all__ = [
     "WIRE_VERSION",
@@ -27,18 +33,17 @@ __all__ = [
     "Request",
     "TokenBatch",
     "Usage",
+    "StreamMeta",
+    "Announcement",
     "new_request_id",
     "now_ns",
+    "peek_request_id",
 ]
 
 WIRE_VERSION = 1
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 FINISH_REASONS: frozenset[str] = frozenset({"stop", "length", "cancelled", "error"})
 
-# Bounds that keep a single request from monopolising a worker; the relay may be stricter.
-MAX_STOP_STRINGS = 8
-MAX_STOP_LEN = 256
-MAX_TOKENS_LIMIT = 1 << 20
 MAX_TOKEN_ID = 1 << 31  # no vocabulary is larger; keeps every id encodable
 
 
@@ -65,103 +70,31 @@ def _unpack(data: bytes, what: str) -> dict[str, Any]:
     version = obj.get("v")
     if not isinstance(version, int) or isinstance(version, bool):
         raise WireFormatError(f"{what}: missing integer version field 'v'")
-    if version > WIRE_VERSION:
-        raise WireFormatError(f"{what}: wire version {version} is newer than supported {WIRE_VERSION}")
+    _check_version(version, what)
     return obj
 
 
-def _num(value: Any, name: str, *, lo: float, hi: float, integer: bool = False) -> Any:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise InvalidRequest(f"'{name}' must be a number", param=name)
-    if integer and not isinstance(value, int):
-        if not float(value).is_integer():
-            raise InvalidRequest(f"'{name}' must be an integer", param=name)
-        value = int(value)
-    if isinstance(value, float) and not math.isfinite(value):
-        raise InvalidRequest(f"'{name}' must be finite", param=name)
-    if not lo <= value <= hi:
-        raise InvalidRequest(f"'{name}' must be between {lo:g} and {hi:g}, got {value}", param=name)
-    return value
+def _check_version(version: int, what: str) -> None:
+    if version > WIRE_VERSION:
+        raise WireFormatError(f"{what}: wire version {version} is newer than supported {WIRE_VERSION}")
 
 
-@dataclass(frozen=True, slots=True)
-class SamplingParams:
-    """Per-request sampling. ``temperature == 0`` means greedy."""
-
-    max_tokens: int = 256
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    stop: tuple[str, ...] = ()
-    seed: int | None = None
-    ignore_eos: bool = False
-
-    @classmethod
-    def from_map(cls, data: Mapping[str, Any] | None) -> SamplingParams:
-        """Validate and build from an untrusted map (HTTP JSON or msgpack)."""
-        data = data or {}
-        if not isinstance(data, Mapping):
-            raise InvalidRequest("'params' must be an object", param="params")
-        kw: dict[str, Any] = {}
-        if data.get("max_tokens") is not None:
-            kw["max_tokens"] = _num(data["max_tokens"], "max_tokens", lo=1, hi=MAX_TOKENS_LIMIT, integer=True)
-        if data.get("temperature") is not None:
-            kw["temperature"] = float(_num(data["temperature"], "temperature", lo=0.0, hi=2.0))
-        if data.get("top_p") is not None:
-            top_p = float(_num(data["top_p"], "top_p", lo=0.0, hi=1.0))
-            if top_p <= 0.0:
-                raise InvalidRequest("'top_p' must be greater than 0", param="top_p")
-            kw["top_p"] = top_p
-        if data.get("top_k") is not None:
-            kw["top_k"] = _num(data["top_k"], "top_k", lo=-1, hi=1 << 20, integer=True)
-            kw["top_k"] = max(kw["top_k"], 0)
-        if data.get("seed") is not None:
-            kw["seed"] = _num(data["seed"], "seed", lo=-(1 << 63), hi=(1 << 63) - 1, integer=True)
-        if data.get("ignore_eos") is not None:
-            if not isinstance(data["ignore_eos"], bool):
-                raise InvalidRequest("'ignore_eos' must be a boolean", param="ignore_eos")
-            kw["ignore_eos"] = data["ignore_eos"]
-        stop = data.get("stop")
-        if stop is not None:
-            if isinstance(stop, str):
-                stop = [stop]
-            if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
-                raise InvalidRequest("'stop' must be a string or a list of strings", param="stop")
-            if len(stop) > MAX_STOP_STRINGS:
-                raise InvalidRequest(f"'stop' takes at most {MAX_STOP_STRINGS} strings", param="stop")
-            if any(not s or len(s) > MAX_STOP_LEN for s in stop):
-                raise InvalidRequest(f"each stop string must have 1..{MAX_STOP_LEN} characters", param="stop")
-            kw["stop"] = tuple(stop)
-        return cls(**kw)
-
-    def to_map(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["stop"] = list(self.stop)
-        return out
+def _dump_json(obj: dict[str, Any]) -> bytes:
+    return json.dumps(obj).encode()
 
 
-@dataclass(frozen=True, slots=True)
-class CoalesceParams:
-    """Token coalescing windows; ``None`` means "use the worker's default", 0 = every token."""
-
-    max_tokens: int | None = None
-    max_delay_ms: float | None = None
-
-    @classmethod
-    def from_map(cls, data: Mapping[str, Any] | None) -> CoalesceParams:
-        data = data or {}
-        if not isinstance(data, Mapping):
-            raise InvalidRequest("'coalesce' must be an object", param="coalesce")
-        max_tokens = data.get("max_tokens")
-        max_delay = data.get("max_delay_ms")
-        if max_tokens is not None:
-            max_tokens = _num(max_tokens, "coalesce.max_tokens", lo=0, hi=4096, integer=True)
-        if max_delay is not None:
-            max_delay = float(_num(max_delay, "coalesce.max_delay_ms", lo=0, hi=10_000))
-        return cls(max_tokens=max_tokens, max_delay_ms=max_delay)
-
-    def to_map(self) -> dict[str, Any]:
-        return {"max_tokens": self.max_tokens, "max_delay_ms": self.max_delay_ms}
+def _load_json(data: bytes, what: str) -> dict[str, Any]:
+    try:
+        obj = json.loads(data)
+    except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError alike
+        raise WireFormatError(f"{what}: not valid JSON ({exc})") from exc
+    if not isinstance(obj, dict):
+        raise WireFormatError(f"{what}: expected a JSON object, got {type(obj).__name__}")
+    version = obj.get("v", 1)
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise WireFormatError(f"{what}: version field 'v' must be an integer")
+    _check_version(version, what)
+    return obj
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,7 +117,20 @@ class Request:
             raise InvalidRequest("exactly one of 'prompt', 'messages' or 'input_ids' is required")
 
     @classmethod
+    def build(cls, model: str, *, prompt: Any = None, messages: Any = None, input_ids: Any = None,
+              params: Mapping[str, Any] | None = None, coalesce: Any = None, tenant: str = "default",
+              request_id: str | None = None) -> Request:
+        """A new request (a fresh id unless given, created now) from untrusted values, validated
+        as :meth:`from_map` does. The relay and the producer SDK both build their requests here."""
+        return cls.from_map({
+            "id": request_id or new_request_id(), "model": model, "prompt": prompt, "messages": _listed(messages),
+            "input_ids": _listed(input_ids), "params": params, "coalesce": coalesce, "tenant": tenant,
+            "created_at": now_ns(),
+        })
+
+    @classmethod
     def create(cls, model: str, **kw: Any) -> Request:
+        """A new request from already-typed fields (in-process callers and tests)."""
         kw.setdefault("id", new_request_id())
         kw.setdefault("created_at", now_ns())
         return cls(model=model, **kw)
@@ -249,6 +195,27 @@ class Request:
         )
 
 
+def _listed(value: Any) -> Any:
+    """Any other iterable as a list (an SDK caller's generator); JSON values stay as they are."""
+    if isinstance(value, Iterable) and not isinstance(value, (str, bytes, Mapping, list, tuple)):
+        return list(value)
+    return value
+
+
+def peek_request_id(data: bytes) -> str | None:
+    """The stream id in a request that may not decode as a :class:`Request` (so that its stream
+    can be told why), or None when it carries no usable one."""
+    try:
+        obj = msgpack.unpackb(data, raw=False)
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError):
+        return None
+    rid = obj.get("id") if isinstance(obj, dict) else None
+    try:
+        return check_stream_id(rid) if isinstance(rid, str) else None
+    except InvalidRequest:
+        return None
+
+
 def _validate_messages(messages: Any) -> tuple[Mapping[str, str], ...] | None:
     if messages is None:
         return None
@@ -291,9 +258,10 @@ class TokenBatch:
     ``seq`` numbers batches 0,1,2,...; ``index`` is the position (in generated tokens)
     of the first token here, so consecutive batches satisfy
     ``next.index == prev.index + len(prev.token_ids)``. ``text`` is always complete
-    UTF-8. ``timings`` holds wall-clock ns stamps: ``created`` (request), ``started``
-    (worker dequeued), ``first_token`` (first token of this batch produced),
-    ``emitted`` (batch published).
+    UTF-8. ``timings`` holds wall-clock ns stamps: on every batch ``first_token`` (first
+    token of this batch produced) and ``emitted`` (batch published); on a request's first
+    batch also ``created`` (request), ``received`` (pulled by the worker) and, once the
+    engine took it, ``admitted`` (given a batch slot).
     """
 
     id: str
@@ -306,6 +274,13 @@ class TokenBatch:
     usage: Usage | None = None
     timings: Mapping[str, int] = field(default_factory=dict)
     error_code: str | None = None  # machine-readable kind of ``error`` (e.g. "invalid_request")
+
+    @classmethod
+    def error_for(cls, stream_id: str, message: str, code: str, *, seq: int = 0, index: int = 0) -> TokenBatch:
+        """The final batch that ends a stream in error, after ``seq`` batches holding ``index``
+        tokens were published (0 and 0: before any)."""
+        return cls(id=stream_id, seq=seq, index=index, finish="error", error=message, error_code=code,
+                   usage=Usage(0, index), timings={"emitted": now_ns()})
 
     @property
     def is_final(self) -> bool:
@@ -352,7 +327,8 @@ class TokenBatch:
             raise WireFormatError(f"token batch: bad field ({exc})") from exc
 
     def to_json(self) -> dict[str, Any]:
-        """The JSON shape used by the relay's native SSE API and the replay CLI."""
+        """One JSON object per batch, as ``tokenpipe replay --json`` and ``tokenpipe submit --json``
+        print it (the native SSE API's events have their own shape: see ``relay/native.py``)."""
         out: dict[str, Any] = {
             "id": self.id,
             "seq": self.seq,
@@ -370,3 +346,65 @@ class TokenBatch:
         if self.timings:
             out["timings"] = dict(self.timings)
         return out
+
+
+@dataclass(frozen=True, slots=True)
+class StreamMeta:
+    """Who owns a stream: its entry in the meta bucket, keyed by stream id (JSON)."""
+
+    id: str
+    tenant: str
+    model: str
+    created_at: int
+
+    def encode(self) -> bytes:
+        return _dump_json({"v": WIRE_VERSION, "id": self.id, "tenant": self.tenant, "model": self.model,
+                           "created_at": self.created_at})
+
+    @classmethod
+    def decode(cls, data: bytes) -> StreamMeta:
+        obj = _load_json(data, "stream meta")
+        try:
+            return cls(id=str(obj["id"]), tenant=str(obj["tenant"]), model=str(obj["model"]),
+                       created_at=int(obj["created_at"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise WireFormatError(f"stream meta: bad field ({exc})") from exc
+
+
+@dataclass(frozen=True, slots=True)
+class Announcement:
+    """A generator saying it serves ``model`` (``ready``) or is leaving, and how loaded it is.
+
+    Published on ``tp.gen.announce.<worker>`` every few seconds and in answer to
+    ``tp.gen.discover`` (JSON); a relay forgets it ``ttl_s`` seconds after the last one.
+    """
+
+    worker: str
+    model: str
+    ready: bool = True
+    max_batch: int = 0
+    running: int = 0
+    active: int = 0
+    pid: int = 0
+    streams: tuple[str, ...] = ()  # which worker holds which stream, for operators and tests
+    device: str = ""
+    ttl_s: float = 6.0
+    ts: float = 0.0  # wall-clock seconds when sent
+
+    def encode(self) -> bytes:
+        return _dump_json({"v": WIRE_VERSION, "worker": self.worker, "model": self.model, "ready": self.ready,
+                           "max_batch": self.max_batch, "running": self.running, "active": self.active,
+                           "pid": self.pid, "streams": list(self.streams), "device": self.device,
+                           "ttl_s": self.ttl_s, "ts": self.ts})
+
+    @classmethod
+    def decode(cls, data: bytes) -> Announcement:
+        obj = _load_json(data, "announcement")
+        try:
+            return cls(worker=str(obj["worker"]), model=str(obj["model"]), ready=bool(obj.get("ready", True)),
+                       max_batch=int(obj.get("max_batch", 0)), running=int(obj.get("running", 0)),
+                       active=int(obj.get("active", 0)), pid=int(obj.get("pid", 0)),
+                       streams=tuple(str(s) for s in obj.get("streams") or ()), device=str(obj.get("device", "")),
+                       ttl_s=float(obj.get("ttl_s", 6.0)), ts=float(obj.get("ts", 0.0)))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise WireFormatError(f"announcement: bad field ({exc})") from exc

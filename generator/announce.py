@@ -1,0 +1,105 @@
+"""How a generator makes itself known: announcements, discovery answers, and its load gauges.
+
+Relays learn which models are served only from these (there is no static list): a generator
+announces itself on ``tp.gen.announce.<worker>`` every ``announce_interval_s``, answers
+``tp.gen.discover`` at once, and says it is leaving (``ready=False``) when it stops. The same
+round refreshes the gauges a scrape reads (running sequences, KV-cache use, queue lag).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Callable, Collection
+from typing import Any
+
+from tokenpipe.bus import Bus
+from tokenpipe.metrics import GeneratorMetrics
+from tokenpipe.settings import Settings
+from tokenpipe.subjects import ANNOUNCE_PREFIX, DISCOVER_SUBJECT, REQUESTS_STREAM, consumer_name
+from tokenpipe.wire import Announcement
+
+from .runner import Runner
+
+__all__ = ["Announcer", "step_observer"]
+
+log = logging.getLogger(__name__)
+
+
+def step_observer(metrics: GeneratorMetrics) -> Callable[[int], None]:
+    """The engine thread's once-per-step callback: the batch-size histogram
+    (prometheus_client is thread-safe)."""
+    def observe(batch_size: int) -> None:
+        metrics.labels(metrics.batch_size).observe(batch_size)
+
+    return observe
+
+
+class Announcer:
+    """Announces one worker (and answers discovery) from :meth:`start` until :meth:`stop`.
+
+    ``streams`` is the live collection of stream ids the worker holds (read, never changed).
+    """
+
+    def __init__(self, bus: Bus, settings: Settings, *, worker_id: str, model: str, device: str,
+                 runner: Runner, streams: Collection[str], metrics: GeneratorMetrics) -> None:
+        self.bus = bus
+        self.settings = settings
+        self.worker_id = worker_id
+        self.model = model
+        self.device = device
+        self.runner = runner
+        self.streams = streams
+        self.metrics = metrics
+        self._sub: Any = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self._sub = await self.bus.nc.subscribe(DISCOVER_SUBJECT, cb=self._on_discover)
+        self._task = asyncio.create_task(self._run(), name="announce")
+        await self.announce()
+
+    async def stop(self) -> None:
+        """Say this worker is leaving, then stop announcing."""
+        await self.announce(ready=False)
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self._sub is not None:
+            await self._sub.unsubscribe()
+
+    def announcement(self, ready: bool = True) -> Announcement:
+        return Announcement(
+            worker=self.worker_id, model=self.model, ready=ready, max_batch=self.settings.max_batch,
+            running=self.runner.running, active=len(self.streams), pid=os.getpid(),
+            streams=tuple(sorted(self.streams)), device=self.device,
+            ttl_s=self.settings.announce_interval_s * 3, ts=time.time())
+
+    async def announce(self, ready: bool = True) -> None:
+        await self.bus.nc.publish(f"{ANNOUNCE_PREFIX}.{self.worker_id}", self.announcement(ready).encode())
+
+    async def _on_discover(self, msg: Any) -> None:
+        if msg.reply:
+            await self.bus.nc.publish(msg.reply, self.announcement().encode())
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.announce_interval_s)
+            try:
+                await self.announce()
+                await self._refresh_gauges()
+            except Exception as exc:  # an outage must not end the announcements for good
+                log.warning("announce failed", extra={"error": repr(exc)})
+
+    async def _refresh_gauges(self) -> None:
+        m, engine = self.metrics, self.runner.engine
+        m.labels(m.running).set(self.runner.running)
+        used = sum(s.next_position for s in list(engine.rows))
+        m.labels(m.kv_cache).set(used / (engine.max_batch * engine.max_seq_len))
+        try:
+            info = await self.bus.js.consumer_info(REQUESTS_STREAM, consumer_name(self.model))
+            m.labels(m.waiting).set(int(info.num_pending or 0))
+        except Exception as exc:  # a reconnect in progress; the next round catches up
+            log.debug("consumer info unavailable", extra={"error": repr(exc)})

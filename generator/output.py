@@ -1,0 +1,133 @@
+"""One request's way out of the generator: coalescing, its time window, publishing, finishing.
+
+The worker hands every engine emission for a request to that request's :class:`RequestOutput`.
+It coalesces the tokens (the first at once, then by the count or the time window, the final
+batch immediately), publishes each batch to ``tp.tok.<id>`` through the worker's shared
+:class:`~generator.publisher.BatchPublisher` with the generation's trace context, and finishes
+the request exactly once: metrics and spans, then the ack, which the publisher sends only after
+the final batch is stored. No NATS here: the publisher is the transport.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from opentelemetry.trace import Tracer
+
+from tokenpipe.metrics import GeneratorMetrics
+from tokenpipe.settings import Settings
+from tokenpipe.subjects import token_subject
+from tokenpipe.telemetry import inject_headers
+from tokenpipe.wire import Request, TokenBatch
+
+from .coalesce import Coalescer
+from .observe import Timeline
+from .publisher import BatchPublisher
+from .runner import Emission
+
+if TYPE_CHECKING:
+    from nats.aio.msg import Msg
+
+__all__ = ["OutputContext", "RequestOutput"]
+
+
+@dataclass(frozen=True)
+class OutputContext:
+    """What every request of one worker shares on its way out."""
+
+    settings: Settings
+    publisher: BatchPublisher
+    metrics: GeneratorMetrics
+    tracer: Tracer
+    finished: Callable[[RequestOutput, TokenBatch], None]  # after the final batch is queued and the ack with it
+
+
+class RequestOutput:
+    """The output path of one running request (see the module docstring)."""
+
+    def __init__(self, ctx: OutputContext, request: Request, msg: Msg | None, span: Any, *,
+                 past: Sequence[TokenBatch] = (), received: int) -> None:
+        """``past`` holds the batches already published for a redelivered request: numbering
+        continues after them. ``received`` is when this worker pulled the request (ns)."""
+        self.ctx = ctx
+        self.request = request
+        self.msg = msg
+        self.span = span
+        resumed = sum(len(b.token_ids) for b in past)
+        co, settings = request.coalesce, ctx.settings
+        self.coalescer = Coalescer(
+            request.id,
+            max_tokens=co.max_tokens if co.max_tokens is not None else settings.coalesce_max_tokens,
+            max_delay_ns=int(1e6 * (co.max_delay_ms if co.max_delay_ms is not None
+                                    else settings.coalesce_max_delay_ms)),
+            start_seq=past[-1].seq + 1 if past else 0,
+            start_index=resumed,
+            first_timings={"created": request.created_at, "received": received},
+        )
+        self.timeline = Timeline(created=request.created_at, received=received, resumed_tokens=resumed)
+        self.headers = inject_headers(span=span)  # every batch carries the generation's trace context
+        self.timer: asyncio.TimerHandle | None = None
+        self.closed = False
+
+    def emit(self, em: Emission) -> None:
+        """Take what one engine step produced for this request."""
+        if self.closed:
+            return
+        if em.admitted_ns:
+            self.coalescer.first_timings["admitted"] = em.admitted_ns
+            self.timeline.admitted = em.admitted_ns
+        if em.token_ids:
+            self.timeline.on_token(self.ctx.metrics, em.at_ns)
+        batch = self.coalescer.add(list(em.token_ids), em.text, em.at_ns, finish=em.finish, error=em.error,
+                                   usage=em.usage, error_code=em.error_code)
+        if batch is not None:
+            self._send(batch)
+        self._arm_timer()
+
+    def abandon(self) -> None:
+        """Stop without a final batch (the request goes back to the queue): tokens coalesced but
+        not yet sent are dropped, and the next worker continues after what was published."""
+        self.closed = True
+        self._cancel_timer()
+        self.span.end()
+
+    def _cancel_timer(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    def _arm_timer(self) -> None:
+        self._cancel_timer()
+        deadline = self.coalescer.deadline()
+        if deadline is not None and not self.closed:
+            delay = max(0.0, (deadline - time.time_ns()) / 1e9)
+            self.timer = asyncio.get_running_loop().call_later(delay, self._on_deadline)
+
+    def _on_deadline(self) -> None:
+        if self.closed:
+            return
+        self.timer = None
+        batch = self.coalescer.due(time.time_ns())
+        if batch is not None:
+            self._send(batch)
+        self._arm_timer()
+
+    def _send(self, batch: TokenBatch) -> None:
+        # Msg-Id per (stream, seq): should two workers ever publish the same batch, JetStream keeps one.
+        headers = {**self.headers, "Nats-Msg-Id": f"{batch.id}:{batch.seq}"}
+        self.timeline.on_batch(self.ctx.metrics, batch, batch.timings.get("emitted", time.time_ns()))
+        self.ctx.publisher.publish(token_subject(batch.id), batch.encode(), headers)
+        if batch.is_final:
+            self._finish(batch)
+
+    def _finish(self, batch: TokenBatch) -> None:
+        self.closed = True
+        self._cancel_timer()
+        self.timeline.finish(self.ctx.metrics, self.ctx.tracer, self.span, batch)
+        if self.msg is not None:
+            self.ctx.publisher.ack_after_published(self.msg)
+        self.ctx.finished(self, batch)

@@ -1,0 +1,73 @@
+"""Admission control at the edge: unfinished streams per API key, and the depth of a model's queue.
+
+Generators take work only when they have room (pull = admission control), so a saturated
+fleet shows up as consumer lag; the relay answers 429 instead of letting that queue grow
+without bound, and keeps one key from holding every slot.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from tokenpipe.bus import Bus
+from tokenpipe.errors import Overloaded
+from tokenpipe.settings import Settings
+from tokenpipe.subjects import REQUESTS_STREAM, consumer_name
+
+__all__ = ["Admission"]
+
+log = logging.getLogger(__name__)
+
+_QUEUE_INFO_TTL = 0.25  # seconds a consumer-lag reading is reused for admission decisions
+_RESERVATION_S = 900.0  # an unread stream holds its key's slot at most this long
+
+
+class Admission:
+    """Stream slots per tenant (``max_streams_per_key``) and the queue-depth check (``max_queue_depth``)."""
+
+    def __init__(self, settings: Settings, bus: Callable[[], Bus]) -> None:
+        self.settings = settings
+        self._bus = bus
+        self.open_streams: dict[str, dict[str, float]] = {}  # tenant -> {stream id: reservation expiry}
+        self._queue_info: dict[str, tuple[float, int]] = {}
+
+    async def admit(self, tenant: str, model: str, stream_id: str) -> None:
+        """Reserve a stream slot for ``tenant``; 429 when the key has too many unfinished streams
+        or the model's queue is too deep. The slot is freed when a reader sees the stream end,
+        when its owner cancels it, or after ``_RESERVATION_S`` (a stream nobody reads)."""
+        now = time.monotonic()
+        mine = self.open_streams.setdefault(tenant, {})
+        for sid in [k for k, expiry in mine.items() if expiry < now]:
+            del mine[sid]
+        if len(mine) >= self.settings.max_streams_per_key:
+            raise Overloaded(f"too many unfinished streams for this key (limit {self.settings.max_streams_per_key})")
+        mine[stream_id] = now + _RESERVATION_S  # no await between the check and this: no race
+        try:
+            depth = await self.queue_depth(model)
+            if depth > self.settings.max_queue_depth:
+                raise Overloaded(f"{depth} requests are already waiting for {model!r}; retry shortly",
+                                 retry_after=2)
+        except BaseException:
+            self.release(tenant, stream_id)
+            raise
+
+    def release(self, tenant: str, stream_id: str) -> None:
+        self.open_streams.get(tenant, {}).pop(stream_id, None)
+
+    async def queue_depth(self, model: str) -> int:
+        """Requests for ``model`` not yet pulled by any generator (JetStream consumer lag)."""
+        now = time.monotonic()
+        cached = self._queue_info.get(model)
+        if cached is not None and now - cached[0] < _QUEUE_INFO_TTL:
+            return cached[1]
+        bus = self._bus()
+        try:
+            info = await bus.js.consumer_info(REQUESTS_STREAM, consumer_name(model))
+            depth = int(info.num_pending or 0)
+        except Exception as exc:  # no consumer yet (no generator ever started): nothing is queued
+            log.debug("consumer info unavailable", extra={"model": model, "error": repr(exc)})
+            depth = 0
+        self._queue_info[model] = (now, depth)
+        return depth

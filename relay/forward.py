@@ -1,0 +1,166 @@
+"""The relay's side of a stream: submitting it, checking who may read it, forwarding its
+batches to one client (spans, metrics, cancel on exit), and cancelling it."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Tracer
+
+from tokenpipe.bus import Bus
+from tokenpipe.errors import StreamNotFound
+from tokenpipe.metrics import RelayMetrics
+from tokenpipe.settings import Settings
+from tokenpipe.streams import StreamItem, cancel, follow, get_meta, last_batch, paced, stream_not_found, submit
+from tokenpipe.subjects import request_subject
+from tokenpipe.telemetry import extract_context, producer_span
+from tokenpipe.wire import Request, StreamMeta, TokenBatch
+
+from .admission import Admission
+from .fanout import Fanout, LiveStream
+
+__all__ = ["Forwarder", "Session"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Session:
+    """One client reading one stream; ``cancel_on_exit`` is cleared when the client may resume."""
+
+    stream_id: str
+    tenant: str
+    cancel_on_exit: bool = True
+    finished: bool = False
+    live: LiveStream | None = None  # registered before submission (nothing published can be missed)
+
+    def close(self) -> None:
+        """Unregister the live reader; safe to call more than once, and needed when the response
+        was cancelled before it ever read the stream."""
+        if self.live is not None:
+            self.live.close()
+
+
+class Forwarder:
+    """Stream operations of one relay process. ``fanout`` is set by the relay's start-up when
+    live batches come through the shared fan-out (else each reader follows JetStream itself)."""
+
+    def __init__(self, settings: Settings, tracer: Tracer, metrics: RelayMetrics, admission: Admission,
+                 bus: Callable[[], Bus]) -> None:
+        self.settings = settings
+        self.tracer = tracer
+        self.metrics = metrics
+        self.admission = admission
+        self._bus = bus
+        self.fanout: Fanout | None = None
+        self.active: Counter[str] = Counter()  # open readers per tenant
+
+    async def submit(self, request: Request, *, follow: bool = False) -> LiveStream | None:
+        """Enqueue inside a PRODUCER span, a child of the current (HTTP server) span. With
+        ``follow``, a live reader is registered first and returned (for :class:`Session`)."""
+        bus = self._bus()
+        live = self.fanout.open(request.id, fresh=True) if follow and self.fanout is not None else None
+        try:
+            with producer_span(self.tracer, request_subject(request.model),
+                               {"gen_ai.request.model": request.model, "tokenpipe.stream.id": request.id}) as headers:
+                await submit(bus, request, headers)
+        except BaseException:
+            if live is not None:
+                live.close()
+            raise
+        log.info("stream created", extra={"request_id": request.id, "model": request.model,
+                                          "tenant": request.tenant})
+        return live
+
+    async def owned_meta(self, stream_id: str, tenant: str) -> StreamMeta:
+        """The stream's metadata if ``tenant`` owns it; otherwise 404, exactly as if it did not exist."""
+        meta = await get_meta(self._bus(), stream_id)
+        if meta.tenant != tenant:
+            raise stream_not_found(stream_id)
+        return meta
+
+    async def check_retained(self, meta: StreamMeta) -> None:
+        """404 saying so when a stream's tokens have aged out of JetStream."""
+        age_s = (time.time_ns() - meta.created_at) / 1e9
+        if age_s > self.settings.token_max_age_s and await last_batch(self._bus(), meta.id) is None:
+            raise StreamNotFound(f"stream {meta.id!r} expired: token history is kept for "
+                                 f"{self.settings.token_max_age_s:g} s and this stream is {age_s:.0f} s old")
+
+    async def cancel(self, stream_id: str) -> None:
+        await cancel(self._bus(), stream_id)
+
+    def _forward_span(self, session: Session, trace_headers: dict[str, str], *, resumed: bool) -> Any:
+        """Live forwarding continues the generation's trace (the batches carry its context);
+        a replay or resume is its own work, linked to the original trace."""
+        origin = trace.get_current_span(extract_context(trace_headers)).get_span_context()
+        attrs = {"tokenpipe.stream.id": session.stream_id, "messaging.system": "nats",
+                 "messaging.operation.type": "receive"}
+        if resumed or not origin.is_valid:
+            links = [trace.Link(origin)] if origin.is_valid else []
+            return self.tracer.start_span(f"replay {session.stream_id}", kind=SpanKind.CONSUMER, links=links,
+                                          attributes=attrs)
+        here = trace.get_current_span().get_span_context()
+        links = [trace.Link(here)] if here.is_valid and here.trace_id != origin.trace_id else []
+        return self.tracer.start_span(f"forward {session.stream_id}", context=extract_context(trace_headers),
+                                      kind=SpanKind.CONSUMER, links=links, attributes=attrs)
+
+    async def batches(self, session: Session, *, after: int = -1, idle: float | None = None,
+                      speed: float | None = None) -> AsyncGenerator[StreamItem, None]:
+        """A stream's batches for one client (re-timed when ``speed`` is given); on early exit the
+        generation is cancelled unless ``session.cancel_on_exit`` was cleared."""
+        bus = self._bus()
+        trace_headers: dict[str, str] = {}
+        if session.live is None and self.fanout is not None:
+            session.live = self.fanout.open(session.stream_id, after_seq=after)
+        if session.live is not None:
+            source = session.live.items(idle=idle, trace_headers=trace_headers)
+        else:
+            source = follow(bus, session.stream_id, after_seq=after, idle=idle, trace_headers=trace_headers)
+        agen = source if speed is None else paced(source, speed)
+        self.active[session.tenant] += 1
+        self.metrics.active_sse.inc()
+        opened = last = time.monotonic()
+        span = None
+        batches = 0
+        try:
+            async for item in agen:
+                if isinstance(item, TokenBatch):
+                    now = time.monotonic()
+                    if span is None:
+                        span = self._forward_span(session, trace_headers, resumed=after >= 0 or speed is not None)
+                        span.add_event("first_batch", {"tokenpipe.batch.seq": item.seq})
+                        self.metrics.first_batch.observe(now - opened)
+                    else:
+                        self.metrics.inter_batch.observe(now - last)
+                    last = now
+                    batches += 1
+                    self.metrics.batches.inc()
+                    if item.is_final:
+                        session.finished = True
+                        self.admission.release(session.tenant, session.stream_id)
+                        span.add_event("last_batch", {"tokenpipe.batch.seq": item.seq})
+                        span.set_attribute("gen_ai.response.finish_reasons", [item.finish or ""])
+                        if item.usage:
+                            span.set_attribute("gen_ai.usage.output_tokens", item.usage.completion_tokens)
+                yield item
+        finally:
+            self.active[session.tenant] -= 1
+            self.metrics.active_sse.dec()
+            if span is not None:
+                span.set_attribute("tokenpipe.batches_forwarded", batches)
+                span.end()
+            # The client may be gone and this scope cancelled: shield the clean-up awaits.
+            with anyio.CancelScope(shield=True):
+                await agen.aclose()
+                await source.aclose()
+                session.close()
+                if not session.finished and session.cancel_on_exit and bus.nc.is_connected:
+                    log.info("client went away; cancelling", extra={"request_id": session.stream_id})
+                    await cancel(bus, session.stream_id)
