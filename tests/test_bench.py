@@ -10,10 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from bench.loadgen import LoadConfig, plot, run_load, summarize
 from tokenpipe.settings import Settings
+from tokenpipe_cli.loadgen import LoadConfig, run_load
+from tokenpipe_cli.report import plot
+from tokenpipe_cli.stats import summarize
 
-from .conftest import RelayServer
+from .conftest import ROOT, RelayServer
 
 
 @pytest.mark.parametrize("api", ["native", "openai", "sdk"])
@@ -38,7 +40,8 @@ async def test_poisson_rate_mode(relay: RelayServer) -> None:
 
 
 def _run(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=timeout)
+    # bench/ is not installed: its modules run from the repository root.
+    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
 def test_pipeline_benchmark_and_gpu_summary_run_end_to_end(tmp_path: Path, data_dir: Path) -> None:
