@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from producer import SSEParser
-from tokenpipe_cli.launch import free_port
+from tokenpipe_cli.launch import LaunchError, free_port, spawn, wait_ready
 
 # The console script that `make install` puts beside this interpreter, as a user runs it.
 TOKENPIPE = str(Path(sys.executable).parent / "tokenpipe")
@@ -90,3 +90,21 @@ def test_up_serves_a_stream_and_stops_cleanly_on_sigterm(tmp_path: Path, data_di
             proc.kill()
         for pid in _children(proc.pid):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_the_launcher_names_a_child_that_exits_before_it_is_ready(tmp_path: Path) -> None:
+    child = spawn("doomed", [sys.executable, "-c", "import sys; print('bad config'); sys.exit(3)"],
+                  log=tmp_path / "doomed.log")
+    with pytest.raises(LaunchError, match=r"doomed \(log: .*doomed.log\) exited with 3 while waiting for the relay"):
+        wait_ready(lambda: False, timeout=30, what="the relay", children=[child], interval=0.01)
+    assert "bad config" in (tmp_path / "doomed.log").read_text()
+
+
+def test_the_launcher_times_out_clearly_and_stops_what_it_started() -> None:
+    child = spawn("sleeper", [sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        with pytest.raises(LaunchError, match=r"the relay not ready within 0\.2s"):
+            wait_ready(lambda: False, timeout=0.2, what="the relay", children=[child], interval=0.01)
+        assert child.returncode is None
+    finally:
+        assert child.stop(timeout=10) == -signal.SIGTERM
