@@ -11,6 +11,7 @@ RUN pip install "torch==${TORCH_VERSION}" --index-url "https://download.pytorch.
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY tokenpipe ./tokenpipe
+COPY tokenpipe_cli ./tokenpipe_cli
 COPY producer ./producer
 COPY generator ./generator
 COPY relay ./relay

@@ -42,7 +42,7 @@ bench: install
 
 lint: install
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy tokenpipe producer generator relay bench
+	$(VENV)/bin/mypy tokenpipe tokenpipe_cli producer generator relay bench
 
 fmt: install
 	$(VENV)/bin/ruff check --fix .

@@ -21,10 +21,11 @@ from rich.progress import Progress
 from rich.table import Table
 
 from tokenpipe.settings import Settings
+from tokenpipe_cli.loadgen import LoadConfig, run_load
+from tokenpipe_cli.stats import summarize
 
-from .loadgen import LoadConfig, run_load, summarize
-from .pipeline import Pipeline
 from .procstat import cpu_seconds
+from .stack import Pipeline
 
 SETTINGS = [(0, 0.0), (4, 10.0), (6, 15.0), (8, 16.0), (8, 20.0), (12, 24.0), (16, 40.0), (32, 80.0), (64, 160.0)]
 
@@ -41,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(width=150)
     rows: list[dict[str, Any]] = []
     with Pipeline(args.model, args.data_dir) as pipe, Progress(console=console) as progress:
-        relay_pid = pipe.procs[1].pid
+        assert pipe.relay is not None
+        relay_pid = pipe.relay.pid
         for max_tokens, max_delay in SETTINGS:
             cfg = LoadConfig(url=pipe.url, model=args.model, concurrency=args.streams, num_requests=args.requests,
                              output_len=args.output_len, coalesce_max_tokens=max_tokens,

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,21 +28,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
 from tokenpipe import eventloop
 from tokenpipe.bus import Bus, connect
-from tokenpipe.natsserver import NatsServer, free_port
 from tokenpipe.settings import Settings
-from tokenpipe.streams import StreamMeta
 from tokenpipe.subjects import token_subject
-from tokenpipe.wire import TokenBatch, new_request_id
+from tokenpipe.wire import StreamMeta, TokenBatch, new_request_id
+from tokenpipe_cli.launch import free_port, http_ok, spawn_role, wait_ready
+from tokenpipe_cli.natsserver import NatsServer
+from tokenpipe_cli.stats import latency_stats
 
-from .loadgen import latency_stats
 from .procstat import cpu_seconds, rss_kib
+from .rawhttp import SSEResponse, get_request
 
 DEFAULT_SCENARIOS = ("consumer:1000:20:100", "shared:1000:20:100", "shared:2000:60:90", "shared:10000:20:500")
 
@@ -102,7 +101,8 @@ class SyntheticSource:
 
 
 class _SSEClient(asyncio.Protocol):
-    """A minimal SSE reader: counts `tokens` events and their latency from the `emitted` stamp."""
+    """A minimal SSE reader (:mod:`bench.rawhttp`): counts `tokens` events and their latency from
+    the `emitted` stamp."""
 
     def __init__(self, path: str, latencies: list[int], steady: list[int], last_seq: int,
                  span: list[int], done: asyncio.Future[None]) -> None:
@@ -113,27 +113,25 @@ class _SSEClient(asyncio.Protocol):
         self.span = span  # [first, last] arrival (ns) of any steady batch, shared by all clients
         self.done = done
         self.opened: asyncio.Future[None] = done.get_loop().create_future()
-        self.buf = b""
+        self.response = SSEResponse()
         self.events = 0
 
     def connection_made(self, transport: Any) -> None:  # uvloop's transports are not asyncio.Transport
-        transport.write(f"GET {self.path} HTTP/1.1\r\nHost: bench\r\nAccept: text/event-stream\r\n\r\n".encode())
+        transport.write(get_request(self.path))
 
     def data_received(self, data: bytes) -> None:
         now = time.time_ns()
+        events = self.response.feed(data)
         if not self.opened.done():
-            if not data.startswith(b"HTTP/1.1 200"):
-                self.opened.set_exception(RuntimeError(data[:200].decode(errors="replace")))
+            if self.response.status is None:
+                return  # the response head is not complete yet
+            if self.response.status != 200:
+                self.opened.set_exception(RuntimeError(f"{self.path}: HTTP {self.response.status}"))
                 return
             self.opened.set_result(None)
-        *events, self.buf = (self.buf + data).split(b"\n\n")
         for ev in events:
-            at = ev.find(b'"emitted":')
-            if at >= 0:
-                end = at + 10
-                while ev[end:end + 1].isdigit():
-                    end += 1
-                lat = now - int(ev[at + 10:end])
+            if ev.event == "tokens":
+                lat = now - ev.json()["timings"]["emitted"]
                 self.latencies.append(lat)
                 if 0 < self.events < self.last_seq:
                     self.steady.append(lat)
@@ -141,7 +139,7 @@ class _SSEClient(asyncio.Protocol):
                         self.span[0] = now
                     self.span[1] = now
                 self.events += 1
-            if (b"event: done" in ev or b"event: error" in ev) and not self.done.done():
+            elif ev.event in ("done", "error") and not self.done.done():
                 self.done.set_result(None)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -219,34 +217,27 @@ def run_scenario(sc: Scenario, console: Console) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp, NatsServer(Path(tmp) / "nats") as nats:
         port = free_port()
         settings = Settings.load(env={}, nats_url=nats.url, data_dir=tmp)
-        relay = subprocess.Popen([sys.executable, "-m", "tokenpipe", "relay", "--nats-url", nats.url, "--data-dir", tmp,
-                                  "--port", str(port), "--log-level", "WARNING", "--fanout", sc.mode])
+        relay = spawn_role("relay", "--nats-url", nats.url, "--data-dir", tmp, "--port", str(port),
+                           "--log-level", "WARNING", "--fanout", sc.mode)
         try:
+            wait_ready(http_ok(f"http://127.0.0.1:{port}/healthz"), timeout=60, what="the relay", children=[relay])
+
             async def run() -> dict[str, Any]:
                 bus = await connect(settings, name="bench-fanout")
                 try:
-                    deadline = time.monotonic() + 60
-                    while time.monotonic() < deadline:
-                        try:
-                            async with httpx.AsyncClient() as c:
-                                if (await c.get(f"http://127.0.0.1:{port}/healthz")).status_code == 200:
-                                    break
-                        except httpx.HTTPError:
-                            await asyncio.sleep(0.2)  # the relay process is still starting
                     rtt = await nats_round_trip(bus)
                     source = SyntheticSource(bus, sc.streams)
                     await source.register()
                     with Progress(console=console, transient=True) as progress:
-                        assert nats.proc is not None
-                        result = await _drive(port, source, sc, relay.pid, nats.proc.pid, progress)
+                        assert nats.pid is not None
+                        result = await _drive(port, source, sc, relay.pid, nats.pid, progress)
                     return {"nats_round_trip_ms": rtt, **result}
                 finally:
                     await bus.close()
 
             return {"scenario": str(sc), **vars(sc), **eventloop.run(run())}
         finally:
-            relay.terminate()
-            relay.wait(30)
+            relay.stop(30)
 
 
 def results_table(results: list[dict[str, Any]]) -> Table:

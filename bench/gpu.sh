@@ -34,7 +34,7 @@ PER_MODEL_S=${PER_MODEL_S:-200}   # hard limit per model: two models + set-up st
 mkdir -p bench/out
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee bench/out/gpu-device.txt
 if [ "$SMOLLM2" = smollm2-135m ]; then
-  "$PY" -m tokenpipe prepare          # one-time GGUF de-quantization (~20 s), outside the timed runs
+  "$PY" -m tokenpipe_cli prepare          # one-time GGUF de-quantization (~20 s), outside the timed runs
 fi
 for model in "$SMOLLM2" llama-1b-random; do
   timeout "$PER_MODEL_S" "$PY" -m bench.pipeline --model "$model" --device cuda --dtype bfloat16 \

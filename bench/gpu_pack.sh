@@ -20,7 +20,7 @@ for n in 17 27 28 31 34 35; do PLATFORMS="$PLATFORMS --platform manylinux_2_${n}
 # shellcheck disable=SC2086
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   $PLATFORMS --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d "$OUT/whl" $PKGS
-"$PY" -m tokenpipe prepare >/dev/null   # the tokenizer comes from the converted model's folder
+"$PY" -m tokenpipe_cli prepare >/dev/null   # the tokenizer comes from the converted model's folder
 SRC=$("$PY" -c 'from pathlib import Path; from tokenpipe.settings import Settings; print(Path(Settings.load().data_dir) / "models" / "smollm2-135m")')
 cp "$SRC"/tokenizer.json "$SRC"/tokenizer_config.json "$SRC"/chat_template.jinja "$SRC"/.complete \
    "$OUT/data/models/smollm2-135m/"

@@ -15,10 +15,12 @@ import uvicorn
 
 from generator.models import LoadedModel, load_model, prepare_smollm2
 from generator.worker import GeneratorWorker
+from producer import aiter_sse
 from relay.app import create_app
 from tokenpipe.bus import Bus, connect
-from tokenpipe.natsserver import NatsServer, free_port
 from tokenpipe.settings import Settings
+from tokenpipe_cli.launch import free_port
+from tokenpipe_cli.natsserver import NatsServer
 
 ROOT = Path(__file__).resolve().parent.parent
 # The converted SmolLM2 cache outlives one run (it takes ~20 s to build); CI starts from nothing.
@@ -150,22 +152,4 @@ async def http(relay: RelayServer) -> AsyncIterator[httpx.AsyncClient]:
 
 async def read_sse(response: httpx.Response) -> list[tuple[str, str | None, str]]:
     """Parse an SSE response into (event, id, data) triples, comments dropped."""
-    events: list[tuple[str, str | None, str]] = []
-    event, eid, data = "message", None, []
-    async for line in response.aiter_lines():
-        if line == "":
-            if data:
-                events.append((event, eid, "\n".join(data)))
-            event, eid, data = "message", None, []
-        elif line.startswith(":"):
-            continue
-        else:
-            field, _, value = line.partition(":")
-            value = value[1:] if value.startswith(" ") else value
-            if field == "event":
-                event = value
-            elif field == "id":
-                eid = value
-            elif field == "data":
-                data.append(value)
-    return events
+    return [(e.event, e.id, e.data) async for e in aiter_sse(response)]

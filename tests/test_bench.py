@@ -6,14 +6,21 @@ import json
 import shutil
 import subprocess
 import sys
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from bench.loadgen import LoadConfig, plot, run_load, summarize
+from bench.rawhttp import SSEResponse
+from relay.sse import sse_event
 from tokenpipe.settings import Settings
+from tokenpipe_cli.loadgen import LoadConfig, run_load
+from tokenpipe_cli.report import plot
+from tokenpipe_cli.stats import summarize
 
-from .conftest import RelayServer
+from .conftest import ROOT, RelayServer
 
 
 @pytest.mark.parametrize("api", ["native", "openai", "sdk"])
@@ -37,8 +44,23 @@ async def test_poisson_rate_mode(relay: RelayServer) -> None:
     assert summarize(records, wall)["output_tokens"] == 32
 
 
+@given(st.lists(st.text(max_size=30).filter(lambda t: "\r" not in t), max_size=6),
+       st.lists(st.integers(0, 5000), max_size=12))
+def test_the_minimal_http_client_reads_a_chunked_event_stream_split_anywhere(texts: list[str],
+                                                                           cuts: list[int]) -> None:
+    body_chunks = [sse_event({"text": t}, event="tokens", id=i) for i, t in enumerate(texts)]
+    wire = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+            + b"".join(b"%x;ext=1\r\n%s\r\n" % (len(c), c) for c in body_chunks) + b"0\r\n\r\n")
+    points = sorted({0, len(wire), *(c % (len(wire) + 1) for c in cuts)})
+    response = SSEResponse()
+    events = [e for a, b in pairwise(points) for e in response.feed(wire[a:b])]
+    assert response.status == 200 and response.ended
+    assert [(e.event, e.id, e.json()) for e in events] == [("tokens", str(i), {"text": t}) for i, t in enumerate(texts)]
+
+
 def _run(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=timeout)
+    # bench/ is not installed: its modules run from the repository root.
+    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
 def test_pipeline_benchmark_and_gpu_summary_run_end_to_end(tmp_path: Path, data_dir: Path) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -13,7 +12,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tokenpipe.natsserver import free_port
+from producer import SSEParser
+from tokenpipe_cli.launch import LaunchError, free_port, spawn, wait_ready
+
+# The console script that `make install` puts beside this interpreter, as a user runs it.
+TOKENPIPE = str(Path(sys.executable).parent / "tokenpipe")
 
 
 def _children(pid: int) -> list[int]:
@@ -51,7 +54,7 @@ def test_up_serves_a_stream_and_stops_cleanly_on_sigterm(tmp_path: Path, data_di
     # The model cache is shared with the other tests so this test does not convert SmolLM2 again.
     (tmp_path / "models").symlink_to(data_dir / "models", target_is_directory=True)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tokenpipe", "up", "--model", "tiny-random", "--port", str(port),
+        [TOKENPIPE, "up", "--model", "tiny-random", "--port", str(port),
          "--nats-port", str(nats_port), "--data-dir", str(tmp_path), "--generators", "2"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
     )
@@ -72,8 +75,9 @@ def test_up_serves_a_stream_and_stops_cleanly_on_sigterm(tmp_path: Path, data_di
             assert c.get("/readyz").status_code == 200
             sid = c.post("/v1/streams", json={"prompt": "hi", "max_tokens": 8, "temperature": 0,
                                               "ignore_eos": True}).json()["id"]
+            parser = SSEParser()
             with c.stream("GET", f"/v1/streams/{sid}") as resp:
-                data = [json.loads(line[5:]) for line in resp.iter_lines() if line.startswith("data:")]
+                data = [event.json() for chunk in resp.iter_bytes() for event in parser.feed(chunk)]
         assert data[-1]["finish"] == "length" and data[-1]["usage"]["completion_tokens"] == 8
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
@@ -86,3 +90,21 @@ def test_up_serves_a_stream_and_stops_cleanly_on_sigterm(tmp_path: Path, data_di
             proc.kill()
         for pid in _children(proc.pid):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_the_launcher_names_a_child_that_exits_before_it_is_ready(tmp_path: Path) -> None:
+    child = spawn("doomed", [sys.executable, "-c", "import sys; print('bad config'); sys.exit(3)"],
+                  log=tmp_path / "doomed.log")
+    with pytest.raises(LaunchError, match=r"doomed \(log: .*doomed.log\) exited with 3 while waiting for the relay"):
+        wait_ready(lambda: False, timeout=30, what="the relay", children=[child], interval=0.01)
+    assert "bad config" in (tmp_path / "doomed.log").read_text()
+
+
+def test_the_launcher_times_out_clearly_and_stops_what_it_started() -> None:
+    child = spawn("sleeper", [sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        with pytest.raises(LaunchError, match=r"the relay not ready within 0\.2s"):
+            wait_ready(lambda: False, timeout=0.2, what="the relay", children=[child], interval=0.01)
+        assert child.returncode is None
+    finally:
+        assert child.stop(timeout=10) == -signal.SIGTERM

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import yaml
 
-from tokenpipe.cli import build_parser
 from tokenpipe.metrics import GeneratorMetrics, RelayMetrics
 from tokenpipe.settings import ENV_PREFIX, Settings
+from tokenpipe_cli.cli import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 OTEL_VARS = {"OTEL_SERVICE_NAME", "OTEL_TRACES_EXPORTER", "OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_EXPORTER_OTLP_ENDPOINT"}

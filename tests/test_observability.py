@@ -25,9 +25,9 @@ from prometheus_client import start_http_server
 from generator.models import load_model
 from generator.worker import GeneratorWorker
 from tokenpipe.bus import connect
-from tokenpipe.natsserver import free_port
 from tokenpipe.settings import Settings
 from tokenpipe.telemetry import setup_tracing
+from tokenpipe_cli.launch import free_port
 
 from .conftest import read_sse, start_relay, wait_until
 
@@ -215,7 +215,7 @@ def test_up_exports_one_trace_over_otlp_http(tmp_path: Path, data_dir: Path) -> 
     env = {**os.environ, "OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
            "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{collector.server_port}", "OTEL_BSP_SCHEDULE_DELAY": "100",
            "TOKENPIPE_ANNOUNCE_INTERVAL_S": "0.5", "TOKENPIPE_METRICS_PORT": str(free_port())}
-    proc = subprocess.Popen([sys.executable, "-m", "tokenpipe", "up", "--model", "tiny-random", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "tokenpipe_cli", "up", "--model", "tiny-random", "--port", str(port),
                              "--nats-port", str(nats_port), "--data-dir", str(tmp_path)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
     try:

@@ -14,14 +14,16 @@ from generator.engine import Engine
 from generator.models import LoadedModel
 from generator.runner import encode_prompt
 from generator.worker import GeneratorWorker
-from producer import Producer
+from producer import Producer, RelayClient, aiter_sse
 from relay.app import create_app
 from tokenpipe.bus import Bus
-from tokenpipe.natsserver import NatsServer, free_port
+from tokenpipe.errors import InvalidRequest, ModelNotFound, StreamNotFound
 from tokenpipe.settings import Settings
 from tokenpipe.streams import follow
 from tokenpipe.subjects import request_subject
 from tokenpipe.wire import Request, SamplingParams, TokenBatch
+from tokenpipe_cli.launch import free_port
+from tokenpipe_cli.natsserver import NatsServer
 
 from .conftest import RelayServer, read_sse, wait_until
 
@@ -89,6 +91,36 @@ async def test_sdk_submit_matches_in_process_engine(settings: Settings, generato
     assert len(result.token_ids) == 25
 
 
+async def test_relay_client_streams_resumes_and_cancels(relay: RelayServer, tiny_model: LoadedModel) -> None:
+    async with RelayClient(relay.url) as client:
+        sid = await client.create(prompt="Hello there", max_tokens=25, temperature=0, ignore_eos=True)
+        events = [e async for e in client.events(sid)]
+        assert events[-1].event == "done" and events[-1].json()["finish"] == "length"
+        tokens = [e.json() for e in events if e.event == "tokens"]
+        check_contiguous(tokens)
+        ref = Request.from_map({"v": 1, "id": "ref", "model": "tiny-random", "prompt": "Hello there",
+                                "params": {"max_tokens": 25, "temperature": 0, "ignore_eos": True}})
+        assert "".join(t["text"] for t in tokens) == in_process(tiny_model, ref)
+        assert [e async for e in client.events(sid, last_event_id=int(events[0].id or 0))] == events[1:]
+
+        long = await client.create(prompt="a long one", max_tokens=2000, temperature=0, ignore_eos=True,
+                                   coalesce={"max_tokens": 0})
+        seen = []
+        async for event in client.events(long):
+            seen.append(event)
+            if len(seen) == 2:
+                await client.cancel(long)
+        assert seen[-1].event == "done" and seen[-1].json()["finish"] == "cancelled"
+
+        with pytest.raises(StreamNotFound):
+            [e async for e in client.events("doesnotexist123")]
+        with pytest.raises(ModelNotFound):
+            await client.create(prompt="x", model="no-such-model")
+        with pytest.raises(InvalidRequest) as bad:
+            await client.create(prompt="x", temperature=9)
+        assert bad.value.param == "temperature"
+
+
 async def test_concurrent_requests_of_different_lengths(http: httpx.AsyncClient) -> None:
     lengths = [7, 60]
     ids = []
@@ -119,20 +151,15 @@ async def test_delete_cancels_mid_stream_and_frees_the_slot(http: httpx.AsyncCli
     sid = r.json()["id"]
     events: list[tuple[str, dict]] = []
     async with http.stream("GET", f"/v1/streams/{sid}") as resp:
-        lines = resp.aiter_lines()
-        event = None
-        async for line in lines:
-            if line.startswith("event:"):
-                event = line.split(":", 1)[1].strip()
-            elif line.startswith("data:"):
-                events.append((event or "", json.loads(line[5:])))
-                if len(events) == 3:
-                    running = len(generator.runner.engine.rows)
-                    assert running >= 1
-                    d = await http.delete(f"/v1/streams/{sid}")
-                    assert d.status_code == 200 and d.json()["cancelled"] is True
-                if event in ("done", "error"):
-                    break
+        async for ev in aiter_sse(resp):
+            events.append((ev.event, ev.json()))
+            if len(events) == 3:
+                running = len(generator.runner.engine.rows)
+                assert running >= 1
+                d = await http.delete(f"/v1/streams/{sid}")
+                assert d.status_code == 200 and d.json()["cancelled"] is True
+            if ev.event in ("done", "error"):
+                break
     assert events[-1][0] == "done" and events[-1][1]["finish"] == "cancelled"
     generated = events[-1][1]["usage"]["completion_tokens"]
     assert 3 <= generated < 2000
@@ -146,9 +173,8 @@ async def test_client_disconnect_cancels_generation(http: httpx.AsyncClient, gen
                                              "temperature": 0, "ignore_eos": True})
     sid = r.json()["id"]
     async with http.stream("GET", f"/v1/streams/{sid}") as resp:
-        async for line in resp.aiter_lines():
-            if line.startswith("data:"):
-                break  # first batch seen: hang up
+        async for _ in aiter_sse(resp):
+            break  # first batch seen: hang up
     final = [b async for b in follow(bus, sid) if isinstance(b, TokenBatch) and b.is_final]
     assert final[0].finish == "cancelled"
     assert final[0].usage is not None and final[0].usage.completion_tokens < 2000

@@ -16,10 +16,10 @@ from generator.models import load_model
 from generator.worker import GeneratorWorker
 from producer import Producer
 from tokenpipe.bus import connect
-from tokenpipe.natsserver import NatsServer
 from tokenpipe.settings import Settings
 from tokenpipe.streams import StreamItem, last_batch, paced
 from tokenpipe.wire import TokenBatch
+from tokenpipe_cli.natsserver import NatsServer
 
 from .conftest import read_sse, start_relay, wait_until
 
@@ -95,7 +95,7 @@ async def test_sdk_replay_yields_the_live_batches(http: httpx.AsyncClient, setti
 async def test_cli_replay_json_and_streams_listing(http: httpx.AsyncClient, settings: Settings) -> None:
     sid, live = await make_stream(http)
     common = ["--nats-url", settings.nats_url, "--data-dir", settings.data_dir]
-    out = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "tokenpipe", "replay", sid, "--json",
+    out = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "tokenpipe_cli", "replay", sid, "--json",
                                                    "--speed", "0", "--from", "3", *common],
                                   capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
@@ -104,16 +104,16 @@ async def test_cli_replay_json_and_streams_listing(http: httpx.AsyncClient, sett
     assert [r["seq"] for r in rows] == [t["seq"] for t in live_tokens][3:]
     assert [r["token_ids"] for r in rows] == [t["token_ids"] for t in live_tokens][3:]
     assert rows[-1]["finish"] == "length" and "emitted" in rows[-1]["timings"]
-    text = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "tokenpipe", "replay", sid, "--speed", "0",
-                                                    *common], capture_output=True, text=True, timeout=60)
+    text = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "tokenpipe_cli", "replay", sid, "--speed",
+                                                    "0", *common], capture_output=True, text=True, timeout=60)
     assert text.stdout.rstrip("\n") == "".join(t["text"] for t in live_tokens).rstrip("\n")
-    listing = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "tokenpipe", "streams", "--limit",
+    listing = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "tokenpipe_cli", "streams", "--limit",
                                                        "500", *common], capture_output=True, text=True, timeout=60,
                                       env={"COLUMNS": "200", "PATH": "/usr/bin:/bin"})
     assert listing.returncode == 0, listing.stderr
     line = next(ln for ln in listing.stdout.splitlines() if sid in ln)
     assert "tiny-random" in line and "length" in line and " 60 " in line
-    missing = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "tokenpipe", "replay", "nosuchstream",
+    missing = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "tokenpipe_cli", "replay", "nosuchstream",
                                                        *common], capture_output=True, text=True, timeout=60)
     assert missing.returncode == 2 and "not found" in missing.stderr
 

@@ -10,8 +10,6 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -20,12 +18,13 @@ import httpx
 import pytest
 
 from generator.models import LoadedModel
-from producer import Producer
+from producer import Producer, aiter_sse
 from tokenpipe.bus import connect
-from tokenpipe.natsserver import NatsServer, die_with_parent, free_port
 from tokenpipe.settings import Settings
 from tokenpipe.subjects import ANNOUNCE_PREFIX
 from tokenpipe.wire import Request
+from tokenpipe_cli.launch import Child, free_port, http_ok, spawn_role, wait_ready
+from tokenpipe_cli.natsserver import NatsServer
 
 from .conftest import wait_until
 
@@ -47,8 +46,8 @@ class Cluster:
                     "TOKENPIPE_METRICS_PORT": "0",
                     **{f"TOKENPIPE_{k.upper()}": str(v) for k, v in env.items()}}
         self.relay_port = free_port()
-        self.procs: list[subprocess.Popen[bytes]] = []
-        self.relay: subprocess.Popen[bytes] | None = None
+        self.procs: list[Child] = []
+        self.relay: Child | None = None
         self.announcements: dict[int, dict[str, Any]] = {}
         self.stream_id = ""
 
@@ -59,18 +58,16 @@ class Cluster:
     def settings(self) -> Settings:
         return Settings.load(env={}, nats_url=self.nats.url, data_dir=str(self.data_dir))
 
-    def _spawn(self, *args: str) -> subprocess.Popen[bytes]:
-        log = open(self.tmp / f"{args[0]}-{len(self.procs)}.log", "wb")  # noqa: SIM115 - the child keeps it
-        proc = subprocess.Popen([sys.executable, "-m", "tokenpipe", *args, "--nats-url", self.nats.url,
-                                 "--data-dir", str(self.data_dir)], env=self.env, stdout=log,
-                                stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
-        self.procs.append(proc)
-        return proc
+    def _spawn(self, role: str, *args: str) -> Child:
+        child = spawn_role(role, *args, "--nats-url", self.nats.url, "--data-dir", str(self.data_dir), env=self.env,
+                           log=self.tmp / f"{role}-{len(self.procs)}.log")
+        self.procs.append(child)
+        return child
 
-    def start_generator(self) -> subprocess.Popen[bytes]:
+    def start_generator(self) -> Child:
         return self._spawn("generator", "--model", "tiny-random")
 
-    def start_relay(self) -> subprocess.Popen[bytes]:
+    def start_relay(self) -> Child:
         self.relay = self._spawn("relay", "--port", str(self.relay_port), "--model", "tiny-random")
         return self.relay
 
@@ -85,19 +82,14 @@ class Cluster:
         await self.bus.nc.subscribe(f"{ANNOUNCE_PREFIX}.>", cb=on)
 
     async def wait_generators(self, n: int) -> None:
-        live = {p.pid for p in self.procs if p.poll() is None}
+        live = {p.pid for p in self.procs if p.returncode is None}
         await wait_until(lambda: len({pid for pid, a in self.announcements.items() if a["ready"] and pid in live}) >= n,
                     60, f"{n} generators")
 
     async def wait_relay(self) -> None:
-        async def ready() -> bool:
-            try:
-                async with httpx.AsyncClient() as c:
-                    return (await c.get(self.url + "/readyz")).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        await wait_until(ready, 60, "relay ready")
+        assert self.relay is not None
+        await asyncio.to_thread(wait_ready, http_ok(self.url + "/readyz"), timeout=60, what="the relay",
+                                children=[self.relay])
 
     def holder(self, stream_id: str) -> int | None:
         for pid, info in self.announcements.items():
@@ -107,9 +99,7 @@ class Cluster:
 
     async def close(self) -> None:
         for p in self.procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
+            p.kill()
         if hasattr(self, "bus"):
             await self.bus.close()
         self.nats.stop()
@@ -135,20 +125,12 @@ async def read_events(resp: httpx.Response, on_tokens: Any = None,
                       out: list[tuple[str, str | None, dict]] | None = None) -> list[tuple[str, str | None, dict]]:
     """SSE events up to done/error; ``out`` (if given) keeps what arrived even if the read fails."""
     out = [] if out is None else out
-    event, eid = "message", None
-    async for line in resp.aiter_lines():
-        if line.startswith("event:"):
-            event = line[6:].strip()
-        elif line.startswith("id:"):
-            eid = line[3:].strip()
-        elif line.startswith("data:"):
-            out.append((event, eid, json.loads(line[5:])))
-            if event == "tokens" and on_tokens is not None:
-                await on_tokens(len([e for e in out if e[0] == "tokens"]))
-            if event in ("done", "error"):
-                break
-        elif line == "":
-            event, eid = "message", None
+    async for ev in aiter_sse(resp):
+        out.append((ev.event, ev.id, ev.json()))
+        if ev.event == "tokens" and on_tokens is not None:
+            await on_tokens(len([e for e in out if e[0] == "tokens"]))
+        if ev.event in ("done", "error"):
+            break
     return out
 
 
@@ -175,7 +157,7 @@ async def stream_through(c: Cluster, body: dict[str, Any], on_tokens: Any) -> li
             return await read_events(resp, on_tokens)
 
 
-async def start(c: Cluster, generators: int) -> list[subprocess.Popen[bytes]]:
+async def start(c: Cluster, generators: int) -> list[Child]:
     gens = [c.start_generator() for _ in range(generators)]
     c.start_relay()
     await c.wait_generators(generators)
@@ -229,7 +211,7 @@ async def test_sigterm_drains_and_hands_back_to_another_worker(cluster_factory: 
     assert events[-1][0] == "done" and events[-1][2]["finish"] == "length"
     assert_contiguous(events, 1500)
     stopped = next(p for p in gens if p.pid == drained[0])
-    assert stopped.wait(30) == 0  # a clean exit after handing the request back
+    assert stopped.proc.wait(30) == 0  # a clean exit after handing the request back
 
 
 async def test_exhausted_deliveries_end_the_stream_with_an_error(cluster_factory: Any) -> None:

@@ -3,29 +3,20 @@
 from __future__ import annotations
 
 import logging
-import os
 import signal
-import subprocess
-import sys
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 
-from .natsserver import NatsServer, die_with_parent, free_port
-from .settings import Settings
+from tokenpipe.settings import Settings
+
+from .launch import Child, LaunchError, free_port, http_ok, port_free, spawn_role, wait_ready
+from .natsserver import NatsServer
 
 __all__ = ["Supervisor"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Child:
-    name: str
-    proc: subprocess.Popen[bytes]
 
 
 @dataclass
@@ -35,7 +26,7 @@ class Supervisor:
     nats_port: int = 4222
     external_nats: bool = False
     ready_timeout: float = 600.0
-    children: list[_Child] = field(default_factory=list)
+    children: list[Child] = field(default_factory=list)
     nats: NatsServer | None = None
     _stop_signal: int | None = None
 
@@ -43,10 +34,8 @@ class Supervisor:
         self._stop_signal = signum
 
     def _spawn(self, name: str, args: list[str]) -> None:
-        cmd = [sys.executable, "-m", "tokenpipe", *args]
         # Own session: Ctrl-C reaches only us, and we stop roles in order (relay, generators, NATS).
-        proc = subprocess.Popen(cmd, start_new_session=True, env=os.environ.copy(), preexec_fn=die_with_parent)
-        self.children.append(_Child(name, proc))
+        self.children.append(spawn_role(args[0], *args[1:], name=name, new_session=True))
 
     def run(self) -> int:
         s = self.settings
@@ -55,7 +44,7 @@ class Supervisor:
         nats_url = s.nats_url
         try:
             if not self.external_nats:
-                port = self.nats_port if _port_free(self.nats_port) else free_port()
+                port = self.nats_port if port_free(self.nats_port) else free_port()
                 self.nats = NatsServer(Path(s.data_dir) / "nats", port=port).start()
                 nats_url = self.nats.url
             self._prepare_model()
@@ -70,10 +59,10 @@ class Supervisor:
             if self._wait_ready(url):
                 print(f"\ntokenpipe is up: {url}   (NATS {nats_url}; Ctrl-C stops)\n", flush=True)
                 while self._stop_signal is None:
-                    dead = [c for c in self.children if c.proc.poll() is not None]
+                    dead = [c for c in self.children if c.returncode is not None]
                     if dead:
                         log.error("a role exited; stopping", extra={"role": dead[0].name,
-                                                                     "code": dead[0].proc.returncode})
+                                                                     "code": dead[0].returncode})
                         return 1
                     time.sleep(0.2)  # supervisor poll; signals interrupt it
             return 0 if self._stop_signal is not None else 1
@@ -90,47 +79,23 @@ class Supervisor:
             prepare_smollm2(self.settings.data_dir)
 
     def _wait_ready(self, url: str) -> bool:
-        deadline = time.monotonic() + self.ready_timeout
-        while time.monotonic() < deadline and self._stop_signal is None:
-            if any(c.proc.poll() is not None for c in self.children):
-                return False
-            try:
-                with urllib.request.urlopen(f"{url}/readyz", timeout=2) as resp:
-                    if resp.status == 200:
-                        return True
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass  # not listening yet, or 503 until a generator announces itself
-            time.sleep(0.25)  # readiness poll of child processes
-        return False
+        try:
+            return wait_ready(http_ok(f"{url}/readyz"), timeout=self.ready_timeout, what=f"the relay at {url}",
+                              children=self.children, interval=0.25,
+                              cancelled=lambda: self._stop_signal is not None)
+        except LaunchError as exc:
+            log.error("tokenpipe did not come up; stopping", extra={"reason": exc.message})
+            return False
 
     def shutdown(self) -> None:
+        # The relay first (no new work, its streams end), then the generators drain together.
         order = sorted(self.children, key=lambda c: 0 if c.name == "relay" else 1)
         for child in order:
-            if child.proc.poll() is None:
-                child.proc.send_signal(signal.SIGTERM)
+            child.terminate()
             if child.name == "relay":
-                _wait(child.proc, 10)
+                child.wait_or_kill(10)
         for child in order:
-            _wait(child.proc, self.settings.drain_timeout_s + 10)
+            child.wait_or_kill(self.settings.drain_timeout_s + 10)
         if self.nats is not None:
             self.nats.stop()
         self.children.clear()
-
-
-def _wait(proc: subprocess.Popen[bytes], timeout: float) -> None:
-    try:
-        proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
-def _port_free(port: int) -> bool:
-    import socket
-
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True

@@ -1,4 +1,4 @@
-"""The ``tokenpipe`` command: the composition root that starts each role."""
+"""The ``tokenpipe`` command: parses the command line and starts the role or tool it names."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .errors import TokenpipeError
-from .eventloop import run
-from .logs import setup_logging
-from .settings import Settings
+from tokenpipe.errors import TokenpipeError
+from tokenpipe.eventloop import run
+from tokenpipe.logs import setup_logging
+from tokenpipe.settings import Settings
 
 __all__ = ["main"]
 
@@ -140,9 +140,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         setup_logging("nats")
         server = NatsServer(data, host=args.host, port=args.port, monitor_port=args.monitor_port)
         server.start()
-        assert server.proc is not None
         try:
-            return server.proc.wait()
+            return server.wait()
         finally:
             server.stop()
     if args.cmd == "prepare":
@@ -173,7 +172,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.cmd == "bench":
         return _bench(args)
     if args.cmd in ("replay", "streams", "tail"):
-        return asyncio.run(_inspect(args, settings))
+        return asyncio.run(_view_streams(args, settings))
     raise AssertionError(args.cmd)
 
 
@@ -181,8 +180,9 @@ def _bench(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import Progress
 
-    from bench.loadgen import LoadConfig, plot, records_json, run_load, summarize
-    from bench.report import summary_table
+    from .loadgen import LoadConfig, run_load
+    from .report import plot, summary_table
+    from .stats import records_json, summarize
 
     cfg = LoadConfig(url=args.url, api=args.api, nats_url=args.nats_url, model=args.model, api_key=args.api_key,
                      concurrency=args.concurrency, rate=args.rate, num_requests=args.num_requests,
@@ -203,19 +203,20 @@ def _bench(args: argparse.Namespace) -> int:
     return 0 if summary["failed"] == 0 else 1
 
 
-async def _inspect(args: argparse.Namespace, settings: Settings) -> int:
+async def _view_streams(args: argparse.Namespace, settings: Settings) -> int:
     from rich.console import Console
 
-    from . import inspect
-    from .bus import connect
+    from tokenpipe.bus import connect
+
+    from . import streamview
 
     bus = await connect(settings, name=f"tokenpipe-{args.cmd}")
     try:
         if args.cmd == "replay":
-            return await inspect.replay(bus, args.id, speed=args.speed, as_json=args.json, from_seq=args.from_seq)
+            return await streamview.replay(bus, args.id, speed=args.speed, as_json=args.json, from_seq=args.from_seq)
         if args.cmd == "streams":
-            return await inspect.list_streams(bus, limit=args.limit, console=Console())
-        return await inspect.tail(bus, model=args.model, console=Console())
+            return await streamview.list_streams(bus, limit=args.limit, console=Console())
+        return await streamview.tail(bus, model=args.model, console=Console())
     finally:
         await bus.close()
 

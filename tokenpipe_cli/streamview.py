@@ -1,4 +1,5 @@
-"""Debugging commands over the kept token streams: ``replay``, ``streams``, ``tail``."""
+"""Terminal views of the token streams, for debugging: ``tokenpipe replay`` (one kept stream, with
+its original pacing), ``tokenpipe streams`` (the recent ones) and ``tokenpipe tail`` (the live ones)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,11 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from .bus import Bus
-from .errors import WireFormatError
-from .streams import Gap, Ping, StreamMeta, follow, get_meta, last_batch, paced
-from .subjects import TOKEN_WILDCARD
-from .wire import TokenBatch
+from tokenpipe.bus import Bus
+from tokenpipe.errors import WireFormatError
+from tokenpipe.streams import Gap, Ping, follow, get_meta, last_batch, paced
+from tokenpipe.subjects import TOKEN_WILDCARD
+from tokenpipe.wire import StreamMeta, TokenBatch
 
 __all__ = ["replay", "list_streams", "tail"]
 

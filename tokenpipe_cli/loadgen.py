@@ -1,26 +1,26 @@
-"""Load generator against a running pipeline, reporting what `vllm bench serve` reports.
+"""The load generator behind ``tokenpipe bench``: drives a running pipeline, records every request.
 
 Modes: a fixed number of concurrent clients, or Poisson arrivals at a request rate; stop
 after N requests or a duration. Paths: the native SSE API, the OpenAI API (streaming chat
 completions), or the producer SDK straight on NATS. Tokens are counted from the stream (not
-chunks). Coalesced batches are measured as such: inter-batch latency and tokens per batch;
-per-token ITL spreads a batch's gap evenly over its tokens.
+chunks), and each batch's arrival is kept, so coalesced batches are measured as such
+(:mod:`tokenpipe_cli.stats` turns the records into what `vllm bench serve` reports).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import random
-import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
-__all__ = ["LoadConfig", "Record", "latency_stats", "native_stream", "percentile", "plot", "record_batch", "run_load",
-           "summarize", "feed_native_sse"]
+from producer import Producer, RelayClient, SSEEvent, aiter_sse
+from tokenpipe.errors import TokenpipeError
+
+__all__ = ["LoadConfig", "Record", "native_stream", "record_batch", "record_event", "run_load"]
 
 WORDS = ["stream", "token", "queue", "batch", "relay", "model", "prompt", "answer", "latency", "window", "cache",
          "replay", "resume", "worker", "subject", "message", "server", "client", "trace", "metric"]
@@ -71,33 +71,25 @@ def _prompt(rng: random.Random, words: int) -> str:
     return "Write about " + " ".join(rng.choice(WORDS) for _ in range(words)) + "."
 
 
-async def native_stream(client: httpx.AsyncClient, body: dict[str, Any], rec: Record) -> None:
+async def native_stream(relay: RelayClient, body: dict[str, Any], rec: Record) -> None:
     """POST /v1/streams then read its SSE to the end, recording every batch into ``rec``."""
-    r = await client.post("/v1/streams", json=body)
-    r.raise_for_status()
-    sid = r.json()["id"]
-    event = ""
-    async with client.stream("GET", f"/v1/streams/{sid}") as resp:
-        async for line in resp.aiter_lines():
-            event, ended = feed_native_sse(rec, event, line)
-            if ended:
-                return
+    sid = await relay.create(body)
+    async for event in relay.events(sid):
+        if record_event(rec, event):
+            return
 
 
-def feed_native_sse(rec: Record, event: str, line: str) -> tuple[str, bool]:
-    """One line of the native API's SSE into ``rec``: returns the current event name and
-    whether the stream ended (``done`` or ``error``)."""
-    if line.startswith("event:"):
-        return line[6:].strip(), False
-    if line.startswith("data:"):
-        data = json.loads(line[5:])
-        if event == "tokens":
-            record_batch(rec, len(data["token_ids"]), data.get("timings"))
-        elif event in ("done", "error"):
-            rec.finish = data.get("finish", "error")
-            rec.error = data.get("message")
-            return event, True
-    return event, False
+def record_event(rec: Record, event: SSEEvent) -> bool:
+    """One event of the native API into ``rec``; True when it ended the stream (``done`` or ``error``)."""
+    if event.event == "tokens":
+        data = event.json()
+        record_batch(rec, len(data["token_ids"]), data.get("timings"))
+    elif event.event in ("done", "error"):
+        data = event.json()
+        rec.finish = data.get("finish", "error")
+        rec.error = data.get("message")
+        return True
+    return False
 
 
 async def _openai(client: httpx.AsyncClient, body: dict[str, Any], rec: Record) -> None:
@@ -105,10 +97,10 @@ async def _openai(client: httpx.AsyncClient, body: dict[str, Any], rec: Record) 
     req = {**body, "messages": msgs, "stream": True, "stream_options": {"include_usage": True}}
     async with client.stream("POST", "/v1/chat/completions", json=req) as resp:
         resp.raise_for_status()
-        async for line in resp.aiter_lines():
-            if not line.startswith("data:") or line.strip() == "data: [DONE]":
+        async for event in aiter_sse(resp):
+            if event.data == "[DONE]":
                 continue
-            chunk = json.loads(line[5:])
+            chunk = event.json()
             if "error" in chunk:
                 rec.finish, rec.error = "error", chunk["error"]["message"]
                 return
@@ -136,7 +128,7 @@ def record_batch(rec: Record, ntok: int, timings: dict[str, int] | None) -> None
     rec.tokens += ntok
 
 
-async def _sdk(producer: Any, body: dict[str, Any], rec: Record) -> None:
+async def _sdk(producer: Producer, body: dict[str, Any], rec: Record) -> None:
     model = body.pop("model")
     handle = await producer.submit(model, **body)
     async for batch in handle:
@@ -151,11 +143,10 @@ async def run_load(cfg: LoadConfig, progress: Any = None) -> tuple[list[Record],
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     client = httpx.AsyncClient(base_url=cfg.url, timeout=600, limits=limits, headers=headers)
+    relay = RelayClient(http=client)
     producer = None
     model = cfg.model
     if cfg.api == "sdk":
-        from producer import Producer
-
         producer = await Producer.connect(cfg.nats_url)
         model = model or "smollm2-135m"
     elif model is None:
@@ -174,13 +165,14 @@ async def run_load(cfg: LoadConfig, progress: Any = None) -> tuple[list[Record],
         rec = Record(ok=False, start=time.perf_counter())
         try:
             if cfg.api == "native":
-                await native_stream(client, body, rec)
+                await native_stream(relay, body, rec)
             elif cfg.api == "openai":
                 await _openai(client, body, rec)
             else:
+                assert producer is not None
                 await _sdk(producer, body, rec)
             rec.ok = rec.finish in ("length", "stop")
-        except (httpx.HTTPError, OSError) as exc:
+        except (TokenpipeError, httpx.HTTPError, OSError) as exc:
             rec.error = repr(exc)
         rec.e2e = time.perf_counter() - rec.start
         records.append(rec)
@@ -213,71 +205,3 @@ async def run_load(cfg: LoadConfig, progress: Any = None) -> tuple[list[Record],
         if producer is not None:
             await producer.close()
     return records, time.perf_counter() - t0
-
-
-def percentile(ordered: list[float], fraction: float) -> float:
-    """Nearest-rank percentile of an already sorted list (NaN when empty)."""
-    if not ordered:
-        return float("nan")
-    return ordered[min(len(ordered) - 1, round(fraction * (len(ordered) - 1)))]
-
-
-def latency_stats(values: list[float], scale: float = 1e3) -> dict[str, float]:
-    vals = sorted(v * scale for v in values if v == v)
-    if not vals:
-        return {"mean": float("nan"), "p50": float("nan"), "p90": float("nan"), "p99": float("nan")}
-    return {"mean": statistics.fmean(vals), "p50": percentile(vals, 0.5), "p90": percentile(vals, 0.9),
-            "p99": percentile(vals, 0.99)}
-
-
-def summarize(records: list[Record], wall: float) -> dict[str, Any]:
-    ok = [r for r in records if r.ok]
-    itl: list[float] = []
-    inter_batch: list[float] = []
-    for r in ok:
-        for prev, cur, n in zip(r.arrivals, r.arrivals[1:], r.batch_tokens[1:], strict=False):
-            inter_batch.append(cur - prev)
-            itl.extend([(cur - prev) / n] * n if n else [])
-    tpot = [(r.e2e - r.ttft) / (r.tokens - 1) for r in ok if r.tokens > 1]
-    tokens = sum(r.tokens for r in ok)
-    return {
-        "requests": len(records), "succeeded": len(ok), "failed": len(records) - len(ok),
-        "wall_s": wall, "request_throughput": len(ok) / wall, "output_tokens": tokens,
-        "output_tok_s": tokens / wall,
-        "ttft_ms": latency_stats([r.ttft for r in ok]), "tpot_ms": latency_stats(tpot),
-        "itl_ms": latency_stats(itl), "e2e_ms": latency_stats([r.e2e for r in ok]),
-        "inter_batch_ms": latency_stats(inter_batch),
-        "tokens_per_batch": statistics.fmean([n for r in ok for n in r.batch_tokens]) if ok else float("nan"),
-        "batches": sum(len(r.batch_tokens) for r in ok),
-        "errors": sorted({r.error for r in records if r.error})[:5],
-    }
-
-
-def plot(records: list[Record], path: str, title: str) -> None:
-    """Latency CDFs (TTFT, ITL, E2E) as a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ok = [r for r in records if r.ok]
-    series = {"TTFT": [r.ttft * 1e3 for r in ok], "E2E": [r.e2e * 1e3 for r in ok],
-              "ITL": [(c - p) / n * 1e3 for r in ok
-                      for p, c, n in zip(r.arrivals, r.arrivals[1:], r.batch_tokens[1:], strict=False) if n]}
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
-    for ax, (name, vals) in zip(axes, series.items(), strict=True):
-        vals = sorted(vals)
-        if vals:
-            ax.plot(vals, [(i + 1) / len(vals) for i in range(len(vals))])
-        ax.set_title(f"{name} CDF")
-        ax.set_xlabel("ms")
-        ax.grid(alpha=0.3)
-    axes[0].set_ylabel("fraction of requests / tokens")
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def records_json(records: list[Record]) -> list[dict[str, Any]]:
-    return [asdict(r) for r in records]

@@ -1,0 +1,68 @@
+"""Who may import whom, checked on the source (docs/architecture.md, "Roles and packages").
+
+The core ``tokenpipe`` imports no role; the roles import the core and themselves, never each
+other; only the composition root ``tokenpipe_cli`` imports every role; nothing shipped imports
+the repository's ``bench`` scripts.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CORE = "tokenpipe"
+ROLES = ("generator", "relay", "producer")
+ROOT_PACKAGE = "tokenpipe_cli"
+OURS = {CORE, *ROLES, ROOT_PACKAGE, "bench"}
+
+
+def modules(package: str) -> list[Path]:
+    return sorted((ROOT / package).rglob("*.py"))
+
+
+def imported(path: Path) -> set[str]:
+    """The top-level packages ``path`` imports, lazy imports inside functions included."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def offenders(package: str, allowed: set[str]) -> dict[str, list[str]]:
+    found = {str(p.relative_to(ROOT)): sorted((imported(p) & OURS) - allowed) for p in modules(package)}
+    return {module: names for module, names in found.items() if names}
+
+
+def test_the_core_imports_no_role() -> None:
+    assert modules(CORE)
+    assert offenders(CORE, {CORE}) == {}
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_a_role_imports_only_the_core_and_itself(role: str) -> None:
+    assert modules(role)
+    assert offenders(role, {CORE, role}) == {}
+
+
+def test_the_composition_root_imports_the_roles_but_not_the_bench_scripts() -> None:
+    assert offenders(ROOT_PACKAGE, OURS - {"bench"}) == {}
+
+
+def test_the_distribution_ships_the_packages_and_no_bench() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert sorted(project["tool"]["setuptools"]["packages"]) == sorted([CORE, *ROLES, ROOT_PACKAGE])
+    assert project["project"]["scripts"]["tokenpipe"] == "tokenpipe_cli.cli:main"
+
+
+@pytest.mark.parametrize("package", [CORE, ROOT_PACKAGE, "producer", "generator"])
+def test_no_module_is_named_after_a_standard_library_module(package: str) -> None:
+    """``tokenpipe/inspect.py`` shadowed ``inspect`` for any script run from inside the package."""
+    assert [p.name for p in modules(package) if p.stem in sys.stdlib_module_names] == []

@@ -1,0 +1,189 @@
+"""The one way tokenpipe starts, waits for and stops a child process (a role, or nats-server).
+
+``tokenpipe up``, the benchmarks and the tests all go through here:
+
+    relay = spawn_role("relay", "--nats-url", url, "--port", str(port), log=tmp / "relay.log")
+    wait_ready(http_ok(f"http://127.0.0.1:{port}/readyz"), timeout=60, what="the relay", children=[relay])
+    ...
+    stop_all([relay])
+
+Every child gets the Linux parent-death signal, so a killed parent leaves no orphans behind.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokenpipe.errors import TokenpipeError
+
+__all__ = ["Child", "LaunchError", "die_with_parent", "free_port", "http_ok", "port_free", "role_command", "spawn",
+           "spawn_role", "stop_all", "tcp_listening", "wait_ready"]
+
+log = logging.getLogger(__name__)
+
+
+class LaunchError(TokenpipeError):
+    """A child process exited before it was ready, or did not become ready in time."""
+
+    code = "launch_failed"
+
+
+def die_with_parent() -> None:
+    """``preexec_fn``: have Linux send SIGTERM to this child when its parent dies (even by SIGKILL),
+    so a killed test run or supervisor leaves no orphan servers behind."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on right now."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def port_free(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+@dataclass
+class Child:
+    """A process started by :func:`spawn`."""
+
+    name: str
+    proc: subprocess.Popen[bytes]
+    log: Path | None = None  # where its output goes (None: inherited from us)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.poll()
+
+    def terminate(self) -> None:
+        """Ask it to stop (SIGTERM: roles drain, then exit); does not wait."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
+    def wait_or_kill(self, timeout: float) -> int:
+        """Wait up to ``timeout`` s for it to exit, then SIGKILL it; its exit status."""
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            log.warning("child did not stop in time; killing it", extra={"child": self.name, "pid": self.pid})
+            self.proc.kill()
+            return self.proc.wait()
+
+    def stop(self, timeout: float = 10.0) -> int:
+        """SIGTERM, then SIGKILL after ``timeout`` s."""
+        self.terminate()
+        return self.wait_or_kill(timeout)
+
+    def kill(self) -> int:
+        """SIGKILL now (a test's tear-down, or a crash on purpose)."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        return self.proc.wait()
+
+    def describe(self) -> str:
+        return self.name + (f" (log: {self.log})" if self.log else "")
+
+
+def spawn(name: str, cmd: Sequence[str], *, env: Mapping[str, str] | None = None, log: Path | None = None,
+          new_session: bool = False) -> Child:
+    """Start ``cmd``. ``log`` (appended to: an earlier run's lines help when debugging a restart)
+    takes its stdout and stderr; ``new_session`` keeps a terminal's Ctrl-C from reaching it, for a
+    parent that stops its children itself, in order."""
+    if log is None:
+        proc = subprocess.Popen(list(cmd), env=dict(env) if env is not None else None,
+                                start_new_session=new_session, preexec_fn=die_with_parent)
+    else:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "ab") as out:  # the child holds its own descriptor
+            proc = subprocess.Popen(list(cmd), env=dict(env) if env is not None else None, stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=new_session,
+                                    preexec_fn=die_with_parent)
+    return Child(name, proc, log)
+
+
+def role_command(role: str, *args: str) -> list[str]:
+    """The command line of ``tokenpipe <role> <args>``, with this interpreter (no PATH lookup)."""
+    return [sys.executable, "-m", "tokenpipe_cli", role, *args]
+
+
+def spawn_role(role: str, *args: str, name: str | None = None, env: Mapping[str, str] | None = None,
+               log: Path | None = None, new_session: bool = False) -> Child:
+    """:func:`spawn` of ``tokenpipe <role> <args>`` (generator, relay, nats ...)."""
+    return spawn(name or role, role_command(role, *args), env=env, log=log, new_session=new_session)
+
+
+def stop_all(children: Sequence[Child], timeout: float = 20.0) -> None:
+    """SIGTERM every child at once, then wait for each (SIGKILL after ``timeout`` s)."""
+    for child in children:
+        child.terminate()
+    for child in children:
+        child.wait_or_kill(timeout)
+
+
+def http_ok(url: str, timeout: float = 2.0) -> Callable[[], bool]:
+    """A readiness check: ``GET url`` answers 200 (a relay answers /readyz 503 until a generator
+    has announced itself)."""
+
+    def check() -> bool:
+        try:
+            with urllib.request.urlopen(url, timeout=timeout) as resp:
+                return bool(resp.status == 200)
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            return False  # not listening yet, or not ready
+
+    return check
+
+
+def tcp_listening(host: str, port: int, timeout: float = 0.2) -> Callable[[], bool]:
+    """A readiness check: something accepts TCP connections on ``host:port``."""
+
+    def check() -> bool:
+        try:
+            with socket.create_connection((host, port), timeout=timeout):
+                return True
+        except OSError:
+            return False
+
+    return check
+
+
+def wait_ready(ready: Callable[[], bool], *, timeout: float, what: str, children: Sequence[Child] = (),
+               interval: float = 0.2, cancelled: Callable[[], bool] | None = None) -> bool:
+    """Poll ``ready`` until it holds: True. False if ``cancelled`` became true first (a signal).
+    Raises :class:`LaunchError` when one of ``children`` exits meanwhile, or after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while cancelled is None or not cancelled():
+        dead = next((c for c in children if c.proc.poll() is not None), None)
+        if dead is not None:
+            raise LaunchError(f"{dead.describe()} exited with {dead.proc.returncode} while waiting for {what}")
+        if ready():
+            return True
+        if time.monotonic() > deadline:
+            logs = ", ".join(str(c.log) for c in children if c.log)
+            raise LaunchError(f"{what} not ready within {timeout:g}s" + (f"; see {logs}" if logs else ""))
+        time.sleep(interval)  # polling a child process: there is no event to wait on
+    return False

