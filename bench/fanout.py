@@ -95,7 +95,7 @@ class SyntheticSource:
                                    token_ids=tuple(range(tokens_per_batch)), text=" tok" * tokens_per_batch,
                                    finish="length" if seq == batches - 1 else None,
                                    timings={"emitted": time.time_ns()})
-                await self.bus.nc.publish(token_subject(sid_s), batch.encode())
+                await self.bus.nc.publish(token_subject(self.bus.owner, sid_s), batch.encode())
                 sent += 1
             await asyncio.sleep(0.001)  # the synthetic generators' pacing
 

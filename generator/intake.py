@@ -17,12 +17,13 @@ from typing import Any
 
 from nats.aio.msg import Msg
 from nats.js import api as js_api
+from nats.js.errors import NotFoundError
 
 from tokenpipe.bus import Bus
 from tokenpipe.errors import GenerationError, TokenpipeError
 from tokenpipe.settings import Settings
 from tokenpipe.streams import history
-from tokenpipe.subjects import REQUESTS_STREAM, consumer_name, request_subject, token_subject
+from tokenpipe.subjects import REQUESTS_STREAM, consumer_name, model_request_filter, owner_of_request, token_subject
 from tokenpipe.wire import Request, TokenBatch, peek_request_id
 
 __all__ = ["RequestIntake"]
@@ -41,21 +42,36 @@ class RequestIntake:
         self._advisories: Any = None
 
     async def subscribe(self) -> None:
+        config = js_api.ConsumerConfig(
+            ack_policy=js_api.AckPolicy.EXPLICIT,
+            ack_wait=self.settings.ack_wait_s,
+            max_deliver=self.settings.max_deliver,
+            max_ack_pending=-1,
+        )
+        await self._migrate_filter(config)
         self._psub = await self.bus.js.pull_subscribe(
-            request_subject(self.model),
+            model_request_filter(self.model),
             durable=consumer_name(self.model),
             stream=REQUESTS_STREAM,
-            config=js_api.ConsumerConfig(
-                ack_policy=js_api.AckPolicy.EXPLICIT,
-                ack_wait=self.settings.ack_wait_s,
-                max_deliver=self.settings.max_deliver,
-                max_ack_pending=-1,
-            ),
+            config=config,
         )
         # One worker per model (queue group) reports requests that ran out of delivery attempts.
         self._advisories = await self.bus.nc.subscribe(
             f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{REQUESTS_STREAM}.{consumer_name(self.model)}",
             queue=f"{consumer_name(self.model)}-advisories", cb=self._on_max_deliveries)
+
+    async def _migrate_filter(self, config: js_api.ConsumerConfig) -> None:
+        """A consumer made before requests carried their owner (filter ``tp.req.<model>``) would
+        match nothing now: move it to ``tp.req.<model>.>`` in place (its queue is kept)."""
+        name, wanted = consumer_name(self.model), model_request_filter(self.model)
+        try:
+            info = await self.bus.js.consumer_info(REQUESTS_STREAM, name)
+        except NotFoundError:
+            return
+        if info.config.filter_subject != wanted:
+            await self.bus.js.add_consumer(REQUESTS_STREAM, config=config.evolve(
+                name=name, durable_name=name, filter_subject=wanted))
+            log.info("consumer filter updated", extra={"consumer": name, "filter": wanted})
 
     async def close(self) -> None:
         for sub in (self._advisories, self._psub):
@@ -89,9 +105,10 @@ class RequestIntake:
         """A decodable but invalid request: tell its stream (if it has an id), then terminate."""
         rid = peek_request_id(msg.data)
         log.warning("rejecting invalid request", extra={"request_id": rid, "error": exc.message})
-        if rid is not None:
+        owner = _owner(msg.subject)
+        if rid is not None and owner is not None:
             batch = TokenBatch.error_for(rid, exc.message, exc.code)
-            await self.bus.nc.publish(token_subject(rid), batch.encode())
+            await self.bus.nc.publish(token_subject(owner, rid), batch.encode())
         await msg.term()
 
     async def _on_max_deliveries(self, msg: Msg) -> None:
@@ -100,7 +117,8 @@ class RequestIntake:
             advisory = json.loads(msg.data)
             raw = await self.bus.js.get_msg(REQUESTS_STREAM, int(advisory["stream_seq"]))
             request = Request.decode(raw.data or b"")
-            past = await history(self.bus, request.id)
+            owner = owner_of_request(raw.subject or "")
+            past = await history(self.bus, request.id, owner=owner)
         except (ValueError, KeyError, TokenpipeError) as exc:
             log.warning("unusable max-deliveries advisory", extra={"error": str(exc)})
             return
@@ -113,8 +131,15 @@ class RequestIntake:
             batch = TokenBatch.error_for(
                 request.id, f"generation failed: the request was attempted {attempts} times and every worker stopped",
                 GenerationError.code, seq=len(past), index=produced)
-            await self.bus.nc.publish(token_subject(request.id), batch.encode(),
-                                      headers={"Nats-Msg-Id": f"{batch.id}:{batch.seq}"})
+            await self.bus.nc.publish(token_subject(owner, request.id), batch.encode(),
+                                      headers={"Nats-Msg-Id": f"{owner}:{batch.id}:{batch.seq}"})
             log.error("request exhausted its deliveries", extra={"request_id": request.id, "attempts": attempts})
         await self.bus.js.delete_msg(REQUESTS_STREAM, int(advisory["stream_seq"]))
 
+
+
+def _owner(subject: str) -> str | None:
+    try:
+        return owner_of_request(subject)
+    except TokenpipeError:
+        return None

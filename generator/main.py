@@ -40,7 +40,7 @@ async def serve(settings: Settings) -> None:
     engine_thread = torch_thread()
     loaded = await loop.run_in_executor(engine_thread, partial(_load, settings))
     provider = setup_tracing("tokenpipe-generator")
-    bus = await connect(settings, name=f"tokenpipe-generator-{loaded.name}")
+    bus = await connect(settings, name=f"tokenpipe-generator-{loaded.name}", role="generator")
     metrics = GeneratorMetrics(loaded.name)
     if settings.metrics_port > 0:
         try:

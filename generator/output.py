@@ -20,7 +20,7 @@ from opentelemetry.trace import Tracer
 
 from tokenpipe.metrics import GeneratorMetrics
 from tokenpipe.settings import Settings
-from tokenpipe.subjects import token_subject
+from tokenpipe.subjects import RELAY_OWNER, token_subject
 from tokenpipe.telemetry import inject_headers
 from tokenpipe.wire import Request, TokenBatch
 
@@ -50,11 +50,13 @@ class RequestOutput:
     """The output path of one running request (see the module docstring)."""
 
     def __init__(self, ctx: OutputContext, request: Request, msg: Msg | None, span: Any, *,
-                 past: Sequence[TokenBatch] = (), received: int) -> None:
+                 past: Sequence[TokenBatch] = (), received: int, owner: str = RELAY_OWNER) -> None:
         """``past`` holds the batches already published for a redelivered request: numbering
-        continues after them. ``received`` is when this worker pulled the request (ns)."""
+        continues after them. ``received`` is when this worker pulled the request (ns).
+        ``owner`` published the request (from its subject): the batches go to its token subjects."""
         self.ctx = ctx
         self.request = request
+        self.owner = owner
         self.msg = msg
         self.span = span
         resumed = sum(len(b.token_ids) for b in past)
@@ -118,9 +120,9 @@ class RequestOutput:
 
     def _send(self, batch: TokenBatch) -> None:
         # Msg-Id per (stream, seq): should two workers ever publish the same batch, JetStream keeps one.
-        headers = {**self.headers, "Nats-Msg-Id": f"{batch.id}:{batch.seq}"}
+        headers = {**self.headers, "Nats-Msg-Id": f"{self.owner}:{batch.id}:{batch.seq}"}
         self.timeline.on_batch(self.ctx.metrics, batch, batch.timings.get("emitted", time.time_ns()))
-        self.ctx.publisher.publish(token_subject(batch.id), batch.encode(), headers)
+        self.ctx.publisher.publish(token_subject(self.owner, batch.id), batch.encode(), headers)
         if batch.is_final:
             self._finish(batch)
 

@@ -28,8 +28,8 @@ from tokenpipe.bus import Bus
 from tokenpipe.errors import TokenpipeError, WireFormatError
 from tokenpipe.metrics import GeneratorMetrics
 from tokenpipe.settings import Settings
-from tokenpipe.streams import history
-from tokenpipe.subjects import CANCEL_WILDCARD
+from tokenpipe.streams import history, last_stored
+from tokenpipe.subjects import CANCEL_WILDCARD, owner_of_request, parse_cancel_subject
 from tokenpipe.telemetry import extract_context, get_tracer
 from tokenpipe.wire import Request, TokenBatch, Usage
 
@@ -168,15 +168,33 @@ class GeneratorWorker:
         received = time.time_ns()
         try:
             request = Request.decode(msg.data)
+            owner = owner_of_request(msg.subject)  # who published it: never taken from the payload
         except WireFormatError as exc:
             await self.intake.reject_undecodable(msg, exc)
             return
         except TokenpipeError as exc:
             await self.intake.reject(msg, exc)
             return
-        if request.id in self.active:
+        held = self.active.get(request.id)
+        taken = False
+        if held is not None and held.owner == owner:
             # Redelivered while we still run it (a late progress ack): keep it ours, do not ack it away.
             await msg.in_progress()
+            return
+        if held is None and msg.metadata.num_delivered <= 1:
+            # A first delivery starts a new stream: an id that already has token history is taken
+            # (no appending to someone's running or finished stream by reusing its id).
+            try:
+                taken = await last_stored(self.bus, request.id, owner=owner) is not None
+            except TokenpipeError as exc:
+                log.warning("cannot check the stream id; retrying later", extra={"request_id": request.id,
+                                                                                 "error": exc.message})
+                await msg.nak(delay=1.0)
+                return
+        if held is not None or taken:
+            log.warning("refusing a request for a stream id that is taken", extra={"request_id": request.id,
+                                                                                   "owner": owner})
+            await msg.term()  # no error batch: that stream belongs to its first request
             return
         ctx = extract_context(msg.headers)
         span = self.tracer.start_span(f"generate {self.model}", context=ctx, kind=SpanKind.CONSUMER, attributes={
@@ -193,7 +211,7 @@ class GeneratorWorker:
         if msg.metadata.num_delivered > 1:
             # Redelivered: a worker died or handed it back. Continue after what it published.
             try:
-                past = await history(self.bus, request.id)
+                past = await history(self.bus, request.id, owner=owner)
             except TokenpipeError as exc:
                 log.warning("cannot read history; retrying later", extra={"request_id": request.id,
                                                                           "error": exc.message})
@@ -207,22 +225,27 @@ class GeneratorWorker:
         resume = tuple(t for b in past for t in b.token_ids)
         span.set_attribute("tokenpipe.delivery", msg.metadata.num_delivered)
         span.set_attribute("tokenpipe.resumed_tokens", len(resume))
-        out = self.active[request.id] = RequestOutput(self._output, request, msg, span, past=past, received=received)
+        out = self.active[request.id] = RequestOutput(self._output, request, msg, span, past=past, received=received,
+                                                      owner=owner)
         if past:
             log.info("continuing redelivered request", extra={"request_id": request.id, "resumed_tokens": len(resume),
                                                               "delivery": msg.metadata.num_delivered})
-        if request.id in self.recent_cancels:
+        if f"{owner}.{request.id}" in self.recent_cancels:
             out.emit(Emission(request.id, (), "", time.time_ns(), finish="cancelled", usage=Usage(0, len(resume))))
             return
         self.runner.submit(Job(request, resume_ids=resume, received_ns=received, more_coming=more_coming))
 
     # -- cancellation ----------------------------------------------------------------
     async def _on_cancel(self, msg: Msg) -> None:
-        rid = msg.subject.rsplit(".", 1)[-1]
-        self.recent_cancels[rid] = None
+        try:
+            owner, rid = parse_cancel_subject(msg.subject)
+        except TokenpipeError:
+            return
+        self.recent_cancels[f"{owner}.{rid}"] = None
         while len(self.recent_cancels) > _RECENT_CANCELS:
             self.recent_cancels.popitem(last=False)
-        if rid in self.active:
+        out = self.active.get(rid)
+        if out is not None and out.owner == owner:
             log.info("cancel requested", extra={"request_id": rid})
             self.runner.cancel(rid)
 

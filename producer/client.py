@@ -92,7 +92,8 @@ class StreamHandle:
 
 
 class Producer:
-    """Publishes requests to ``tp.req.<model>`` and follows ``tp.tok.<id>``."""
+    """Publishes requests to ``tp.req.<model>.<app>`` and follows ``tp.tok.<app>.<id>`` (the app is
+    ``bus.owner``: its credentials' name, ``TOKENPIPE_APP_NAME``, or the relay's on an open bus)."""
 
     def __init__(self, bus: Bus, *, tenant: str = "default", tracer_provider: TracerProvider | None = None) -> None:
         self.bus = bus
@@ -103,7 +104,7 @@ class Producer:
     async def connect(cls, nats_url: str | None = None, *, settings: Settings | None = None, tenant: str = "default",
                       tracer_provider: TracerProvider | None = None) -> Producer:
         settings = settings or Settings.load(nats_url=nats_url)
-        bus = await connect(settings, name="tokenpipe-producer")
+        bus = await connect(settings, name="tokenpipe-producer", role="app")
         return cls(bus, tenant=tenant, tracer_provider=tracer_provider)
 
     async def __aenter__(self) -> Producer:
@@ -124,7 +125,7 @@ class Producer:
         check_model_name(model)
         req = Request.build(model, prompt=prompt, messages=messages, input_ids=input_ids, params=params,
                             coalesce=coalesce, tenant=self.tenant, request_id=request_id)
-        with producer_span(self.tracer, request_subject(model),
+        with producer_span(self.tracer, request_subject(model, self.bus.owner),
                            {"gen_ai.request.model": model, "tokenpipe.stream.id": req.id}) as headers:
             await submit(self.bus, req, headers)
         return StreamHandle(req.id, self)

@@ -33,7 +33,7 @@ from tokenpipe.bus import Bus
 from tokenpipe.errors import TransportError, WireFormatError
 from tokenpipe.reorder import Reorder
 from tokenpipe.streams import PING, StreamItem, last_stored, stored
-from tokenpipe.subjects import TOKEN_WILDCARD, token_subject
+from tokenpipe.subjects import owner_tokens, token_subject
 from tokenpipe.wire import TokenBatch
 
 __all__ = ["Fanout", "LiveStream"]
@@ -57,8 +57,9 @@ class Fanout:
 
     async def start(self) -> None:
         # Generous pending limits: a burst is better queued here than dropped (and re-read).
-        self._sub = await self.bus.nc.subscribe(TOKEN_WILDCARD, cb=self._on_msg, pending_msgs_limit=1 << 20,
-                                                pending_bytes_limit=512 << 20)
+        # Only the streams made through relays (owner "relay"): apps' streams are not ours to serve.
+        self._sub = await self.bus.nc.subscribe(owner_tokens(self.bus.owner), cb=self._on_msg,
+                                                pending_msgs_limit=1 << 20, pending_bytes_limit=512 << 20)
         self.bus.on_possible_loss.append(self._on_possible_loss)
 
     async def stop(self) -> None:
@@ -76,7 +77,7 @@ class Fanout:
         """Register a reader now: every batch published from here on reaches it. ``fresh``
         promises that nothing was published before (the request is not submitted yet)."""
         reader = LiveStream(self, stream_id, after_seq=after_seq, fresh=fresh)
-        self._readers.setdefault(token_subject(stream_id), []).append(reader)
+        self._readers.setdefault(token_subject(self.bus.owner, stream_id), []).append(reader)
         return reader
 
     def _close(self, reader: LiveStream) -> None:
@@ -129,7 +130,7 @@ class LiveStream:
     def __init__(self, fanout: Fanout, stream_id: str, *, after_seq: int, fresh: bool) -> None:
         self._fanout = fanout
         self.stream_id = stream_id
-        self.subject = token_subject(stream_id)
+        self.subject = token_subject(fanout.bus.owner, stream_id)
         self.after_seq = after_seq
         self._fresh = fresh
         self._inbox: list[tuple[TokenBatch, dict[str, str] | None]] = []

@@ -68,7 +68,7 @@ class Forwarder:
         bus = self._bus()
         live = self.fanout.open(request.id, fresh=True) if follow and self.fanout is not None else None
         try:
-            with producer_span(self.tracer, request_subject(request.model),
+            with producer_span(self.tracer, request_subject(request.model, bus.owner),
                                {"gen_ai.request.model": request.model, "tokenpipe.stream.id": request.id}) as headers:
                 await submit(bus, request, headers)
         except BaseException:

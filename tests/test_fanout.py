@@ -35,7 +35,7 @@ async def fanout(bus: Bus) -> AsyncIterator[Fanout]:
 
 
 async def publish(bus: Bus, b: TokenBatch) -> None:
-    await bus.js.publish(token_subject(b.id), b.encode())
+    await bus.js.publish(token_subject(bus.owner, b.id), b.encode())
 
 
 async def collect(reader: LiveStream, idle: float | None = None) -> list[StreamItem]:
@@ -117,7 +117,7 @@ async def test_undecodable_message_on_a_token_subject_is_skipped(bus: Bus, fanou
     sid = new_request_id()
     reader = fanout.open(sid, fresh=True)
     task = asyncio.create_task(collect(reader))
-    await bus.nc.publish(token_subject(sid), b"\xc1 not msgpack")
+    await bus.nc.publish(token_subject(bus.owner, sid), b"\xc1 not msgpack")
     await publish(bus, batch(sid, 0, final=True))
     items = await asyncio.wait_for(task, 30)
     assert [b.seq for b in items if isinstance(b, TokenBatch)] == [0]
@@ -169,7 +169,8 @@ async def test_regression_reader_that_catches_up_the_first_batch_still_gets_its_
     relay's forward span lost the generation's trace whenever the client connected late."""
     sid = new_request_id()
     parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
-    await bus.js.publish(token_subject(sid), batch(sid, 0).encode(), headers={"traceparent": parent})
+    await bus.js.publish(token_subject(bus.owner, sid), batch(sid, 0).encode(),
+                         headers={"traceparent": parent})
     reader = fanout.open(sid)
     trace_headers: dict[str, str] = {}
     got: list[StreamItem] = []

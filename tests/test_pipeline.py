@@ -230,7 +230,7 @@ async def test_unknown_stream_is_404(http: httpx.AsyncClient) -> None:
 
 async def test_malformed_msgpack_is_terminated_and_worker_keeps_serving(bus: Bus, http: httpx.AsyncClient,
                                                                        generator: GeneratorWorker) -> None:
-    subject = request_subject("tiny-random")
+    subject = request_subject("tiny-random", bus.owner)
     await bus.js.publish(subject, b"\xc1\xc1 definitely not msgpack")
     await bus.js.publish(subject, msgpack.packb(["a", "list"]))
     # decodable, has an id, but invalid: the stream gets an error batch

@@ -31,7 +31,7 @@ async def store(bus: Bus, sid: str, seqs: list[int], final: int) -> None:
     for seq in seqs:
         batch = TokenBatch(id=sid, seq=seq, index=seq, token_ids=(100 + seq,), text=f"<{seq}>",
                            finish="length" if seq == final else None)
-        await bus.js.publish(token_subject(sid), batch.encode())
+        await bus.js.publish(token_subject(bus.owner, sid), batch.encode())
 
 
 async def test_follow_returns_batches_stored_out_of_order_instead_of_calling_them_expired(bus: Bus) -> None:

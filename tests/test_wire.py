@@ -12,7 +12,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 
 from tokenpipe.errors import InvalidRequest, WireFormatError
-from tokenpipe.subjects import cancel_subject, request_subject, token_subject
+from tokenpipe.subjects import cancel_subject, owner_of_request, parse_cancel_subject, request_subject, token_subject
 from tokenpipe.telemetry import producer_span
 from tokenpipe.wire import (
     WIRE_VERSION,
@@ -93,13 +93,26 @@ def test_invalid_requests_are_rejected(obj: dict) -> None:
 
 
 def test_subjects_refuse_dots_and_wildcards() -> None:
-    assert request_subject("smollm2-135m") == "tp.req.smollm2-135m"
-    assert token_subject("abc_D-1") == "tp.tok.abc_D-1"
+    assert request_subject("smollm2-135m", "relay") == "tp.req.smollm2-135m.relay"
+    assert token_subject("relay", "abc_D-1") == "tp.tok.relay.abc_D-1"
+    assert cancel_subject("app1", "abc") == "tp.cancel.app1.abc"
     for bad in ("a.b", "a*", ">", "a b", ""):
         with pytest.raises(InvalidRequest):
-            token_subject(bad)
+            token_subject("relay", bad)
         with pytest.raises(InvalidRequest):
-            cancel_subject(bad)
+            cancel_subject("relay", bad)
+        with pytest.raises(InvalidRequest):
+            token_subject(bad, "abc")  # the owner is a subject token too
+        with pytest.raises(InvalidRequest):
+            request_subject("m", bad)
+
+
+def test_the_owner_is_read_from_request_and_cancel_subjects() -> None:
+    assert owner_of_request("tp.req.m.alice") == "alice"
+    assert parse_cancel_subject("tp.cancel.alice.s1") == ("alice", "s1")
+    for bad in ("tp.req.m", "tp.req.m.a.b", "tp.tok.m.a"):
+        with pytest.raises(InvalidRequest):
+            owner_of_request(bad)
 
 
 def test_build_validates_untrusted_values_and_stamps_id_and_time() -> None:

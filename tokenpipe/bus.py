@@ -15,9 +15,18 @@ from nats.js import api as js_api
 from nats.js.errors import NotFoundError
 from nats.js.kv import KeyValue
 
+from . import natsauth
 from .errors import TransportError
 from .settings import Settings
-from .subjects import META_BUCKET, REQUEST_WILDCARD, REQUESTS_STREAM, TOKEN_WILDCARD, TOKENS_STREAM
+from .subjects import (
+    META_BUCKET,
+    META_STREAM,
+    RELAY_OWNER,
+    REQUEST_WILDCARD,
+    REQUESTS_STREAM,
+    TOKEN_WILDCARD,
+    TOKENS_STREAM,
+)
 
 __all__ = ["Bus", "connect", "provision"]
 
@@ -35,6 +44,8 @@ class Bus:
     # slow-consumer error (with the subscription that dropped messages).
     on_possible_loss: list[Callable[[Any], None]] = field(default_factory=list)
     closing: bool = False
+    # Whose streams this connection makes and reads (the owner in their subjects, tokenpipe.subjects).
+    owner: str = RELAY_OWNER
 
     async def close(self) -> None:
         if self.nc.is_closed:
@@ -46,13 +57,20 @@ class Bus:
             await self.nc.close()  # the server is gone: nothing can be drained to it
 
 
-async def connect(settings: Settings, *, name: str, provision_streams: bool = True) -> Bus:
-    """Connect (retrying forever on disconnect), provision streams, open the meta bucket."""
+async def connect(settings: Settings, *, name: str, provision_streams: bool = True, role: str = "relay") -> Bus:
+    """Connect as ``role`` (its credentials, TLS and inbox: :mod:`tokenpipe.natsauth`; retrying
+    forever on disconnect), provision streams, open the meta bucket."""
+    ident = natsauth.identity(settings, role)
 
     bus: Bus | None = None
 
     async def _err(exc: Exception) -> None:
-        log.warning("nats error", extra={"error": repr(exc)})
+        if natsauth.is_permission_error(exc):
+            # A denial: this role's credentials do not allow what it tried. Logged, never fatal.
+            log.error("NATS refused an operation of role %s (its credentials do not allow it): %s", role,
+                      str(exc).removeprefix("nats: "), extra={"role": role, "error": str(exc)})
+        else:
+            log.warning("nats error", extra={"error": repr(exc)})
         if isinstance(exc, nats.errors.SlowConsumerError):
             for hook in bus.on_possible_loss if bus is not None else ():
                 hook(exc.sub)
@@ -78,14 +96,17 @@ async def connect(settings: Settings, *, name: str, provision_streams: bool = Tr
             error_cb=_err,
             disconnected_cb=_disc,
             reconnected_cb=_reconn,
+            **ident.options,
         )
     except Exception as exc:  # nats raises bare OSError/TimeoutError/NoServersError variants
         raise TransportError(f"cannot connect to NATS at {settings.nats_url}: {exc}") from exc
     js = nc.jetstream(timeout=10)
-    if provision_streams:
-        await provision(js, settings)
-    meta = await js.key_value(META_BUCKET)
-    bus = Bus(nc=nc, js=js, meta=meta)
+    if provision_streams and ident.provisions:
+        await provision(js, settings, registry=ident.registry)
+    # An app may not touch the registry: it gets a handle that was never opened (any use is denied).
+    meta = await js.key_value(META_BUCKET) if ident.registry else KeyValue(
+        name=META_BUCKET, stream=META_STREAM, pre=f"$KV.{META_BUCKET}.", js=js, direct=False)
+    bus = Bus(nc=nc, js=js, meta=meta, owner=ident.owner)
     return bus
 
 
@@ -111,8 +132,9 @@ async def _ensure_stream(js: JetStreamContext, config: js_api.StreamConfig) -> N
         log.info("stream updated", extra={"stream": config.name})
 
 
-async def provision(js: JetStreamContext, settings: Settings) -> None:
-    """Create or update the request/token streams and the meta bucket. Safe to race."""
+async def provision(js: JetStreamContext, settings: Settings, *, registry: bool = True) -> None:
+    """Create or update the request/token streams and (``registry``: only the roles that may touch
+    it, tokenpipe.natsauth) the meta bucket. Safe to race."""
     try:
         await _ensure_stream(
             js,
@@ -143,7 +165,8 @@ async def provision(js: JetStreamContext, settings: Settings) -> None:
             ),
         )
         try:
-            await js.key_value(META_BUCKET)
+            if registry:
+                await js.key_value(META_BUCKET)
         except NotFoundError:
             # Kept twice as long as the tokens, so an expired stream is told apart from an unknown one.
             await js.create_key_value(

@@ -39,6 +39,24 @@ class Settings:
 
     # transport
     nats_url: str = field(default="nats://127.0.0.1:4222", metadata=_doc("NATS server (every role)"))
+    nats_creds: str = field(
+        default="",
+        metadata=_doc("NATS credentials file: tokenpipe's user/password JSON (`tokenpipe creds`) or a JWT `.creds` "
+                      "file (default: the role's file in `<data dir>/creds/` when `tokenpipe up` wrote one)"),
+    )
+    nats_user: str = field(default="", metadata=_doc("NATS user (instead of `TOKENPIPE_NATS_CREDS`)"))
+    nats_password: str = field(default="", metadata=_doc("NATS password for `TOKENPIPE_NATS_USER`"))
+    nats_ca: str = field(default="", metadata=_doc("CA file to verify a `tls://` NATS server with"))
+    nats_cert: str = field(default="", metadata=_doc("client certificate for NATS TLS (mutual TLS)"))
+    nats_key: str = field(default="", metadata=_doc("client certificate key for NATS TLS"))
+    nats_inbox_prefix: str = field(
+        default="", metadata=_doc("reply inbox prefix (tokenpipe's credential files carry their own, e.g. "
+                                  "`_INBOX.relay`; permissions confine each role's replies to it)"))
+    app_name: str = field(
+        default="",
+        metadata=_doc("the producer SDK's application name on the bus: the owner in its subjects "
+                      "(`tp.req.<model>.<app>`, `tp.tok.<app>.<id>`); app credentials carry it"),
+    )
     data_dir: str = field(
         default_factory=default_data_dir,
         metadata=_doc("nats-server's JetStream store (`tokenpipe up`, `tokenpipe nats`) and the converted model cache",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
@@ -22,7 +23,7 @@ from nats.js.errors import KeyNotFoundError, NotFoundError
 from .bus import Bus
 from .errors import StreamNotFound, TransportError
 from .reorder import Gap, Reorder
-from .subjects import TOKENS_STREAM, cancel_subject, check_stream_id, request_subject, token_subject
+from .subjects import RELAY_OWNER, TOKENS_STREAM, cancel_subject, check_stream_id, request_subject, token_subject
 from .wire import Request, StreamMeta, TokenBatch
 
 __all__ = ["PING", "Gap", "Ping", "StreamItem", "cancel", "follow", "get_meta", "history",
@@ -42,15 +43,19 @@ StreamItem = TokenBatch | Ping | Gap
 
 
 async def submit(bus: Bus, request: Request, headers: dict[str, str] | None = None) -> None:
-    """Record ownership and enqueue. Raises :class:`TransportError` if NATS refuses."""
+    """Record ownership (streams made in the relay's namespace) and enqueue as ``bus.owner``.
+    Raises :class:`TransportError` if NATS refuses."""
     meta = StreamMeta(request.id, request.tenant, request.model, request.created_at or time.time_ns())
     hdrs = dict(headers or {})
-    hdrs["Nats-Msg-Id"] = request.id
+    hdrs["Nats-Msg-Id"] = f"{bus.owner}:{request.id}"  # ids are unique per owner, not across owners
     payload = request.encode()  # before any write: an unencodable request leaves nothing behind
     # Concurrently (one round trip, not two, before the caller's 201): nothing reads the meta
     # entry before submit returns, and a generator never needs it.
-    owned, queued = await asyncio.gather(bus.meta.put(request.id, meta.encode()),
-                                         bus.js.publish(request_subject(request.model), payload, headers=hdrs),
+    # The registry is the relay's: an app's streams (its own namespace) are not registered there.
+    register = bus.meta.put(request.id, meta.encode()) if bus.owner == RELAY_OWNER else _nothing()
+    owned, queued = await asyncio.gather(register,
+                                         bus.js.publish(request_subject(request.model, bus.owner), payload,
+                                                        headers=hdrs),
                                          return_exceptions=True)
     if isinstance(owned, BaseException) and not isinstance(queued, BaseException):
         await cancel(bus, request.id)  # enqueued without an owner record: nobody could read it
@@ -77,15 +82,21 @@ async def get_meta(bus: Bus, stream_id: str) -> StreamMeta:
     return StreamMeta.decode(entry.value)
 
 
+async def _nothing() -> None:
+    return None
+
+
 async def cancel(bus: Bus, stream_id: str) -> None:
-    await bus.nc.publish(cancel_subject(stream_id), b"")
+    await bus.nc.publish(cancel_subject(bus.owner, stream_id), b"")
 
 
-async def last_stored(bus: Bus, stream_id: str) -> tuple[TokenBatch, dict[str, str]] | None:
-    """The newest batch kept for ``stream_id`` with the headers it carried (trace context
-    included), or None if nothing was published or it expired. One direct get, no consumer."""
+async def last_stored(bus: Bus, stream_id: str, *,
+                      owner: str | None = None) -> tuple[TokenBatch, dict[str, str]] | None:
+    """The newest batch kept for ``stream_id`` (of ``owner``, default ``bus.owner``) with the headers
+    it carried (trace context included), or None if nothing was published or it expired. One
+    direct get, no consumer."""
     try:
-        raw = await bus.js.get_last_msg(TOKENS_STREAM, token_subject(stream_id), direct=True)
+        raw = await bus.js.get_last_msg(TOKENS_STREAM, token_subject(owner or bus.owner, stream_id), direct=True)
     except NotFoundError:
         return None
     except Exception as exc:
@@ -93,24 +104,26 @@ async def last_stored(bus: Bus, stream_id: str) -> tuple[TokenBatch, dict[str, s
     return TokenBatch.decode(raw.data or b""), dict(raw.headers or {})
 
 
-async def last_batch(bus: Bus, stream_id: str) -> TokenBatch | None:
+async def last_batch(bus: Bus, stream_id: str, *, owner: str | None = None) -> TokenBatch | None:
     """The newest batch kept for ``stream_id`` (None if nothing was published or it expired)."""
-    entry = await last_stored(bus, stream_id)
+    entry = await last_stored(bus, stream_id, owner=owner)
     return entry[0] if entry is not None else None
 
 
-async def stored(bus: Bus, stream_id: str) -> dict[int, tuple[TokenBatch, dict[str, str]]]:
+async def stored(bus: Bus, stream_id: str, *,
+                 owner: str | None = None) -> dict[int, tuple[TokenBatch, dict[str, str]]]:
     """Every batch JetStream still holds for ``stream_id``, by ``seq``, with the headers it carried.
 
     Reads every stored message (until the consumer reports nothing pending): after a NATS
     outage a republished batch can be stored after later ones, and a duplicate past the dedup
     window can be stored twice, so "the last stored message" is not "the last batch".
     """
-    if await last_batch(bus, stream_id) is None:
+    if await last_batch(bus, stream_id, owner=owner) is None:
         return {}
     try:
-        sub = await bus.js.subscribe(token_subject(stream_id), stream=TOKENS_STREAM, ordered_consumer=True,
-                                     deliver_policy=js_api.DeliverPolicy.ALL)
+        sub = await bus.js.subscribe(token_subject(owner or bus.owner, stream_id), stream=TOKENS_STREAM,
+                                     ordered_consumer=True, deliver_policy=js_api.DeliverPolicy.ALL,
+                                     config=named_consumer())
     except Exception as exc:
         raise TransportError(f"could not read stream history: {exc}") from exc
     by_seq: dict[int, tuple[TokenBatch, dict[str, str]]] = {}
@@ -128,13 +141,24 @@ async def stored(bus: Bus, stream_id: str) -> dict[int, tuple[TokenBatch, dict[s
     return by_seq
 
 
-async def history(bus: Bus, stream_id: str) -> list[TokenBatch]:
+async def history(bus: Bus, stream_id: str, *, owner: str | None = None) -> list[TokenBatch]:
     """The contiguous batches ``seq 0..k`` stored so far for ``stream_id``, in order."""
-    by_seq = await stored(bus, stream_id)
+    by_seq = await stored(bus, stream_id, owner=owner)
     out: list[TokenBatch] = []
     while len(out) in by_seq and not (out and out[-1].is_final):
         out.append(by_seq[len(out)][0])
     return out
+
+
+def named_consumer() -> js_api.ConsumerConfig:
+    """A consumer config with a name: nats-py then puts the filter subject into the create
+    request's subject (``$JS.API.CONSUMER.CREATE.<stream>.<name>.<filter>``), which is what lets
+    NATS permissions confine a reader to its owner's token subjects (tokenpipe.natsauth)."""
+    return js_api.ConsumerConfig(name=nuid_name())
+
+
+def nuid_name() -> str:
+    return f"tp{secrets.token_hex(10)}"
 
 
 async def _unsubscribe(sub: Any, stream_id: str) -> None:
@@ -172,11 +196,12 @@ async def follow(bus: Bus, stream_id: str, *, after_seq: int = -1, idle: float |
     """
     try:
         sub = await bus.js.subscribe(
-            token_subject(stream_id),
+            token_subject(bus.owner, stream_id),
             stream=TOKENS_STREAM,
             ordered_consumer=True,
             deliver_policy=js_api.DeliverPolicy.ALL,
             idle_heartbeat=5.0,
+            config=named_consumer(),
         )
     except Exception as exc:
         raise TransportError(f"could not follow stream: {exc}") from exc

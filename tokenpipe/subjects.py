@@ -1,4 +1,15 @@
-"""Subject and stream names: the one place that spells them."""
+"""Subject and stream names: the one place that spells them.
+
+Every subject that carries a stream names its *owner*: the publisher on the bus that created
+the stream (``relay`` for every stream made through the HTTP API, an app's name for the
+producer SDK). NATS permissions are subject-based, so putting the owner in the subject is
+what lets an app's credentials reach only its own streams (:mod:`tokenpipe.natsauth`):
+
+- ``tp.req.<model>.<owner>``: a request; a generator takes the owner from the subject,
+  never from the payload;
+- ``tp.tok.<owner>.<id>``: a stream's token batches;
+- ``tp.cancel.<owner>.<id>``: its cancellation.
+"""
 
 from __future__ import annotations
 
@@ -10,13 +21,20 @@ __all__ = [
     "REQUESTS_STREAM",
     "TOKENS_STREAM",
     "META_BUCKET",
+    "META_STREAM",
     "ANNOUNCE_PREFIX",
     "DISCOVER_SUBJECT",
+    "RELAY_OWNER",
     "request_subject",
+    "model_request_filter",
+    "owner_of_request",
     "token_subject",
+    "owner_tokens",
     "cancel_subject",
+    "parse_cancel_subject",
     "consumer_name",
     "check_model_name",
+    "check_owner",
     "check_stream_id",
     "REQUEST_WILDCARD",
     "TOKEN_WILDCARD",
@@ -26,6 +44,7 @@ __all__ = [
 REQUESTS_STREAM = "TP_REQUESTS"
 TOKENS_STREAM = "TP_TOKENS"
 META_BUCKET = "tp_streams"
+META_STREAM = f"KV_{META_BUCKET}"  # the stream JetStream keeps a KV bucket in
 
 REQUEST_WILDCARD = "tp.req.>"
 TOKEN_WILDCARD = "tp.tok.>"
@@ -33,9 +52,13 @@ CANCEL_WILDCARD = "tp.cancel.>"
 ANNOUNCE_PREFIX = "tp.gen.announce"
 DISCOVER_SUBJECT = "tp.gen.discover"
 
+# The owner of every stream made through a relay: tenants are mapped only in the relay.
+RELAY_OWNER = "relay"
+
 # Subject tokens may not contain '.', '*', '>' or whitespace; keep names boring.
 _MODEL_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _ID_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_OWNER_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 def check_model_name(model: str) -> str:
@@ -52,16 +75,48 @@ def check_stream_id(stream_id: str) -> str:
     return stream_id
 
 
-def request_subject(model: str) -> str:
-    return f"tp.req.{check_model_name(model)}"
+def check_owner(owner: str) -> str:
+    if not isinstance(owner, str) or not _OWNER_RE.fullmatch(owner):
+        raise InvalidRequest("owner (app) names use 1-64 of A-Z a-z 0-9 _ -", param="owner")
+    return owner
 
 
-def token_subject(stream_id: str) -> str:
-    return f"tp.tok.{check_stream_id(stream_id)}"
+def request_subject(model: str, owner: str) -> str:
+    return f"tp.req.{check_model_name(model)}.{check_owner(owner)}"
 
 
-def cancel_subject(stream_id: str) -> str:
-    return f"tp.cancel.{check_stream_id(stream_id)}"
+def model_request_filter(model: str) -> str:
+    """Every owner's requests for ``model``: the filter of its generators' consumer."""
+    return f"tp.req.{check_model_name(model)}.>"
+
+
+def owner_of_request(subject: str) -> str:
+    """The owner a request was published by, from its subject ``tp.req.<model>.<owner>``."""
+    parts = subject.split(".")
+    if len(parts) != 4 or parts[:2] != ["tp", "req"]:
+        raise InvalidRequest(f"not a request subject: {subject!r}")
+    return check_owner(parts[3])
+
+
+def token_subject(owner: str, stream_id: str) -> str:
+    return f"tp.tok.{check_owner(owner)}.{check_stream_id(stream_id)}"
+
+
+def owner_tokens(owner: str) -> str:
+    """Every token subject of ``owner``'s streams."""
+    return f"tp.tok.{check_owner(owner)}.>"
+
+
+def cancel_subject(owner: str, stream_id: str) -> str:
+    return f"tp.cancel.{check_owner(owner)}.{check_stream_id(stream_id)}"
+
+
+def parse_cancel_subject(subject: str) -> tuple[str, str]:
+    """``(owner, stream id)`` of ``tp.cancel.<owner>.<id>``."""
+    parts = subject.split(".")
+    if len(parts) != 4 or parts[:2] != ["tp", "cancel"]:
+        raise InvalidRequest(f"not a cancel subject: {subject!r}")
+    return check_owner(parts[2]), check_stream_id(parts[3])
 
 
 def consumer_name(model: str) -> str:

@@ -22,6 +22,16 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-dir", help="state directory: NATS data, model cache (env TOKENPIPE_DATA_DIR)")
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING (env TOKENPIPE_LOG_LEVEL)")
     p.add_argument("--log-json", action="store_true", default=None, help="JSON log lines")
+    _nats_auth(p)
+
+
+def _nats_auth(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nats-creds",
+                   help="NATS credentials file: tokenpipe's JSON or a JWT .creds (env TOKENPIPE_NATS_CREDS)")
+    p.add_argument("--nats-user", help="NATS user (env TOKENPIPE_NATS_USER; password: TOKENPIPE_NATS_PASSWORD)")
+    p.add_argument("--nats-ca", help="CA file for a tls:// NATS server (env TOKENPIPE_NATS_CA)")
+    p.add_argument("--nats-cert", help="client certificate for NATS TLS (env TOKENPIPE_NATS_CERT)")
+    p.add_argument("--nats-key", help="client certificate key (env TOKENPIPE_NATS_KEY)")
 
 
 def _model_opts(p: argparse.ArgumentParser) -> None:
@@ -66,6 +76,18 @@ def build_parser() -> argparse.ArgumentParser:
     nats.add_argument("--host", default="127.0.0.1")
     nats.add_argument("--port", type=int, default=4222)
     nats.add_argument("--monitor-port", type=int, default=None)
+    nats.add_argument("--auth", action="store_true",
+                      help="authorization on: one user per role, credentials created in --creds-dir")
+    nats.add_argument("--creds-dir", help="where --auth keeps the credentials (default: <data dir>/creds)")
+    nats.add_argument("--tls-cert", help="serve TLS with this certificate")
+    nats.add_argument("--tls-key", help="the certificate's key")
+    nats.add_argument("--tls-ca", help="CA for client certificates")
+    nats.add_argument("--tls-verify", action="store_true", help="require client certificates signed by --tls-ca")
+
+    creds = sub.add_parser("creds", help="NATS credentials for the embedded server (tokenpipe up / nats --auth)")
+    creds.add_argument("action", choices=["add-app"], help="add-app NAME: credentials for an application (SDK)")
+    creds.add_argument("name")
+    creds.add_argument("--creds-dir", help="default: <data dir>/creds")
 
     prep = sub.add_parser("prepare", help="convert and cache the default model (one-time, ~20 s)")
     prep.add_argument("--data-dir")
@@ -115,7 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _settings(args: argparse.Namespace, **extra: Any) -> Settings:
     keys = ("nats_url", "data_dir", "log_level", "log_json", "model", "model_path", "device", "dtype", "host",
-            "port", "max_batch", "metrics_port", "relay_fanout")
+            "port", "max_batch", "metrics_port", "relay_fanout", "nats_creds", "nats_user", "nats_ca", "nats_cert",
+            "nats_key")
     overrides = {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
     overrides.update(extra)
     return Settings.load(**overrides)
@@ -138,12 +161,21 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         data = args.data_dir or str(Path(Settings.load().data_dir) / "nats")
         setup_logging("nats")
-        server = NatsServer(data, host=args.host, port=args.port, monitor_port=args.monitor_port)
+        server = NatsServer(data, host=args.host, port=args.port, monitor_port=args.monitor_port,
+                            config_file=_nats_config(args, data), tls=bool(args.tls_cert))
         server.start()
         try:
             return server.wait()
         finally:
             server.stop()
+    if args.cmd == "creds":
+        from tokenpipe.natsauth import add_app
+
+        path = add_app(args.creds_dir or Path(Settings.load().data_dir) / "creds", args.name)
+        print(path)
+        print("restart `tokenpipe up` (or `tokenpipe nats --auth`) for nats-server to know the new user",
+              file=sys.stderr)
+        return 0
     if args.cmd == "prepare":
         from generator.models import prepare_smollm2
 
@@ -174,6 +206,21 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.cmd in ("replay", "streams", "tail"):
         return asyncio.run(_view_streams(args, settings))
     raise AssertionError(args.cmd)
+
+
+def _nats_config(args: argparse.Namespace, data: str) -> Path | None:
+    """``tokenpipe nats``'s configuration file: authorization (``--auth``) and TLS, or None."""
+    from tokenpipe.natsauth import TLSFiles, server_config, write_server_config
+
+    tls = TLSFiles(args.tls_cert, args.tls_key, args.tls_ca or "", args.tls_verify) if args.tls_cert else None
+    path = Path(data) / "nats-server.conf"
+    if args.auth:
+        return write_server_config(path, args.creds_dir or Path(Settings.load().data_dir) / "creds", tls)
+    if tls is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(server_config(None, tls))
+        return path
+    return None
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -210,7 +257,7 @@ async def _view_streams(args: argparse.Namespace, settings: Settings) -> int:
 
     from . import streamview
 
-    bus = await connect(settings, name=f"tokenpipe-{args.cmd}")
+    bus = await connect(settings, name=f"tokenpipe-{args.cmd}", role="admin")
     try:
         if args.cmd == "replay":
             return await streamview.replay(bus, args.id, speed=args.speed, as_json=args.json, from_seq=args.from_seq)

@@ -39,17 +39,23 @@ class NatsServer:
         port: int = 0,
         monitor_port: int | None = None,
         log_file: str | os.PathLike[str] | None = None,
+        config_file: str | os.PathLike[str] | None = None,
+        tls: bool = False,
     ) -> None:
+        """``config_file``: a nats-server configuration (tokenpipe's authorization and TLS,
+        :func:`tokenpipe.natsauth.write_server_config`); ``tls``: it serves TLS (``tls://`` URL)."""
         self.data_dir = Path(data_dir)
         self.host = host
         self.port = port or free_port(host)
         self.monitor_port = monitor_port
         self.log_file = Path(log_file) if log_file else self.data_dir / "nats-server.log"
         self.child: Child | None = None
+        self.config_file = Path(config_file) if config_file else None
+        self.tls = tls
 
     @property
     def url(self) -> str:
-        return f"nats://{self.host}:{self.port}"
+        return f"{'tls' if self.tls else 'nats'}://{self.host}:{self.port}"
 
     @property
     def pid(self) -> int | None:
@@ -59,6 +65,8 @@ class NatsServer:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         store = str(self.data_dir / "jetstream")
         cmd = [find_nats_server(), "-js", "-sd", store, "-a", self.host, "-p", str(self.port)]
+        if self.config_file is not None:
+            cmd += ["-c", str(self.config_file)]
         if self.monitor_port is not None:
             cmd += ["-m", str(self.monitor_port)]
         self.child = spawn("nats-server", cmd, log=self.log_file, new_session=True)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 
+from tokenpipe.natsauth import write_server_config
 from tokenpipe.settings import Settings
 
 from .launch import Child, LaunchError, free_port, http_ok, port_free, spawn_role, wait_ready
@@ -42,22 +43,28 @@ class Supervisor:
         signal.signal(signal.SIGINT, self._on_signal)
         signal.signal(signal.SIGTERM, self._on_signal)
         nats_url = s.nats_url
+        creds: dict[str, list[str]] = {}  # per role: its credentials (the embedded server's)
         try:
             if not self.external_nats:
                 port = self.nats_port if port_free(self.nats_port) else free_port()
-                self.nats = NatsServer(Path(s.data_dir) / "nats", port=port).start()
+                creds_dir = Path(s.data_dir) / "creds"
+                # Authorization on, even on loopback: every role gets its own user (tokenpipe.natsauth).
+                conf = write_server_config(Path(s.data_dir) / "nats" / "nats-server.conf", creds_dir)
+                self.nats = NatsServer(Path(s.data_dir) / "nats", port=port, config_file=conf).start()
                 nats_url = self.nats.url
+                creds = {role: ["--nats-creds", str(creds_dir / f"{role}.json")] for role in ("relay", "generator")}
             self._prepare_model()
             common = ["--nats-url", nats_url, "--data-dir", s.data_dir, "--log-level", s.log_level]
             for i in range(self.generators):
                 metrics_port = s.metrics_port + i if s.metrics_port > 0 else 0
-                self._spawn(f"generator-{i}", ["generator", *common, "--model", s.model, "--device", s.device,
-                                               "--metrics-port", str(metrics_port),
+                self._spawn(f"generator-{i}", ["generator", *common, *creds.get("generator", []), "--model", s.model,
+                                               "--device", s.device, "--metrics-port", str(metrics_port),
                                                *(["--model-path", s.model_path] if s.model_path else [])])
-            self._spawn("relay", ["relay", *common, "--host", s.host, "--port", str(s.port)])
+            self._spawn("relay", ["relay", *common, *creds.get("relay", []), "--host", s.host, "--port", str(s.port)])
             url = f"http://{s.host}:{s.port}"
             if self._wait_ready(url):
-                print(f"\ntokenpipe is up: {url}   (NATS {nats_url}; Ctrl-C stops)\n", flush=True)
+                where = f"NATS {nats_url}, credentials in {s.data_dir}/creds" if creds else f"NATS {nats_url}"
+                print(f"\ntokenpipe is up: {url}   ({where}; Ctrl-C stops)\n", flush=True)
                 while self._stop_signal is None:
                     dead = [c for c in self.children if c.returncode is not None]
                     if dead:

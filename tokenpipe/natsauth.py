@@ -1,0 +1,375 @@
+"""Who may do what on the bus: per-role NATS permissions, credentials, and connection options.
+
+The permission table is data (:func:`permissions`): nats-server's configuration
+(:func:`server_config`) and docs/architecture.md's table (:func:`permission_table`) are both
+rendered from it, and the tests check the document against it.
+
+Roles: ``relay`` (publishes requests and cancels as owner ``relay``, reads its own token
+streams, the only reader/writer of the ``tp_streams`` registry), ``generator`` (pulls its
+model's work queue, publishes any owner's tokens, hears cancels), ``admin`` (the CLI's
+``streams``/``replay``/``tail``; everything, deleting streams included) and one
+``app-<name>`` per application using the producer SDK directly (its own requests, cancels
+and token streams only).
+
+Credentials are tokenpipe's own JSON files (``{"user", "password", "owner", "inbox_prefix"}``)
+written 0600 into a 0700 directory, or a NATS ``.creds`` file (JWT + nkey seed) for an
+operator-mode cluster, or ``nats_user``/``nats_password``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import ssl
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .errors import InvalidRequest
+from .settings import Settings
+from .subjects import (
+    ANNOUNCE_PREFIX,
+    CANCEL_WILDCARD,
+    DISCOVER_SUBJECT,
+    META_BUCKET,
+    META_STREAM,
+    RELAY_OWNER,
+    REQUEST_WILDCARD,
+    REQUESTS_STREAM,
+    TOKEN_WILDCARD,
+    TOKENS_STREAM,
+    check_owner,
+)
+
+__all__ = [
+    "ROLES",
+    "TLSFiles",
+    "Credential",
+    "Identity",
+    "Permissions",
+    "add_app",
+    "app_user",
+    "connect_options",
+    "ensure_credentials",
+    "identity",
+    "inbox_prefix",
+    "is_permission_error",
+    "load_credential",
+    "permission_table",
+    "permissions",
+    "server_config",
+    "write_server_config",
+]
+
+ROLES = ("relay", "generator", "admin", "app")
+_JS = "$JS.API"
+_NEVER = (f"{_JS}.STREAM.DELETE.>", f"{_JS}.STREAM.PURGE.>")  # only the admin removes data
+
+
+@dataclass(frozen=True)
+class Permissions:
+    """One NATS user's permissions (nats-server's ``permissions`` block)."""
+
+    publish_allow: tuple[str, ...]
+    subscribe_allow: tuple[str, ...]
+    publish_deny: tuple[str, ...] = ()
+    subscribe_deny: tuple[str, ...] = ()
+    allow_responses: bool = False  # may answer a request it received (on the asker's inbox)
+
+    def as_config(self) -> dict[str, Any]:
+        perms: dict[str, Any] = {
+            "publish": {"allow": list(self.publish_allow), **({"deny": list(self.publish_deny)}
+                                                               if self.publish_deny else {})},
+            "subscribe": {"allow": list(self.subscribe_allow), **({"deny": list(self.subscribe_deny)}
+                                                                   if self.subscribe_deny else {})},
+        }
+        if self.allow_responses:
+            perms["allow_responses"] = True
+        return perms
+
+
+def app_user(name: str) -> str:
+    """The NATS user (and inbox name) of application ``name``."""
+    return f"app-{check_owner(name)}"
+
+
+def inbox_prefix(user: str) -> str:
+    """Each user's replies come to its own inboxes, so its permissions can confine them."""
+    return f"_INBOX.{user}"
+
+
+def _provision(*streams: str) -> tuple[str, ...]:
+    # Create or update (idempotent provisioning re-creates a vanished stream), never delete.
+    return tuple(f"{_JS}.STREAM.{op}.{s}" for s in streams for op in ("INFO", "CREATE", "UPDATE"))
+
+
+def _read_tokens(owner_tokens: str) -> tuple[str, ...]:
+    """What reading ``owner_tokens`` (``tp.tok.<owner>.>`` or all) from JetStream takes: the direct
+    get of a subject's last batch, and ordered consumers whose filter is in the create subject
+    (the server checks that the filter in the body is the one in the subject)."""
+    return (f"{_JS}.DIRECT.GET.{TOKENS_STREAM}.{owner_tokens}",
+            f"{_JS}.CONSUMER.CREATE.{TOKENS_STREAM}.*.{owner_tokens}",
+            f"$JS.FC.{TOKENS_STREAM}.>")
+
+
+def permissions(role: str, app: str | None = None) -> Permissions:
+    """The permissions of ``role`` (``app`` needs the application's name)."""
+    if role == "relay":
+        mine = f"tp.tok.{RELAY_OWNER}.>"
+        return Permissions(
+            publish_allow=(f"tp.req.*.{RELAY_OWNER}", f"tp.cancel.{RELAY_OWNER}.>", DISCOVER_SUBJECT,
+                           f"$KV.{META_BUCKET}.>", f"{_JS}.INFO",
+                           *_provision(REQUESTS_STREAM, TOKENS_STREAM, META_STREAM),
+                           f"{_JS}.CONSUMER.INFO.{REQUESTS_STREAM}.*",
+                           f"{_JS}.DIRECT.GET.{META_STREAM}.>", f"{_JS}.STREAM.MSG.GET.{META_STREAM}",
+                           *_read_tokens(mine)),
+            subscribe_allow=(f"{inbox_prefix('relay')}.>", mine, f"{ANNOUNCE_PREFIX}.>"),
+            publish_deny=(TOKEN_WILDCARD, *_NEVER),
+        )
+    if role == "generator":
+        return Permissions(
+            publish_allow=(TOKEN_WILDCARD, f"{ANNOUNCE_PREFIX}.>", f"{_JS}.INFO",
+                           *_provision(REQUESTS_STREAM, TOKENS_STREAM),
+                           f"{_JS}.CONSUMER.INFO.{REQUESTS_STREAM}.*",
+                           f"{_JS}.CONSUMER.CREATE.{REQUESTS_STREAM}.*.tp.req.*.>",
+                           f"{_JS}.CONSUMER.MSG.NEXT.{REQUESTS_STREAM}.*", f"$JS.ACK.{REQUESTS_STREAM}.>",
+                           f"{_JS}.STREAM.MSG.GET.{REQUESTS_STREAM}", f"{_JS}.STREAM.MSG.DELETE.{REQUESTS_STREAM}",
+                           *_read_tokens(TOKEN_WILDCARD)),
+            subscribe_allow=(f"{inbox_prefix('generator')}.>", CANCEL_WILDCARD, DISCOVER_SUBJECT,
+                             f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{REQUESTS_STREAM}.*"),
+            publish_deny=(REQUEST_WILDCARD, CANCEL_WILDCARD, "$KV.>", *_NEVER),
+            subscribe_deny=(TOKEN_WILDCARD,),
+            allow_responses=True,  # answers a relay's discovery request on the relay's inbox
+        )
+    if role == "admin":
+        return Permissions(publish_allow=(">",), subscribe_allow=(">",))
+    if role == "app":
+        if app is None:
+            raise ValueError("the app role needs the application's name")
+        user = app_user(app)
+        mine = f"tp.tok.{check_owner(app)}.>"
+        return Permissions(
+            publish_allow=(f"tp.req.*.{app}", f"tp.cancel.{app}.>", f"{_JS}.INFO",
+                           f"{_JS}.STREAM.INFO.{REQUESTS_STREAM}", f"{_JS}.STREAM.INFO.{TOKENS_STREAM}",
+                           *_read_tokens(mine)),
+            subscribe_allow=(f"{inbox_prefix(user)}.>", mine),
+            publish_deny=(TOKEN_WILDCARD, "$KV.>", f"{_JS}.CONSUMER.MSG.NEXT.>", *_NEVER),
+        )
+    raise ValueError(f"unknown role {role!r}; one of {', '.join(ROLES)}")
+
+
+# -- credentials --------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Credential:
+    """A user/password credential as tokenpipe writes it (one JSON file per user)."""
+
+    user: str
+    password: str
+    owner: str = RELAY_OWNER  # whose streams this user makes and reads
+    inbox_prefix: str = ""
+
+    def to_json(self) -> str:
+        return json.dumps({"user": self.user, "password": self.password, "owner": self.owner,
+                           "inbox_prefix": self.inbox_prefix}, indent=1)
+
+    @property
+    def role(self) -> str:
+        return "app" if self.user.startswith("app-") else self.user
+
+
+def _new(user: str, owner: str = RELAY_OWNER) -> Credential:
+    return Credential(user, secrets.token_urlsafe(24), owner, inbox_prefix(user))
+
+
+def _write_private(path: Path, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.chmod(path, 0o600)  # an existing file keeps its mode on O_CREAT
+
+
+def _creds_dir(path: str | os.PathLike[str]) -> Path:
+    d = Path(path)
+    d.mkdir(parents=True, exist_ok=True)
+    os.chmod(d, 0o700)
+    return d
+
+
+def load_credential(path: str | os.PathLike[str]) -> Credential:
+    try:
+        raw = json.loads(Path(path).read_text())
+        return Credential(str(raw["user"]), str(raw["password"]), str(raw.get("owner") or RELAY_OWNER),
+                          str(raw.get("inbox_prefix") or ""))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise InvalidRequest(f"unusable credentials file {path}: {exc}") from exc
+
+
+def ensure_credentials(creds_dir: str | os.PathLike[str],
+                       apps: tuple[str, ...] = ("default",)) -> dict[str, Credential]:
+    """The credentials in ``creds_dir`` by user, creating the missing ones (first start); every
+    ``app-*.json`` already there is kept (``tokenpipe creds add-app``)."""
+    d = _creds_dir(creds_dir)
+    out: dict[str, Credential] = {}
+    for user, owner in [("relay", RELAY_OWNER), ("generator", RELAY_OWNER), ("admin", RELAY_OWNER),
+                        *((app_user(a), a) for a in apps)]:
+        path = d / f"{user}.json"
+        if not path.exists():
+            _write_private(path, _new(user, owner).to_json())
+    for path in sorted(d.glob("*.json")):
+        cred = load_credential(path)
+        out[cred.user] = cred
+    return out
+
+
+def add_app(creds_dir: str | os.PathLike[str], name: str) -> Path:
+    """Create (or keep) application ``name``'s credentials file; its path."""
+    user = app_user(name)
+    path = _creds_dir(creds_dir) / f"{user}.json"
+    if not path.exists():
+        _write_private(path, _new(user, name).to_json())
+    return path
+
+
+@dataclass(frozen=True)
+class TLSFiles:
+    cert: str
+    key: str
+    ca: str = ""
+    verify: bool = False  # require client certificates signed by ``ca``
+
+
+def _conf_value(value: Any) -> str:
+    # nats-server's config format accepts JSON values (strings quoted, lists, maps).
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(k)}: {_conf_value(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(_conf_value(v) for v in value) + "]"
+    return json.dumps(value)
+
+
+def server_config(creds: dict[str, Credential] | None, tls: TLSFiles | None = None) -> str:
+    """nats-server configuration: authorization with one user per credential, each with its role's
+    permissions, no anonymous user (``creds`` None: no authorization); TLS when ``tls`` is given."""
+    lines = ["# generated by tokenpipe (tokenpipe/natsauth.py); regenerated at every start", ""]
+    if creds is not None:
+        users = []
+        for cred in creds.values():
+            role = cred.role
+            perms = permissions(role, cred.owner if role == "app" else None)
+            users.append({"user": cred.user, "password": cred.password, "permissions": perms.as_config()})
+        lines.append(f"authorization {{\n  users = {_conf_value(users)}\n}}")
+    if tls is not None:
+        block = {"cert_file": tls.cert, "key_file": tls.key}
+        if tls.ca:
+            block["ca_file"] = tls.ca
+        lines.append("tls " + _conf_value({**block, **({"verify": True} if tls.verify else {})}))
+    return "\n".join(lines) + "\n"
+
+
+# -- a role's connection -------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Identity:
+    """How one process appears on the bus."""
+
+    role: str
+    owner: str  # the owner in the subjects of the streams it makes and reads
+    provisions: bool  # may create/update tokenpipe's streams
+    registry: bool  # reads/writes the tp_streams registry (the relay, the admin)
+    options: dict[str, Any]  # nats.connect keyword arguments: auth, TLS, inbox prefix
+
+
+def _default_creds(settings: Settings, role: str) -> str:
+    """``tokenpipe up`` writes every role's credentials into the data dir: a role started by hand
+    next to it (or the CLI) finds its own there."""
+    user = app_user(settings.app_name or "default") if role == "app" else role
+    path = Path(settings.data_dir) / "creds" / f"{user}.json"
+    return str(path) if path.exists() else ""
+
+
+def _tls_context(settings: Settings) -> ssl.SSLContext:
+    ctx = ssl.create_default_context(cafile=settings.nats_ca or None)
+    if settings.nats_cert:
+        ctx.load_cert_chain(settings.nats_cert, settings.nats_key or None)
+    return ctx
+
+
+def connect_options(settings: Settings) -> dict[str, Any]:
+    """TLS keyword arguments for ``nats.connect`` (a ``tls://`` URL, a CA, a client certificate)."""
+    if settings.nats_ca or settings.nats_cert or settings.nats_url.startswith("tls://"):
+        return {"tls": _tls_context(settings)}
+    return {}
+
+
+def identity(settings: Settings, role: str) -> Identity:
+    """Who a process of ``role`` is on the bus, from its settings (and, failing them, the
+    credentials ``tokenpipe up`` wrote into the data dir)."""
+    if role not in ROLES:
+        raise ValueError(f"unknown role {role!r}")
+    options = connect_options(settings)
+    owner = settings.app_name or ""
+    prefix = settings.nats_inbox_prefix
+    creds = settings.nats_creds or ("" if settings.nats_user else _default_creds(settings, role))
+    if creds:
+        if "-----BEGIN NATS USER JWT-----" in _head(creds):
+            options["user_credentials"] = creds
+        else:
+            cred = load_credential(creds)
+            options.update(user=cred.user, password=cred.password)
+            prefix = prefix or cred.inbox_prefix
+            if cred.role == "app":
+                owner = owner or cred.owner
+    elif settings.nats_user:
+        options.update(user=settings.nats_user, password=settings.nats_password)
+    if prefix:
+        options["inbox_prefix"] = prefix
+    # An app with no name of its own (an open bus, no credentials) acts in the relay's namespace,
+    # as the SDK did before owners existed: it then provisions and writes the registry too.
+    is_app = role == "app" and bool(owner) and owner != RELAY_OWNER
+    return Identity(role=role, owner=check_owner(owner) if is_app else RELAY_OWNER,
+                    provisions=not is_app, registry=(role in ("relay", "admin") or (role == "app" and not is_app)),
+                    options=options)
+
+
+def _head(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read(64)
+    except OSError as exc:
+        raise InvalidRequest(f"cannot read credentials file {path}: {exc}") from exc
+
+
+# -- the documented table ------------------------------------------------------------------------
+
+def permission_table() -> str:
+    """docs/architecture.md's permission table (markdown), rendered from :func:`permissions`."""
+    rows = ["| role (NATS user) | publish allow | publish deny | subscribe allow |", "|---|---|---|---|"]
+    for role, user in (("relay", "relay"), ("generator", "generator"), ("admin", "admin"),
+                       ("app", "app-<name>")):
+        p = permissions(role, "NAME" if role == "app" else None)
+
+        def cell(subjects: tuple[str, ...]) -> str:
+            return "<br>".join(f"`{s.replace('NAME', '<name>')}`" for s in subjects) or "—"
+
+        extra = " (+ replies to requests it receives)" if p.allow_responses else ""
+        rows.append(f"| {role} (`{user}`) | {cell(p.publish_allow)}{extra} | {cell(p.publish_deny)} "
+                    f"| {cell(p.subscribe_allow)} |")
+    return "\n".join(rows) + "\n"
+
+
+def is_permission_error(exc: BaseException) -> bool:
+    """Whether nats-py's error callback got the server's "permissions violation" for a publish or subscribe."""
+    return "permissions violation" in str(exc).lower()
+
+
+def write_server_config(path: str | os.PathLike[str], creds_dir: str | os.PathLike[str],
+                        tls: TLSFiles | None = None) -> Path:
+    """Create the credentials that are missing in ``creds_dir`` (first start) and (re)write
+    nats-server's configuration for them at ``path`` (0600): authorization on, no anonymous user."""
+    creds = ensure_credentials(creds_dir)
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _write_private(out, server_config(creds, tls))
+    return out
