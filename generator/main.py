@@ -8,13 +8,13 @@ import signal
 from functools import partial
 
 import torch
-from prometheus_client import start_http_server
 
 from tokenpipe.bus import connect
 from tokenpipe.metrics import GeneratorMetrics
 from tokenpipe.settings import Settings
 from tokenpipe.telemetry import setup_tracing
 
+from .health import StatusServer
 from .models import LoadedModel, load_model
 from .runner import torch_thread
 from .worker import GeneratorWorker
@@ -37,25 +37,30 @@ async def serve(settings: Settings) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    status: StatusServer | None = None
+    if settings.metrics_port > 0:
+        try:  # before the model loads: liveness holds while it does, readiness waits for the worker
+            status = StatusServer(settings.metrics_host, settings.metrics_port).start()
+            log.info("/metrics, /healthz, /readyz served", extra={"port": settings.metrics_port})
+        except OSError as exc:  # another generator on this host holds the port: serve, just without metrics
+            log.warning("metrics port unavailable; metrics and probes disabled",
+                        extra={"port": settings.metrics_port, "error": str(exc)})
     engine_thread = torch_thread()
     loaded = await loop.run_in_executor(engine_thread, partial(_load, settings))
     provider = setup_tracing("tokenpipe-generator")
     bus = await connect(settings, name=f"tokenpipe-generator-{loaded.name}", role="generator")
     metrics = GeneratorMetrics(loaded.name)
-    if settings.metrics_port > 0:
-        try:
-            start_http_server(settings.metrics_port, addr=settings.metrics_host, registry=metrics.registry)
-            log.info("metrics at /metrics", extra={"port": settings.metrics_port})
-        except OSError as exc:  # another generator on this host holds the port: serve, just without metrics
-            log.warning("metrics port unavailable; metrics disabled",
-                        extra={"port": settings.metrics_port, "error": str(exc)})
     worker = GeneratorWorker(settings, loaded, bus, tracer_provider=provider, metrics=metrics,
                              torch_thread=engine_thread)
+    if status is not None:
+        status.registry, status.worker = metrics.registry, worker
     await worker.start()
     await stop.wait()
     log.info("shutting down: draining", extra={"active": len(worker.active)})
     await worker.stop(drain_timeout=settings.drain_timeout_s)
     await bus.close()
+    if status is not None:
+        status.stop()
     engine_thread.shutdown(wait=False)
     shutdown = getattr(provider, "shutdown", None)
     if shutdown is not None:

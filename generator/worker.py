@@ -134,6 +134,11 @@ class GeneratorWorker:
             await self._cancels.unsubscribe()
         await self.intake.close()
 
+    @property
+    def serving(self) -> bool:
+        """Started, not stopping, and connected to NATS (the generator's ``/readyz``)."""
+        return bool(self._tasks) and not self._stopping.is_set() and self.bus.nc.is_connected
+
     # -- intake ----------------------------------------------------------------------
     @property
     def free_slots(self) -> int:

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
+import nats
 import pytest
 
 from producer import SSEParser
@@ -79,6 +82,7 @@ def test_up_serves_a_stream_and_stops_cleanly_on_sigterm(tmp_path: Path, data_di
             with c.stream("GET", f"/v1/streams/{sid}") as resp:
                 data = [event.json() for chunk in resp.iter_bytes() for event in parser.feed(chunk)]
         assert data[-1]["finish"] == "length" and data[-1]["usage"]["completion_tokens"] == 8
+        _check_bus_locked_down(tmp_path, nats_port, sid)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
         deadline = time.monotonic() + 10
@@ -90,6 +94,26 @@ def test_up_serves_a_stream_and_stops_cleanly_on_sigterm(tmp_path: Path, data_di
             proc.kill()
         for pid in _children(proc.pid):
             os.kill(pid, signal.SIGKILL)
+
+
+def _check_bus_locked_down(data: Path, nats_port: int, sid: str) -> None:
+    """Authorization is on even on loopback: anonymous clients are refused; the credentials
+    `up` made are private; the CLI finds its admin credentials in the data dir."""
+    async def anonymous() -> None:
+        nc = await nats.connect(f"nats://127.0.0.1:{nats_port}", allow_reconnect=False, max_reconnect_attempts=0,
+                                connect_timeout=3)
+        await nc.close()
+
+    with pytest.raises(Exception, match=r"(?i)authorization"):
+        asyncio.run(anonymous())
+    creds = data / "creds"
+    assert stat.S_IMODE(creds.stat().st_mode) == 0o700
+    assert {p.name for p in creds.iterdir()} >= {"relay.json", "generator.json", "admin.json", "app-default.json"}
+    assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in creds.iterdir())
+    assert stat.S_IMODE((data / "nats" / "nats-server.conf").stat().st_mode) == 0o600
+    out = subprocess.run([TOKENPIPE, "streams", "--nats-url", f"nats://127.0.0.1:{nats_port}", "--data-dir", str(data)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and sid in out.stdout, out.stdout + out.stderr
 
 
 def test_the_launcher_names_a_child_that_exits_before_it_is_ready(tmp_path: Path) -> None:
