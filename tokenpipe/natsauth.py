@@ -345,7 +345,8 @@ def _head(path: str) -> str:
 
 def permission_table() -> str:
     """docs/architecture.md's permission table (markdown), rendered from :func:`permissions`."""
-    rows = ["| role (NATS user) | publish allow | publish deny | subscribe allow |", "|---|---|---|---|"]
+    rows = ["| role (NATS user) | publish allow | publish deny | subscribe allow | subscribe deny |",
+            "|---|---|---|---|---|"]
     for role, user in (("relay", "relay"), ("generator", "generator"), ("admin", "admin"),
                        ("app", "app-<name>")):
         p = permissions(role, "NAME" if role == "app" else None)
@@ -355,7 +356,7 @@ def permission_table() -> str:
 
         extra = " (+ replies to requests it receives)" if p.allow_responses else ""
         rows.append(f"| {role} (`{user}`) | {cell(p.publish_allow)}{extra} | {cell(p.publish_deny)} "
-                    f"| {cell(p.subscribe_allow)} |")
+                    f"| {cell(p.subscribe_allow)} | {cell(p.subscribe_deny)} |")
     return "\n".join(rows) + "\n"
 
 
