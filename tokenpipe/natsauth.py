@@ -60,6 +60,8 @@ __all__ = [
     "permissions",
     "server_config",
     "write_server_config",
+    "chart_users",
+    "password_env",
 ]
 
 ROLES = ("relay", "generator", "admin", "app")
@@ -374,3 +376,17 @@ def write_server_config(path: str | os.PathLike[str], creds_dir: str | os.PathLi
     out.parent.mkdir(parents=True, exist_ok=True)
     _write_private(out, server_config(creds, tls))
     return out
+
+
+def password_env(user: str) -> str:
+    """The environment variable nats-server reads ``user``'s password from in the Helm chart."""
+    return "TP_" + user.upper().replace("-", "_") + "_PASSWORD"
+
+
+def chart_users(apps: tuple[str, ...] = ("default",)) -> list[dict[str, Any]]:
+    """The ``authorization.users`` of deploy/helm's NATS values: the same permissions, passwords
+    read by nats-server from the environment (``<< $VAR >>`` is the official chart's unquoted form)."""
+    users = [("relay", "relay", None), ("generator", "generator", None), ("admin", "admin", None),
+             *((app_user(a), "app", a) for a in apps)]
+    return [{"user": user, "password": f"<< ${password_env(user)} >>",
+             "permissions": permissions(role, app).as_config()} for user, role, app in users]
