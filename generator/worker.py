@@ -31,7 +31,7 @@ from tokenpipe.settings import Settings
 from tokenpipe.streams import history, last_stored
 from tokenpipe.subjects import CANCEL_WILDCARD, owner_of_request, parse_cancel_subject
 from tokenpipe.telemetry import extract_context, get_tracer
-from tokenpipe.wire import Request, TokenBatch, Usage
+from tokenpipe.wire import Request, TokenBatch, Usage, peek_request_id
 
 from .announce import Announcer, step_observer
 from .intake import RequestIntake
@@ -161,15 +161,29 @@ class GeneratorWorker:
                 log.warning("fetch failed; retrying", extra={"error": repr(exc)})
                 await asyncio.sleep(0.5)
                 continue
+            # Whether each id is taken, for the whole burst in one round trip's time.
+            taken = await asyncio.gather(*(self._id_taken(m) for m in msgs), return_exceptions=True)
             # All but the last of a burst are flagged: an idle engine holds its first prefill
             # (at most admission_hold_ms) so that the burst is prefilled together.
-            for i, msg in enumerate(msgs):
+            for i, (msg, was_taken) in enumerate(zip(msgs, taken, strict=True)):
                 if self._stopping.is_set():
                     await msg.nak()  # fetched while stopping: hand it straight back
                 else:
-                    await self._accept(msg, more_coming=i < len(msgs) - 1)
+                    await self._accept(msg, more_coming=i < len(msgs) - 1, taken=was_taken)
 
-    async def _accept(self, msg: Msg, *, more_coming: bool = False) -> None:
+    async def _id_taken(self, msg: Msg) -> bool:
+        """A first delivery starts a new stream: whether its id already has token history (then it
+        is refused: nobody appends to a running or finished stream by reusing its id)."""
+        rid = peek_request_id(msg.data)
+        if rid is None or msg.metadata.num_delivered > 1:
+            return False
+        try:
+            owner = owner_of_request(msg.subject)
+        except TokenpipeError:
+            return False  # _accept rejects it
+        return await last_stored(self.bus, rid, owner=owner) is not None
+
+    async def _accept(self, msg: Msg, *, more_coming: bool = False, taken: bool | BaseException = False) -> None:
         received = time.time_ns()
         try:
             request = Request.decode(msg.data)
@@ -181,21 +195,15 @@ class GeneratorWorker:
             await self.intake.reject(msg, exc)
             return
         held = self.active.get(request.id)
-        taken = False
         if held is not None and held.owner == owner:
             # Redelivered while we still run it (a late progress ack): keep it ours, do not ack it away.
             await msg.in_progress()
             return
-        if held is None and msg.metadata.num_delivered <= 1:
-            # A first delivery starts a new stream: an id that already has token history is taken
-            # (no appending to someone's running or finished stream by reusing its id).
-            try:
-                taken = await last_stored(self.bus, request.id, owner=owner) is not None
-            except TokenpipeError as exc:
-                log.warning("cannot check the stream id; retrying later", extra={"request_id": request.id,
-                                                                                 "error": exc.message})
-                await msg.nak(delay=1.0)
-                return
+        if isinstance(taken, BaseException):
+            log.warning("cannot check the stream id; retrying later", extra={"request_id": request.id,
+                                                                             "error": repr(taken)})
+            await msg.nak(delay=1.0)
+            return
         if held is not None or taken:
             log.warning("refusing a request for a stream id that is taken", extra={"request_id": request.id,
                                                                                    "owner": owner})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import stat
@@ -114,6 +115,12 @@ def _check_bus_locked_down(data: Path, nats_port: int, sid: str) -> None:
     out = subprocess.run([TOKENPIPE, "streams", "--nats-url", f"nats://127.0.0.1:{nats_port}", "--data-dir", str(data)],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and sid in out.stdout, out.stdout + out.stderr
+    # The SDK (as app "default", its credentials found in the data dir) streams its own request.
+    out = subprocess.run([TOKENPIPE, "submit", "hi", "--model", "tiny-random", "--raw", "--max-tokens", "4", "--json",
+                          "--nats-url", f"nats://127.0.0.1:{nats_port}", "--data-dir", str(data)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1])["finish"] in ("length", "stop"), out.stdout
 
 
 def test_the_launcher_names_a_child_that_exits_before_it_is_ready(tmp_path: Path) -> None:

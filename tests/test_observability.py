@@ -98,7 +98,7 @@ async def test_one_trace_from_http_caller_to_generator_and_back(traced: Any, spa
     assert forward.parent.span_id == consumer.context.span_id  # batches carried the generation's context
     assert [e.name for e in forward.events] == ["first_batch", "last_batch"]
     a = consumer.attributes
-    assert a["messaging.system"] == "nats" and a["messaging.destination.name"] == f"tp.req.{MODEL}"
+    assert a["messaging.system"] == "nats" and a["messaging.destination.name"] == f"tp.req.{MODEL}.relay"
     assert a["gen_ai.request.model"] == MODEL and a["gen_ai.request.max_tokens"] == 12
     assert a["gen_ai.usage.output_tokens"] == 12 and a["gen_ai.usage.input_tokens"] > 0
     assert tuple(a["gen_ai.response.finish_reasons"]) == ("length",)
@@ -238,4 +238,4 @@ def test_up_exports_one_trace_over_otlp_http(tmp_path: Path, data_dir: Path) -> 
     joint = [t for t, services in traces.items() if {"tokenpipe-relay", "tokenpipe-generator"} <= services]
     assert joint, json.dumps(_Collector.received)
     names = {name for _, name, tid in _Collector.received if tid == joint[0]}
-    assert {"POST /v1/chat/completions", "publish tp.req.tiny-random", "generate tiny-random", "prefill"} <= names
+    assert {"POST /v1/chat/completions", "publish tp.req.tiny-random.relay", "generate tiny-random", "prefill"} <= names

@@ -46,6 +46,8 @@ class Bus:
     closing: bool = False
     # Whose streams this connection makes and reads (the owner in their subjects, tokenpipe.subjects).
     owner: str = RELAY_OWNER
+    # Whether this connection may touch the tp_streams registry (re-provisioning passes it on).
+    registry: bool = True
 
     async def close(self) -> None:
         if self.nc.is_closed:
@@ -106,7 +108,7 @@ async def connect(settings: Settings, *, name: str, provision_streams: bool = Tr
     # An app may not touch the registry: it gets a handle that was never opened (any use is denied).
     meta = await js.key_value(META_BUCKET) if ident.registry else KeyValue(
         name=META_BUCKET, stream=META_STREAM, pre=f"$KV.{META_BUCKET}.", js=js, direct=False)
-    bus = Bus(nc=nc, js=js, meta=meta, owner=ident.owner)
+    bus = Bus(nc=nc, js=js, meta=meta, owner=ident.owner, registry=ident.registry)
     return bus
 
 

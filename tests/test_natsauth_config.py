@@ -1,0 +1,64 @@
+"""Credentials, identities and nats-server configuration as pure functions; docs/architecture.md's
+permission table is the one nats-server is configured with."""
+
+from __future__ import annotations
+
+import stat
+from pathlib import Path
+
+from tokenpipe.natsauth import add_app, ensure_credentials, identity, permission_table, server_config
+from tokenpipe.settings import Settings
+from tokenpipe_cli.cli import _nats_config, build_parser
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "architecture.md"
+
+
+def test_the_documented_permission_table_is_the_generated_one() -> None:
+    text = DOC.read_text()
+    documented = text.split("<!-- permissions:begin -->\n", 1)[1].split("<!-- permissions:end -->", 1)[0]
+    assert documented == permission_table(), "regenerate with tokenpipe.natsauth.permission_table()"
+
+
+def test_the_generated_server_config_has_every_role_and_no_anonymous_user(tmp_path: Path) -> None:
+    creds = ensure_credentials(tmp_path / "creds")
+    conf = server_config(creds)
+    assert set(creds) == {"relay", "generator", "admin", "app-default"}
+    for cred in creds.values():
+        assert f'"user": "{cred.user}"' in conf and cred.password in conf
+    assert "no_auth_user" not in conf
+    again = ensure_credentials(tmp_path / "creds")  # reused, not regenerated
+    assert {u: c.password for u, c in again.items()} == {u: c.password for u, c in creds.items()}
+
+
+def test_a_role_finds_its_identity_in_its_credentials(tmp_path: Path) -> None:
+    creds = tmp_path / "creds"
+    app = add_app(creds, "billing")
+    ident = identity(Settings.load(env={}, nats_creds=str(app), data_dir=str(tmp_path)), "app")
+    assert (ident.owner, ident.provisions, ident.registry) == ("billing", False, False)
+    assert ident.options["user"] == "app-billing" and ident.options["inbox_prefix"] == "_INBOX.app-billing"
+    # No credentials at all (an open bus): the SDK acts in the relay's namespace, as before owners.
+    open_bus = identity(Settings.load(env={}, data_dir=str(tmp_path / "empty")), "app")
+    assert (open_bus.owner, open_bus.provisions, open_bus.registry, open_bus.options) == ("relay", True, True, {})
+    # Next to `tokenpipe up`: a role finds its own file in the data dir.
+    ensure_credentials(creds)
+    relay = identity(Settings.load(env={}, data_dir=str(tmp_path)), "relay")
+    assert relay.options["user"] == "relay" and relay.registry
+    gen = identity(Settings.load(env={}, data_dir=str(tmp_path)), "generator")
+    assert gen.options["user"] == "generator" and gen.provisions and not gen.registry
+    jwt = tmp_path / "user.creds"
+    jwt.write_text("-----BEGIN NATS USER JWT-----\nxxx\n------END NATS USER JWT------\n")
+    assert identity(Settings.load(env={}, nats_creds=str(jwt)), "relay").options["user_credentials"] == str(jwt)
+    tls = identity(Settings.load(env={}, nats_url="tls://h:4222", data_dir=str(tmp_path / "empty")), "relay")
+    assert tls.options["tls"] is not None
+
+
+def test_tokenpipe_nats_serves_the_same_authorization_and_tls(tmp_path: Path) -> None:
+    args = build_parser().parse_args(["nats", "--auth", "--creds-dir", str(tmp_path / "creds"),
+                                      "--tls-cert", "c.pem", "--tls-key", "k.pem", "--tls-ca", "ca.pem",
+                                      "--tls-verify"])
+    path = _nats_config(args, str(tmp_path / "nats"))
+    assert path is not None
+    conf = path.read_text()
+    assert "authorization" in conf and '"user": "generator"' in conf
+    assert '"cert_file": "c.pem"' in conf and '"verify": true' in conf
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
