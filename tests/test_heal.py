@@ -11,6 +11,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -342,3 +343,56 @@ async def test_a_role_that_crashes_at_start_is_given_up_and_up_exits_1(tmp_path:
     gen = next(r for r in s.status()["roles"] if r["name"] == "generator-0")
     assert gen["state"] == "failed" and gen["restarts"] == 2
     assert s.status()["state"] == "failed"
+
+
+def test_a_taken_default_port_is_replaced_and_a_taken_explicit_one_is_an_error(tmp_path: Path) -> None:
+    """Regression: two stacks on one host collided on the default generator metrics port 9101."""
+    from tokenpipe.errors import TransportError
+    from tokenpipe.settings import Settings
+    from tokenpipe_cli.supervisor import Supervisor
+
+    sup = Supervisor(Settings.load(env={}, data_dir=str(tmp_path)))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        other = sup._port("generator-0 metrics", port, explicit=False)
+        assert other != port and other > 0
+        with pytest.raises(TransportError, match=f"port {port} is already in use"):
+            sup._port("relay", port, explicit=True)
+
+
+def test_tiny_random_on_a_fresh_data_dir_prepares_the_tokenizer_alone(tmp_path: Path, data_dir: Path) -> None:
+    """Regression: `tokenpipe up --model tiny-random` de-quantized all of SmolLM2 (~44 s) for its tokenizer."""
+    from transformers import AutoTokenizer
+
+    from generator.models import prepare_tokenizer
+
+    path = prepare_tokenizer(tmp_path)
+    assert path.name == "smollm2-135m-tokenizer" and not (tmp_path / "models" / "smollm2-135m").exists()
+    assert not list(path.glob("*.safetensors"))
+    fresh = AutoTokenizer.from_pretrained(path)
+    full = AutoTokenizer.from_pretrained(data_dir / "models" / "smollm2-135m")
+    assert len(fresh) == len(full) and fresh("hello world")["input_ids"] == full("hello world")["input_ids"]
+    assert prepare_tokenizer(data_dir) == data_dir / "models" / "smollm2-135m"  # the full cache serves when present
+
+
+async def test_a_starting_generator_updates_the_ack_wait_of_an_existing_consumer(bus: Any, settings: Any) -> None:
+    """Regression: a durable created with the old 30 s ack_wait kept it, so takeovers still took 30 s."""
+    from nats.js import api as js_api
+
+    from generator.intake import RequestIntake
+    from tokenpipe.subjects import REQUESTS_STREAM, consumer_name, request_subject
+
+    model = "ack-wait-upgrade"
+    await bus.js.add_consumer(REQUESTS_STREAM, js_api.ConsumerConfig(
+        durable_name=consumer_name(model), filter_subject=request_subject(model),
+        ack_policy=js_api.AckPolicy.EXPLICIT, ack_wait=30.0, max_deliver=3, max_ack_pending=-1))
+    intake = RequestIntake(bus, model, settings.replace(ack_wait_s=4.0))
+    await intake.subscribe()
+    try:
+        info = await bus.js.consumer_info(REQUESTS_STREAM, consumer_name(model))
+        assert info.config.ack_wait == 4.0
+    finally:
+        await intake.close()
+        await bus.js.delete_consumer(REQUESTS_STREAM, consumer_name(model))
