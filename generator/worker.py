@@ -251,6 +251,8 @@ class GeneratorWorker:
         also needs the consumer again."""
         while True:
             await asyncio.sleep(REPAIR_INTERVAL_S)
+            if not self.bus.nc.is_connected:
+                continue  # reconnecting: nothing to ask yet
             try:
                 gone = await repair(self.bus.js, self.settings)
                 if REQUESTS_STREAM in gone:

@@ -49,8 +49,10 @@ class Fanout:
     """Dispatches ``tp.tok.<id>`` messages to the :class:`LiveStream` readers of each stream."""
 
     def __init__(self, bus: Bus, *, resync_s: float = 30.0, settle_s: float = 1.0,
-                 reorder_wait: float = 15.0, loss_spread_s: float = 1.0) -> None:
+                 reorder_wait: float = 15.0, loss_spread_s: float = 1.0,
+                 give_up_s: float = CATCH_UP_GIVE_UP_S) -> None:
         self.bus = bus
+        self.give_up_s = give_up_s
         self.resync_s = resync_s
         self.settle_s = settle_s
         self.reorder_wait = reorder_wait
@@ -225,10 +227,10 @@ class LiveStream:
                         # JetStream may still be recovering; live batches keep flowing meanwhile.
                         now = time.monotonic()
                         failing_since = now if failing_since is None else failing_since
-                        if now - max(failing_since, delivered) > CATCH_UP_GIVE_UP_S:
+                        if now - max(failing_since, delivered) > fanout.give_up_s:
                             # Not a restart any more: end the client's stream (an error event) instead of hanging.
                             raise TransportError(f"stream unavailable: reading its history kept failing for "
-                                                 f"{CATCH_UP_GIVE_UP_S:g} s ({exc.message})") from exc
+                                                 f"{fanout.give_up_s:g} s ({exc.message})") from exc
                         log.warning("stream catch-up failed; retrying", extra={"request_id": self.stream_id,
                                                                                 "error": exc.message})
                         settled = False

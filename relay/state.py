@@ -29,6 +29,8 @@ __all__ = ["RelayState"]
 
 log = logging.getLogger(__name__)
 
+_READY_CHECK_S = 2.0  # /readyz waits this long for JetStream to say whether tokenpipe's streams exist
+
 
 class RelayState:
     def __init__(self, settings: Settings, tracer_provider: TracerProvider | None = None) -> None:
@@ -75,6 +77,8 @@ class RelayState:
             await self._repair_once()
 
     async def _repair_once(self) -> None:
+        if self.bus is None or not self.bus.nc.is_connected:
+            return  # reconnecting: nothing to ask yet
         try:
             await self._check_and_repair()
         except TokenpipeError as exc:  # JetStream recovering or unreachable: the next round tries again
@@ -94,9 +98,12 @@ class RelayState:
         connected = self.bus is not None and self.bus.nc.is_connected
         if connected and self.bus is not None:
             try:
-                self.missing = await missing(self.bus.js)
+                async with asyncio.timeout(_READY_CHECK_S):
+                    self.missing = await missing(self.bus.js)
             except TokenpipeError as exc:
                 self.missing = [exc.message]
+            except TimeoutError:
+                self.missing = [f"JetStream did not answer within {_READY_CHECK_S:g} s"]
             if self.missing and (self._repair_now is None or self._repair_now.done()):
                 self._repair_now = asyncio.create_task(self._repair_once(), name="repair-now")
         live = self.registry.live()
@@ -109,13 +116,15 @@ class RelayState:
         if self.missing:
             body["missing"] = list(self.missing)
         return body, 200 if ready else 503
+
     async def _discover(self) -> None:
         await self.require_bus().nc.publish(DISCOVER_SUBJECT, b"", reply=self._discover_inbox)
 
     async def stop(self) -> None:
-        if self._repair_task is not None:
-            self._repair_task.cancel()
-            await asyncio.gather(self._repair_task, return_exceptions=True)
+        tasks = [t for t in (self._repair_task, self._repair_now) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         await self.watchdog.stop()
         if self.fanout is not None:
             await self.fanout.stop()

@@ -396,3 +396,27 @@ async def test_a_starting_generator_updates_the_ack_wait_of_an_existing_consumer
     finally:
         await intake.close()
         await bus.js.delete_consumer(REQUESTS_STREAM, consumer_name(model))
+
+
+async def test_a_stream_whose_catch_up_keeps_failing_ends_with_an_error(tmp_path: Path, settings: Any) -> None:
+    """Regression: with TP_TOKENS gone (and nobody to re-provision it) a reader retried its
+    catch-up forever and the client's stream never ended."""
+    from relay.fanout import Fanout
+    from tokenpipe.bus import connect
+    from tokenpipe.errors import TransportError
+    from tokenpipe.wire import new_request_id
+    from tokenpipe_cli.natsserver import NatsServer
+
+    with NatsServer(tmp_path / "nats") as server:
+        bus = await connect(settings.replace(nats_url=server.url), name="test-gone")
+        try:
+            await bus.js.delete_stream(TOKENS_STREAM)
+            fanout = Fanout(bus, give_up_s=1.0)
+            await fanout.start()
+            reader = fanout.open(new_request_id())
+            with pytest.raises(TransportError, match="stream unavailable"):
+                async for _ in reader.items():
+                    pass
+            await fanout.stop()
+        finally:
+            await bus.close()
