@@ -284,7 +284,8 @@ async def test_readyz_is_503_without_generators(settings: Settings, tmp_path: Pa
             async with httpx.AsyncClient(base_url=server.url) as c:
                 assert (await c.get("/healthz")).status_code == 200
                 r = await c.get("/readyz")
-                assert r.status_code == 503 and r.json() == {"ready": False, "nats": True, "models": []}
+                assert r.status_code == 503 and r.json() == {"status": "unavailable", "ready": False, "nats": True,
+                                                      "models": [], "generators": "0"}
                 r = await c.post("/v1/streams", json={"prompt": "x"})
                 assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
         finally:
