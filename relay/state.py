@@ -56,6 +56,7 @@ class RelayState:
             self.fanout = Fanout(self.bus)
             await self.fanout.start()
             self.forwarder.fanout = self.fanout
+        await self.forwarder.start()
         nc = self.bus.nc
         await nc.subscribe(f"{ANNOUNCE_PREFIX}.>", cb=self._on_announce)
         # Ask running generators to introduce themselves instead of waiting a full interval.
@@ -68,6 +69,7 @@ class RelayState:
 
     async def stop(self) -> None:
         await self.watchdog.stop()
+        await self.forwarder.stop()
         if self.fanout is not None:
             await self.fanout.stop()
         if self.bus is not None:
