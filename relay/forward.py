@@ -79,7 +79,8 @@ class Forwarder:
         self.fanout: Fanout | None = None
         self.active: Counter[str] = Counter()  # open readers per tenant
         self.readers: Counter[str] = Counter()  # live (non-replay) readers per stream id, on this relay
-        self._grace: dict[str, asyncio.Task[None]] = {}  # stream id -> pending cancel-after-grace
+        self._grace: dict[str, asyncio.Task[None]] = {}  # stream id -> its grace, while it is pending
+        self._tasks: set[asyncio.Task[None]] = set()  # every cancel-after-grace still running
         self._readers_sub: Any = None
 
     async def start(self) -> None:
@@ -87,18 +88,23 @@ class Forwarder:
         self._readers_sub = await self._bus().nc.subscribe(READERS_WILDCARD, cb=self._on_readers_query)
 
     async def stop(self) -> None:
-        for task in list(self._grace.values()):
+        for task in list(self._tasks):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._grace.clear()
 
     async def _on_readers_query(self, msg: Any) -> None:
+        """Answer when a live reader of the stream is here, or a reader left here within the grace
+        (this relay then decides itself, when its own grace ends)."""
         stream_id = msg.subject.rpartition(".")[2]
-        if self.readers.get(stream_id) and msg.reply:
+        if (self.readers.get(stream_id) or stream_id in self._grace) and msg.reply:
             await msg.respond(b"1")
 
     def _attach(self, session: Session) -> None:
+        pending = self._grace.pop(session.stream_id, None)
+        if pending is not None:
+            pending.cancel()  # a reader is back: the next one to leave starts a fresh grace
         self.readers[session.stream_id] += 1
         if self.readers[session.stream_id] == 1:
             self.admission.attach(session.tenant, session.stream_id)
@@ -119,11 +125,14 @@ class Forwarder:
         task = asyncio.get_running_loop().create_task(self._grace_then_cancel(session),
                                                       name=f"cancel-grace-{session.stream_id}")
         self._grace[session.stream_id] = task
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
         task.add_done_callback(lambda t: self._grace.pop(session.stream_id, None) if
                                self._grace.get(session.stream_id) is t else None)
 
     async def _grace_then_cancel(self, session: Session) -> None:
         await asyncio.sleep(self.settings.cancel_grace_s)  # the grace itself: a reader may re-attach
+        self._grace.pop(session.stream_id, None)  # no longer pending: this relay must not answer itself
         if self.readers.get(session.stream_id):
             return
         try:

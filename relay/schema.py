@@ -9,6 +9,7 @@ fuzz test (``tests/test_schema.py``) holds the code and this document to each ot
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from fastapi import FastAPI
@@ -189,13 +190,14 @@ def build_openapi(app: FastAPI, settings: Settings) -> dict[str, Any]:
     bodies = {("/v1/streams", "post"): native_body(settings),
               ("/v1/chat/completions", "post"): openai_body(settings, chat=True),
               ("/v1/completions", "post"): openai_body(settings, chat=False)}
-    for path, item in doc.get("paths", {}).items():
+    paths = doc.get("paths", {})
+    for path, item in paths.items():
         for method, op in item.items():
             responses = op.setdefault("responses", {})
             if (path, method) in _SUCCESS:
                 for code in [c for c in responses if c.startswith("2")]:
                     del responses[code]
-                responses.update(_SUCCESS[(path, method)])
+                responses.update(copy.deepcopy(_SUCCESS[(path, method)]))
             if (path, method) in bodies:
                 op["requestBody"] = {"required": True, "content": {
                     "application/json": {"schema": bodies[(path, method)]}}}
@@ -215,7 +217,23 @@ def build_openapi(app: FastAPI, settings: Settings) -> dict[str, Any]:
             op["security"] = [{"apiKey": []}]
             for code, why in ERROR_STATUSES.items():
                 responses[code] = {"description": why, "content": error_ref}
+    _link_created_stream(paths)
     return doc
+
+
+def _link_created_stream(paths: dict[str, Any]) -> None:
+    """OpenAPI links from a created stream to reading and deleting it (so a stateful client, and
+    schemathesis, can follow the id the 201 returns)."""
+    created = paths.get("/v1/streams", {}).get("post", {}).get("responses", {}).get("201")
+    item = paths.get("/v1/streams/{stream_id}", {})
+    if created is None:
+        return
+    links = {}
+    for method, name in (("get", "ReadStream"), ("delete", "CancelStream")):
+        operation_id = item.get(method, {}).get("operationId")
+        if operation_id:
+            links[name] = {"operationId": operation_id, "parameters": {"stream_id": "$response.body#/id"}}
+    created["links"] = links
 
 
 def install_openapi(app: FastAPI, settings: Settings) -> None:
