@@ -13,6 +13,7 @@ import pytest
 from openai import AsyncOpenAI, AuthenticationError
 
 from generator.worker import GeneratorWorker
+from producer import aiter_sse
 from relay.auth import KeyRing, Unauthorized
 from relay.http import SSEResponse, WriteWatchdog
 from tokenpipe.settings import Settings
@@ -348,3 +349,24 @@ def test_regression_kv_compaction_after_a_grow_failed_outside_inference_mode() -
         cache.v = [torch.arange(16.0).reshape(2, 1, 4, 2)]
     cache.move(1, 0, 4)
     assert torch.equal(cache.k[0][0], cache.k[0][1]) and torch.equal(cache.v[0][0], cache.v[0][1])
+
+
+async def test_a_stream_being_read_holds_its_slot_and_releases_it_when_the_reader_leaves(
+        settings: Settings, generator: GeneratorWorker) -> None:
+    relay = await start_relay(settings.replace(max_streams_per_key=2, unread_stream_release_s=30.0,
+                                               cancel_grace_s=30.0))
+    admission = relay.app.state.relay.admission
+    try:
+        async with httpx.AsyncClient(base_url=relay.url, timeout=30) as http:
+            sid = (await http.post("/v1/streams", json=LONG)).json()["id"]
+            assert admission.open_streams["default"][sid] != float("inf")  # unread: a lapsing reservation
+            async with http.stream("GET", f"/v1/streams/{sid}") as resp:
+                async for _ in aiter_sse(resp):
+                    break
+                assert admission.open_streams["default"][sid] == float("inf")  # read: held
+            await wait_until(lambda: admission.open_streams["default"].get(sid, 0) != float("inf"), 10,
+                             "the slot to lapse again once nobody reads")
+            await http.delete(f"/v1/streams/{sid}")
+            assert sid not in admission.open_streams["default"]
+    finally:
+        await relay.stop()
