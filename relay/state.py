@@ -62,6 +62,7 @@ class RelayState:
             self.fanout = Fanout(self.bus)
             await self.fanout.start()
             self.forwarder.fanout = self.fanout
+        await self.forwarder.start()
         nc = self.bus.nc
         await nc.subscribe(f"{ANNOUNCE_PREFIX}.>", cb=self._on_announce)
         # Ask running generators to introduce themselves instead of waiting a full interval.
@@ -126,6 +127,7 @@ class RelayState:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await self.watchdog.stop()
+        await self.forwarder.stop()
         if self.fanout is not None:
             await self.fanout.stop()
         if self.bus is not None:

@@ -135,6 +135,16 @@ class Settings:
     submit_retry_s: float = field(
         default=5.0, metadata=_doc("how long the relay retries enqueueing a request while NATS is unavailable "
                                    "before answering 503 (idempotent by request id)"))
+    cancel_grace_s: float = field(
+        default=2.0,
+        metadata=_doc("after the last live reader of a running stream (on any relay) disconnects, wait this long for "
+                      "one to re-attach (`Last-Event-ID`) before cancelling the generation"))
+    unread_stream_release_s: float = field(
+        default=30.0,
+        metadata=_doc("a stream no reader is attached to stops counting against its key's `max_streams_per_key` "
+                      "after this long (it is freed at once when it finishes or is deleted)"))
+    metrics_auth: bool = field(
+        default=False, metadata=_doc("`/metrics` requires an API key too (when keys are on)"))
     relay_fanout: str = field(
         default="shared",
         metadata=_doc("`shared`: one `tp.tok.>` subscription dispatching to all SSE streams (JetStream only to "

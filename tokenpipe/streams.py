@@ -147,15 +147,19 @@ async def _unsubscribe(sub: Any, stream_id: str) -> None:
         log.debug("unsubscribe failed", extra={"stream_id": stream_id, "error": repr(exc)})
 
 
-async def paced(source: AsyncIterator[StreamItem], speed: float) -> AsyncGenerator[StreamItem, None]:
+async def paced(source: AsyncIterator[StreamItem], speed: float, *,
+                max_pause: float | None = None) -> AsyncGenerator[StreamItem, None]:
     """Re-time ``source`` by the batches' original ``emitted`` stamps divided by ``speed``
-    (``speed <= 0``: as fast as possible). Used for replays."""
+    (``speed <= 0``: as fast as possible), each pause at most ``max_pause`` seconds. Used for replays."""
     prev: int | None = None
     async for item in source:
         if isinstance(item, TokenBatch) and speed > 0:
             stamp = item.timings.get("emitted")
             if stamp is not None and prev is not None and stamp > prev:
-                await asyncio.sleep((stamp - prev) / 1e9 / speed)  # reproducing recorded pacing is the point
+                pause = (stamp - prev) / 1e9 / speed
+                if max_pause is not None:
+                    pause = min(pause, max_pause)
+                await asyncio.sleep(pause)  # reproducing recorded pacing is the point
             if stamp is not None:
                 prev = stamp
         yield item

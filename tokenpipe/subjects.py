@@ -21,6 +21,8 @@ __all__ = [
     "REQUEST_WILDCARD",
     "TOKEN_WILDCARD",
     "CANCEL_WILDCARD",
+    "readers_subject",
+    "READERS_WILDCARD",
 ]
 
 REQUESTS_STREAM = "TP_REQUESTS"
@@ -30,6 +32,9 @@ META_BUCKET = "tp_streams"
 REQUEST_WILDCARD = "tp.req.>"
 TOKEN_WILDCARD = "tp.tok.>"
 CANCEL_WILDCARD = "tp.cancel.>"
+# "Does anyone hold a live reader of this stream?" — a core request every relay holding one
+# answers; a relay asks before a disconnect cancels a generation (viewers are not owners).
+READERS_WILDCARD = "tp.readers.*"
 ANNOUNCE_PREFIX = "tp.gen.announce"
 DISCOVER_SUBJECT = "tp.gen.discover"
 
@@ -62,6 +67,10 @@ def token_subject(stream_id: str) -> str:
 
 def cancel_subject(stream_id: str) -> str:
     return f"tp.cancel.{check_stream_id(stream_id)}"
+
+
+def readers_subject(stream_id: str) -> str:
+    return f"tp.readers.{check_stream_id(stream_id)}"
 
 
 def consumer_name(model: str) -> str:
