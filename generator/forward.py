@@ -53,6 +53,7 @@ class SlotKVCache:
             new[:, :, : self.cap].copy_(old)
         self.k, self.v, self.cap = k_new, v_new, new_cap
 
+    @torch.inference_mode()  # a cache grown inside the forward holds inference tensors: in-place needs the mode
     def move(self, src: int, dst: int, length: int) -> None:
         """Copy slot ``src``'s first ``length`` positions into slot ``dst`` (compaction)."""
         for t in self.k + self.v:

@@ -41,42 +41,59 @@ class RequestIntake:
         self._psub: Any = None
         self._advisories: Any = None
 
-    async def subscribe(self) -> None:
-        config = js_api.ConsumerConfig(
+    def _consumer_config(self) -> js_api.ConsumerConfig:
+        return js_api.ConsumerConfig(
+            # A name: nats-py then sends the filtered create form, which permissions can confine.
+            name=consumer_name(self.model),
+            durable_name=consumer_name(self.model),
+            filter_subject=model_request_filter(self.model),
             ack_policy=js_api.AckPolicy.EXPLICIT,
             ack_wait=self.settings.ack_wait_s,
             max_deliver=self.settings.max_deliver,
             max_ack_pending=-1,
         )
-        await self._migrate_filter(config)
+
+    async def _update_consumer(self) -> None:
+        """An existing durable keeps the ``ack_wait``/``max_deliver`` it was created with (nats-py's
+        pull_subscribe only binds to it): bring them to this worker's settings, in place."""
+        config = self._consumer_config()
+        try:
+            info = await self.bus.js.consumer_info(REQUESTS_STREAM, consumer_name(self.model))
+        except NotFoundError:
+            return  # pull_subscribe creates it
+        have = info.config
+        # A consumer made before requests carried their owner filters ``tp.req.<model>``: it would match
+        # nothing now, so its filter moves to ``tp.req.<model>.>`` too (its queue is kept).
+        if (abs(float(have.ack_wait or 0) - self.settings.ack_wait_s) > 1e-3 or have.max_deliver != config.max_deliver
+                or have.filter_subject != config.filter_subject):
+            await self.bus.js.add_consumer(REQUESTS_STREAM, config)  # create-or-update: same name, new fields
+            log.info("request consumer updated", extra={"consumer": consumer_name(self.model),
+                                                         "ack_wait_s": self.settings.ack_wait_s,
+                                                         "was_ack_wait_s": have.ack_wait})
+
+    async def subscribe(self) -> None:
+        await self._update_consumer()
         self._psub = await self.bus.js.pull_subscribe(
             model_request_filter(self.model),
             durable=consumer_name(self.model),
             stream=REQUESTS_STREAM,
-            config=config,
+            config=self._consumer_config(),
         )
         # One worker per model (queue group) reports requests that ran out of delivery attempts.
         self._advisories = await self.bus.nc.subscribe(
             f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{REQUESTS_STREAM}.{consumer_name(self.model)}",
             queue=f"{consumer_name(self.model)}-advisories", cb=self._on_max_deliveries)
 
-    async def _migrate_filter(self, config: js_api.ConsumerConfig) -> None:
-        """A consumer made before requests carried their owner (filter ``tp.req.<model>``) would
-        match nothing now: move it to ``tp.req.<model>.>`` in place (its queue is kept)."""
-        name, wanted = consumer_name(self.model), model_request_filter(self.model)
-        try:
-            info = await self.bus.js.consumer_info(REQUESTS_STREAM, name)
-        except NotFoundError:
-            return
-        if info.config.filter_subject != wanted:
-            await self.bus.js.add_consumer(REQUESTS_STREAM, config=config.evolve(
-                name=name, durable_name=name, filter_subject=wanted))
-            log.info("consumer filter updated", extra={"consumer": name, "filter": wanted})
-
     async def close(self) -> None:
         for sub in (self._advisories, self._psub):
             if sub is not None:
                 await sub.unsubscribe()
+
+    async def resubscribe(self) -> None:
+        """After ``TP_REQUESTS`` was re-provisioned (its consumer went with it): bind again."""
+        await self.close()
+        self._psub = self._advisories = None
+        await self.subscribe()
 
     async def next_burst(self, free_slots: Callable[[], int], stopping: asyncio.Event) -> list[Msg]:
         """The next request, and whatever else the queue already holds that fits in

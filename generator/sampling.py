@@ -41,7 +41,8 @@ class RowSampler:
 
 def _filter(logits: Tensor, s: RowSampler) -> Tensor:
     # logits [V] (float32) -> filtered logits [V] with -inf outside top-k / nucleus
-    logits = logits / s.temperature
+    # A denormal temperature (5e-324 passes "> 0") would overflow the logits to inf and the softmax to NaN.
+    logits = logits / max(s.temperature, 1e-6)
     if 0 < s.top_k < logits.shape[-1]:
         kth = torch.topk(logits, s.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -50,6 +51,7 @@ def _filter(logits: Tensor, s: RowSampler) -> Tensor:
         cum = sorted_logits.softmax(-1).cumsum(-1)
         # keep the smallest prefix whose mass reaches top_p (always at least one token)
         drop_sorted = cum - sorted_logits.softmax(-1) >= s.top_p
+        drop_sorted[0] = False  # a top_p below float32's range (5e-324) compares as 0 and would drop all: NaN
         logits = logits.masked_fill(torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted), float("-inf"))
     return logits
 

@@ -8,6 +8,7 @@ without bound, and keeps one key from holding every slot.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 
@@ -21,7 +22,6 @@ __all__ = ["Admission"]
 log = logging.getLogger(__name__)
 
 _QUEUE_INFO_TTL = 0.25  # seconds a consumer-lag reading is reused for admission decisions
-_RESERVATION_S = 900.0  # an unread stream holds its key's slot at most this long
 
 
 class Admission:
@@ -36,14 +36,15 @@ class Admission:
     async def admit(self, tenant: str, model: str, stream_id: str) -> None:
         """Reserve a stream slot for ``tenant``; 429 when the key has too many unfinished streams
         or the model's queue is too deep. The slot is freed when a reader sees the stream end,
-        when its owner cancels it, or after ``_RESERVATION_S`` (a stream nobody reads)."""
+        when its owner cancels it, or ``unread_stream_release_s`` after it was created or its
+        last reader here left (a stream nobody reads); while a reader is attached it is held."""
         now = time.monotonic()
         mine = self.open_streams.setdefault(tenant, {})
         for sid in [k for k, expiry in mine.items() if expiry < now]:
             del mine[sid]
         if len(mine) >= self.settings.max_streams_per_key:
             raise Overloaded(f"too many unfinished streams for this key (limit {self.settings.max_streams_per_key})")
-        mine[stream_id] = now + _RESERVATION_S  # no await between the check and this: no race
+        mine[stream_id] = now + self.settings.unread_stream_release_s  # no await between the check and this: no race
         try:
             depth = await self.queue_depth(model)
             if depth > self.settings.max_queue_depth:
@@ -56,17 +57,28 @@ class Admission:
     def release(self, tenant: str, stream_id: str) -> None:
         self.open_streams.get(tenant, {}).pop(stream_id, None)
 
+    def attach(self, tenant: str, stream_id: str) -> None:
+        """A reader here is attached to the stream: its slot is held until it ends or is released."""
+        mine = self.open_streams.get(tenant)
+        if mine is not None and stream_id in mine:
+            mine[stream_id] = math.inf
+
+    def detach(self, tenant: str, stream_id: str) -> None:
+        """The last reader here left an unfinished stream: the slot lapses after ``unread_stream_release_s``."""
+        mine = self.open_streams.get(tenant)
+        if mine is not None and stream_id in mine:
+            mine[stream_id] = time.monotonic() + self.settings.unread_stream_release_s
+
     async def queue_depth(self, model: str) -> int:
         """Requests for ``model`` not yet pulled by any generator (JetStream consumer lag)."""
         now = time.monotonic()
         cached = self._queue_info.get(model)
         if cached is not None and now - cached[0] < _QUEUE_INFO_TTL:
             return cached[1]
-        bus = self._bus()
         try:
-            info = await bus.js.consumer_info(REQUESTS_STREAM, consumer_name(model))
+            info = await self._bus().js.consumer_info(REQUESTS_STREAM, consumer_name(model))
             depth = int(info.num_pending or 0)
-        except Exception as exc:  # no consumer yet (no generator ever started): nothing is queued
+        except Exception as exc:  # no consumer yet, or NATS restarting (submission retries): nothing counted
             log.debug("consumer info unavailable", extra={"model": model, "error": repr(exc)})
             depth = 0
         self._queue_info[model] = (now, depth)

@@ -13,6 +13,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from opentelemetry.trace import TracerProvider
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 from starlette.types import Receive, Scope, Send
 
 from tokenpipe.errors import TokenpipeError
@@ -20,17 +21,31 @@ from tokenpipe.metrics import render
 from tokenpipe.settings import Settings
 
 from . import native, openai
+from .auth import TENANT_KEY, AuthMiddleware
 from .http import RAW_SEND, error_body, error_response
 from .observe import ObserveMiddleware
+from .schema import install_openapi
 from .state import RelayState
 
 __all__ = ["create_app"]
 
 
 async def authenticate(request: Request) -> None:
-    """Resolve the caller's tenant from its API key (or the default tenant when keys are off)."""
-    state: RelayState = request.app.state.relay
-    request.state.tenant = state.keys.tenant_for(request.headers.get("authorization"))
+    """The caller's tenant, as :class:`relay.auth.AuthMiddleware` resolved it before routing
+    (resolved here when the app runs without it, as a bare ASGI app in a test might)."""
+    if getattr(request.state, TENANT_KEY, None) is None:
+        state: RelayState = request.app.state.relay
+        request.state.tenant = state.keys.tenant_for(request.headers.get("authorization"))
+
+
+_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
+
+
+def _allowed_methods(app: FastAPI, scope: Scope) -> list[str]:
+    """Every method some route fully matches for this path (asked per method: included routers
+    are wrapped, so their routes cannot simply be listed)."""
+    return [method for method in _METHODS
+            if any(route.matches({**scope, "method": method})[0] == Match.FULL for route in app.router.routes)]
 
 
 class _RelayApp(FastAPI):
@@ -71,8 +86,13 @@ def create_app(settings: Settings, tracer_provider: TracerProvider | None = None
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        headers = dict(getattr(exc, "headers", None) or {})
+        if exc.status_code == 405:
+            # Starlette names the methods of the first route matching the path only; a path served by
+            # several routes (GET and DELETE /v1/streams/{id}) allows all of theirs.
+            headers["Allow"] = ", ".join(_allowed_methods(app, request.scope))
         return JSONResponse(error_body(str(exc.detail), status=exc.status_code), status_code=exc.status_code,
-                            headers=getattr(exc, "headers", None))
+                            headers=headers or None)
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:
@@ -80,10 +100,8 @@ def create_app(settings: Settings, tracer_provider: TracerProvider | None = None
 
     @app.get("/readyz")
     async def readyz() -> JSONResponse:
-        connected = state.bus is not None and state.bus.nc.is_connected
-        models = state.registry.models()
-        ready = connected and bool(models)
-        return JSONResponse({"ready": ready, "nats": connected, "models": models}, status_code=200 if ready else 503)
+        body, status = await state.readiness()
+        return JSONResponse(body, status_code=status)
 
     @app.get("/", response_class=HTMLResponse)
     async def index() -> HTMLResponse:
@@ -103,5 +121,7 @@ def create_app(settings: Settings, tracer_provider: TracerProvider | None = None
 
     app.include_router(native.router, dependencies=api)
     app.include_router(openai.router, dependencies=api)
+    install_openapi(app, settings)
+    app.add_middleware(AuthMiddleware, keys=state.keys, metrics=settings.metrics_auth)
     app.add_middleware(ObserveMiddleware, tracer=state.tracer, metrics=state.metrics)
     return app

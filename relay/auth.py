@@ -7,9 +7,15 @@ import hmac
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from starlette.types import ASGIApp, Receive, Scope, Send
+
 from tokenpipe.errors import TokenpipeError
 
-__all__ = ["KeyRing", "Unauthorized", "DEFAULT_TENANT"]
+from .http import error_response
+
+__all__ = ["KeyRing", "Unauthorized", "DEFAULT_TENANT", "AuthMiddleware", "TENANT_KEY"]
+
+TENANT_KEY = "tenant"  # in the ASGI scope's ``state``: ``request.state.tenant`` to the routes
 
 DEFAULT_TENANT = "default"
 
@@ -65,3 +71,33 @@ class KeyRing:
             if hmac.compare_digest(key.encode(), token.encode()):
                 return tenant
         raise Unauthorized("invalid API key")
+
+
+class AuthMiddleware:
+    """Authentication before routing: every ``/v1/*`` path (and ``/metrics`` when ``metrics``)
+    answers 401 without a valid key, whatever the method and whether the route exists, so an
+    unauthenticated caller learns nothing about which routes or methods there are."""
+
+    def __init__(self, app: ASGIApp, keys: KeyRing, *, metrics: bool = False) -> None:
+        self.app = app
+        self.keys = keys
+        self.metrics = metrics
+
+    def _guarded(self, path: str) -> bool:
+        return path == "/v1" or path.startswith("/v1/") or (self.metrics and path == "/metrics")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and self._guarded(scope["path"]):
+            authorization = None
+            for name, value in scope.get("headers", []):
+                if name == b"authorization":
+                    authorization = value.decode("latin-1")
+                    break
+            try:
+                tenant = self.keys.tenant_for(authorization)
+            except Unauthorized as exc:
+                response = error_response(exc, {"WWW-Authenticate": "Bearer"})
+                await response(scope, receive, send)
+                return
+            scope.setdefault("state", {})[TENANT_KEY] = tenant
+        await self.app(scope, receive, send)

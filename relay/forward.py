@@ -1,8 +1,18 @@
 """The relay's side of a stream: submitting it, checking who may read it, forwarding its
-batches to one client (spans, metrics, cancel on exit), and cancelling it."""
+batches to one client (spans, metrics), and cancelling it.
+
+Viewers are not owners: a reader's disconnect cancels the generation only when it was the
+last live reader of a still-running stream on every relay, and none re-attached within
+``cancel_grace_s`` (so a reconnect with ``Last-Event-ID`` continues the stream). Replays are
+not readers and never cancel; an explicit ``DELETE`` by the owner always does. Before
+cancelling, a relay asks the others on ``tp.readers.<id>``: every relay holding a live reader
+of the stream answers; no answer within ``_READERS_ASK_S`` means there is none.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
 from collections import Counter
@@ -11,33 +21,40 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
+import nats.errors
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Tracer
 
 from tokenpipe.bus import Bus
-from tokenpipe.errors import StreamNotFound
+from tokenpipe.errors import NoGenerator, StreamNotFound, TokenpipeError, TransportError
 from tokenpipe.metrics import RelayMetrics
 from tokenpipe.settings import Settings
 from tokenpipe.streams import StreamItem, cancel, follow, get_meta, last_batch, paced, stream_not_found, submit
-from tokenpipe.subjects import request_subject
+from tokenpipe.subjects import READERS_WILDCARD, RELAY_OWNER, readers_subject, request_subject
 from tokenpipe.telemetry import extract_context, producer_span
 from tokenpipe.wire import Request, StreamMeta, TokenBatch
 
 from .admission import Admission
 from .fanout import Fanout, LiveStream
 
-__all__ = ["Forwarder", "Session"]
+__all__ = ["Forwarder", "Session", "MAX_REPLAY_PAUSE_S"]
 
 log = logging.getLogger(__name__)
+
+MAX_REPLAY_PAUSE_S = 5.0  # a replay's longest pause between two batches, whatever the recorded gap
+_READERS_ASK_S = 0.25  # how long a relay waits for another to say it holds a live reader
 
 
 @dataclass
 class Session:
-    """One client reading one stream; ``cancel_on_exit`` is cleared when the client may resume."""
+    """One client reading one stream. ``reader``: a live reader (keeps the generation alive;
+    a replay is not one); ``cancel_on_exit``: leaving may cancel it (cleared when the client
+    may resume, or asked not to)."""
 
     stream_id: str
     tenant: str
     cancel_on_exit: bool = True
+    reader: bool = True
     finished: bool = False
     live: LiveStream | None = None  # registered before submission (nothing published can be missed)
 
@@ -61,23 +78,133 @@ class Forwarder:
         self._bus = bus
         self.fanout: Fanout | None = None
         self.active: Counter[str] = Counter()  # open readers per tenant
+        self.readers: Counter[str] = Counter()  # live (non-replay) readers per stream id, on this relay
+        self._grace: dict[str, asyncio.Task[None]] = {}  # stream id -> its grace, while it is pending
+        self._tasks: set[asyncio.Task[None]] = set()  # every cancel-after-grace still running
+        self._readers_sub: Any = None
+
+    async def start(self) -> None:
+        """Answer other relays asking whether a stream has a live reader here."""
+        self._readers_sub = await self._bus().nc.subscribe(READERS_WILDCARD, cb=self._on_readers_query)
+
+    async def stop(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._grace.clear()
+
+    async def _on_readers_query(self, msg: Any) -> None:
+        """Answer when a live reader of the stream is here, or a reader left here within the grace
+        (this relay then decides itself, when its own grace ends)."""
+        stream_id = msg.subject.rpartition(".")[2]
+        if (self.readers.get(stream_id) or stream_id in self._grace) and msg.reply:
+            await msg.respond(b"1")
+
+    def _attach(self, session: Session) -> None:
+        pending = self._grace.pop(session.stream_id, None)
+        if pending is not None:
+            pending.cancel()  # a reader is back: the next one to leave starts a fresh grace
+        self.readers[session.stream_id] += 1
+        if self.readers[session.stream_id] == 1:
+            self.admission.attach(session.tenant, session.stream_id)
+
+    def _detach(self, session: Session) -> bool:
+        """Unregister a live reader; True when it was this relay's last one of that stream."""
+        self.readers[session.stream_id] -= 1
+        if self.readers[session.stream_id] > 0:
+            return False
+        del self.readers[session.stream_id]
+        if not session.finished:
+            self.admission.detach(session.tenant, session.stream_id)
+        return True
+
+    def _cancel_after_grace(self, session: Session) -> None:
+        if session.stream_id in self._grace:
+            return
+        task = asyncio.get_running_loop().create_task(self._grace_then_cancel(session),
+                                                      name=f"cancel-grace-{session.stream_id}")
+        self._grace[session.stream_id] = task
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(lambda t: self._grace.pop(session.stream_id, None) if
+                               self._grace.get(session.stream_id) is t else None)
+
+    async def _grace_then_cancel(self, session: Session) -> None:
+        await asyncio.sleep(self.settings.cancel_grace_s)  # the grace itself: a reader may re-attach
+        self._grace.pop(session.stream_id, None)  # no longer pending: this relay must not answer itself
+        if self.readers.get(session.stream_id):
+            return
+        try:
+            bus = self._bus()
+            if await self._read_elsewhere(bus, session.stream_id):
+                return
+            last = await last_batch(bus, session.stream_id)
+            if last is not None and last.is_final:
+                return  # it ended meanwhile: nothing to cancel
+            log.info("last reader went away; cancelling", extra={"request_id": session.stream_id})
+            await cancel(bus, session.stream_id)
+            self.admission.release(session.tenant, session.stream_id)
+        except TokenpipeError as exc:
+            log.warning("could not cancel an abandoned stream", extra={"request_id": session.stream_id,
+                                                                        "error": exc.message})
+
+    async def _read_elsewhere(self, bus: Bus, stream_id: str) -> bool:
+        """Whether another relay holds a live reader of the stream (one answer is enough)."""
+        try:
+            await bus.nc.request(readers_subject(stream_id), b"", timeout=_READERS_ASK_S)
+        except (TimeoutError, nats.errors.TimeoutError, nats.errors.NoRespondersError):
+            return False  # nobody answered: no relay holds one
+        except nats.errors.Error as exc:  # cannot ask: keep the generation rather than cancel blindly
+            log.warning("could not ask other relays for readers", extra={"request_id": stream_id, "error": repr(exc)})
+            return True
+        return True
 
     async def submit(self, request: Request, *, follow: bool = False) -> LiveStream | None:
         """Enqueue inside a PRODUCER span, a child of the current (HTTP server) span. With
         ``follow``, a live reader is registered first and returned (for :class:`Session`)."""
-        bus = self._bus()
         live = self.fanout.open(request.id, fresh=True) if follow and self.fanout is not None else None
         try:
-            with producer_span(self.tracer, request_subject(request.model, bus.owner),
+            with producer_span(self.tracer, request_subject(request.model, RELAY_OWNER),
                                {"gen_ai.request.model": request.model, "tokenpipe.stream.id": request.id}) as headers:
-                await submit(bus, request, headers)
+                await self._submit_retrying(request, headers)
         except BaseException:
             if live is not None:
                 live.close()
+            self.admission.release(request.tenant, request.id)  # a stream never created holds no slot
             raise
         log.info("stream created", extra={"request_id": request.id, "model": request.model,
                                           "tenant": request.tenant})
         return live
+
+    async def _submit_retrying(self, request: Request, headers: dict[str, str]) -> None:
+        """Enqueue, retrying for up to ``submit_retry_s`` while NATS is away (a nats-server restart
+        takes a second or two). Every attempt carries the same ``Nats-Msg-Id``: a retry of a
+        publish that did arrive is dropped by JetStream's duplicate window."""
+        deadline = time.monotonic() + self.settings.submit_retry_s
+        delay = 0.05
+        while True:
+            try:
+                async with asyncio.timeout(max(deadline - time.monotonic(), 0.5)):
+                    await submit(self._bus(), request, headers, cancel_orphan=False)
+                return
+            except (TransportError, NoGenerator, TimeoutError) as exc:
+                if time.monotonic() + delay >= deadline:
+                    bus = self._bus_if_connected()
+                    if bus is not None:  # it may have been enqueued without its owner record: nobody could read it
+                        await cancel(bus, request.id)
+                    if isinstance(exc, TimeoutError):
+                        raise TransportError("could not enqueue request: NATS did not answer in time") from exc
+                    raise
+                log.warning("enqueue failed; retrying", extra={"request_id": request.id, "error": str(exc)})
+            await asyncio.sleep(delay)  # waiting out a NATS restart; bounded by the deadline
+            delay = min(delay * 2, 0.5)
+
+    def _bus_if_connected(self) -> Bus | None:
+        try:
+            return self._bus()
+        except NoGenerator:
+            return None
 
     async def owned_meta(self, stream_id: str, tenant: str) -> StreamMeta:
         """The stream's metadata if ``tenant`` owns it; otherwise 404, exactly as if it did not exist."""
@@ -123,7 +250,9 @@ class Forwarder:
             source = session.live.items(idle=idle, trace_headers=trace_headers)
         else:
             source = follow(bus, session.stream_id, after_seq=after, idle=idle, trace_headers=trace_headers)
-        agen = source if speed is None else paced(source, speed)
+        agen = source if speed is None else paced(source, speed, max_pause=MAX_REPLAY_PAUSE_S)
+        if session.reader:
+            self._attach(session)
         self.active[session.tenant] += 1
         self.metrics.active_sse.inc()
         opened = last = time.monotonic()
@@ -150,6 +279,9 @@ class Forwarder:
                         if item.usage:
                             span.set_attribute("gen_ai.usage.output_tokens", item.usage.completion_tokens)
                 yield item
+        except TokenpipeError:
+            self.admission.release(session.tenant, session.stream_id)  # it ended (in error): its slot is free
+            raise
         finally:
             self.active[session.tenant] -= 1
             self.metrics.active_sse.dec()
@@ -161,6 +293,6 @@ class Forwarder:
                 await agen.aclose()
                 await source.aclose()
                 session.close()
-                if not session.finished and session.cancel_on_exit and bus.nc.is_connected:
-                    log.info("client went away; cancelling", extra={"request_id": session.stream_id})
-                    await cancel(bus, session.stream_id)
+            last_here = self._detach(session) if session.reader else False
+            if last_here and not session.finished and session.cancel_on_exit:
+                self._cancel_after_grace(session)

@@ -21,8 +21,8 @@ from tokenpipe.wire import TokenBatch
 
 from .sse import SSE_HEADERS
 
-__all__ = ["RAW_SEND", "error_body", "error_response", "read_json", "RequestTooLarge", "SSEResponse", "WriteWatchdog",
-           "error_type", "stream_error"]
+__all__ = ["RAW_SEND", "error_body", "error_response", "read_json", "parse_json", "check_strings", "RequestTooLarge",
+           "SSEResponse", "WriteWatchdog", "error_type", "stream_error"]
 
 # Scope key under which the relay app leaves the server's own ``send``: an SSE body chunk then
 # skips three middleware wrappers that only ever look at the response start (4% of the relay's
@@ -34,8 +34,8 @@ log = logging.getLogger(__name__)
 
 # The OpenAI error ``type`` of each status the relay answers with; any other is a server error.
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                404: "not_found_error", 413: "invalid_request_error", 422: "invalid_request_error",
-                429: "rate_limit_error", 503: "service_unavailable_error"}
+                404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+                422: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable_error"}
 
 
 def error_type(status: int) -> str:
@@ -82,15 +82,54 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
         body += chunk
         if len(body) > limit:
             raise RequestTooLarge(limit)
+    return parse_json(bytes(body))
+
+
+def parse_json(body: bytes) -> dict[str, Any]:
+    """The one boundary where untrusted JSON becomes Python values, shared by every route.
+
+    Whatever the parser accepts but nothing downstream can carry is refused here with a 400:
+    integers longer than Python's digit limit, nesting deeper than the recursion limit, and
+    lone UTF-16 surrogates (``"\\ud800"`` is valid JSON but not encodable UTF-8, so msgpack and
+    the tokenizer would fail on it later).
+    """
     try:
         obj = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
     except RecursionError as exc:
         raise InvalidRequest("request body is nested too deeply") from exc
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, and the int digit limit alike
+        raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
     if not isinstance(obj, dict):
         raise InvalidRequest("request body must be a JSON object")
+    check_strings(obj)
     return obj
+
+
+def check_strings(obj: Any, where: str = "") -> None:
+    """Refuse (400, naming the field) any key or string inside ``obj`` that is not valid UTF-8.
+
+    Iterative, so a deep structure cannot overflow the stack here either."""
+    stack: list[tuple[str, Any]] = [(where, obj)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            _check_utf8(value, path or "request body")
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                sub = f"{path}.{key}" if path else str(key)
+                _check_utf8(key, f"a key in {path or 'the request body'}")
+                stack.append((sub, item))
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", item) for i, item in enumerate(value))
+
+
+def _check_utf8(text: str, field: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        safe = field.encode("utf-8", "backslashreplace").decode("utf-8")
+        raise InvalidRequest(f"'{safe}' contains a lone UTF-16 surrogate, which is not valid UTF-8",
+                             param=safe.split(".")[0].split("[")[0] or None) from exc
 
 
 class WriteWatchdog:

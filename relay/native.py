@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, Response
 from tokenpipe.errors import InvalidRequest, TokenpipeError
 from tokenpipe.settings import Settings
 from tokenpipe.streams import Gap, Ping
+from tokenpipe.subjects import check_stream_id
 from tokenpipe.wire import Request as TpRequest
 from tokenpipe.wire import SamplingParams, TokenBatch
 
@@ -20,11 +21,13 @@ from .http import SSEResponse, read_json
 from .sse import sse_comment, sse_event
 from .state import RelayState
 
-__all__ = ["router", "build_request", "tenant_of"]
+__all__ = ["router", "build_request", "check_max_tokens", "tenant_of"]
 
 router = APIRouter()
 
 _SEQ_RE = re.compile(r"[0-9]{1,18}")
+MAX_SEQ = 10**18 - 1  # the largest Last-Event-ID / last_event_id (18 digits)
+MIN_SPEED, MAX_SPEED = 0.01, 1000.0  # replay pacing factors; 0 = as fast as possible
 _SAMPLING_KEYS = {"max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "ignore_eos"}
 _NATIVE_KEYS = _SAMPLING_KEYS | {"model", "prompt", "messages", "input_ids", "coalesce"}
 
@@ -37,12 +40,24 @@ def state_of(request: Request) -> RelayState:
     return request.app.state.relay  # type: ignore[no-any-return]
 
 
+def check_max_tokens(value: Any, settings: Settings, param: str = "max_tokens") -> None:
+    """A ``max_tokens`` (or OpenAI's ``max_completion_tokens``) within the wire's bounds and this relay's cap."""
+    try:
+        tokens = SamplingParams.from_map({"max_tokens": value}).max_tokens
+    except InvalidRequest as exc:
+        raise InvalidRequest(exc.message.replace("'max_tokens'", f"'{param}'"), param=param) from exc
+    if tokens > settings.max_tokens_cap:
+        raise InvalidRequest(f"'{param}' may be at most {settings.max_tokens_cap} here", param=param)
+
+
 def build_request(*, model: str, tenant: str, settings: Settings, prompt: Any = None, messages: Any = None,
                   input_ids: Any = None, params: dict[str, Any] | None = None, coalesce: Any = None) -> TpRequest:
     """Validate everything the relay can check before anything is enqueued."""
-    sampling = SamplingParams.from_map(params or {})
-    if sampling.max_tokens > settings.max_tokens_cap:
-        raise InvalidRequest(f"'max_tokens' may be at most {settings.max_tokens_cap} here", param="max_tokens")
+    params = dict(params or {})
+    if params.get("max_tokens") is None:  # the default may not exceed this relay's cap either
+        params["max_tokens"] = min(SamplingParams().max_tokens, settings.max_tokens_cap)
+    check_max_tokens(params["max_tokens"], settings)
+    SamplingParams.from_map(params)
     chars = len(prompt) if isinstance(prompt, str) else 0
     if isinstance(messages, list):
         chars += sum(len(m["content"]) for m in messages if isinstance(m, dict) and isinstance(m.get("content"), str))
@@ -80,20 +95,29 @@ def _resume_point(request: Request, last_event_id: int | None) -> int:
     return int(header)
 
 
+def _check_speed(speed: float) -> float:
+    """0 (as fast as possible) or within [MIN_SPEED, MAX_SPEED]: a replay always ends."""
+    if speed != 0 and not MIN_SPEED <= speed <= MAX_SPEED:  # NaN fails both comparisons
+        raise InvalidRequest(f"'speed' must be 0 (as fast as possible) or between {MIN_SPEED:g} and {MAX_SPEED:g}",
+                             param="speed")
+    return speed
+
+
 @router.get("/v1/streams/{stream_id}")
-async def get_stream(stream_id: str, request: Request, last_event_id: int | None = Query(None, ge=0),
+async def get_stream(stream_id: str, request: Request,
+                     last_event_id: int | None = Query(None, ge=0, le=MAX_SEQ),
                      cancel_on_disconnect: bool = True, replay: bool = False, speed: float = 1.0) -> Response:
     """The stream as SSE: history first, then live. ``replay=true`` re-times the history by the
-    original gaps between batches divided by ``speed`` (0 = as fast as possible)."""
+    original gaps between batches divided by ``speed`` (0 = as fast as possible, else 0.01..1000;
+    each pause at most 5 s). A replay is for watching: it is not a reader and never cancels."""
     state = state_of(request)
     tenant = tenant_of(request)
+    check_stream_id(stream_id)
+    _check_speed(speed)
+    after = _resume_point(request, last_event_id)
     meta = await state.forwarder.owned_meta(stream_id, tenant)
     await state.forwarder.check_retained(meta)
-    after = _resume_point(request, last_event_id)
-    if not 0 <= speed <= 1000:
-        raise InvalidRequest("'speed' must be between 0 and 1000", param="speed")
-    # A replay is for watching: leaving it must not cancel a generation that is still running.
-    session = Session(stream_id, tenant, cancel_on_exit=cancel_on_disconnect and not replay)
+    session = Session(stream_id, tenant, cancel_on_exit=cancel_on_disconnect and not replay, reader=not replay)
 
     def dropped() -> None:
         session.cancel_on_exit = False  # a slow client is cut off, not its generation: it may resume
@@ -107,6 +131,7 @@ async def get_stream(stream_id: str, request: Request, last_event_id: int | None
 async def delete_stream(stream_id: str, request: Request) -> dict[str, Any]:
     state = state_of(request)
     tenant = tenant_of(request)
+    check_stream_id(stream_id)
     await state.forwarder.owned_meta(stream_id, tenant)
     await state.forwarder.cancel(stream_id)
     state.admission.release(tenant, stream_id)

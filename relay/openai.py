@@ -24,7 +24,7 @@ from tokenpipe.wire import TokenBatch
 
 from .forward import Session
 from .http import SSEResponse, error_body, read_json, stream_error
-from .native import build_request, state_of, tenant_of
+from .native import build_request, check_max_tokens, state_of, tenant_of
 from .sse import sse_comment, sse_event
 from .state import RelayState
 
@@ -121,6 +121,9 @@ async def _start(request: Request, chat: bool) -> tuple[RelayState, TpRequest, d
     state = state_of(request)
     body = await read_json(request, state.settings.max_body_bytes)
     params = _params(body)
+    for key in ("max_completion_tokens", "max_tokens"):  # both are checked, whichever is used
+        if body.get(key) is not None:
+            check_max_tokens(body[key], state.settings, key)
     if body.get("model") is not None and not isinstance(body.get("model"), str):
         raise InvalidRequest("'model' must be a string", param="model")
     content = {"messages": _chat_messages(body.get("messages"))} if chat else _prompt(body.get("prompt"))

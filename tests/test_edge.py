@@ -13,6 +13,7 @@ import pytest
 from openai import AsyncOpenAI, AuthenticationError
 
 from generator.worker import GeneratorWorker
+from producer import aiter_sse
 from relay.auth import KeyRing, Unauthorized
 from relay.http import SSEResponse, WriteWatchdog
 from tokenpipe.settings import Settings
@@ -173,3 +174,199 @@ async def test_slow_client_is_dropped_without_cancelling_generation() -> None:
         await resp.stream_response(send)
     assert dropped == [True] and closed.is_set()
     assert len(sent) == 3  # response start + two events, then the stuck write was abandoned
+
+
+# --- issue 15: no input produces a 5xx or a dropped connection ------------------------------------
+
+CREATE_ROUTES = ["/v1/streams", "/v1/chat/completions", "/v1/completions"]
+SURROGATE_BODIES = [
+    b'{"prompt": "\\ud800"}',
+    b'{"messages": [{"role": "user", "content": "\\udfff"}]}',
+    b'{"messages": [{"role": "user\\ud800", "content": "x"}]}',
+    b'{"messages": [{"role": "user", "content": "x", "name": "\\udbff"}]}',
+    b'{"prompt": "x", "stop": ["ok", "\\ud800"]}',
+    b'{"prompt": "x", "model": "\\ud800"}',
+    b'{"prompt": "x", "\\ud800": 1}',
+]
+HUGE_NUMBER_BODIES = [
+    b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}",
+    b'{"prompt": "x", "seed": ' + b"9" * 100 + b"}",
+    b'{"prompt": "x", "seed": -' + b"9" * 30 + b"}",
+    b'{"prompt": "x", "temperature": 1' + b"0" * 400 + b"}",
+    b'{"prompt": "x", "max_tokens": 1e999}',
+    b'{"prompt": [' + b"9" * 40 + b"]}",
+    b'{"input_ids": [' + b"9" * 40 + b"]}",
+]
+
+
+@pytest.mark.parametrize("path", CREATE_ROUTES)
+async def test_regression_lone_surrogate_was_a_500_on_every_create_route(keyed: RelayServer, path: str) -> None:
+    async with httpx.AsyncClient(base_url=keyed.url, timeout=30, headers=auth("key-alice")) as http:
+        for body in SURROGATE_BODIES:
+            r = await http.post(path, content=body, headers={"content-type": "application/json"})
+            assert r.status_code == 400, (path, body, r.status_code, r.text)
+            error = r.json()["error"]
+            assert error["type"] == "invalid_request_error"
+            assert "lone UTF-16 surrogate, which is not valid UTF-8" in error["message"], error
+
+
+@pytest.mark.parametrize("path", CREATE_ROUTES)
+async def test_regression_numbers_of_any_size_were_a_500(keyed: RelayServer, path: str) -> None:
+    async with httpx.AsyncClient(base_url=keyed.url, timeout=30, headers=auth("key-alice")) as http:
+        for body in HUGE_NUMBER_BODIES:
+            r = await http.post(path, content=body, headers={"content-type": "application/json"})
+            assert r.status_code == 400, (path, body[:60], r.status_code, r.text)
+            assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("path", CREATE_ROUTES)
+async def test_any_nesting_depth_is_a_400(keyed: RelayServer, path: str) -> None:
+    async with httpx.AsyncClient(base_url=keyed.url, timeout=30, headers=auth("key-alice")) as http:
+        for depth in (5000, 100_000):
+            body = b'{"prompt": "x", "stop": ' + b"[" * depth + b"]" * depth + b"}"
+            r = await http.post(path, content=body, headers={"content-type": "application/json"})
+            assert r.status_code in (400, 413), (path, depth, r.status_code)
+            assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+async def test_regression_a_burst_of_bad_requests_drops_no_connection(keyed: RelayServer) -> None:
+    bodies = SURROGATE_BODIES + HUGE_NUMBER_BODIES
+    async with httpx.AsyncClient(base_url=keyed.url, timeout=30, headers=auth("key-alice")) as http:
+        results = await asyncio.gather(*(http.post(path, content=body) for path in CREATE_ROUTES for body in bodies))
+    assert [r.status_code for r in results] == [400] * len(results)
+
+
+async def test_regression_replay_speed_1e_320_stalled_forever(keyed: RelayServer) -> None:
+    async with httpx.AsyncClient(base_url=keyed.url, timeout=30, headers=auth("key-alice")) as http:
+        r = await http.post("/v1/streams", json={"prompt": "x", "max_tokens": 2})
+        sid = r.json()["id"]
+        for speed in ("1e-320", "0.001", "-1", "1001", "nan", "inf", "-inf", "abc", "1" + "0" * 5000):
+            r = await http.get(f"/v1/streams/{sid}", params={"replay": "true", "speed": speed})
+            assert r.status_code == 400, (speed, r.status_code, r.text[:200])
+            assert r.json()["error"]["type"] == "invalid_request_error"
+        for speed in ("0", "0.01", "1000"):
+            async with http.stream("GET", f"/v1/streams/{sid}", params={"replay": "true", "speed": speed}) as resp:
+                assert resp.status_code == 200
+                events = await read_sse(resp)
+            assert events[-1][0] == "done"
+
+
+async def test_query_values_and_ids_are_validated_never_500(keyed: RelayServer) -> None:
+    async with httpx.AsyncClient(base_url=keyed.url, timeout=30, headers=auth("key-alice")) as http:
+        sid = (await http.post("/v1/streams", json={"prompt": "x", "max_tokens": 2})).json()["id"]
+        for params in ({"last_event_id": "-1"}, {"last_event_id": "9" * 5000}, {"last_event_id": "1e3"},
+                       {"last_event_id": "\u00b2"}, {"replay": "maybe"}, {"cancel_on_disconnect": "2"}):
+            r = await http.get(f"/v1/streams/{sid}", params=params)
+            assert r.status_code == 400, (params, r.status_code, r.text[:200])
+        for header in ("-1", "9" * 40, "\u00b2".encode(), "1 2", ""):
+            r = await http.get(f"/v1/streams/{sid}", headers={"Last-Event-ID": header})
+            assert r.status_code in (400,), (header, r.status_code)
+        for bad in ("a.b", "x" * 65, "tp.tok.>", "%00", "a b"):
+            for method in ("GET", "DELETE"):
+                r = await http.request(method, f"/v1/streams/{bad}")
+                assert r.status_code in (400, 404), (bad, method, r.status_code)
+                assert r.json()["error"]["type"] in ("invalid_request_error", "not_found_error")
+
+
+async def test_regression_auth_came_after_routing_and_405_was_a_server_error(keyed: RelayServer) -> None:
+    async with httpx.AsyncClient(base_url=keyed.url, timeout=30) as http:
+        for method in ("GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"):
+            for path in ("/v1/streams", "/v1/nope", "/v1/streams/x/y", "/v1/chat/completions", "/v1"):
+                r = await http.request(method, path)
+                assert r.status_code == 401, (method, path, r.status_code)
+                assert r.json()["error"]["type"] == "authentication_error"
+        r = await http.get("/v1/streams", headers=auth("key-alice"))
+        assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error"
+        assert "POST" in r.headers["allow"]
+        r = await http.put("/v1/chat/completions", headers=auth("key-alice"))
+        assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error"
+        r = await http.get("/v1/nope", headers=auth("key-alice"))
+        assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+        r = await http.get("/nope")
+        assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+        assert (await http.get("/metrics")).status_code == 200  # metrics_auth is off by default
+
+
+async def test_metrics_auth_protects_metrics(settings: Settings, generator: GeneratorWorker) -> None:
+    relay = await start_relay(settings.replace(api_keys="key-m:m", metrics_auth=True))
+    try:
+        async with httpx.AsyncClient(base_url=relay.url, timeout=30) as http:
+            assert (await http.get("/metrics")).status_code == 401
+            assert (await http.get("/metrics", headers=auth("key-m"))).status_code == 200
+            assert (await http.get("/healthz")).status_code == 200
+    finally:
+        await relay.stop()
+
+
+async def test_regression_unread_streams_locked_the_key_out_for_15_minutes(settings: Settings,
+                                                                          generator: GeneratorWorker) -> None:
+    relay = await start_relay(settings.replace(max_streams_per_key=2, unread_stream_release_s=0.5))
+    created: list[str] = []
+    try:
+        async with httpx.AsyncClient(base_url=relay.url, timeout=30) as http:
+            for _ in range(2):
+                created.append((await http.post("/v1/streams", json=LONG)).json()["id"])
+            assert (await http.post("/v1/streams", json=LONG)).status_code == 429
+            async def accepted() -> bool:
+                r = await http.post("/v1/streams", json={"prompt": "y", "max_tokens": 2})
+                if r.status_code == 201:
+                    created.append(r.json()["id"])
+                return r.status_code == 201
+
+            await wait_until(accepted, 10, "an unread stream's slot to lapse")
+    finally:
+        async with httpx.AsyncClient(base_url=relay.url, timeout=30) as http:
+            for sid in created:
+                await http.delete(f"/v1/streams/{sid}")
+        await relay.stop()
+
+
+# --- found by the schema-driven fuzzing (tests/test_schema.py) -----------------------------------
+
+def test_regression_denormal_temperature_or_top_p_made_the_engine_fail_the_batch() -> None:
+    """temperature=5e-324 passed "> 0" and overflowed the logits (softmax NaN); top_p=5e-324 rounds
+    to 0 in float32 and dropped every token. Either failed the whole running batch (a 500)."""
+    import torch
+
+    from generator.sampling import RowSampler, sample
+
+    logits = torch.randn(3, 50)
+    for temperature, top_p in ((5e-324, 1.0), (1.0, 5e-324), (1e-300, 1e-300), (2.0, 1e-45)):
+        samplers = [RowSampler(temperature, top_p, top_k, torch.Generator().manual_seed(1)) for top_k in (0, 1, 5)]
+        assert sample(logits, samplers) == logits.argmax(-1).tolist()
+
+
+def test_regression_kv_compaction_after_a_grow_failed_outside_inference_mode() -> None:
+    """A cache grown inside the (inference-mode) forward holds inference tensors; compacting it
+    when an earlier row retired raised and failed the running batch."""
+    import torch
+
+    from generator.forward import SlotKVCache
+
+    cache = SlotKVCache.__new__(SlotKVCache)
+    with torch.inference_mode():  # as ``grow`` inside the forward makes them
+        cache.k = [torch.arange(16.0).reshape(2, 1, 4, 2)]
+        cache.v = [torch.arange(16.0).reshape(2, 1, 4, 2)]
+    cache.move(1, 0, 4)
+    assert torch.equal(cache.k[0][0], cache.k[0][1]) and torch.equal(cache.v[0][0], cache.v[0][1])
+
+
+async def test_a_stream_being_read_holds_its_slot_and_releases_it_when_the_reader_leaves(
+        settings: Settings, generator: GeneratorWorker) -> None:
+    relay = await start_relay(settings.replace(max_streams_per_key=2, unread_stream_release_s=30.0,
+                                               cancel_grace_s=30.0))
+    admission = relay.app.state.relay.admission
+    try:
+        async with httpx.AsyncClient(base_url=relay.url, timeout=30) as http:
+            sid = (await http.post("/v1/streams", json=LONG)).json()["id"]
+            assert admission.open_streams["default"][sid] != float("inf")  # unread: a lapsing reservation
+            async with http.stream("GET", f"/v1/streams/{sid}") as resp:
+                async for _ in aiter_sse(resp):
+                    break
+                assert admission.open_streams["default"][sid] == float("inf")  # read: held
+            await wait_until(lambda: admission.open_streams["default"].get(sid, 0) != float("inf"), 10,
+                             "the slot to lapse again once nobody reads")
+            await http.delete(f"/v1/streams/{sid}")
+            assert sid not in admission.open_streams["default"]
+    finally:
+        await relay.stop()

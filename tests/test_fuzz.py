@@ -24,7 +24,8 @@ FIELDS = ["model", "prompt", "messages", "input_ids", "max_tokens", "max_complet
           "presence_penalty", "tools", "response_format"]
 PATHS = ["/v1/streams", "/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/streams/x",
          "/v1/streams/../../etc/passwd", "/v1/streams/%00", "/v1/streams/" + "a" * 300, "/v1/streams/tp.tok.>", "/",
-         "/readyz", "/v1/nope"]
+         "/readyz", "/v1/nope", "/v1/streams/x?replay=true&speed=1e-320", "/v1/streams/x?last_event_id=" + "9" * 5000,
+         "/metrics", "/openapi.json"]
 
 scalars = st.one_of(st.none(), st.booleans(), st.integers(min_value=-(2**70), max_value=2**70),
                     st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=40),
@@ -43,6 +44,12 @@ raw_bodies = st.one_of(
     st.just(b'{"prompt": NaN}'),
     st.just(b"\xff\xfe\x00{"),
     st.just(b'{"messages": [{"role": "user", "content": "\\ud800"}]}'),
+    # issue 15: each was a 500 (plain text) on every create route
+    st.just(b'{"prompt": "\\ud800"}'),
+    st.just(b'{"messages": [{"role": "user", "content": "\\udfff"}]}'),
+    st.just(b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}"),
+    st.just(b'{"prompt": "x", "stop": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"),
+    st.just(b'{"prompt": "x", "temperature": 5e-324, "top_p": 5e-324, "max_tokens": 2}'),
 )
 
 

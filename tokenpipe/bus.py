@@ -28,9 +28,11 @@ from .subjects import (
     TOKENS_STREAM,
 )
 
-__all__ = ["Bus", "connect", "provision"]
+__all__ = ["Bus", "connect", "missing", "provision", "repair", "REPAIR_INTERVAL_S"]
 
 log = logging.getLogger(__name__)
+
+REPAIR_INTERVAL_S = 2.0  # how often the relay and the generators check that what tokenpipe provisions exists
 
 
 @dataclass
@@ -178,3 +180,27 @@ async def provision(js: JetStreamContext, settings: Settings, *, registry: bool 
         raise
     except Exception as exc:  # nats.js.errors.* and timeouts; one translation point
         raise TransportError(f"JetStream provisioning failed: {exc}") from exc
+
+
+async def missing(js: JetStreamContext, *, registry: bool = True) -> list[str]:
+    """The streams (and, with ``registry``, the meta bucket's stream) that tokenpipe provisions and
+    that do not exist now. Raises :class:`TransportError` when JetStream cannot be asked."""
+    gone: list[str] = []
+    for name in (REQUESTS_STREAM, TOKENS_STREAM, *((META_STREAM,) if registry else ())):
+        try:
+            await js.stream_info(name)
+        except NotFoundError:
+            gone.append(name)
+        except Exception as exc:  # timeouts, no responders while JetStream recovers
+            raise TransportError(f"cannot check JetStream streams: {exc}") from exc
+    return gone
+
+
+async def repair(js: JetStreamContext, settings: Settings, *, registry: bool = True) -> list[str]:
+    """Re-provision whatever :func:`missing` reports (someone deleted it); what was missing.
+    ``registry``: whether this role may touch the meta bucket (``Bus.registry``, tokenpipe.natsauth)."""
+    gone = await missing(js, registry=registry)
+    if gone:
+        log.warning("JetStream state tokenpipe owns is missing; re-provisioning", extra={"missing": ",".join(gone)})
+        await provision(js, settings, registry=registry)
+    return gone

@@ -34,6 +34,7 @@ from .subjects import (
     DISCOVER_SUBJECT,
     META_BUCKET,
     META_STREAM,
+    READERS_WILDCARD,
     RELAY_OWNER,
     REQUEST_WILDCARD,
     REQUESTS_STREAM,
@@ -120,14 +121,15 @@ def permissions(role: str, app: str | None = None) -> Permissions:
     if role == "relay":
         mine = f"tp.tok.{RELAY_OWNER}.>"
         return Permissions(
-            publish_allow=(f"tp.req.*.{RELAY_OWNER}", f"tp.cancel.{RELAY_OWNER}.>", DISCOVER_SUBJECT,
+            publish_allow=(f"tp.req.*.{RELAY_OWNER}", f"tp.cancel.{RELAY_OWNER}.>", DISCOVER_SUBJECT, READERS_WILDCARD,
                            f"$KV.{META_BUCKET}.>", f"{_JS}.INFO",
                            *_provision(REQUESTS_STREAM, TOKENS_STREAM, META_STREAM),
                            f"{_JS}.CONSUMER.INFO.{REQUESTS_STREAM}.*",
                            f"{_JS}.DIRECT.GET.{META_STREAM}.>", f"{_JS}.STREAM.MSG.GET.{META_STREAM}",
                            *_read_tokens(mine)),
-            subscribe_allow=(f"{inbox_prefix('relay')}.>", mine, f"{ANNOUNCE_PREFIX}.>"),
+            subscribe_allow=(f"{inbox_prefix('relay')}.>", mine, f"{ANNOUNCE_PREFIX}.>", READERS_WILDCARD),
             publish_deny=(TOKEN_WILDCARD, *_NEVER),
+            allow_responses=True,  # answers another relay's "who reads this stream?" on its inbox
         )
     if role == "generator":
         return Permissions(

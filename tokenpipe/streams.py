@@ -42,9 +42,12 @@ PING = Ping()
 StreamItem = TokenBatch | Ping | Gap
 
 
-async def submit(bus: Bus, request: Request, headers: dict[str, str] | None = None) -> None:
+async def submit(bus: Bus, request: Request, headers: dict[str, str] | None = None, *,
+                 cancel_orphan: bool = True) -> None:
     """Record ownership (streams made in the relay's namespace) and enqueue as ``bus.owner``.
-    Raises :class:`TransportError` if NATS refuses."""
+    Raises :class:`TransportError` if NATS refuses. A request enqueued whose ownership record
+    failed is cancelled, unless ``cancel_orphan`` is false (the caller retries both, idempotently,
+    and cancels itself when it gives up)."""
     meta = StreamMeta(request.id, request.tenant, request.model, request.created_at or time.time_ns())
     hdrs = dict(headers or {})
     hdrs["Nats-Msg-Id"] = f"{bus.owner}:{request.id}"  # ids are unique per owner, not across owners
@@ -57,7 +60,7 @@ async def submit(bus: Bus, request: Request, headers: dict[str, str] | None = No
                                          bus.js.publish(request_subject(request.model, bus.owner), payload,
                                                         headers=hdrs),
                                          return_exceptions=True)
-    if isinstance(owned, BaseException) and not isinstance(queued, BaseException):
+    if cancel_orphan and isinstance(owned, BaseException) and not isinstance(queued, BaseException):
         await cancel(bus, request.id)  # enqueued without an owner record: nobody could read it
     failed = next((r for r in (queued, owned) if isinstance(r, BaseException)), None)
     if failed is not None:
@@ -168,15 +171,19 @@ async def _unsubscribe(sub: Any, stream_id: str) -> None:
         log.debug("unsubscribe failed", extra={"stream_id": stream_id, "error": repr(exc)})
 
 
-async def paced(source: AsyncIterator[StreamItem], speed: float) -> AsyncGenerator[StreamItem, None]:
+async def paced(source: AsyncIterator[StreamItem], speed: float, *,
+                max_pause: float | None = None) -> AsyncGenerator[StreamItem, None]:
     """Re-time ``source`` by the batches' original ``emitted`` stamps divided by ``speed``
-    (``speed <= 0``: as fast as possible). Used for replays."""
+    (``speed <= 0``: as fast as possible), each pause at most ``max_pause`` seconds. Used for replays."""
     prev: int | None = None
     async for item in source:
         if isinstance(item, TokenBatch) and speed > 0:
             stamp = item.timings.get("emitted")
             if stamp is not None and prev is not None and stamp > prev:
-                await asyncio.sleep((stamp - prev) / 1e9 / speed)  # reproducing recorded pacing is the point
+                pause = (stamp - prev) / 1e9 / speed
+                if max_pause is not None:
+                    pause = min(pause, max_pause)
+                await asyncio.sleep(pause)  # reproducing recorded pacing is the point
             if stamp is not None:
                 prev = stamp
         yield item

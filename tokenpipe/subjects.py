@@ -39,6 +39,8 @@ __all__ = [
     "REQUEST_WILDCARD",
     "TOKEN_WILDCARD",
     "CANCEL_WILDCARD",
+    "readers_subject",
+    "READERS_WILDCARD",
 ]
 
 REQUESTS_STREAM = "TP_REQUESTS"
@@ -49,6 +51,9 @@ META_STREAM = f"KV_{META_BUCKET}"  # the stream JetStream keeps a KV bucket in
 REQUEST_WILDCARD = "tp.req.>"
 TOKEN_WILDCARD = "tp.tok.>"
 CANCEL_WILDCARD = "tp.cancel.>"
+# "Does anyone hold a live reader of this stream?" — a core request every relay holding one
+# answers; a relay asks before a disconnect cancels a generation (viewers are not owners).
+READERS_WILDCARD = "tp.readers.*"
 ANNOUNCE_PREFIX = "tp.gen.announce"
 DISCOVER_SUBJECT = "tp.gen.discover"
 
@@ -117,6 +122,10 @@ def parse_cancel_subject(subject: str) -> tuple[str, str]:
     if len(parts) != 4 or parts[:2] != ["tp", "cancel"]:
         raise InvalidRequest(f"not a cancel subject: {subject!r}")
     return check_owner(parts[2]), check_stream_id(parts[3])
+
+
+def readers_subject(stream_id: str) -> str:
+    return f"tp.readers.{check_stream_id(stream_id)}"
 
 
 def consumer_name(model: str) -> str:
