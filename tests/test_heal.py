@@ -25,6 +25,7 @@ import pytest
 
 from generator.models import LoadedModel
 from producer import aiter_sse
+from tokenpipe.natsauth import load_credential
 from tokenpipe.subjects import ANNOUNCE_PREFIX, TOKENS_STREAM
 from tokenpipe.wire import Request
 from tokenpipe_cli.launch import free_port
@@ -82,8 +83,10 @@ class Stack:
 
         await wait_until(up, timeout, "every role ready in up.json")
         if self.nc is None:
+            admin = load_credential(self.data / "creds" / "admin.json")  # `up` runs NATS with authorization on
             self.nc = await nats.connect(self.status()["nats_url"], max_reconnect_attempts=-1,
-                                         reconnect_time_wait=0.2)
+                                         reconnect_time_wait=0.2, user=admin.user, password=admin.password,
+                                         inbox_prefix=admin.inbox_prefix)
 
             async def on(msg: Any) -> None:
                 info = json.loads(msg.data)
