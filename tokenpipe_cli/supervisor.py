@@ -292,9 +292,9 @@ class Supervisor:
         # /readyz too: the relay has heard a generator announce itself, so the first request is served.
         if gens_ready and others_ready and self._relay_ready():
             self._state = "up"
+            self._on_change()  # up.json says "up" before the line that tells a user (or a test) so
             print(f"\ntokenpipe is up: {self._ports['relay_url']}   (NATS {self._ports['nats_url']}; Ctrl-C stops)\n",
                   flush=True)
-            self._on_change()
 
     def _relay_ready(self) -> bool:
         return http_ok(f"{self._ports['relay_url']}/readyz", timeout=1.0)()
