@@ -17,6 +17,7 @@ from typing import Any
 
 from nats.aio.msg import Msg
 from nats.js import api as js_api
+from nats.js.errors import NotFoundError
 
 from tokenpipe.bus import Bus
 from tokenpipe.errors import GenerationError, TokenpipeError
@@ -40,17 +41,38 @@ class RequestIntake:
         self._psub: Any = None
         self._advisories: Any = None
 
+    def _consumer_config(self) -> js_api.ConsumerConfig:
+        return js_api.ConsumerConfig(
+            durable_name=consumer_name(self.model),
+            filter_subject=request_subject(self.model),
+            ack_policy=js_api.AckPolicy.EXPLICIT,
+            ack_wait=self.settings.ack_wait_s,
+            max_deliver=self.settings.max_deliver,
+            max_ack_pending=-1,
+        )
+
+    async def _update_consumer(self) -> None:
+        """An existing durable keeps the ``ack_wait``/``max_deliver`` it was created with (nats-py's
+        pull_subscribe only binds to it): bring them to this worker's settings, in place."""
+        config = self._consumer_config()
+        try:
+            info = await self.bus.js.consumer_info(REQUESTS_STREAM, consumer_name(self.model))
+        except NotFoundError:
+            return  # pull_subscribe creates it
+        have = info.config
+        if abs(float(have.ack_wait or 0) - self.settings.ack_wait_s) > 1e-3 or have.max_deliver != config.max_deliver:
+            await self.bus.js.add_consumer(REQUESTS_STREAM, config)  # create-or-update: same name, new fields
+            log.info("request consumer updated", extra={"consumer": consumer_name(self.model),
+                                                         "ack_wait_s": self.settings.ack_wait_s,
+                                                         "was_ack_wait_s": have.ack_wait})
+
     async def subscribe(self) -> None:
+        await self._update_consumer()
         self._psub = await self.bus.js.pull_subscribe(
             request_subject(self.model),
             durable=consumer_name(self.model),
             stream=REQUESTS_STREAM,
-            config=js_api.ConsumerConfig(
-                ack_policy=js_api.AckPolicy.EXPLICIT,
-                ack_wait=self.settings.ack_wait_s,
-                max_deliver=self.settings.max_deliver,
-                max_ack_pending=-1,
-            ),
+            config=self._consumer_config(),
         )
         # One worker per model (queue group) reports requests that ran out of delivery attempts.
         self._advisories = await self.bus.nc.subscribe(
@@ -61,6 +83,12 @@ class RequestIntake:
         for sub in (self._advisories, self._psub):
             if sub is not None:
                 await sub.unsubscribe()
+
+    async def resubscribe(self) -> None:
+        """After ``TP_REQUESTS`` was re-provisioned (its consumer went with it): bind again."""
+        await self.close()
+        self._psub = self._advisories = None
+        await self.subscribe()
 
     async def next_burst(self, free_slots: Callable[[], int], stopping: asyncio.Event) -> list[Msg]:
         """The next request, and whatever else the queue already holds that fits in

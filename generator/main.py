@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 from functools import partial
+from pathlib import Path
 
 import torch
 from prometheus_client import start_http_server
@@ -52,7 +54,14 @@ async def serve(settings: Settings) -> None:
     worker = GeneratorWorker(settings, loaded, bus, tracer_provider=provider, metrics=metrics,
                              torch_thread=engine_thread)
     await worker.start()
+    ready = Path(settings.ready_file) if settings.ready_file else None
+    if ready is not None:  # `tokenpipe up` reads it: this process serves
+        tmp = ready.with_name(ready.name + ".tmp")
+        tmp.write_text(str(os.getpid()))
+        tmp.replace(ready)
     await stop.wait()
+    if ready is not None:
+        ready.unlink(missing_ok=True)
     log.info("shutting down: draining", extra={"active": len(worker.active)})
     await worker.stop(drain_timeout=settings.drain_timeout_s)
     await bus.close()

@@ -21,7 +21,8 @@ import torch
 
 from tokenpipe.errors import InvalidRequest, ModelNotFound
 
-__all__ = ["LoadedModel", "load_model", "resolve_device", "resolve_dtype", "BUILTIN_MODELS", "prepare_smollm2"]
+__all__ = ["LoadedModel", "load_model", "resolve_device", "resolve_dtype", "BUILTIN_MODELS", "prepare_smollm2",
+           "prepare_tokenizer"]
 
 log = logging.getLogger(__name__)
 
@@ -138,11 +139,37 @@ def prepare_smollm2(data_dir: str | os.PathLike[str]) -> Path:
     return target
 
 
+def prepare_tokenizer(data_dir: str | os.PathLike[str]) -> Path:
+    """SmolLM2's tokenizer alone (what the random-weight models need), without de-quantizing the
+    weights: the converted model's directory when it is already cached, else
+    ``<data_dir>/models/smollm2-135m-tokenizer`` read from the GGUF's metadata once."""
+    full = Path(data_dir) / "models" / SMOLLM2
+    if (full / ".complete").exists() and (full / ".complete").read_text() == _CACHE_VERSION:
+        return full
+    target = Path(data_dir) / "models" / f"{SMOLLM2}-tokenizer"
+    marker = target / ".complete"
+    if marker.exists() and marker.read_text() == _CACHE_VERSION:
+        return target
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(_gguf_dir(), gguf_file=_GGUF_FILE)
+    tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")  # several generators may race here
+    shutil.rmtree(tmp, ignore_errors=True)
+    tok.save_pretrained(tmp)
+    (tmp / ".complete").write_text(_CACHE_VERSION)
+    shutil.rmtree(target, ignore_errors=True)
+    try:
+        tmp.rename(target)
+    except OSError:  # another process got there first; its copy is the same
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
 def _random_llama(name: str, data_dir: str | os.PathLike[str], dtype: torch.dtype,
                   device: torch.device) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
-    tok = AutoTokenizer.from_pretrained(prepare_smollm2(data_dir))
+    tok = AutoTokenizer.from_pretrained(prepare_tokenizer(data_dir))
     config = LlamaConfig.from_dict({
         "vocab_size": len(tok), "max_position_embeddings": 2048, "tie_word_embeddings": True,
         "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id,

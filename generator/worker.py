@@ -24,12 +24,12 @@ from nats.aio.msg import Msg
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, TracerProvider
 
-from tokenpipe.bus import Bus
+from tokenpipe.bus import REPAIR_INTERVAL_S, Bus, repair
 from tokenpipe.errors import TokenpipeError, WireFormatError
 from tokenpipe.metrics import GeneratorMetrics
 from tokenpipe.settings import Settings
 from tokenpipe.streams import history
-from tokenpipe.subjects import CANCEL_WILDCARD
+from tokenpipe.subjects import CANCEL_WILDCARD, REQUESTS_STREAM
 from tokenpipe.telemetry import extract_context, get_tracer
 from tokenpipe.wire import Request, TokenBatch, Usage
 
@@ -89,6 +89,7 @@ class GeneratorWorker:
         self._tasks = [
             asyncio.create_task(self._fetch_loop(), name="fetch"),
             asyncio.create_task(self._progress_loop(), name="progress"),
+            asyncio.create_task(self._repair_loop(), name="repair"),
         ]
         await self.announcer.start()
         log.info("generator ready", extra={"model": self.model, "worker": self.worker_id,
@@ -226,11 +227,17 @@ class GeneratorWorker:
             log.info("cancel requested", extra={"request_id": rid})
             self.runner.cancel(rid)
 
+    @property
+    def progress_every(self) -> float:
+        """Seconds between in-progress acks. A short ``ack_wait`` makes a dead worker's requests move
+        on quickly; these acks keep a live worker's requests its own. The slack is ``ack_wait`` minus
+        this: an event loop stalled longer than that (GC, a busy CPU) loses its requests."""
+        return max(min(self.settings.progress_interval_s, self.settings.ack_wait_s / 3), 0.05)
+
     async def _progress_loop(self) -> None:
-        """Tell JetStream that long requests are still in progress (before ``ack_wait`` runs out)."""
-        progress_every = max(self.settings.ack_wait_s / 3, 0.5)
+        """Tell JetStream that every held request is still in progress (before ``ack_wait`` runs out)."""
         while True:
-            await asyncio.sleep(progress_every)
+            await asyncio.sleep(self.progress_every)  # a fixed cadence, not an event: the point is the clock
             for out in list(self.active.values()):
                 if out.msg is None:
                     continue
@@ -238,6 +245,20 @@ class GeneratorWorker:
                     await out.msg.in_progress()
                 except Exception as exc:  # one failure must not starve the other requests' progress acks
                     log.warning("in-progress ack failed", extra={"request_id": out.request.id, "error": repr(exc)})
+
+    async def _repair_loop(self) -> None:
+        """Re-provision the streams and bucket when someone deleted them; a new ``TP_REQUESTS``
+        also needs the consumer again."""
+        while True:
+            await asyncio.sleep(REPAIR_INTERVAL_S)
+            if not self.bus.nc.is_connected:
+                continue  # reconnecting: nothing to ask yet
+            try:
+                gone = await repair(self.bus.js, self.settings)
+                if REQUESTS_STREAM in gone:
+                    await self.intake.resubscribe()
+            except Exception as exc:  # JetStream recovering or unreachable: the next round tries again
+                log.warning("JetStream check failed", extra={"error": repr(exc)})
 
     # -- output ----------------------------------------------------------------------
     def _from_engine_thread(self, emissions: list[Emission]) -> None:

@@ -18,28 +18,12 @@ from typing import Any
 
 import httpx
 
-from tokenpipe.errors import (
-    GenerationError,
-    InvalidRequest,
-    ModelNotFound,
-    NoGenerator,
-    Overloaded,
-    StreamNotFound,
-    TokenpipeError,
-    TransportError,
-    WireFormatError,
-)
+from tokenpipe.errors import InvalidRequest, Overloaded, TokenpipeError, TransportError, error_class
 
 from .sse import SSEEvent, SSEParser
 
 __all__ = ["RelayClient", "aiter_sse"]
 
-# The relay answers errors as {"error": {"message", "type", "param", "code"}}, ``code`` being the
-# class's own slug: read back into the same class.
-_BY_CODE: dict[str, type[TokenpipeError]] = {
-    cls.code: cls for cls in (InvalidRequest, WireFormatError, ModelNotFound, StreamNotFound, NoGenerator,
-                              TransportError, GenerationError)
-}
 _FINAL_EVENTS = frozenset({"done", "error"})
 
 
@@ -127,5 +111,6 @@ def _raise_for_error(resp: httpx.Response) -> None:
         message, code, param = resp.text or resp.reason_phrase, None, None
     if code == Overloaded.code:
         raise Overloaded(message, retry_after=int(resp.headers.get("retry-after", "1")), param=param)
-    cls = _BY_CODE.get(code or "", InvalidRequest if 400 <= resp.status_code < 500 else TokenpipeError)
+    # The relay's error body carries the class's own ``code`` slug: read back into the same class.
+    cls = error_class(code or "") or (InvalidRequest if 400 <= resp.status_code < 500 else TokenpipeError)
     raise cls(message, param=param)

@@ -75,11 +75,10 @@ class Admission:
         cached = self._queue_info.get(model)
         if cached is not None and now - cached[0] < _QUEUE_INFO_TTL:
             return cached[1]
-        bus = self._bus()
         try:
-            info = await bus.js.consumer_info(REQUESTS_STREAM, consumer_name(model))
+            info = await self._bus().js.consumer_info(REQUESTS_STREAM, consumer_name(model))
             depth = int(info.num_pending or 0)
-        except Exception as exc:  # no consumer yet (no generator ever started): nothing is queued
+        except Exception as exc:  # no consumer yet, or NATS restarting (submission retries): nothing counted
             log.debug("consumer info unavailable", extra={"model": model, "error": repr(exc)})
             depth = 0
         self._queue_info[model] = (now, depth)

@@ -100,10 +100,8 @@ def create_app(settings: Settings, tracer_provider: TracerProvider | None = None
 
     @app.get("/readyz")
     async def readyz() -> JSONResponse:
-        connected = state.bus is not None and state.bus.nc.is_connected
-        models = state.registry.models()
-        ready = connected and bool(models)
-        return JSONResponse({"ready": ready, "nats": connected, "models": models}, status_code=200 if ready else 503)
+        body, status = await state.readiness()
+        return JSONResponse(body, status_code=status)
 
     @app.get("/", response_class=HTMLResponse)
     async def index() -> HTMLResponse:

@@ -40,13 +40,19 @@ __all__ = ["Fanout", "LiveStream"]
 
 log = logging.getLogger(__name__)
 
+# A reader whose looks at JetStream keep failing this long, with no batch delivered meanwhile, ends
+# its stream with an error: a nats-server restart takes seconds, a deleted stream would never heal.
+CATCH_UP_GIVE_UP_S = 20.0
+
 
 class Fanout:
     """Dispatches ``tp.tok.<id>`` messages to the :class:`LiveStream` readers of each stream."""
 
     def __init__(self, bus: Bus, *, resync_s: float = 30.0, settle_s: float = 1.0,
-                 reorder_wait: float = 15.0, loss_spread_s: float = 1.0) -> None:
+                 reorder_wait: float = 15.0, loss_spread_s: float = 1.0,
+                 give_up_s: float = CATCH_UP_GIVE_UP_S) -> None:
         self.bus = bus
+        self.give_up_s = give_up_s
         self.resync_s = resync_s
         self.settle_s = settle_s
         self.reorder_wait = reorder_wait
@@ -209,6 +215,8 @@ class LiveStream:
         settled = self._fresh  # a fresh stream has no "published before I registered" race
         looked_for: float | None = None  # the hole clock (``buf.hole_since``) already looked for
         last_out = time.monotonic()
+        delivered = last_out  # when a batch (not a ping) last went out
+        failing_since: float | None = None  # catch-up has failed since then
         try:
             while True:
                 if sync:
@@ -217,12 +225,19 @@ class LiveStream:
                         await self._catch_up(buf, thorough=thorough)
                     except TransportError as exc:
                         # JetStream may still be recovering; live batches keep flowing meanwhile.
+                        now = time.monotonic()
+                        failing_since = now if failing_since is None else failing_since
+                        if now - max(failing_since, delivered) > fanout.give_up_s:
+                            # Not a restart any more: end the client's stream (an error event) instead of hanging.
+                            raise TransportError(f"stream unavailable: reading its history kept failing for "
+                                                 f"{fanout.give_up_s:g} s ({exc.message})") from exc
                         log.warning("stream catch-up failed; retrying", extra={"request_id": self.stream_id,
                                                                                 "error": exc.message})
                         settled = False
                         self._thorough = thorough
                         self._next_sync = time.monotonic() + 0.5 + random.random()
                     else:
+                        failing_since = None
                         if not settled or thorough:
                             # Again a moment later: a batch delivered just before this look can be
                             # stored just after it.
@@ -234,7 +249,7 @@ class LiveStream:
                     for batch, headers in inbox:
                         buf.feed(batch, headers, now=now)
                 for item in buf.ready():
-                    last_out = time.monotonic()
+                    last_out = delivered = time.monotonic()
                     yield item
                 if buf.done:
                     return

@@ -26,7 +26,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Tracer
 
 from tokenpipe.bus import Bus
-from tokenpipe.errors import StreamNotFound, TokenpipeError
+from tokenpipe.errors import NoGenerator, StreamNotFound, TokenpipeError, TransportError
 from tokenpipe.metrics import RelayMetrics
 from tokenpipe.settings import Settings
 from tokenpipe.streams import StreamItem, cancel, follow, get_meta, last_batch, paced, stream_not_found, submit
@@ -163,19 +163,48 @@ class Forwarder:
     async def submit(self, request: Request, *, follow: bool = False) -> LiveStream | None:
         """Enqueue inside a PRODUCER span, a child of the current (HTTP server) span. With
         ``follow``, a live reader is registered first and returned (for :class:`Session`)."""
-        bus = self._bus()
         live = self.fanout.open(request.id, fresh=True) if follow and self.fanout is not None else None
         try:
             with producer_span(self.tracer, request_subject(request.model),
                                {"gen_ai.request.model": request.model, "tokenpipe.stream.id": request.id}) as headers:
-                await submit(bus, request, headers)
+                await self._submit_retrying(request, headers)
         except BaseException:
             if live is not None:
                 live.close()
+            self.admission.release(request.tenant, request.id)  # a stream never created holds no slot
             raise
         log.info("stream created", extra={"request_id": request.id, "model": request.model,
                                           "tenant": request.tenant})
         return live
+
+    async def _submit_retrying(self, request: Request, headers: dict[str, str]) -> None:
+        """Enqueue, retrying for up to ``submit_retry_s`` while NATS is away (a nats-server restart
+        takes a second or two). Every attempt carries the same ``Nats-Msg-Id``: a retry of a
+        publish that did arrive is dropped by JetStream's duplicate window."""
+        deadline = time.monotonic() + self.settings.submit_retry_s
+        delay = 0.05
+        while True:
+            try:
+                async with asyncio.timeout(max(deadline - time.monotonic(), 0.5)):
+                    await submit(self._bus(), request, headers, cancel_orphan=False)
+                return
+            except (TransportError, NoGenerator, TimeoutError) as exc:
+                if time.monotonic() + delay >= deadline:
+                    bus = self._bus_if_connected()
+                    if bus is not None:  # it may have been enqueued without its owner record: nobody could read it
+                        await cancel(bus, request.id)
+                    if isinstance(exc, TimeoutError):
+                        raise TransportError("could not enqueue request: NATS did not answer in time") from exc
+                    raise
+                log.warning("enqueue failed; retrying", extra={"request_id": request.id, "error": str(exc)})
+            await asyncio.sleep(delay)  # waiting out a NATS restart; bounded by the deadline
+            delay = min(delay * 2, 0.5)
+
+    def _bus_if_connected(self) -> Bus | None:
+        try:
+            return self._bus()
+        except NoGenerator:
+            return None
 
     async def owned_meta(self, stream_id: str, tenant: str) -> StreamMeta:
         """The stream's metadata if ``tenant`` owns it; otherwise 404, exactly as if it did not exist."""
@@ -250,6 +279,9 @@ class Forwarder:
                         if item.usage:
                             span.set_attribute("gen_ai.usage.output_tokens", item.usage.completion_tokens)
                 yield item
+        except TokenpipeError:
+            self.admission.release(session.tenant, session.stream_id)  # it ended (in error): its slot is free
+            raise
         finally:
             self.active[session.tenant] -= 1
             self.metrics.active_sse.dec()

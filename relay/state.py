@@ -4,14 +4,15 @@ the generator registry, admission and stream forwarding (see :mod:`relay.admissi
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
 from opentelemetry import trace
 from opentelemetry.trace import TracerProvider
 
-from tokenpipe.bus import Bus, connect
-from tokenpipe.errors import InvalidRequest, NoGenerator
+from tokenpipe.bus import REPAIR_INTERVAL_S, Bus, connect, missing, repair
+from tokenpipe.errors import InvalidRequest, NoGenerator, TokenpipeError
 from tokenpipe.metrics import RelayMetrics
 from tokenpipe.settings import Settings
 from tokenpipe.subjects import ANNOUNCE_PREFIX, DISCOVER_SUBJECT
@@ -27,6 +28,8 @@ from .registry import GeneratorRegistry
 __all__ = ["RelayState"]
 
 log = logging.getLogger(__name__)
+
+_READY_CHECK_S = 2.0  # /readyz waits this long for JetStream to say whether tokenpipe's streams exist
 
 
 class RelayState:
@@ -46,6 +49,9 @@ class RelayState:
         self.admission = Admission(settings, self.require_bus)
         self.forwarder = Forwarder(settings, self.tracer, self.metrics, self.admission, self.require_bus)
         self._discover_inbox = ""
+        self.missing: list[str] = []  # JetStream state tokenpipe owns that was found deleted (503 until repaired)
+        self._repair_task: asyncio.Task[None] | None = None
+        self._repair_now: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         if not self.keys.enabled and self.settings.host not in ("127.0.0.1", "localhost", "::1"):
@@ -63,11 +69,63 @@ class RelayState:
         self._discover_inbox = nc.new_inbox()
         await nc.subscribe(self._discover_inbox, cb=self._on_announce)
         await self._discover()
+        self._repair_task = asyncio.create_task(self._repair_loop(), name="repair")
+
+    async def _repair_loop(self) -> None:
+        """Re-provision the streams and bucket when someone deleted them (``/readyz`` is 503 meanwhile)."""
+        while True:
+            await asyncio.sleep(REPAIR_INTERVAL_S)
+            await self._repair_once()
+
+    async def _repair_once(self) -> None:
+        if self.bus is None or not self.bus.nc.is_connected:
+            return  # reconnecting: nothing to ask yet
+        try:
+            await self._check_and_repair()
+        except TokenpipeError as exc:  # JetStream recovering or unreachable: the next round tries again
+            log.warning("JetStream check failed", extra={"error": exc.message})
+
+    async def _check_and_repair(self) -> None:
+        bus = self.require_bus()
+        self.missing = await missing(bus.js)
+        if self.missing:
+            await repair(bus.js, self.settings)
+            self.missing = await missing(bus.js)
+
+    async def readiness(self) -> tuple[dict[str, Any], int]:
+        """``/readyz``: 503 unless NATS is connected, tokenpipe's streams exist (looked up now; a
+        missing one is re-provisioned in the background) and a generator is live; ``degraded``
+        while fewer than ``expected_generators`` are."""
+        connected = self.bus is not None and self.bus.nc.is_connected
+        if connected and self.bus is not None:
+            try:
+                async with asyncio.timeout(_READY_CHECK_S):
+                    self.missing = await missing(self.bus.js)
+            except TokenpipeError as exc:
+                self.missing = [exc.message]
+            except TimeoutError:
+                self.missing = [f"JetStream did not answer within {_READY_CHECK_S:g} s"]
+            if self.missing and (self._repair_now is None or self._repair_now.done()):
+                self._repair_now = asyncio.create_task(self._repair_once(), name="repair-now")
+        live = self.registry.live()
+        models = sorted({w.model for w in live})
+        expected = self.settings.expected_generators
+        ready = connected and bool(models) and not self.missing
+        status = "unavailable" if not ready else "degraded" if len(live) < expected else "ready"
+        body: dict[str, Any] = {"status": status, "ready": ready, "nats": connected, "models": models,
+                                "generators": f"{len(live)}/{expected}" if expected else str(len(live))}
+        if self.missing:
+            body["missing"] = list(self.missing)
+        return body, 200 if ready else 503
 
     async def _discover(self) -> None:
         await self.require_bus().nc.publish(DISCOVER_SUBJECT, b"", reply=self._discover_inbox)
 
     async def stop(self) -> None:
+        tasks = [t for t in (self._repair_task, self._repair_now) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         await self.watchdog.stop()
         await self.forwarder.stop()
         if self.fanout is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -68,6 +69,10 @@ def test_up_serves_a_stream_and_stops_cleanly_on_sigterm(tmp_path: Path, data_di
         else:
             raise AssertionError("tokenpipe up exited early:\n" + "".join(lines))
         assert f"http://127.0.0.1:{port}" in lines[-1]
+        status = json.loads((tmp_path / "up.json").read_text())
+        assert status["state"] == "up" and status["ports"]["relay"] == port and status["ports"]["nats"] == nats_port
+        assert {r["name"] for r in status["roles"]} == {"nats-server", "generator-0", "generator-1", "relay"}
+        assert all(r["pid"] in _children(proc.pid) for r in status["roles"])
         descendants = _children(proc.pid)
         assert len(descendants) >= 4  # nats-server, 2 generators, relay
         base = f"http://127.0.0.1:{port}"
@@ -85,6 +90,8 @@ def test_up_serves_a_stream_and_stops_cleanly_on_sigterm(tmp_path: Path, data_di
         while any(_alive(p) for p in descendants) and time.monotonic() < deadline:
             time.sleep(0.1)  # processes are reaped asynchronously by their parent's exit
         assert not [p for p in descendants if _alive(p)], "orphan processes left behind"
+        status = json.loads((tmp_path / "up.json").read_text())
+        assert status["state"] == "stopped" and {r["state"] for r in status["roles"]} == {"stopped"}
     finally:
         if proc.poll() is None:
             proc.kill()

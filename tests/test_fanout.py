@@ -28,7 +28,9 @@ def batch(sid: str, seq: int, final: bool = False) -> TokenBatch:
 
 @pytest.fixture
 async def fanout(bus: Bus) -> AsyncIterator[Fanout]:
-    f = Fanout(bus, resync_s=0.5, reorder_wait=0.5)
+    # A reorder wait far longer than any stall between two publishes on a busy machine: a test
+    # that wants a hole declared lost opens its own fan-out with a short one.
+    f = Fanout(bus, resync_s=0.5, reorder_wait=30.0)
     await f.start()
     yield f
     await f.stop()
@@ -91,13 +93,18 @@ async def test_resume_after_the_final_batch_still_reports_the_end(bus: Bus, fano
     assert items[0].is_final and items[0].token_ids == ()
 
 
-async def test_batch_that_never_arrives_becomes_an_explicit_gap(bus: Bus, fanout: Fanout) -> None:
-    sid = new_request_id()
-    reader = fanout.open(sid, fresh=True)
-    task = asyncio.create_task(collect(reader))
-    await publish(bus, batch(sid, 0))
-    await publish(bus, batch(sid, 3, final=True))  # 1 and 2 are never published (nor stored)
-    items = await asyncio.wait_for(task, 30)
+async def test_batch_that_never_arrives_becomes_an_explicit_gap(bus: Bus) -> None:
+    fanout = Fanout(bus, resync_s=0.5, reorder_wait=0.5)
+    await fanout.start()
+    try:
+        sid = new_request_id()
+        reader = fanout.open(sid, fresh=True)
+        task = asyncio.create_task(collect(reader))
+        await publish(bus, batch(sid, 0))
+        await publish(bus, batch(sid, 3, final=True))  # 1 and 2 are never published (nor stored)
+        items = await asyncio.wait_for(task, 30)
+    finally:
+        await fanout.stop()
     assert [(type(i).__name__, getattr(i, "seq", None)) for i in items] == [
         ("TokenBatch", 0), ("Gap", None), ("TokenBatch", 3)]
     gap = items[1]

@@ -66,3 +66,14 @@ def test_the_distribution_ships_the_packages_and_no_bench() -> None:
 def test_no_module_is_named_after_a_standard_library_module(package: str) -> None:
     """``tokenpipe/inspect.py`` shadowed ``inspect`` for any script run from inside the package."""
     assert [p.name for p in modules(package) if p.stem in sys.stdlib_module_names] == []
+
+
+def test_the_module_map_in_docs_lists_every_module_and_no_other() -> None:
+    """docs/architecture.md's module map says what each module owns; it must match the tree."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    section = text.split("## Module map", 1)[1].split("\n## ", 1)[0]
+    listed = {line.split("`")[1] for line in section.splitlines() if line.startswith("- `")}
+    present = {str(p.relative_to(ROOT)) for package in (CORE, ROOT_PACKAGE, *ROLES, "bench")
+               for p in modules(package) if p.name != "__init__.py"}
+    assert not present - listed, f"modules missing from docs/architecture.md's module map: {sorted(present - listed)}"
+    assert not listed - present, f"the module map names modules that do not exist: {sorted(listed - present)}"

@@ -140,10 +140,10 @@ def signal_holder(c: Cluster, at_batch: int, sig: int, done: list[int]) -> Any:
 
     async def on_tokens(n: int) -> None:
         if n == at_batch and not done:
+            # The holder's next announcement names the stream.
+            await wait_until(lambda: c.holder(c.stream_id) is not None, 30, "an announcement naming the holder")
             pid = c.holder(c.stream_id)
-            while pid is None:  # the holder's next announcement names the stream
-                await asyncio.sleep(0.05)
-                pid = c.holder(c.stream_id)
+            assert pid is not None
             os.kill(pid, sig)
             done.append(pid)
 

@@ -19,9 +19,11 @@ from .errors import TransportError
 from .settings import Settings
 from .subjects import META_BUCKET, REQUEST_WILDCARD, REQUESTS_STREAM, TOKEN_WILDCARD, TOKENS_STREAM
 
-__all__ = ["Bus", "connect", "provision"]
+__all__ = ["Bus", "connect", "missing", "provision", "repair", "REPAIR_INTERVAL_S"]
 
 log = logging.getLogger(__name__)
+
+REPAIR_INTERVAL_S = 2.0  # how often the relay and the generators check that what tokenpipe provisions exists
 
 
 @dataclass
@@ -153,3 +155,26 @@ async def provision(js: JetStreamContext, settings: Settings) -> None:
         raise
     except Exception as exc:  # nats.js.errors.* and timeouts; one translation point
         raise TransportError(f"JetStream provisioning failed: {exc}") from exc
+
+
+async def missing(js: JetStreamContext) -> list[str]:
+    """The streams (and the meta bucket's stream) that tokenpipe provisions and that do not exist now.
+    Raises :class:`TransportError` when JetStream cannot be asked."""
+    gone: list[str] = []
+    for name in (REQUESTS_STREAM, TOKENS_STREAM, f"KV_{META_BUCKET}"):
+        try:
+            await js.stream_info(name)
+        except NotFoundError:
+            gone.append(name)
+        except Exception as exc:  # timeouts, no responders while JetStream recovers
+            raise TransportError(f"cannot check JetStream streams: {exc}") from exc
+    return gone
+
+
+async def repair(js: JetStreamContext, settings: Settings) -> list[str]:
+    """Re-provision whatever :func:`missing` reports (someone deleted it); what was missing."""
+    gone = await missing(js)
+    if gone:
+        log.warning("JetStream state tokenpipe owns is missing; re-provisioning", extra={"missing": ",".join(gone)})
+        await provision(js, settings)
+    return gone

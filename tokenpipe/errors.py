@@ -16,6 +16,7 @@ __all__ = [
     "Overloaded",
     "TransportError",
     "GenerationError",
+    "error_class",
 ]
 
 
@@ -82,3 +83,14 @@ class GenerationError(TokenpipeError):
 
     code = "generation_error"
     status = 500
+
+
+def error_class(code: str) -> type[TokenpipeError] | None:
+    """The error class whose ``code`` is ``code`` (as an error body or batch carries it), if any."""
+    pending: list[type[TokenpipeError]] = [TokenpipeError]
+    while pending:
+        cls = pending.pop()
+        if cls.code == code:
+            return cls
+        pending.extend(cls.__subclasses__())
+    return None

@@ -81,7 +81,13 @@ class Settings:
     coalesce_max_delay_ms: float = field(
         default=20.0, metadata=_doc("time window: the longest a token waits to be published"))
     ack_wait_s: float = field(
-        default=30.0, metadata=_doc("a request whose generator stops acknowledging progress is redelivered after this"))
+        default=4.0,
+        metadata=_doc("a request whose generator stops acknowledging progress is redelivered after this: how soon "
+                      "a dead worker's streams move on (measured by `python -m bench.takeover`)"))
+    progress_interval_s: float = field(
+        default=1.0,
+        metadata=_doc("how often a generator acknowledges progress on every request it holds; a worker stalled "
+                      "longer than `TOKENPIPE_ACK_WAIT_S` minus this loses its requests to another worker"))
     drain_timeout_s: float = field(
         default=10.0, metadata=_doc("on SIGTERM, how long running requests may finish before they are handed back"))
     max_deliver: int = field(
@@ -92,6 +98,18 @@ class Settings:
     metrics_port: int = field(
         default=9101, metadata=_doc("generator `/metrics` port (`tokenpipe up` counts up from it; 0: off)"))
     metrics_host: str = field(default="127.0.0.1", metadata=_doc("generator `/metrics` bind address"))
+    # tokenpipe up (the supervisor)
+    restart_backoff_s: float = field(
+        default=0.5, metadata=_doc("`tokenpipe up`: first delay before restarting a role that exited; doubles per "
+                                   "restart within the window"))
+    restart_backoff_max_s: float = field(default=10.0, metadata=_doc("`tokenpipe up`: longest restart delay"))
+    restart_limit: int = field(
+        default=5, metadata=_doc("`tokenpipe up`: restarts of one role within `TOKENPIPE_RESTART_WINDOW_S` before "
+                                 "it is given up (the stack stops when it was the relay, NATS or the last generator)"))
+    restart_window_s: float = field(default=60.0, metadata=_doc("`tokenpipe up`: the crash-loop window"))
+    ready_file: str = field(
+        default="", metadata=_doc("a generator writes its pid here once it serves, and removes it when it stops "
+                                  "(`tokenpipe up` sets it per generator)"))
     # relay
     host: str = field(default="127.0.0.1", metadata=_doc("relay bind address"))
     port: int = field(default=8000, metadata=_doc("relay port"))
@@ -121,6 +139,12 @@ class Settings:
                       "after this long (it is freed at once when it finishes or is deleted)"))
     metrics_auth: bool = field(
         default=False, metadata=_doc("`/metrics` requires an API key too (when keys are on)"))
+    expected_generators: int = field(
+        default=0, metadata=_doc("generators the relay expects (`tokenpipe up` sets it): `/readyz` says `degraded` "
+                                 "while fewer are live (0: unknown)"))
+    submit_retry_s: float = field(
+        default=5.0, metadata=_doc("how long the relay retries enqueueing a request while NATS is unavailable "
+                                   "before answering 503 (idempotent by request id)"))
     relay_fanout: str = field(
         default="shared",
         metadata=_doc("`shared`: one `tp.tok.>` subscription dispatching to all SSE streams (JetStream only to "

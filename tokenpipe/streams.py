@@ -41,8 +41,11 @@ PING = Ping()
 StreamItem = TokenBatch | Ping | Gap
 
 
-async def submit(bus: Bus, request: Request, headers: dict[str, str] | None = None) -> None:
-    """Record ownership and enqueue. Raises :class:`TransportError` if NATS refuses."""
+async def submit(bus: Bus, request: Request, headers: dict[str, str] | None = None, *,
+                 cancel_orphan: bool = True) -> None:
+    """Record ownership and enqueue. Raises :class:`TransportError` if NATS refuses. A request
+    enqueued whose ownership record failed is cancelled, unless ``cancel_orphan`` is false (the
+    caller retries both, idempotently, and cancels itself when it gives up)."""
     meta = StreamMeta(request.id, request.tenant, request.model, request.created_at or time.time_ns())
     hdrs = dict(headers or {})
     hdrs["Nats-Msg-Id"] = request.id
@@ -52,7 +55,7 @@ async def submit(bus: Bus, request: Request, headers: dict[str, str] | None = No
     owned, queued = await asyncio.gather(bus.meta.put(request.id, meta.encode()),
                                          bus.js.publish(request_subject(request.model), payload, headers=hdrs),
                                          return_exceptions=True)
-    if isinstance(owned, BaseException) and not isinstance(queued, BaseException):
+    if cancel_orphan and isinstance(owned, BaseException) and not isinstance(queued, BaseException):
         await cancel(bus, request.id)  # enqueued without an owner record: nobody could read it
     failed = next((r for r in (queued, owned) if isinstance(r, BaseException)), None)
     if failed is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -43,8 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--host", help="relay bind address (default 127.0.0.1)")
     up.add_argument("--port", type=int, help="relay port (default 8000)")
     up.add_argument("--generators", type=int, default=1, help="generator processes (default 1)")
-    up.add_argument("--nats-port", type=int, default=4222,
-                    help="embedded nats-server port (default 4222, or a free one)")
+    up.add_argument("--nats-port", type=int, default=None,
+                    help="embedded nats-server port (default 4222, or a free one when that is taken)")
 
     gen = sub.add_parser("generator", help="run one generator worker")
     _common(gen)
@@ -155,8 +156,11 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.cmd == "up":
         from .supervisor import Supervisor
 
+        # A port the user chose that is taken is an error; a default one that is taken is replaced.
+        explicit = frozenset(k for k in ("port", "metrics_port")
+                             if getattr(args, k, None) is not None or f"TOKENPIPE_{k.upper()}" in os.environ)
         return Supervisor(settings, generators=args.generators, nats_port=args.nats_port,
-                          external_nats=args.nats_url is not None).run()
+                          external_nats=args.nats_url is not None, explicit=explicit).run()
     if args.cmd == "generator":
         from generator.main import serve as serve_generator
 

@@ -1,91 +1,348 @@
-"""``tokenpipe up``: a real nats-server, N generator processes and a relay, on one machine."""
+"""``tokenpipe up``: a real nats-server, N generator processes and a relay on one machine, kept running.
+
+One loop polls the children. A role that exits unexpectedly is restarted after an exponential
+backoff (``restart_backoff_s`` doubling up to ``restart_backoff_max_s``); after
+``restart_limit`` restarts within ``restart_window_s`` the role is given up, loudly. Giving up on
+nats-server, the relay or the last generator stops the stack (exit 1); one generator of several
+down only degrades it. Only SIGINT/SIGTERM stops everything, in order: the relay, the generators
+(draining), NATS last.
+
+The state of every role is kept in ``<data_dir>/up.json`` (replaced atomically on each change):
+
+    {"pid": 4242, "state": "up", "relay_url": "http://127.0.0.1:8000", "nats_url": "nats://127.0.0.1:4222",
+     "ports": {"relay": 8000, "nats": 4222, "metrics": [9101, 9102]}, "generators": "2/2",
+     "roles": [{"name": "nats-server", "pid": 4243, "state": "ready", "restarts": 0, "last_exit": null}, ...]}
+
+``state`` of a role is ``starting``, ``ready``, ``restarting`` (waiting out its backoff),
+``failed`` (given up) or ``stopped``; the top-level ``state`` is ``starting``, ``up``,
+``stopping``, ``stopped`` or ``failed``.
+"""
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import signal
 import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
+from tokenpipe.errors import TokenpipeError, TransportError
 from tokenpipe.settings import Settings
 
-from .launch import Child, LaunchError, free_port, http_ok, port_free, spawn_role, wait_ready
+from .launch import Child, free_port, http_ok, port_free, spawn_role
 from .natsserver import NatsServer
 
-__all__ = ["Supervisor"]
+__all__ = ["Supervisor", "describe_exit"]
 
 log = logging.getLogger(__name__)
+
+_POLL_S = 0.2
+
+
+def describe_exit(code: int | None) -> str:
+    """``exit 2`` or ``SIGKILL`` (a negative Popen status is the signal that ended it)."""
+    if code is None:
+        return "running"
+    if code < 0:
+        try:
+            return signal.Signals(-code).name
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit {code}"
+
+
+@dataclass
+class Role:
+    """One supervised process and its restart bookkeeping."""
+
+    name: str
+    kind: str  # "nats", "generator" or "relay"
+    start: Callable[[], int]  # starts the process; its pid
+    alive: Callable[[], int | None]  # None while running, else its exit status
+    ready_check: Callable[[], bool]
+    pid: int | None = None
+    state: str = "starting"
+    restarts: int = 0
+    last_exit: int | None = None
+    restart_at: float = 0.0
+    recent: deque[float] = field(default_factory=deque)  # when it exited, within the window
+
+    def status(self) -> dict[str, Any]:
+        return {"name": self.name, "pid": self.pid, "state": self.state, "restarts": self.restarts,
+                "last_exit": describe_exit(self.last_exit) if self.last_exit is not None else None}
+
+
+class _GiveUp(Exception):
+    """The stack cannot go on: the exit status ``tokenpipe up`` returns is 1."""
 
 
 @dataclass
 class Supervisor:
     settings: Settings
     generators: int = 1
-    nats_port: int = 4222
+    nats_port: int | None = None  # None: 4222, or a free port when that is taken
     external_nats: bool = False
+    explicit: frozenset[str] = frozenset()  # settings the user gave (a taken port is then an error)
     ready_timeout: float = 600.0
     children: list[Child] = field(default_factory=list)
     nats: NatsServer | None = None
+    roles: list[Role] = field(default_factory=list)
     _stop_signal: int | None = None
+    _state: str = "starting"
+    _ports: dict[str, Any] = field(default_factory=dict)
+    _shown: str = ""
+
+    @property
+    def status_path(self) -> Path:
+        return Path(self.settings.data_dir) / "up.json"
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self._stop_signal = signum
 
-    def _spawn(self, name: str, args: list[str]) -> None:
-        # Own session: Ctrl-C reaches only us, and we stop roles in order (relay, generators, NATS).
-        self.children.append(spawn_role(args[0], *args[1:], name=name, new_session=True))
+    # -- ports ------------------------------------------------------------------------
+    def _port(self, what: str, wanted: int, explicit: bool) -> int:
+        if port_free(wanted, self.settings.host if what == "relay" else "127.0.0.1"):
+            return wanted
+        if explicit:
+            raise TransportError(f"{what} port {wanted} is already in use (given explicitly; choose another)")
+        chosen = free_port()
+        log.warning("default port taken; using a free one", extra={"what": what, "default": wanted, "port": chosen})
+        print(f"tokenpipe: {what} port {wanted} is taken; using {chosen}", flush=True)
+        return chosen
 
-    def run(self) -> int:
+    # -- roles ------------------------------------------------------------------------
+    def _child_role(self, name: str, kind: str, args: list[str], ready: Callable[[], bool],
+                    env: dict[str, str] | None = None) -> Role:
+        def start() -> int:
+            # Own session: Ctrl-C reaches only us, and we stop roles in order (relay, generators, NATS).
+            child = spawn_role(args[0], *args[1:], name=name, new_session=True, env=env)
+            self.children = [c for c in self.children if c.name != name] + [child]
+            return child.pid
+
+        def alive() -> int | None:
+            child = next((c for c in self.children if c.name == name), None)
+            return child.returncode if child is not None else -1
+
+        return Role(name, kind, start, alive, ready)
+
+    def _nats_role(self, port: int) -> Role:
+        nats = self.nats = NatsServer(Path(self.settings.data_dir) / "nats", port=port)
+
+        def start() -> int:
+            try:
+                nats.start()  # same port, same store: file storage keeps every queued request and batch
+            except TransportError as exc:
+                log.error("nats-server did not start", extra={"reason": exc.message})
+                return -1
+            assert nats.pid is not None
+            return nats.pid
+
+        def alive() -> int | None:
+            return nats.child.returncode if nats.child is not None else -1
+
+        return Role("nats-server", "nats", start, alive, lambda: True)
+
+    def _build_roles(self) -> None:
         s = self.settings
+        nats_url = s.nats_url
+        if not self.external_nats:
+            port = self._port("NATS", self.nats_port or 4222, self.nats_port is not None)
+            self.roles.append(self._nats_role(port))
+            nats_url = f"nats://127.0.0.1:{port}"
+            self._ports["nats"] = port
+        self._ports["nats_url"] = nats_url
+        relay_port = self._port("relay", s.port, "port" in self.explicit)
+        self._ports["relay"] = relay_port
+        self._ports["relay_url"] = f"http://{s.host}:{relay_port}"
+        common = ["--nats-url", nats_url, "--data-dir", s.data_dir, "--log-level", s.log_level]
+        metrics: list[int] = []
+        for i in range(self.generators):
+            mport = 0
+            if s.metrics_port > 0:
+                mport = self._port(f"generator-{i} metrics", s.metrics_port + i, "metrics_port" in self.explicit)
+                metrics.append(mport)
+            ready_file = Path(s.data_dir) / "run" / f"generator-{i}.ready"
+            ready_file.parent.mkdir(parents=True, exist_ok=True)
+            ready_file.unlink(missing_ok=True)
+            self.roles.append(self._child_role(
+                f"generator-{i}", "generator",
+                ["generator", *common, "--model", s.model, "--device", s.device, "--metrics-port", str(mport),
+                 *(["--model-path", s.model_path] if s.model_path else [])],
+                self._ready_file_check(f"generator-{i}", ready_file),
+                env={**os.environ, "TOKENPIPE_READY_FILE": str(ready_file)}))
+        self._ports["metrics"] = metrics
+        url = self._ports["relay_url"]
+        self.roles.append(self._child_role(
+            "relay", "relay", ["relay", *common, "--host", s.host, "--port", str(relay_port)],
+            http_ok(f"{url}/healthz", timeout=1.0),
+            env={**os.environ, "TOKENPIPE_EXPECTED_GENERATORS": str(self.generators)}))
+
+    def _ready_file_check(self, name: str, path: Path) -> Callable[[], bool]:
+        def check() -> bool:
+            try:
+                pid = int(path.read_text() or 0)
+            except (OSError, ValueError):
+                return False
+            role = next(r for r in self.roles if r.name == name)
+            return pid == role.pid  # a stale file of a killed predecessor does not count
+
+        return check
+
+    # -- the loop ---------------------------------------------------------------------
+    def run(self) -> int:
         signal.signal(signal.SIGINT, self._on_signal)
         signal.signal(signal.SIGTERM, self._on_signal)
-        nats_url = s.nats_url
         try:
-            if not self.external_nats:
-                port = self.nats_port if port_free(self.nats_port) else free_port()
-                self.nats = NatsServer(Path(s.data_dir) / "nats", port=port).start()
-                nats_url = self.nats.url
+            self._build_roles()
+        except TokenpipeError as exc:
+            print(f"tokenpipe: error: {exc.message}", flush=True)
+            return 1
+        try:
+            nats = next((r for r in self.roles if r.kind == "nats"), None)
+            if nats is not None:
+                self._start(nats)
+                if nats.pid == -1:
+                    return 1
             self._prepare_model()
-            common = ["--nats-url", nats_url, "--data-dir", s.data_dir, "--log-level", s.log_level]
-            for i in range(self.generators):
-                metrics_port = s.metrics_port + i if s.metrics_port > 0 else 0
-                self._spawn(f"generator-{i}", ["generator", *common, "--model", s.model, "--device", s.device,
-                                               "--metrics-port", str(metrics_port),
-                                               *(["--model-path", s.model_path] if s.model_path else [])])
-            self._spawn("relay", ["relay", *common, "--host", s.host, "--port", str(s.port)])
-            url = f"http://{s.host}:{s.port}"
-            if self._wait_ready(url):
-                print(f"\ntokenpipe is up: {url}   (NATS {nats_url}; Ctrl-C stops)\n", flush=True)
-                while self._stop_signal is None:
-                    dead = [c for c in self.children if c.returncode is not None]
-                    if dead:
-                        log.error("a role exited; stopping", extra={"role": dead[0].name,
-                                                                     "code": dead[0].returncode})
-                        return 1
-                    time.sleep(0.2)  # supervisor poll; signals interrupt it
-            return 0 if self._stop_signal is not None else 1
+            for role in self.roles:
+                if role.kind != "nats":
+                    self._start(role)
+            self._write_status()
+            started = time.monotonic()
+            while self._stop_signal is None:
+                self._tick()
+                if self._state == "starting" and time.monotonic() - started > self.ready_timeout:
+                    log.error("tokenpipe did not come up in time; stopping", extra={"timeout_s": self.ready_timeout})
+                    return 1
+                time.sleep(_POLL_S)  # polling child processes: signals interrupt it
+            return 0
+        except _GiveUp:
+            return 1
         finally:
+            self._state = "stopping"
+            self._write_status()
             self.shutdown()
+            self._state = "stopped" if self._stop_signal is not None else "failed"
+            for role in self.roles:
+                role.state = "stopped" if role.state != "failed" else "failed"
+            self._write_status()
+
+    def _start(self, role: Role) -> None:
+        role.state = "starting"
+        role.pid = role.start()
+        log.info("role started", extra={"role": role.name, "pid": role.pid, "restarts": role.restarts})
+
+    def _tick(self) -> None:
+        s = self.settings
+        now = time.monotonic()
+        changed = False
+        for role in self.roles:
+            if role.state == "failed":
+                continue
+            if role.state == "restarting":
+                if now >= role.restart_at:
+                    role.restarts += 1
+                    self._start(role)
+                    changed = True
+                continue
+            code = role.alive()
+            if code is not None:
+                changed = True
+                role.last_exit = code
+                while role.recent and role.recent[0] < now - s.restart_window_s:
+                    role.recent.popleft()
+                role.recent.append(now)
+                if len(role.recent) > s.restart_limit:
+                    role.state = "failed"
+                    log.error("role keeps crashing; giving up on it",
+                              extra={"role": role.name, "exit": describe_exit(code), "restarts": role.restarts,
+                                     "limit": s.restart_limit, "window_s": s.restart_window_s})
+                    print(f"tokenpipe: giving up on {role.name}: it exited ({describe_exit(code)}) "
+                          f"{len(role.recent)} times within {s.restart_window_s:g}s", flush=True)
+                    self._check_viable(role)
+                    continue
+                delay = min(s.restart_backoff_s * 2 ** (len(role.recent) - 1), s.restart_backoff_max_s)
+                role.state = "restarting"
+                role.restart_at = now + delay
+                log.warning("role exited; restarting", extra={"role": role.name, "exit": describe_exit(code),
+                                                              "restarts": role.restarts, "backoff_s": delay})
+                print(f"tokenpipe: {role.name} exited ({describe_exit(code)}); restarting in {delay:g}s "
+                      f"(restart {role.restarts + 1})", flush=True)
+            elif role.state == "starting" and role.ready_check():
+                role.state = "ready"
+                changed = True
+                log.info("role ready", extra={"role": role.name, "pid": role.pid})
+            elif role.state == "ready" and role.kind == "generator" and not role.ready_check():
+                role.state = "starting"  # its ready file went away: it is stopping
+                changed = True
+        if changed:
+            self._on_change()
+        if self._state == "starting":
+            self._maybe_up()
+
+    def _maybe_up(self) -> None:
+        gens_ready = any(r.state == "ready" for r in self.roles if r.kind == "generator")
+        others_ready = all(r.state == "ready" for r in self.roles if r.kind != "generator")
+        # /readyz too: the relay has heard a generator announce itself, so the first request is served.
+        if gens_ready and others_ready and self._relay_ready():
+            self._state = "up"
+            print(f"\ntokenpipe is up: {self._ports['relay_url']}   (NATS {self._ports['nats_url']}; Ctrl-C stops)\n",
+                  flush=True)
+            self._on_change()
+
+    def _relay_ready(self) -> bool:
+        return http_ok(f"{self._ports['relay_url']}/readyz", timeout=1.0)()
+
+    def _check_viable(self, failed: Role) -> None:
+        if failed.kind in ("nats", "relay"):
+            self._state = "failed"
+            raise _GiveUp
+        if all(r.state == "failed" for r in self.roles if r.kind == "generator"):
+            log.error("no generator is left; stopping")
+            self._state = "failed"
+            raise _GiveUp
+
+    def _on_change(self) -> None:
+        gens = [r for r in self.roles if r.kind == "generator"]
+        ready = sum(r.state == "ready" for r in gens)
+        line = f"generators: {ready}/{len(gens)} ready"
+        down = [f"{r.name} {r.state}" for r in self.roles if r.kind != "generator" and r.state != "ready"]
+        if down:
+            line += "; " + ", ".join(down)
+        if line != self._shown and self._state != "starting":
+            self._shown = line
+            print(f"tokenpipe: {line}", flush=True)
+        self._write_status()
+
+    def _write_status(self) -> None:
+        gens = [r for r in self.roles if r.kind == "generator"]
+        body = {"pid": os.getpid(), "state": self._state, "relay_url": self._ports.get("relay_url"),
+                "nats_url": self._ports.get("nats_url"),
+                "ports": {k: self._ports.get(k) for k in ("relay", "nats", "metrics")},
+                "generators": f"{sum(r.state == 'ready' for r in gens)}/{len(gens)}",
+                "roles": [r.status() for r in self.roles]}
+        path = self.status_path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(body, indent=1))
+        tmp.replace(path)  # readers never see half a file
 
     def _prepare_model(self) -> None:
-        # De-quantize once here, with a progress bar, rather than N times in parallel.
+        # Once here, with a progress bar, rather than N times in parallel; only what the model needs.
         if self.settings.model_path:
             return
-        from generator.models import BUILTIN_MODELS, prepare_smollm2
+        from generator.models import BUILTIN_MODELS, SMOLLM2, prepare_smollm2, prepare_tokenizer
 
-        if self.settings.model in BUILTIN_MODELS:
+        if self.settings.model == SMOLLM2:
             prepare_smollm2(self.settings.data_dir)
-
-    def _wait_ready(self, url: str) -> bool:
-        try:
-            return wait_ready(http_ok(f"{url}/readyz"), timeout=self.ready_timeout, what=f"the relay at {url}",
-                              children=self.children, interval=0.25,
-                              cancelled=lambda: self._stop_signal is not None)
-        except LaunchError as exc:
-            log.error("tokenpipe did not come up; stopping", extra={"reason": exc.message})
-            return False
+        elif self.settings.model in BUILTIN_MODELS:
+            prepare_tokenizer(self.settings.data_dir)
 
     def shutdown(self) -> None:
         # The relay first (no new work, its streams end), then the generators drain together.
