@@ -71,9 +71,9 @@ class Reader:
         return tokens, self.events[-1][1]
 
 
-async def create(relay: RelayServer) -> str:
+async def create(relay: RelayServer, **overrides: object) -> str:
     async with httpx.AsyncClient(base_url=relay.url, timeout=30) as http:
-        r = await http.post("/v1/streams", json=LONG)
+        r = await http.post("/v1/streams", json={**LONG, **overrides})
         assert r.status_code == 201, r.text
         return str(r.json()["id"])
 
@@ -148,7 +148,8 @@ async def test_a_replay_is_not_a_reader_and_never_cancels(relays: tuple[RelaySer
 
 
 async def test_delete_by_the_owner_cancels_whoever_is_reading(relays: tuple[RelayServer, RelayServer]) -> None:
-    sid = await create(relays[0])
+    # Long enough that no busy machine finishes it between the readers' first token and the DELETE.
+    sid = await create(relays[0], max_tokens=4000)
     readers = [Reader(relays[0], sid), Reader(relays[1], sid)]
     await asyncio.wait_for(asyncio.gather(*(r.first.wait() for r in readers)), 60)
     async with httpx.AsyncClient(base_url=relays[1].url, timeout=30) as http:

@@ -301,7 +301,7 @@ class Supervisor:
         # /readyz too: the relay has heard a generator announce itself, so the first request is served.
         if gens_ready and others_ready and self._relay_ready():
             self._state = "up"
-            self._on_change()  # up.json first: whoever reads the line below may read the file at once
+            self._on_change()  # up.json says "up" before the line that tells a user (or a test) so
             where = f"NATS {self._ports['nats_url']}" + ("" if self.external_nats else
                                                           f", credentials in {self.settings.data_dir}/creds")
             print(f"\ntokenpipe is up: {self._ports['relay_url']}   ({where}; Ctrl-C stops)\n",
