@@ -178,6 +178,7 @@ async def test_reading_another_owners_tokens_live_is_denied(stack: Any, attacker
     a = await attacker(user)
     await a.denied(a.nc.subscribe("tp.tok.>"), 'Subscription to "tp.tok.>"')
     await a.denied(a.nc.subscribe("tp.tok.relay.>"), 'Subscription to "tp.tok.relay.>"')
+    await a.denied(a.nc.subscribe("tp.tok.alice.s1"), 'Subscription to "tp.tok.alice.s1"')  # another app's
 
 
 @pytest.mark.parametrize("user,victim", [("app-bob", "relay"), ("app-bob", "alice"), ("relay", "alice")])
