@@ -292,6 +292,7 @@ class Supervisor:
         # /readyz too: the relay has heard a generator announce itself, so the first request is served.
         if gens_ready and others_ready and self._relay_ready():
             self._state = "up"
+            self._write_status()  # before the line a user (or a test) waits for
             print(f"\ntokenpipe is up: {self._ports['relay_url']}   (NATS {self._ports['nats_url']}; Ctrl-C stops)\n",
                   flush=True)
             self._on_change()
