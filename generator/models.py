@@ -21,6 +21,9 @@ import torch
 
 from tokenpipe.errors import InvalidRequest, ModelNotFound
 
+from .forward import build_plan
+from .quant import QuantMode, check_quant
+
 __all__ = ["LoadedModel", "load_model", "resolve_device", "resolve_dtype", "BUILTIN_MODELS", "prepare_smollm2"]
 
 log = logging.getLogger(__name__)
@@ -54,6 +57,7 @@ class LoadedModel:
     eos_ids: frozenset[int]
     device: torch.device
     dtype: torch.dtype
+    quant: QuantMode = "none"
 
     @property
     def max_context(self) -> int:
@@ -158,10 +162,13 @@ def _random_llama(name: str, data_dir: str | os.PathLike[str], dtype: torch.dtyp
 
 
 def load_model(name: str, *, path: str = "", device: str = "auto", dtype: str = "auto",
-               data_dir: str | os.PathLike[str]) -> LoadedModel:
-    """Load ``name`` (a built-in) or the transformers directory ``path`` served as ``name``."""
+               data_dir: str | os.PathLike[str], quant: str = "none") -> LoadedModel:
+    """Load ``name`` (a built-in) or the transformers directory ``path`` served as ``name``.
+
+    ``quant`` (none, int8, int4) stores the projections' weights quantized (see :mod:`generator.quant`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    mode = check_quant(quant)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     model: Any
@@ -178,20 +185,23 @@ def load_model(name: str, *, path: str = "", device: str = "auto", dtype: str = 
     elif name in _RANDOM_SHAPES:
         model, tok = _random_llama(name, data_dir, dt, dev)
     elif Path(name).is_dir():
-        return load_model(model_name_for_path(name), path=name, device=device, dtype=dtype, data_dir=data_dir)
+        return load_model(model_name_for_path(name), path=name, device=device, dtype=dtype, data_dir=data_dir,
+                          quant=quant)
     else:
         raise ModelNotFound(f"unknown model {name!r}: use {', '.join(BUILTIN_MODELS)} or a local model directory")
     if getattr(model.config, "model_type", "") not in ("llama", "mistral", "qwen2", "qwen3"):
         raise ModelNotFound(f"model type {model.config.model_type!r} is not supported (Llama-family only)")
     model.to(dev).eval()
     model.requires_grad_(False)
+    build_plan(model, mode)  # fused projections (and quantized weights) for generator.forward
     eos: set[int] = set()
     for src_ids in (tok.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
         if isinstance(src_ids, int):
             eos.add(src_ids)
         elif isinstance(src_ids, (list, tuple)):
             eos.update(int(i) for i in src_ids)
-    return LoadedModel(name=name, model=model, tokenizer=tok, eos_ids=frozenset(eos), device=dev, dtype=dt)
+    return LoadedModel(name=name, model=model, tokenizer=tok, eos_ids=frozenset(eos), device=dev, dtype=dt,
+                       quant=mode)
 
 
 def model_name_for_path(path: str) -> str:

@@ -39,6 +39,9 @@ class Settings:
     model_path: str = ""
     device: str = "auto"
     dtype: str = "auto"
+    # Weight-only quantization of the projections: none, int8 or int4 (generator/quant.py;
+    # the default is chosen from bench/quant.py's table in bench/RESULTS.md).
+    quant: str = "none"
     max_batch: int = 32
     max_seq_len: int = 2048
     max_prompt_tokens: int = 0

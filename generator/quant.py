@@ -1,0 +1,158 @@
+"""Weight-only quantization of the projections: int8 per output row, int4 in groups of 32.
+
+The matmuls run in torch's own kernels: ``_weight_int8pack_mm`` and, for int4,
+``_weight_int4pack_mm_for_cpu`` on the CPU and ``_weight_int4pack_mm`` (tinygemm) on CUDA.
+These kernels are fast only with 16-bit activations (their fp32 path is a scalar
+fallback, ~50x slower measured here), so a quantized projection casts its input to
+bf16 and its output back to the model's dtype; norms, attention and the KV cache keep
+the model's dtype.
+
+int4 uses asymmetric groups of 32 along the input dimension, the layout of the GGUF
+file the default model comes from (Q4_1: ``w = q * d + m`` per block of 32), so
+re-quantizing its de-quantized layers gives back the file's own 4-bit values (measured:
+no error with fp32 scales; the kernel's bf16 scales add 0.2 % relative error). Its output
+layer is 8-bit in the file (Q8_0), and ``lm_head`` is int8 under int4 too (see
+:func:`generator.forward.build_plan`).
+
+Where a kernel is missing or fails its start-up check (an old GPU, a torch build
+without it), the projection falls back to de-quantizing its weight on the fly and a
+warning says so: correct, not fast.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Literal, cast
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from tokenpipe.errors import InvalidRequest
+
+__all__ = ["QUANT_MODES", "QuantMode", "QuantLinear", "check_quant", "quantize_weight"]
+
+log = logging.getLogger(__name__)
+
+QuantMode = Literal["none", "int8", "int4"]
+QUANT_MODES: tuple[str, ...] = ("none", "int8", "int4")
+GROUP = 32  # int4 group size along K (GGUF Q4_0/Q4_1 use 32 too)
+_INNER_K_TILES = 8  # tinygemm's packing parameter (CUDA); the CPU packer accepts and ignores it
+
+
+def check_quant(mode: str) -> QuantMode:
+    """Validate a ``--quant`` value."""
+    if mode not in QUANT_MODES:
+        raise InvalidRequest(f"unknown quant {mode!r}; use {', '.join(QUANT_MODES)}", param="quant")
+    return cast(QuantMode, mode)
+
+
+class QuantLinear(nn.Module):
+    """``y = x @ W.T + b`` with ``W`` stored as int8 or packed int4; a drop-in for ``nn.Linear``."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None, mode: QuantMode) -> None:
+        super().__init__()
+        if mode == "none":
+            raise ValueError("QuantLinear needs int8 or int4")
+        self.mode = mode
+        self.out_features, self.in_features = weight.shape
+        self.act_dtype = torch.bfloat16
+        self.bias = None if bias is None else bias.detach().clone()
+        w = weight.detach().float()
+        self.fallback = False
+        if mode == "int8":
+            self.qweight, self.scales = _quant_int8(w)
+        else:
+            if self.in_features % GROUP:
+                raise InvalidRequest(f"int4 needs input sizes divisible by {GROUP}; this layer has {self.in_features}")
+            q, self.scales = _quant_int4(w)  # q [N, K] int32 in 0..15; scales [K/G, N, 2] (scale, zero)
+            self.q_unpacked = q
+            self.qweight = _pack_int4(q, w.device)
+        self.scales = self.scales.to(self.act_dtype)
+        if not self._kernel_ok(w):
+            log.warning("no fast %s kernel on %s here: de-quantizing on the fly (slow)", mode, w.device.type)
+            self.fallback = True
+        if mode == "int4" and not self.fallback:
+            del self.q_unpacked  # the packed form is all the kernel needs
+
+    def _kernel(self, x: Tensor) -> Tensor:
+        if self.mode == "int8":
+            return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
+        if x.device.type == "cpu":
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.qweight, GROUP, self.scales)
+        return torch.ops.aten._weight_int4pack_mm(x, self.qweight, GROUP, self.scales)
+
+    def _kernel_ok(self, w: Tensor) -> bool:
+        """The kernel agrees with the de-quantized weight on a small input (catches missing or broken kernels)."""
+        x = torch.randn(2, self.in_features, device=w.device, dtype=self.act_dtype)
+        try:
+            got = self._kernel(x).float()
+        except (RuntimeError, NotImplementedError) as exc:
+            log.debug("quant kernel failed its check", exc_info=exc)
+            return False
+        ref = x.float() @ self.dequantize().T
+        return bool(((got - ref).norm() <= 0.02 * ref.norm() + 1e-3).item())
+
+    def dequantize(self) -> Tensor:
+        """The weight as the kernel sees it, ``[N, K]`` fp32 (tests, the fallback)."""
+        s = self.scales.float()
+        if self.mode == "int8":
+            return self.qweight.float() * s[:, None]
+        q = self.q_unpacked if hasattr(self, "q_unpacked") else None
+        if q is None:
+            raise RuntimeError("the int4 weight is packed; its unpacked form was not kept")
+        scale, zero = s[..., 0].T, s[..., 1].T  # [N, K/G]
+        qg = q.float().view(self.out_features, -1, GROUP)
+        return ((qg - 8) * scale[..., None] + zero[..., None]).view(self.out_features, self.in_features)
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        if self.fallback:
+            y = F.linear(x2.float(), self.dequantize()).to(x.dtype)
+        else:
+            y = self._kernel(x2.to(self.act_dtype)).to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features} -> {self.out_features}, {self.mode}{' (fallback)' if self.fallback else ''}"
+
+
+def _quant_int8(w: Tensor) -> tuple[Tensor, Tensor]:
+    """Symmetric per-output-row int8: ``w ≈ q * s``."""
+    s = w.abs().amax(1).clamp(min=1e-8) / 127
+    q = torch.round(w / s[:, None]).clamp(-127, 127).to(torch.int8)
+    return q.contiguous(), s
+
+
+def _quant_int4(w: Tensor) -> tuple[Tensor, Tensor]:
+    """Asymmetric groups of 32 along K: ``w ≈ (q - 8) * scale + zero`` (tinygemm's convention)."""
+    N, K = w.shape
+    wg = w.reshape(N, K // GROUP, GROUP)
+    lo, hi = wg.amin(-1, keepdim=True), wg.amax(-1, keepdim=True)
+    scale = ((hi - lo) / 15).clamp(min=1e-8)
+    q = torch.round((wg - lo) / scale).clamp(0, 15).to(torch.int32).reshape(N, K)
+    zero = lo + 8 * scale
+    sz = torch.stack([scale.reshape(N, -1), zero.reshape(N, -1)], -1).transpose(0, 1).contiguous()  # [K/G, N, 2]
+    return q, sz
+
+
+def _pack_int4(q: Tensor, device: torch.device) -> Tensor:
+    if device.type == "cpu":
+        return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), _INNER_K_TILES)
+    # tinygemm (CUDA, sm80+) takes two 4-bit values per byte
+    packed = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)
+    return torch.ops.aten._convert_weight_to_int4pack(packed.contiguous(), _INNER_K_TILES)
+
+
+def quantize_weight(weight: Tensor, bias: Tensor | None, mode: QuantMode) -> nn.Module:
+    """A module computing ``F.linear(x, weight, bias)``: the plain weight for ``none``, else quantized."""
+    if mode == "none":
+        lin = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+        lin.weight = nn.Parameter(weight, requires_grad=False)
+        if bias is not None:
+            lin.bias = nn.Parameter(bias, requires_grad=False)
+        return lin
+    return QuantLinear(weight, bias, mode)
