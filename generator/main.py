@@ -28,7 +28,7 @@ def _load(settings: Settings) -> LoadedModel:
     if settings.threads > 0:
         torch.set_num_threads(settings.threads)  # OpenMP's thread count is per calling thread
     return load_model(settings.model, path=settings.model_path, device=settings.device, dtype=settings.dtype,
-                      data_dir=settings.data_dir)
+                      data_dir=settings.data_dir, quant=settings.quant)
 
 
 async def serve(settings: Settings) -> None:

@@ -22,7 +22,7 @@ import torch
 from tokenpipe.errors import InvalidRequest, ModelNotFound
 
 from .forward import build_plan
-from .quant import QuantMode, check_quant
+from .quant import QuantMode, resolve_quant
 
 __all__ = ["LoadedModel", "load_model", "resolve_device", "resolve_dtype", "BUILTIN_MODELS", "prepare_smollm2"]
 
@@ -165,11 +165,12 @@ def load_model(name: str, *, path: str = "", device: str = "auto", dtype: str = 
                data_dir: str | os.PathLike[str], quant: str = "none") -> LoadedModel:
     """Load ``name`` (a built-in) or the transformers directory ``path`` served as ``name``.
 
-    ``quant`` (none, int8, int4) stores the projections' weights quantized (see :mod:`generator.quant`)."""
+    ``quant`` (auto, none, int8, int4) stores the projections' weights quantized (see
+    :func:`generator.quant.resolve_quant` for ``auto``)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    mode = check_quant(quant)
     dev = resolve_device(device)
+    mode = resolve_quant(quant, from_4bit=name == SMOLLM2 and not path, device=dev)
     dt = resolve_dtype(dtype, dev)
     model: Any
     if path:

@@ -11,7 +11,7 @@ import torch
 from generator.engine import Engine
 from generator.forward import SlotKVCache, prefill
 from generator.models import LoadedModel, load_model
-from generator.quant import QuantLinear, check_quant
+from generator.quant import QuantLinear, check_quant, resolve_quant
 from generator.runner import Emission, Job, Runner
 from tokenpipe.errors import InvalidRequest
 from tokenpipe.settings import Settings
@@ -92,8 +92,17 @@ def test_quantized_engine_streams(data_dir: Path) -> None:
 
 
 def test_invalid_quant_is_a_clear_error(data_dir: Path) -> None:
-    with pytest.raises(InvalidRequest, match="unknown quant 'int3'; use none, int8, int4"):
+    with pytest.raises(InvalidRequest, match="unknown quant 'int3'; use auto, none, int8, int4"):
         load_model("tiny-random", device="cpu", dtype="float32", data_dir=data_dir, quant="int3")
     with pytest.raises(InvalidRequest, match="unknown quant"):
         check_quant("fp8")
     assert Settings.load(env={"TOKENPIPE_QUANT": "int8"}).quant == "int8"
+
+
+def test_auto_quant_is_int4_only_for_4bit_weights_on_the_cpu() -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_quant("auto", from_4bit=True, device=cpu) == "int4"
+    assert resolve_quant("auto", from_4bit=False, device=cpu) == "none"
+    assert resolve_quant("auto", from_4bit=True, device=cuda) == "none"
+    assert resolve_quant("int8", from_4bit=False, device=cpu) == "int8"
+    assert Settings.load(env={}).quant == "auto"

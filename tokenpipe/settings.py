@@ -39,9 +39,9 @@ class Settings:
     model_path: str = ""
     device: str = "auto"
     dtype: str = "auto"
-    # Weight-only quantization of the projections: none, int8 or int4 (generator/quant.py;
-    # the default is chosen from bench/quant.py's table in bench/RESULTS.md).
-    quant: str = "none"
+    # Weight-only quantization of the projections: auto, none, int8 or int4 (generator/quant.py).
+    # auto = int4 on the CPU for the default model, whose GGUF is 4-bit; none otherwise.
+    quant: str = "auto"
     max_batch: int = 32
     max_seq_len: int = 2048
     max_prompt_tokens: int = 0
