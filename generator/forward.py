@@ -86,52 +86,30 @@ class Plan:
 _PLANS: WeakKeyDictionary[nn.Module, Plan] = WeakKeyDictionary()
 
 
-class _RowSlice(nn.Module):
-    """Rows ``start:stop`` of a fused projection's output: keeps a quantized model's own
-    ``forward`` (transformers') working without a second copy of the weights."""
-
-    def __init__(self, fused: nn.Module, start: int, stop: int) -> None:
-        super().__init__()
-        self.fused, self.start, self.stop = fused, start, stop
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.fused(x)[..., self.start:self.stop]
-
-
 def _fuse(mods: list[Any], quant: QuantMode) -> nn.Module:
-    """One projection for ``mods`` stacked along the output. Unquantized, the originals become
-    views into the fused weight (no second copy; the model's own forward still works)."""
+    """One projection for ``mods`` stacked along the output. The originals become views into
+    the fused float weight (no second copy; the model's own forward still works)."""
     weight = torch.cat([m.weight for m in mods])
     biases = [m.bias for m in mods]
     bias = torch.cat(biases) if all(b is not None for b in biases) else None
     if any(b is not None for b in biases) and bias is None:
         raise ValueError("cannot fuse projections where only some have a bias")
-    fused = quantize_weight(weight, bias, quant)
     start = 0
     for m in mods:
         stop = start + m.weight.shape[0]
-        if quant == "none":
-            m.weight = nn.Parameter(weight[start:stop], requires_grad=False)
-            if bias is not None:
-                m.bias = nn.Parameter(bias[start:stop], requires_grad=False)
+        m.weight = nn.Parameter(weight[start:stop], requires_grad=False)
+        if bias is not None:
+            m.bias = nn.Parameter(bias[start:stop], requires_grad=False)
         start = stop
-    return fused
-
-
-def _replace(parent: Any, names: list[str], fused: nn.Module) -> None:
-    start = 0
-    for name in names:
-        size = getattr(parent, name).weight.shape[0]
-        setattr(parent, name, _RowSlice(fused, start, start + size))
-        start += size
+    return quantize_weight(weight, bias, quant)
 
 
 def build_plan(model: Any, quant: QuantMode = "none") -> Plan:
     """Fuse (and quantize) the model's projections once, after it is on its device.
 
-    Quantized, the model's own linear layers are replaced (their float weights freed) by
-    slices of the fused quantized ones, and ``lm_head`` by an int8 copy (the embedding it may
-    be tied to keeps its dtype: a lookup reads one row per token).
+    Quantized, the plan's projections hold the quantized weights and keep the float ones for
+    many-row matmuls (a prefill: see :mod:`generator.quant`); ``lm_head`` is int8 (the
+    embedding it may be tied to is untouched). The model's own modules and forward are unchanged.
     """
     layers = []
     for layer in model.model.layers:
@@ -141,10 +119,6 @@ def build_plan(model: Any, quant: QuantMode = "none") -> Plan:
         o, down = (quantize_weight(m.weight, m.bias, quant) if quant != "none" else m
                    for m in (attn.o_proj, mlp.down_proj))
         q_size, kv_size, inter = attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0], mlp.gate_proj.weight.shape[0]
-        if quant != "none":
-            _replace(attn, ["q_proj", "k_proj", "v_proj"], qkv)
-            _replace(mlp, ["gate_proj", "up_proj"], gate_up)
-            attn.o_proj, mlp.down_proj = o, down
         layers.append(_LayerPlan(qkv, o, gate_up, down, q_size, kv_size, inter))
     lm_head = model.lm_head
     if quant != "none":
@@ -152,7 +126,6 @@ def build_plan(model: Any, quant: QuantMode = "none") -> Plan:
         # output is Q8_0, its layers Q4_1): a 4-bit lm_head cost SmolLM2 0.086 nats/token on
         # bench.quant's fixed text, an 8-bit one 0.0003.
         lm_head = quantize_weight(model.lm_head.weight, model.lm_head.bias, "int8")
-        model.lm_head = lm_head
     plan = Plan(layers, lm_head, quant)
     _PLANS[model] = plan
     return plan

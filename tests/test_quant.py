@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from generator.engine import Engine
-from generator.forward import SlotKVCache, prefill
+from generator.forward import SlotKVCache, plan_for, prefill
 from generator.models import LoadedModel, load_model
-from generator.quant import QuantLinear, check_quant, resolve_quant
+from generator.quant import DENSE_ROWS, QuantLinear, check_quant, resolve_quant
 from generator.runner import Emission, Job, Runner
 from tokenpipe.errors import InvalidRequest
 from tokenpipe.settings import Settings
@@ -31,16 +31,17 @@ def _last_logits(lm: LoadedModel, prompt: list[int]) -> torch.Tensor:
 def test_quantized_forward_is_close_to_fp32(tiny_model: LoadedModel, data_dir: Path, mode: str) -> None:
     quant = load_model("tiny-random", device="cpu", dtype="float32", data_dir=data_dir, quant=mode)
     assert quant.quant == mode
-    layer = quant.model.model.layers[0]
-    assert isinstance(layer.mlp.down_proj, QuantLinear) and isinstance(quant.model.lm_head, QuantLinear)
+    plan = plan_for(quant.model)
+    assert isinstance(plan.layers[0].down, QuantLinear) and isinstance(plan.lm_head, QuantLinear)
     prompt = tiny_model.tokenizer.encode("The quick brown fox jumps over the lazy dog")
     ref, got = _last_logits(tiny_model, prompt), _last_logits(quant, prompt)
     rel = ((got - ref).norm() / ref.norm()).item()
     assert 0 < rel < BOUND[mode], rel
-    # transformers' own forward still works on the quantized model (slices of the fused projections)
+    # the model's own modules keep the float weights: transformers' forward is unchanged
     with torch.inference_mode():
         hf = quant.model(torch.tensor([prompt])).logits[0, -1].float()
-    assert torch.allclose(hf, got, rtol=1e-3, atol=1e-3)
+        hf_ref = tiny_model.model(torch.tensor([prompt])).logits[0, -1].float()
+    assert torch.equal(hf, hf_ref)
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
@@ -52,6 +53,9 @@ def test_quantized_linear_matches_its_dequantized_weight(mode: str) -> None:
     assert y.shape == (3, 5, 96) and y.dtype == torch.float32
     ref = x @ w.T
     assert ((y - ref).norm() / ref.norm()).item() < BOUND[mode]
+    # a matmul of many rows (a prefill) runs on the float weight
+    many = torch.randn(DENSE_ROWS + 1, 128)
+    assert torch.equal(lin(many), torch.nn.functional.linear(many, w))
 
 
 def test_quantized_engine_streams(data_dir: Path) -> None:
