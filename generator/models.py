@@ -24,7 +24,8 @@ from tokenpipe.errors import InvalidRequest, ModelNotFound
 from .forward import build_plan
 from .quant import QuantMode, resolve_quant
 
-__all__ = ["LoadedModel", "load_model", "resolve_device", "resolve_dtype", "BUILTIN_MODELS", "prepare_smollm2"]
+__all__ = ["LoadedModel", "load_model", "resolve_device", "resolve_dtype", "resolve_threads", "BUILTIN_MODELS",
+           "prepare_smollm2"]
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,19 @@ def resolve_device(device: str) -> torch.device:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise InvalidRequest("device 'cuda' requested but CUDA is not available")
     return dev
+
+
+def resolve_threads(threads: int) -> int:
+    """torch's thread count for the engine: ``threads`` if set, else one fewer than the cores.
+
+    Every parallel region of an OpenMP team waits for its slowest thread, so a team as wide as
+    the machine stalls whenever anything else runs (the relay and nats-server of ``tokenpipe
+    up``, another process). Measured with bench.neighbour on a shared 2-core machine (32
+    streams, bf16 + int4): 1 thread 213 tok/s against 23 with 2; with a ``nice 19`` busy
+    neighbour 1 thread kept 0.97x of that, 2 threads 0.76x (bench/RESULTS.md)."""
+    if threads > 0:
+        return threads
+    return max(1, (os.cpu_count() or 1) - 1)
 
 
 def cpu_has_fast_bf16() -> bool:
