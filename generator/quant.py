@@ -57,10 +57,10 @@ def resolve_quant(mode: str, *, from_4bit: bool, device: torch.device) -> QuantM
     GGUF), where int4 gives back the file's own values; otherwise none.
 
     Measured with bench.quant (bench/RESULTS.md): int4 decoded a single stream 2.1x faster than
-    bf16 on an AVX512-BF16 CPU and 1.9x faster than fp32 with AVX2 kernels, about as fast or
-    faster at 32 streams, with a log-likelihood within 0.003 nats/token of fp32; its prefill
-    is slower (1.8x bf16's time). Other weights would lose precision, and the GPU path is
-    untested here."""
+    bf16 on an AVX512-BF16 CPU and 1.9-2.2x faster than fp32 with AVX2 kernels, within this
+    machine's noise of them at 32 streams, with a log-likelihood within 0.003 nats/token of fp32 (a prefill runs
+    on the float weights: :data:`DENSE_ROWS`). Other weights would lose precision, and the GPU
+    path is untested here."""
     mode = check_quant(mode)
     if mode != "auto":
         return cast(QuantMode, mode)
