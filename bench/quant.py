@@ -7,9 +7,10 @@ For each variant (dtype/quant) of the real SmolLM2-135M: tokenpipe's own decode 
 then quality against the first variant (fp32, unquantized): greedy agreement over
 ``--prompts`` chat prompts (``--new-tokens`` each; identical sequences, and the mean share of
 tokens before the first divergence) and the mean log-likelihood per token of a fixed text
-(delta in nats/token; perplexity). Speed rounds alternate the variants (the order reversed
-every other round) and report each variant's median, range, and its median per-round ratio to
-the baseline: this machine is shared, only ratios within one run mean anything.
+(delta in nats/token; perplexity), teacher-forced through the decode step. Speed rounds
+alternate the variants (the order reversed every other round) and report each variant's
+median, range, and its median per-round ratio to the baseline: this machine is shared, only
+ratios within one run mean anything.
 
 ``--isa avx2`` re-runs itself with torch's kernels, oneDNN and MKL limited to AVX2
 (``ATEN_CPU_CAPABILITY=avx2``, ``ONEDNN_MAX_CPU_ISA=AVX2``, ``MKL_ENABLE_INSTRUCTIONS=AVX2``):
@@ -128,10 +129,17 @@ def speed(lms: dict[str, LoadedModel], rounds: int) -> dict[str, dict[str, dict[
 
 @torch.inference_mode()
 def _loglik(lm: LoadedModel) -> float:
-    """Mean log-probability per token of :data:`TEXT` (the model's own forward, all positions)."""
-    ids = torch.tensor([lm.tokenizer.encode(TEXT)])
-    logp = lm.model(ids).logits[0, :-1].float().log_softmax(-1)
-    return float(logp.gather(1, ids[0, 1:, None]).mean())
+    """Mean log-probability per token of :data:`TEXT`, teacher-forced one token per decode step
+    (the path that reads the quantized weights; a prefill of many rows reads the float ones)."""
+    ids = lm.tokenizer.encode(TEXT)
+    cache = SlotKVCache(lm.model, 1, len(ids) + 1, lm.device, lm.dtype)
+    logits = prefill(lm.model, cache, torch.tensor([ids[:1]]), torch.tensor([1]), 0)
+    total = 0.0
+    for pos in range(1, len(ids)):
+        total += float(logits[0].float().log_softmax(-1)[ids[pos]])
+        attend = min(cache.max_len, -(-(pos + 1) // 32) * 32)
+        logits = decode_step(lm.model, cache, torch.tensor([ids[pos]]), torch.tensor([pos]), attend)
+    return total / (len(ids) - 1)
 
 
 def _greedy(lm: LoadedModel, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:

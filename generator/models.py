@@ -184,7 +184,7 @@ def load_model(name: str, *, path: str = "", device: str = "auto", dtype: str = 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dev = resolve_device(device)
-    mode = resolve_quant(quant, from_4bit=name == SMOLLM2 and not path, device=dev)
+    mode = resolve_quant(quant, from_4bit=name == SMOLLM2 and not path, device=dev, native_bf16=cpu_has_fast_bf16())
     dt = resolve_dtype(dtype, dev)
     model: Any
     if path:

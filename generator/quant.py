@@ -15,8 +15,8 @@ layer is 8-bit in the file (Q8_0), and ``lm_head`` is int8 under int4 too (see
 :func:`generator.forward.build_plan`).
 
 Where a kernel is missing or fails its start-up check (an old GPU, a torch build
-without it), the projection falls back to de-quantizing its weight on the fly and a
-warning says so: correct, not fast.
+without it), the projection uses the float weight it keeps (or, built without one,
+de-quantizes on the fly) and a warning says so.
 """
 
 from __future__ import annotations
@@ -52,19 +52,20 @@ def check_quant(mode: str) -> str:
     return mode
 
 
-def resolve_quant(mode: str, *, from_4bit: bool, device: torch.device) -> QuantMode:
-    """``auto``: int4 on the CPU for weights that came from a 4-bit file (the default model's
-    GGUF), where int4 gives back the file's own values; otherwise none.
+def resolve_quant(mode: str, *, from_4bit: bool, device: torch.device, native_bf16: bool) -> QuantMode:
+    """``auto``: int4 on a CPU without native bf16 for weights that came from a 4-bit file (the
+    default model's GGUF, which int4 gives back exactly); otherwise none.
 
-    Measured with bench.quant (bench/RESULTS.md): int4 decoded a single stream 2.1x faster than
-    bf16 on an AVX512-BF16 CPU and 1.9-2.2x faster than fp32 with AVX2 kernels, within this
-    machine's noise of them at 32 streams, with a log-likelihood within 0.003 nats/token of fp32 (a prefill runs
-    on the float weights: :data:`DENSE_ROWS`). Other weights would lose precision, and the GPU
-    path is untested here."""
+    Measured with bench.quant (bench/RESULTS.md), SmolLM2, one thread: with AVX2 kernels int4
+    decoded one stream 2.2x faster than fp32 and 32 streams about as fast (1.03x, noisy; 1.1-1.25x
+    in an A/B). On an AVX512-BF16 CPU int4 decoded one stream 2.1x faster than bf16 but 32
+    streams 0.70x as fast, so there ``auto`` keeps bf16 (``--quant int4`` is the single-stream
+    choice). The log-likelihood stays within 0.005 nats/token of fp32. Other weights would lose
+    precision, and the GPU path is untested here."""
     mode = check_quant(mode)
     if mode != "auto":
         return cast(QuantMode, mode)
-    return "int4" if from_4bit and device.type == "cpu" else "none"
+    return "int4" if from_4bit and device.type == "cpu" and not native_bf16 else "none"
 
 
 class QuantLinear(nn.Module):
@@ -94,7 +95,7 @@ class QuantLinear(nn.Module):
             self.qweight = _pack_int4(q, w.device)
         self.scales = self.scales.to(self.act_dtype)
         if not self._kernel_ok(w):
-            log.warning("no fast %s kernel on %s here: de-quantizing on the fly (slow)", mode, w.device.type)
+            log.warning("no working %s kernel on %s here: the float weights serve instead", mode, w.device.type)
             self.fallback = True
         if mode == "int4" and not self.fallback:
             del self.q_unpacked  # the packed form is all the kernel needs
@@ -132,7 +133,7 @@ class QuantLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
-        if self.dense is not None and x2.shape[0] > self.dense_rows:
+        if self.dense is not None and (self.fallback or x2.shape[0] > self.dense_rows):
             y = F.linear(x2, self.dense)
         elif self.fallback:
             y = F.linear(x2.float(), self.dequantize()).to(x.dtype)

@@ -103,10 +103,23 @@ def test_invalid_quant_is_a_clear_error(data_dir: Path) -> None:
     assert Settings.load(env={"TOKENPIPE_QUANT": "int8"}).quant == "int8"
 
 
-def test_auto_quant_is_int4_only_for_4bit_weights_on_the_cpu() -> None:
+def test_auto_quant_is_int4_only_for_4bit_weights_on_a_cpu_without_native_bf16() -> None:
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert resolve_quant("auto", from_4bit=True, device=cpu) == "int4"
-    assert resolve_quant("auto", from_4bit=False, device=cpu) == "none"
-    assert resolve_quant("auto", from_4bit=True, device=cuda) == "none"
-    assert resolve_quant("int8", from_4bit=False, device=cpu) == "int8"
+    assert resolve_quant("auto", from_4bit=True, device=cpu, native_bf16=False) == "int4"
+    assert resolve_quant("auto", from_4bit=True, device=cpu, native_bf16=True) == "none"
+    assert resolve_quant("auto", from_4bit=False, device=cpu, native_bf16=False) == "none"
+    assert resolve_quant("auto", from_4bit=True, device=cuda, native_bf16=False) == "none"
+    assert resolve_quant("int8", from_4bit=False, device=cpu, native_bf16=True) == "int8"
     assert Settings.load(env={}).quant == "auto"
+
+
+def test_a_kernel_that_fails_its_check_leaves_the_float_weight_serving(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The guard for devices without a working kernel (a GPU path untested here)."""
+    def broken(self: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("no kernel for this device")
+
+    monkeypatch.setattr(QuantLinear, "_kernel", broken)
+    w, x = torch.randn(64, 64) * 0.02, torch.randn(2, 64)
+    lin = QuantLinear(w, None, "int4")
+    assert lin.fallback
+    assert torch.equal(lin(x), torch.nn.functional.linear(x, w))

@@ -40,7 +40,7 @@ class Settings:
     device: str = "auto"
     dtype: str = "auto"
     # Weight-only quantization of the projections: auto, none, int8 or int4 (generator/quant.py).
-    # auto = int4 on the CPU for the default model, whose GGUF is 4-bit; none otherwise.
+    # auto = int4 for the default model (its GGUF is 4-bit) on CPUs without native bf16; else none.
     quant: str = "auto"
     max_batch: int = 32
     max_seq_len: int = 2048
