@@ -9,7 +9,7 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 STAMP := $(VENV)/.tokenpipe-installed
 ARGS ?=
 
-.PHONY: install up test bench lint fmt clean
+.PHONY: install up test bench bench-peers lint fmt clean
 
 install: $(STAMP)
 
@@ -39,6 +39,10 @@ bench: install
 	$(PY) -m bench.pipeline $(ARGS)
 	$(PY) -m bench.fanout
 	$(PY) -m bench.coalesce
+
+# tokenpipe against transformers serve and llama.cpp's server on this machine (see bench/peers.py).
+bench-peers: install
+	$(PY) -m bench.peers $(ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -5,8 +5,11 @@ All of these run the model directly, with no NATS, no HTTP, no coalescing.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -14,8 +17,77 @@ from generator.engine import Engine
 from generator.models import LoadedModel
 from tokenpipe.wire import SamplingParams
 
-__all__ = ["EngineRun", "engine_tok_s", "hf_generate_tok_s", "naive_no_cache_tok_s", "own_forward_tok_s",
-           "raw_forward_tok_s"]
+__all__ = ["EngineRun", "cpu_summary", "decode_step_flops", "engine_tok_s", "gemm_peak_gflops", "hf_generate_tok_s",
+           "naive_no_cache_tok_s", "own_forward_tok_s", "prefill_flops", "raw_forward_tok_s"]
+
+
+_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8")
+
+
+def cpu_summary() -> dict[str, Any]:
+    """The CPU model, core count and the vector flags that decide the kernels (from /proc/cpuinfo)."""
+    model, flags = "unknown CPU", set[str]()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and model == "unknown CPU":
+                model = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = set(value.split())
+    except OSError:
+        pass
+    have = [f for f in _FLAGS if f in flags]
+    cores = os.cpu_count() or 0
+    return {"model": model, "cores": cores, "flags": have,
+            "line": f"{model}, {cores} CPUs, {' '.join(have) or 'no AVX2'}"}
+
+
+def _linear_params(model: Any) -> tuple[int, int]:
+    """(weights in the decoder layers' projections, weights of lm_head): each is one
+    multiply-add per token."""
+    cfg = model.config
+    D, inter, L = int(cfg.hidden_size), int(cfg.intermediate_size), int(cfg.num_hidden_layers)
+    hd = int(getattr(cfg, "head_dim", None) or D // cfg.num_attention_heads)
+    q, kv = int(cfg.num_attention_heads) * hd, int(cfg.num_key_value_heads) * hd
+    per_layer = D * (q + 2 * kv) + q * D + 3 * D * inter
+    return L * per_layer, D * int(cfg.vocab_size)
+
+
+def _attention_flops(model: Any, queries: int, keys: int) -> float:
+    cfg = model.config
+    hd = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    return 2.0 * 2 * queries * keys * int(cfg.num_attention_heads) * hd * int(cfg.num_hidden_layers)
+
+
+def decode_step_flops(model: Any, batch: int, context: int) -> float:
+    """FLOPs of one decode step: every row reads every weight once and attends to ``context`` keys."""
+    layers, head = _linear_params(model)
+    return batch * (2.0 * (layers + head) + _attention_flops(model, 1, context))
+
+
+def prefill_flops(model: Any, prompts: int, length: int) -> float:
+    """FLOPs of prefilling ``prompts`` prompts of ``length`` tokens (lm_head on the last token only, causal)."""
+    layers, head = _linear_params(model)
+    return prompts * (2.0 * (layers * length + head) + _attention_flops(model, length, length) / 2)
+
+
+def gemm_peak_gflops(dtype: torch.dtype, device: torch.device | str = "cpu", size: int = 1024,
+                     repeats: int = 5) -> float:
+    """The best GFLOP/s of a square ``size`` matmul here (same dtype, torch's current threads):
+    the compute peak the decode step and the prefill are measured against."""
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(repeats):
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return 2.0 * size**3 / best / 1e9
 
 
 @torch.inference_mode()

@@ -17,7 +17,7 @@ from tokenpipe.settings import Settings
 from tokenpipe.telemetry import setup_tracing
 
 from .health import StatusServer
-from .models import LoadedModel, load_model
+from .models import LoadedModel, load_model, resolve_threads
 from .runner import torch_thread
 from .worker import GeneratorWorker
 
@@ -27,10 +27,9 @@ log = logging.getLogger(__name__)
 
 
 def _load(settings: Settings) -> LoadedModel:
-    if settings.threads > 0:
-        torch.set_num_threads(settings.threads)  # OpenMP's thread count is per calling thread
+    torch.set_num_threads(resolve_threads(settings.threads))  # OpenMP's thread count is per calling thread
     return load_model(settings.model, path=settings.model_path, device=settings.device, dtype=settings.dtype,
-                      data_dir=settings.data_dir)
+                      data_dir=settings.data_dir, quant=settings.quant)
 
 
 async def serve(settings: Settings) -> None:

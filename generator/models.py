@@ -21,8 +21,11 @@ import torch
 
 from tokenpipe.errors import InvalidRequest, ModelNotFound
 
-__all__ = ["LoadedModel", "load_model", "resolve_device", "resolve_dtype", "BUILTIN_MODELS", "prepare_smollm2",
-           "prepare_tokenizer"]
+from .forward import build_plan
+from .quant import QuantMode, resolve_quant
+
+__all__ = ["LoadedModel", "load_model", "resolve_device", "resolve_dtype", "resolve_threads", "BUILTIN_MODELS",
+           "prepare_smollm2", "prepare_tokenizer"]
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +58,7 @@ class LoadedModel:
     eos_ids: frozenset[int]
     device: torch.device
     dtype: torch.dtype
+    quant: QuantMode = "none"
 
     @property
     def max_context(self) -> int:
@@ -71,6 +75,19 @@ def resolve_device(device: str) -> torch.device:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise InvalidRequest("device 'cuda' requested but CUDA is not available")
     return dev
+
+
+def resolve_threads(threads: int) -> int:
+    """torch's thread count for the engine: ``threads`` if set, else one fewer than the cores.
+
+    Every parallel region of an OpenMP team waits for its slowest thread, so a team as wide as
+    the machine stalls whenever anything else runs (the relay and nats-server of ``tokenpipe
+    up``, another process). Measured with bench.neighbour on a shared 2-core machine (32
+    streams, bf16 + int4): 1 thread 213 tok/s against 23 with 2; with a ``nice 19`` busy
+    neighbour 1 thread kept 0.97x of that, 2 threads 0.76x (bench/RESULTS.md)."""
+    if threads > 0:
+        return threads
+    return max(1, (os.cpu_count() or 1) - 1)
 
 
 def cpu_has_fast_bf16() -> bool:
@@ -185,11 +202,15 @@ def _random_llama(name: str, data_dir: str | os.PathLike[str], dtype: torch.dtyp
 
 
 def load_model(name: str, *, path: str = "", device: str = "auto", dtype: str = "auto",
-               data_dir: str | os.PathLike[str]) -> LoadedModel:
-    """Load ``name`` (a built-in) or the transformers directory ``path`` served as ``name``."""
+               data_dir: str | os.PathLike[str], quant: str = "none") -> LoadedModel:
+    """Load ``name`` (a built-in) or the transformers directory ``path`` served as ``name``.
+
+    ``quant`` (auto, none, int8, int4) stores the projections' weights quantized (see
+    :func:`generator.quant.resolve_quant` for ``auto``)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dev = resolve_device(device)
+    mode = resolve_quant(quant, from_4bit=name == SMOLLM2 and not path, device=dev, native_bf16=cpu_has_fast_bf16())
     dt = resolve_dtype(dtype, dev)
     model: Any
     if path:
@@ -205,20 +226,23 @@ def load_model(name: str, *, path: str = "", device: str = "auto", dtype: str = 
     elif name in _RANDOM_SHAPES:
         model, tok = _random_llama(name, data_dir, dt, dev)
     elif Path(name).is_dir():
-        return load_model(model_name_for_path(name), path=name, device=device, dtype=dtype, data_dir=data_dir)
+        return load_model(model_name_for_path(name), path=name, device=device, dtype=dtype, data_dir=data_dir,
+                          quant=quant)
     else:
         raise ModelNotFound(f"unknown model {name!r}: use {', '.join(BUILTIN_MODELS)} or a local model directory")
     if getattr(model.config, "model_type", "") not in ("llama", "mistral", "qwen2", "qwen3"):
         raise ModelNotFound(f"model type {model.config.model_type!r} is not supported (Llama-family only)")
     model.to(dev).eval()
     model.requires_grad_(False)
+    build_plan(model, mode)  # fused projections (and quantized weights) for generator.forward
     eos: set[int] = set()
     for src_ids in (tok.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
         if isinstance(src_ids, int):
             eos.add(src_ids)
         elif isinstance(src_ids, (list, tuple)):
             eos.update(int(i) for i in src_ids)
-    return LoadedModel(name=name, model=model, tokenizer=tok, eos_ids=frozenset(eos), device=dev, dtype=dt)
+    return LoadedModel(name=name, model=model, tokenizer=tok, eos_ids=frozenset(eos), device=dev, dtype=dt,
+                       quant=mode)
 
 
 def model_name_for_path(path: str) -> str:

@@ -1,7 +1,12 @@
-"""Per-row sampling for a batch: greedy rows by argmax, the rest with their own RNG.
+"""Sampling for a batch: greedy rows by one argmax, sampled rows together.
 
-Each sequence owns a ``torch.Generator`` so a seeded request gives the same tokens
-whatever else shares its batch.
+Each sampled sequence owns a ``torch.Generator`` and draws exactly one uniform number
+from it per token, so a seeded request gives the same tokens whatever else shares its
+batch. The sampled rows are filtered (temperature, top-k, top-p) and sampled as one
+batch by inverse CDF over their most likely ``_CANDIDATES`` tokens; a row whose nucleus
+is not inside those (a flat distribution) is sampled over the whole sorted vocabulary
+instead, so the result is exact either way. Rows with neither top-k nor top-p are
+sampled over the vocabulary in its own order (no ranking needed).
 """
 
 from __future__ import annotations
@@ -15,6 +20,11 @@ from torch import Tensor
 from tokenpipe.wire import SamplingParams
 
 __all__ = ["RowSampler", "sample"]
+
+# Candidates per row for the common case. Sorting the whole 49k vocabulary per sampled row cost
+# 248 ms per step for 32 rows at temperature 0.7 / top_p 0.9 (SmolLM2, 1 thread), this 16 ms;
+# on SmolLM2-Instruct the 0.9 nucleus was inside 256 candidates in all 384 rows sampled.
+_CANDIDATES = 256
 
 
 @dataclass
@@ -39,32 +49,62 @@ class RowSampler:
         return self.generator is None
 
 
-def _filter(logits: Tensor, s: RowSampler) -> Tensor:
-    # logits [V] (float32) -> filtered logits [V] with -inf outside top-k / nucleus
-    # A denormal temperature (5e-324 passes "> 0") would overflow the logits to inf and the softmax to NaN.
-    logits = logits / max(s.temperature, 1e-6)
-    if 0 < s.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, s.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if s.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        # keep the smallest prefix whose mass reaches top_p (always at least one token)
-        drop_sorted = cum - sorted_logits.softmax(-1) >= s.top_p
-        drop_sorted[0] = False  # a top_p below float32's range (5e-324) compares as 0 and would drop all: NaN
-        logits = logits.masked_fill(torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted), float("-inf"))
-    return logits
+def _draw(logits: Tensor, top_k: Tensor, top_p: Tensor, u: Tensor, width: int) -> tuple[Tensor, Tensor]:
+    """Sample rows of ``logits [R, V]`` (already divided by temperature) over their ``width``
+    most likely tokens. Returns ``(tokens [R], exact [R])``: ``exact`` is False where the
+    row's kept set may reach beyond ``width`` (the caller redraws those with the whole vocabulary)."""
+    V = logits.shape[-1]
+    vals, ids = torch.topk(logits, width, dim=-1) if width < V else torch.sort(logits, -1, descending=True)
+    ranks = torch.arange(width, device=logits.device)
+    in_k = ranks[None, :] < top_k[:, None]  # top-k (0 = off was mapped to V)
+    # Probabilities renormalised over the top-k set; without top-k that is the whole vocabulary.
+    full_norm = torch.logsumexp(logits, -1, keepdim=True)
+    k_norm = torch.logsumexp(vals.masked_fill(~in_k, float("-inf")), -1, keepdim=True)
+    norm = torch.where(top_k[:, None] >= V, full_norm, k_norm)
+    probs = (vals - norm).exp().masked_fill(~in_k, 0.0)
+    # Nucleus: keep the smallest prefix whose mass reaches top_p (always at least one token).
+    before = probs.cumsum(-1) - probs
+    keep = in_k & (before < top_p[:, None])
+    keep[:, 0] = True  # the top token always: a top_p below float32's range (5e-324) compares as 0
+    kept = probs.masked_fill(~keep, 0.0)
+    mass = kept.sum(-1)
+    # Exact when the kept set provably ends inside the candidates: top-k within them, or the
+    # nucleus closed (its mass reached top_p) before the last candidate.
+    closed = (before[:, -1] + probs[:, -1]) >= top_p if width < V else torch.ones_like(mass, dtype=torch.bool)
+    exact = (top_k <= width) | closed
+    cdf = kept.cumsum(-1)
+    pick = torch.searchsorted(cdf, (u * mass)[:, None], right=True).clamp(max=width - 1)[:, 0]
+    # never land on a dropped token (u * mass may round onto the last cdf step)
+    pick = torch.minimum(pick, keep.sum(-1) - 1)
+    return ids.gather(1, pick[:, None])[:, 0], exact
 
 
 def sample(logits: Tensor, samplers: list[RowSampler]) -> list[int]:
     """``logits [B, V]`` -> one token id per row."""
     logits = logits.float()  # bf16 argmax/softmax are slow on CPU and coarse
-    greedy = logits.argmax(-1).tolist()  # one vectorised pass covers every greedy row
-    out: list[int] = []
-    for row, s in enumerate(samplers):
-        if s.greedy:
-            out.append(int(greedy[row]))
-            continue
-        probs = _filter(logits[row].float(), s).softmax(-1)
-        out.append(int(torch.multinomial(probs, 1, generator=s.generator).item()))
-    return out
+    out = logits.argmax(-1)  # one vectorised pass covers every greedy row
+    rows = [i for i, s in enumerate(samplers) if not s.greedy]
+    if not rows:
+        return out.tolist()
+    chosen = [samplers[i] for i in rows]
+    V, dev = logits.shape[-1], logits.device
+    # A denormal temperature (5e-324 passes "> 0") would overflow the logits to inf and the softmax to NaN.
+    temp = torch.tensor([max(s.temperature, 1e-6) for s in chosen], device=dev)
+    top_k = torch.tensor([s.top_k if 0 < s.top_k < V else V for s in chosen], device=dev)
+    top_p = torch.tensor([min(max(s.top_p, 0.0), 1.0) for s in chosen], device=dev)
+    # one draw per row from the row's own generator: the only per-row Python work
+    u = torch.cat([torch.rand(1, generator=s.generator, device=dev) for s in chosen])
+    idx = torch.tensor(rows, device=dev)
+    scaled = logits.index_select(0, idx) / temp[:, None]
+    plain = (top_k >= V) & (top_p >= 1.0)  # temperature only: no ranking needed
+    tokens, exact = _draw(scaled, top_k, top_p, u, min(_CANDIDATES, V))
+    if bool(plain.any()):
+        where = plain.nonzero()[:, 0]
+        cdf = scaled[where].softmax(-1).cumsum(-1)
+        tokens[where] = torch.searchsorted(cdf, (u[where] * cdf[:, -1])[:, None], right=True)[:, 0].clamp(max=V - 1)
+        exact |= plain
+    if not bool(exact.all()):
+        redo = (~exact).nonzero()[:, 0]
+        tokens[redo] = _draw(scaled[redo], top_k[redo], top_p[redo], u[redo], V)[0]
+    out[idx] = tokens
+    return out.tolist()

@@ -95,6 +95,7 @@ def create_app(settings: Settings, tracer_provider: TracerProvider | None = None
                             headers=headers or None)
 
     @app.get("/healthz")
+    @app.get("/health")  # the liveness path of vLLM, TGI and transformers serve; guidellm checks it
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
 

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from generator.engine import Engine
 from generator.models import LoadedModel
 from generator.runner import encode_prompt
+from generator.sampling import RowSampler, sample
 from tokenpipe.errors import InvalidRequest
 from tokenpipe.wire import Request, SamplingParams
 
@@ -88,6 +91,65 @@ def test_seeded_sampling_is_reproducible_regardless_of_batch(tiny_model: LoadedM
                 SamplingParams(max_tokens=16, temperature=0.9, seed=99, ignore_eos=True))["a"]
     assert a == b
     assert a != c
+
+
+def test_seeded_request_ignores_mixed_batch_companions(tiny_model: LoadedModel) -> None:
+    """Sampling is vectorised across rows: a seeded request's tokens must not depend on which
+    other rows (greedy, temperature-only, top-k, top-p, other seeds) are sampled with it.
+
+    The forward's logits differ in the last bits between batch sizes (GEMM blocking, ~2e-7
+    here), and tiny-random's distribution is nearly uniform (a 0.9 nucleus of ~42k tokens, where
+    such a difference moves the inverse CDF), so the request keeps a small set with top_k as
+    well: a trained model's distribution is peaked."""
+    params = SamplingParams(max_tokens=16, temperature=0.7, top_k=40, top_p=0.9, seed=7, ignore_eos=True)
+    prompt = tiny_model.tokenizer.encode("Seeds should repeat")
+    alone = run_all(Engine(tiny_model, max_batch=1), {"a": prompt}, params)["a"]
+    engine = Engine(tiny_model, max_batch=6)
+    companions = [SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
+                  SamplingParams(max_tokens=9, temperature=1.0, ignore_eos=True),
+                  SamplingParams(max_tokens=16, temperature=0.8, top_k=5, seed=3, ignore_eos=True),
+                  SamplingParams(max_tokens=12, temperature=1.3, top_p=0.5, ignore_eos=True)]
+    seqs = [engine.new_sequence(f"o{i}", tiny_model.tokenizer.encode(f"noise {i}"), p)
+            for i, p in enumerate(companions)]
+    for s in seqs[:2]:
+        engine.add(s)
+    engine.step()  # the seeded request joins a batch that is already running
+    a = engine.new_sequence("a", prompt, params)
+    engine.add(a)
+    for s in seqs[2:]:
+        engine.add(s)
+    engine.run_to_completion()
+    assert a.generated == alone
+
+
+def _frequencies(logits: torch.Tensor, params: SamplingParams, draws: int) -> torch.Tensor:
+    samplers = [RowSampler.from_params(dataclasses.replace(params, seed=i), torch.device("cpu")) for i in range(draws)]
+    tokens = sample(logits.expand(draws, -1), samplers)
+    return torch.bincount(torch.tensor(tokens), minlength=logits.shape[-1]).float() / draws
+
+
+def test_vectorised_sampling_follows_the_filtered_distribution() -> None:
+    logits = torch.tensor([[3.0, 2.5, 2.0, 1.0, 0.5, 0.0, -1.0, -2.0]])
+    probs = (logits[0] / 0.8).softmax(-1)
+    freq = _frequencies(logits, SamplingParams(temperature=0.8), 6000)
+    assert (freq - probs).abs().max() < 0.03
+    top3 = probs[:3] / probs[:3].sum()
+    freq = _frequencies(logits, SamplingParams(temperature=0.8, top_k=3), 6000)
+    assert freq[3:].sum() == 0 and (freq[:3] - top3).abs().max() < 0.03
+    # top_p 0.6 keeps the smallest prefix reaching 0.6 of the mass: tokens 0 and 1 here
+    kept = probs[:2] / probs[:2].sum()
+    assert probs[0] < 0.6 <= probs[:2].sum()
+    freq = _frequencies(logits, SamplingParams(temperature=0.8, top_p=0.6), 6000)
+    assert freq[2:].sum() == 0 and (freq[:2] - kept).abs().max() < 0.03
+
+
+def test_flat_nucleus_beyond_the_candidates_is_sampled_exactly() -> None:
+    """A nucleus wider than the candidate set falls back to the whole sorted vocabulary."""
+    logits = torch.zeros(1, 2000)
+    logits[0, 1000:] = -30.0  # 1000 equally likely tokens; top_p 0.5 keeps 500 of them
+    freq = _frequencies(logits, SamplingParams(temperature=1.0, top_p=0.5), 4000)
+    assert freq[1000:].sum() == 0
+    assert 450 <= int((freq > 0).sum()) <= 501  # every kept token is reachable, none outside the nucleus
 
 
 def test_cancel_frees_the_slot_next_step(tiny_model: LoadedModel) -> None:

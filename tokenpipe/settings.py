@@ -81,6 +81,10 @@ class Settings:
         metadata=_doc("`auto`: bf16 on CUDA and on CPUs with native bf16 (AVX512-BF16/AMX), else fp32; "
                       "or `float32`, `bfloat16`"),
     )
+    quant: str = field(
+        default="auto",
+        metadata=_doc("weight-only quantization of the projections: `auto` (int4 for the default model, whose GGUF "
+                      "is 4-bit, on CPUs without native bf16; else none), `none`, `int8`, `int4`"))
     max_batch: int = field(default=32, metadata=_doc("concurrent sequences per generator (= requests it pulls)"))
     max_seq_len: int = field(
         default=2048, metadata=_doc("prompt + output limit per sequence (at most the model's context)"))
@@ -112,7 +116,8 @@ class Settings:
         default=3, metadata=_doc("delivery attempts per request; after the last, the stream ends with an `error`"))
     announce_interval_s: float = field(
         default=2.0, metadata=_doc("how often a generator announces its model and load (lapses after 3 intervals)"))
-    threads: int = field(default=0, metadata=_doc("torch CPU threads for the engine (0: torch's default)"))
+    threads: int = field(
+        default=0, metadata=_doc("torch CPU threads for the engine (0: one fewer than the cores, at least 1)"))
     metrics_port: int = field(
         default=9101, metadata=_doc("generator `/metrics` port (`tokenpipe up` counts up from it; 0: off)"))
     metrics_host: str = field(default="127.0.0.1", metadata=_doc("generator `/metrics` bind address"))

@@ -42,6 +42,9 @@ def _model_opts(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", help="auto (default), cpu, cuda, cuda:1 ...")
     p.add_argument("--dtype", help="auto (default: bf16 on CUDA and on CPUs with native bf16, else fp32), "
                                   "float32, bfloat16, float16")
+    p.add_argument("--quant", choices=("auto", "none", "int8", "int4"),
+                   help="weight-only quantization: auto (default: int4 for the default model on CPUs without "
+                        "native bf16), none, int8, int4")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -137,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _settings(args: argparse.Namespace, **extra: Any) -> Settings:
-    keys = ("nats_url", "data_dir", "log_level", "log_json", "model", "model_path", "device", "dtype", "host",
+    keys = ("nats_url", "data_dir", "log_level", "log_json", "model", "model_path", "device", "dtype", "quant", "host",
             "port", "max_batch", "metrics_port", "relay_fanout", "nats_creds", "nats_user", "nats_ca", "nats_cert",
             "nats_key")
     overrides = {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}

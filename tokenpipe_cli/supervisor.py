@@ -181,7 +181,7 @@ class Supervisor:
             self.roles.append(self._child_role(
                 f"generator-{i}", "generator",
                 ["generator", *common, *creds("generator"), "--model", s.model, "--device", s.device,
-                  "--metrics-port", str(mport),
+                 "--dtype", s.dtype, "--quant", s.quant, "--metrics-port", str(mport),
                  *(["--model-path", s.model_path] if s.model_path else [])],
                 self._ready_file_check(f"generator-{i}", ready_file),
                 env={**os.environ, "TOKENPIPE_READY_FILE": str(ready_file)}))
