@@ -31,7 +31,7 @@ import torch
 from rich.console import Console
 from rich.progress import Progress
 
-from generator.models import load_model
+from generator.models import load_model, resolve_threads
 from tokenpipe.settings import Settings
 
 from .drive import Runs, drive
@@ -47,6 +47,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--streams", type=int, default=32)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto", help="engine dtype: auto, bfloat16, float16 or float32")
+    parser.add_argument("--quant", default="auto", help="weight-only quantization: auto, none, int8, int4 "
+                                                        "(the in-process engine and the generator alike)")
     parser.add_argument("--engine-batches", type=lambda v: [int(x) for x in v.split(",")], default=[8, 32, 64],
                         help="stream counts for the engine-vs-ceiling sweep (comma-separated)")
     parser.add_argument("--max-tokens", type=int, default=128)
@@ -63,9 +65,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def measure(args: argparse.Namespace, console: Console) -> tuple[dict[str, Any], Runs]:
     """The engine in-process, the pipeline over HTTP, then the engine again."""
     with Progress(console=console, transient=False) as progress:
-        lm = load_model(args.model, device=args.device, dtype=args.dtype, data_dir=args.data_dir)
+        # The in-process engine gets the generator's threads and weights, so pipeline ÷ engine compares like with like.
+        torch.set_num_threads(resolve_threads(Settings.load().threads))
+        lm = load_model(args.model, device=args.device, dtype=args.dtype, quant=args.quant, data_dir=args.data_dir)
         eng = measure_engine(lm, args, progress)
-        extra_env = dict(kv.split("=", 1) for kv in args.gen_env)
+        extra_env = {"TOKENPIPE_QUANT": args.quant, **dict(kv.split("=", 1) for kv in args.gen_env)}
         with Pipeline(args.model, args.data_dir, extra_env, args.device, args.dtype) as pipe:
             runs = asyncio.run(drive(pipe.url, args, progress))
         engine_again(lm, eng, args)

@@ -40,6 +40,11 @@ def _throughput(r: dict[str, Any]) -> Table:
     ]
     for name, v in rows:
         t.add_row(name, f"{v:,.1f}", f"{v / ceiling:.2f}")
+    if "gemm_peak_gflops" in eng:
+        t.caption = (f"decode step batch {n}: {eng['own_forward_gflops']:.0f} GFLOP/s = "
+                     f"{eng['own_forward_gflops'] / eng['gemm_peak_gflops']:.0%} of the measured "
+                     f"{eng['engine_dtype']} GEMM peak ({eng['gemm_peak_gflops']:.0f} GFLOP/s, same threads); "
+                     f"weights: {eng.get('engine_quant', 'none')}")
     return t
 
 

@@ -42,6 +42,11 @@ def measure_engine(lm: LoadedModel, args: argparse.Namespace, progress: Progress
     out["raw_forward_fp32_tok_s"] = ceilings.raw_forward_tok_s(by_dtype["float32"], args.streams, context)
     out["raw_forward_bf16_tok_s"] = ceilings.raw_forward_tok_s(by_dtype["bfloat16"], args.streams, context)
     out["own_forward_tok_s"] = ceilings.own_forward_tok_s(lm, args.streams, context)
+    # How close the decode step comes to the compute peak (same dtype, same threads).
+    out["gemm_peak_gflops"] = ceilings.gemm_peak_gflops(lm.dtype, lm.device)
+    out["own_forward_gflops"] = (out["own_forward_tok_s"] / args.streams
+                                 * ceilings.decode_step_flops(lm.model, args.streams, context) / 1e9)
+    out["engine_quant"] = lm.quant
     out["engine_dtype"] = str(lm.dtype).removeprefix("torch.")
     out["engine_sweep"] = {}
     for n in args.engine_batches:
