@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -9,12 +10,14 @@ from typing import Any
 
 import nats
 import nats.errors
+import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js import api as js_api
 from nats.js.errors import NotFoundError
 from nats.js.kv import KeyValue
 
+from .cluster import connected_server, replicas_to_keep, resolve_replicas, server_list
 from .errors import TransportError
 from .settings import Settings
 from .subjects import META_BUCKET, REQUEST_WILDCARD, REQUESTS_STREAM, TOKEN_WILDCARD, TOKENS_STREAM
@@ -64,13 +67,13 @@ async def connect(settings: Settings, *, name: str, provision_streams: bool = Tr
             log.warning("nats disconnected")
 
     async def _reconn() -> None:
-        log.info("nats reconnected")
+        log.info("nats reconnected", extra={"server": connected_server(nc)})
         for hook in bus.on_possible_loss if bus is not None else ():
             hook(None)
 
     try:
         nc = await nats.connect(
-            settings.nats_url,
+            servers=server_list(settings.nats_url),  # a cluster's seed list: reconnects go to any node
             name=name,
             max_reconnect_attempts=-1,
             reconnect_time_wait=0.5,
@@ -81,38 +84,62 @@ async def connect(settings: Settings, *, name: str, provision_streams: bool = Tr
         )
     except Exception as exc:  # nats raises bare OSError/TimeoutError/NoServersError variants
         raise TransportError(f"cannot connect to NATS at {settings.nats_url}: {exc}") from exc
+    log.info("nats connected", extra={"server": connected_server(nc), "nats_name": name})
     js = nc.jetstream(timeout=10)
     if provision_streams:
-        await provision(js, settings)
+        # nats-py keeps the server's INFO (cluster name, advertised nodes) only in a private field.
+        await provision(js, settings, replicas=resolve_replicas(settings.replicas, getattr(nc, "_server_info", {})))
     meta = await js.key_value(META_BUCKET)
     bus = Bus(nc=nc, js=js, meta=meta)
     return bus
 
 
-async def _ensure_stream(js: JetStreamContext, config: js_api.StreamConfig) -> None:
+async def _ensure_stream(js: JetStreamContext, config: js_api.StreamConfig, settings: Settings) -> None:
     assert config.name is not None
     try:
         info = await js.stream_info(config.name)
     except NotFoundError:
-        await js.add_stream(config)
-        log.info("stream created", extra={"stream": config.name})
+        try:
+            await js.add_stream(config)
+        except nats.js.errors.APIError as exc:
+            if (config.num_replicas or 1) == 1:
+                raise
+            raise TransportError(
+                f"cannot create stream {config.name} with {config.num_replicas} replicas: {exc.description}. "
+                "Set TOKENPIPE_REPLICAS to at most the number of JetStream servers") from exc
+        log.info("stream created", extra={"stream": config.name, "replicas": config.num_replicas})
         return
     have = info.config
+    config.num_replicas = replicas_to_keep(have.num_replicas or 1, config.num_replicas or 1, settings.replicas)
     wanted: dict[str, Any] = {
         "subjects": config.subjects,
         "max_age": config.max_age,
         "max_bytes": config.max_bytes,
         "duplicate_window": config.duplicate_window,
         "allow_direct": config.allow_direct,
+        "num_replicas": config.num_replicas,
     }
     if any(getattr(have, k) != v for k, v in wanted.items() if v is not None):
-        # Retention/storage can't change in place; the rest can, so settings changes apply.
+        # Retention/storage can't change in place; the rest can (replicas included), so settings apply.
+        await _update_stream(js, config, have.num_replicas or 1)
+
+
+async def _update_stream(js: JetStreamContext, config: js_api.StreamConfig, had_replicas: int) -> None:
+    try:
         await js.update_stream(config)
-        log.info("stream updated", extra={"stream": config.name})
+    except nats.js.errors.APIError as exc:
+        if config.num_replicas == had_replicas:
+            raise
+        raise TransportError(
+            f"cannot change stream {config.name} from {had_replicas} to {config.num_replicas} replicas: "
+            f"{exc.description}. Set TOKENPIPE_REPLICAS to the number of JetStream servers (at most), "
+            f"or to {had_replicas} to keep it as it is") from exc
+    log.info("stream updated", extra={"stream": config.name, "replicas": config.num_replicas})
 
 
-async def provision(js: JetStreamContext, settings: Settings) -> None:
-    """Create or update the request/token streams and the meta bucket. Safe to race."""
+async def provision(js: JetStreamContext, settings: Settings, *, replicas: int = 1) -> None:
+    """Create or update the request/token streams and the meta bucket with ``replicas`` replicas
+    (existing ones are scaled up in place). Safe to race."""
     try:
         await _ensure_stream(
             js,
@@ -123,7 +150,9 @@ async def provision(js: JetStreamContext, settings: Settings) -> None:
                 storage=js_api.StorageType.FILE,
                 max_age=settings.request_max_age_s,
                 duplicate_window=min(120.0, settings.request_max_age_s),
+                num_replicas=replicas,
             ),
+            settings,
         )
         await _ensure_stream(
             js,
@@ -140,16 +169,30 @@ async def provision(js: JetStreamContext, settings: Settings) -> None:
                 # Readers catch up with "last message for subject" direct gets, which any server
                 # answers without a trip through the JetStream API queue.
                 allow_direct=True,
+                num_replicas=replicas,
             ),
+            settings,
         )
         try:
             await js.key_value(META_BUCKET)
         except NotFoundError:
             # Kept twice as long as the tokens, so an expired stream is told apart from an unknown one.
             await js.create_key_value(
-                js_api.KeyValueConfig(bucket=META_BUCKET, ttl=2 * settings.token_max_age_s, history=1)
+                js_api.KeyValueConfig(bucket=META_BUCKET, ttl=2 * settings.token_max_age_s, history=1,
+                                      replicas=replicas)
             )
+        else:
+            await _scale_bucket(js, replicas, settings)
     except TransportError:
         raise
     except Exception as exc:  # nats.js.errors.* and timeouts; one translation point
         raise TransportError(f"JetStream provisioning failed: {exc}") from exc
+
+
+async def _scale_bucket(js: JetStreamContext, replicas: int, settings: Settings) -> None:
+    """A KV bucket is a stream (``KV_<bucket>``): its replicas change like any stream's."""
+    info = await js.stream_info(f"KV_{META_BUCKET}")
+    had = info.config.num_replicas or 1
+    want = replicas_to_keep(had, replicas, settings.replicas)
+    if want != had:
+        await _update_stream(js, dataclasses.replace(info.config, num_replicas=want), had)

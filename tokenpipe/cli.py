@@ -18,7 +18,8 @@ __all__ = ["main"]
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--nats-url", help="NATS server URL (env TOKENPIPE_NATS_URL)")
+    p.add_argument("--nats-url", help="NATS server URL, or a cluster's URLs separated by commas "
+                                      "(env TOKENPIPE_NATS_URL)")
     p.add_argument("--data-dir", help="state directory: NATS data, model cache (env TOKENPIPE_DATA_DIR)")
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING (env TOKENPIPE_LOG_LEVEL)")
     p.add_argument("--log-json", action="store_true", default=None, help="JSON log lines")
@@ -45,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--generators", type=int, default=1, help="generator processes (default 1)")
     up.add_argument("--nats-port", type=int, default=4222,
                     help="embedded nats-server port (default 4222, or a free one)")
+    up.add_argument("--nats-cluster", type=int, default=1, metavar="N",
+                    help="run the embedded NATS as a local N-node JetStream cluster (e.g. 3: R3 streams, "
+                         "a node can fail)")
 
     gen = sub.add_parser("generator", help="run one generator worker")
     _common(gen)
@@ -66,6 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
     nats.add_argument("--host", default="127.0.0.1")
     nats.add_argument("--port", type=int, default=4222)
     nats.add_argument("--monitor-port", type=int, default=None)
+    nats.add_argument("--cluster-name", help="join a JetStream cluster of this name (needs --server-name)")
+    nats.add_argument("--cluster-port", type=int, default=6222, help="route port for the other nodes (default 6222)")
+    nats.add_argument("--routes", default="", help="the other nodes, e.g. nats-route://10.0.0.2:6222,nats-route://...")
+    nats.add_argument("--server-name", help="this node's unique name in the cluster")
 
     prep = sub.add_parser("prepare", help="convert and cache the default model (one-time, ~20 s)")
     prep.add_argument("--data-dir")
@@ -136,9 +144,12 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.cmd == "nats":
         from .natsserver import NatsServer
 
-        data = args.data_dir or str(Path(Settings.load().data_dir) / "nats")
+        cluster = _cluster_args(args)
+        # Nodes of one cluster on one host must not share a store.
+        default_dir = "nats" if cluster is None else f"nats-{cluster.server_name}"
+        data = args.data_dir or str(Path(Settings.load().data_dir) / default_dir)
         setup_logging("nats")
-        server = NatsServer(data, host=args.host, port=args.port, monitor_port=args.monitor_port)
+        server = NatsServer(data, host=args.host, port=args.port, monitor_port=args.monitor_port, cluster=cluster)
         server.start()
         assert server.proc is not None
         try:
@@ -157,7 +168,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         from .supervisor import Supervisor
 
         return Supervisor(settings, generators=args.generators, nats_port=args.nats_port,
-                          external_nats=args.nats_url is not None).run()
+                          external_nats=args.nats_url is not None, nats_cluster=args.nats_cluster).run()
     if args.cmd == "generator":
         from generator.main import serve as serve_generator
 
@@ -175,6 +186,14 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.cmd in ("replay", "streams", "tail"):
         return asyncio.run(_inspect(args, settings))
     raise AssertionError(args.cmd)
+
+
+def _cluster_args(args: argparse.Namespace) -> Any:
+    if args.cluster_name is None:
+        return None
+    from .cluster import node_args
+
+    return node_args(args.cluster_name, args.cluster_port, args.routes, args.server_name)
 
 
 def _bench(args: argparse.Namespace) -> int:

@@ -9,13 +9,32 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import TransportError
 
-__all__ = ["NatsServer", "find_nats_server", "free_port", "die_with_parent"]
+__all__ = ["ClusterArgs", "NatsServer", "find_nats_server", "free_port", "die_with_parent"]
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ClusterArgs:
+    """What makes one nats-server a node of a JetStream cluster: JetStream clustering needs a
+    cluster name and a unique server name; ``routes`` are the other nodes' ``nats-route://`` URLs."""
+
+    name: str
+    port: int
+    server_name: str
+    routes: tuple[str, ...] = ()
+
+    def argv(self, host: str) -> list[str]:
+        out = ["--cluster_name", self.name, "--cluster", f"nats://{host}:{self.port}", "--server_name",
+               self.server_name]
+        if self.routes:
+            out += ["--routes", ",".join(self.routes)]
+        return out
 
 
 def find_nats_server() -> str:
@@ -56,8 +75,10 @@ class NatsServer:
         port: int = 0,
         monitor_port: int | None = None,
         log_file: str | os.PathLike[str] | None = None,
+        cluster: ClusterArgs | None = None,
     ) -> None:
         self.data_dir = Path(data_dir)
+        self.cluster = cluster
         self.host = host
         self.port = port or free_port(host)
         self.monitor_port = monitor_port
@@ -74,6 +95,8 @@ class NatsServer:
         cmd = [find_nats_server(), "-js", "-sd", store, "-a", self.host, "-p", str(self.port)]
         if self.monitor_port is not None:
             cmd += ["-m", str(self.monitor_port)]
+        if self.cluster is not None:
+            cmd += self.cluster.argv(self.host)
         # Each launch appends to one log: the previous run's lines help when debugging a restart.
         with open(self.log_file, "ab") as logf:
             self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True,

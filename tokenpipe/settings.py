@@ -29,7 +29,11 @@ def default_data_dir() -> str:
 @dataclass(frozen=True)
 class Settings:
     # transport
+    # One server, or a cluster's seed list "nats://a:4222,nats://b:4222,nats://c:4222".
     nats_url: str = "nats://127.0.0.1:4222"
+    # Replicas of the streams and the KV bucket: "auto" (3 on a cluster of three or more JetStream
+    # servers, else 1) or 1..5. Existing streams are scaled up in place; auto never scales down.
+    replicas: str = "auto"
     data_dir: str = dataclasses.field(default_factory=default_data_dir)
     token_max_age_s: float = 3600.0
     token_max_bytes: int = -1

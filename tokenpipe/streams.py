@@ -23,6 +23,7 @@ from nats.js import api as js_api
 from nats.js.errors import KeyNotFoundError, NotFoundError
 
 from .bus import Bus
+from .cluster import through_elections
 from .errors import StreamNotFound, TransportError
 from .subjects import TOKENS_STREAM, cancel_subject, check_stream_id, request_subject, token_subject
 from .telemetry import trace_context_headers
@@ -77,9 +78,12 @@ async def submit(bus: Bus, request: Request, headers: dict[str, str] | None = No
     payload = request.encode()  # before any write: an unencodable request leaves nothing behind
     # Concurrently (one round trip, not two, before the caller's 201): nothing reads the meta
     # entry before submit returns, and a generator never needs it.
-    owned, queued = await asyncio.gather(bus.meta.put(request.id, meta.encode()),
-                                         bus.js.publish(request_subject(request.model), payload, headers=hdrs),
-                                         return_exceptions=True)
+    # Both are idempotent (same value; same Nats-Msg-Id), so they are retried while a stream is
+    # between leaders (a NATS node died): the request waits out the election instead of failing.
+    owned, queued = await asyncio.gather(
+        through_elections(lambda: bus.meta.put(request.id, meta.encode())),
+        through_elections(lambda: bus.js.publish(request_subject(request.model), payload, headers=hdrs)),
+        return_exceptions=True)
     if isinstance(owned, BaseException) and not isinstance(queued, BaseException):
         await cancel(bus, request.id)  # enqueued without an owner record: nobody could read it
     failed = next((r for r in (queued, owned) if isinstance(r, BaseException)), None)
@@ -95,7 +99,7 @@ def stream_not_found(stream_id: str) -> StreamNotFound:
 async def get_meta(bus: Bus, stream_id: str) -> StreamMeta:
     check_stream_id(stream_id)
     try:
-        entry = await bus.meta.get(stream_id)
+        entry = await through_elections(lambda: bus.meta.get(stream_id))
     except KeyNotFoundError as exc:
         raise stream_not_found(stream_id) from exc
     except Exception as exc:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 
+from .cluster import LocalCluster
 from .natsserver import NatsServer, die_with_parent, free_port
 from .settings import Settings
 
@@ -34,9 +35,10 @@ class Supervisor:
     generators: int = 1
     nats_port: int = 4222
     external_nats: bool = False
+    nats_cluster: int = 1  # > 1: that many nats-server nodes on loopback, one JetStream cluster
     ready_timeout: float = 600.0
     children: list[_Child] = field(default_factory=list)
-    nats: NatsServer | None = None
+    nats: NatsServer | LocalCluster | None = None
     _stop_signal: int | None = None
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
@@ -56,7 +58,11 @@ class Supervisor:
         try:
             if not self.external_nats:
                 port = self.nats_port if _port_free(self.nats_port) else free_port()
-                self.nats = NatsServer(Path(s.data_dir) / "nats", port=port).start()
+                if self.nats_cluster > 1:
+                    self.nats = LocalCluster(Path(s.data_dir) / "nats-cluster", self.nats_cluster,
+                                             first_port=port).start()
+                else:
+                    self.nats = NatsServer(Path(s.data_dir) / "nats", port=port).start()
                 nats_url = self.nats.url
             self._prepare_model()
             common = ["--nats-url", nats_url, "--data-dir", s.data_dir, "--log-level", s.log_level]
