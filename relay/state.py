@@ -50,6 +50,7 @@ __all__ = ["RelayState", "Session"]
 log = logging.getLogger(__name__)
 
 _QUEUE_INFO_TTL = 0.25  # seconds a consumer-lag reading is reused for admission decisions
+_QUEUE_INFO_TIMEOUT = 0.5  # ... and how long one reading may take before it counts as unavailable
 _LAPSED_GRACE_S = 1.0  # how long a request waits for a generator whose announcements just lapsed
 _LAPSED_RECENT_S = 30.0  # ... when they lapsed at most this long ago (long gone: 503 at once)
 _RESERVATION_S = 900.0  # an unread stream holds its key's slot at most this long
@@ -119,7 +120,9 @@ class RelayState:
         self.registry.update(msg.data)
 
     def require_bus(self) -> Bus:
-        if self.bus is None or not self.bus.nc.is_connected:
+        # Reconnecting (its NATS node died) is not down: nats-py buffers what is sent meanwhile and
+        # the JetStream calls retry, so a request in that window waits instead of failing.
+        if self.bus is None or self.bus.nc.is_closed:
             raise NoGenerator("relay is not connected to NATS")
         return self.bus
 
@@ -179,7 +182,9 @@ class RelayState:
             return cached[1]
         bus = self.require_bus()
         try:
-            info = await bus.js.consumer_info(REQUESTS_STREAM, consumer_name(model))
+            # Bounded: while the consumer's leader is being elected (a NATS node died) nobody answers,
+            # and admission must not wait out a 10 s API timeout for a number it may estimate.
+            info = await bus.js.consumer_info(REQUESTS_STREAM, consumer_name(model), timeout=_QUEUE_INFO_TIMEOUT)
             depth = int(info.num_pending or 0)
         except Exception as exc:  # no consumer yet (no generator ever started): nothing is queued
             log.debug("consumer info unavailable", extra={"model": model, "error": repr(exc)})

@@ -78,6 +78,10 @@ async def connect(settings: Settings, *, name: str, provision_streams: bool = Tr
             max_reconnect_attempts=-1,
             reconnect_time_wait=0.5,
             connect_timeout=5,
+            # A server that hangs (its host frozen, a network partition) keeps the socket open: it is
+            # noticed by unanswered pings, after about 4 s here instead of nats-py's 4 minutes.
+            ping_interval=1,
+            max_outstanding_pings=2,
             error_cb=_err,
             disconnected_cb=_disc,
             reconnected_cb=_reconn,

@@ -125,7 +125,10 @@ def _transient(exc: BaseException) -> bool:
                   | nats.errors.TimeoutError | asyncio.TimeoutError | nats.errors.ConnectionReconnectingError
                   | nats.js.errors.ServiceUnavailableError):
         return True
-    return isinstance(exc, nats.js.errors.APIError) and exc.code == 503
+    if not isinstance(exc, nats.js.errors.APIError):
+        return False
+    # 409 "duplicate message id is in process": the previous try is still being replicated.
+    return exc.code == 503 or (exc.code == 409 and "in process" in (exc.description or ""))
 
 
 async def through_elections(op: Callable[[], Awaitable[T]], *, window_s: float = ELECTION_WINDOW_S) -> T:

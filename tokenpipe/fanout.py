@@ -30,7 +30,7 @@ from typing import Any
 
 from .bus import Bus
 from .errors import TransportError, WireFormatError
-from .streams import PING, Gap, StreamItem, last_stored, stored
+from .streams import PING, Gap, StreamItem, emitted_before, last_stored, stored
 from .subjects import TOKEN_WILDCARD, token_subject
 from .telemetry import trace_context_headers
 from .wire import TokenBatch
@@ -201,8 +201,11 @@ class LiveStream:
             elif entry[0].is_final:
                 # Resuming after the final batch: its tokens were seen, but the end must still be told.
                 return dataclasses.replace(entry[0], token_ids=(), text="")
-        if by_seq and expected not in held and min(by_seq) > expected:
-            return Gap(expected, min(by_seq) - 1, "expired from history (retention)")
+        first = min(by_seq, default=expected)
+        if first > expected and expected not in held and emitted_before(by_seq[first][0], self._fanout.reorder_wait):
+            return Gap(expected, first - 1, "expired from history (retention)")
+        # Otherwise the first batches may not be stored yet (republished after a leader change):
+        # a hole, waited for like any other.
         return None
 
     async def items(self, *, idle: float | None = None,
@@ -241,7 +244,8 @@ class LiveStream:
                         yield special
                         return
                 if self._inbox:
-                    self._next_sync = time.monotonic() + fanout.resync_s
+                    if hole_since is None:  # traffic postpones the idle resync, never a look for a hole
+                        self._next_sync = time.monotonic() + fanout.resync_s
                     inbox, self._inbox = self._inbox, []
                     for batch, headers in inbox:
                         if batch.seq >= expected:

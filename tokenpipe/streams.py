@@ -29,10 +29,12 @@ from .subjects import TOKENS_STREAM, cancel_subject, check_stream_id, request_su
 from .telemetry import trace_context_headers
 from .wire import Request, TokenBatch
 
-__all__ = ["PING", "Gap", "Ping", "StreamItem", "StreamMeta", "cancel", "follow", "get_meta", "history",
-           "last_batch", "last_stored", "paced", "stored", "stream_not_found", "submit"]
+__all__ = ["PING", "Gap", "Ping", "StreamItem", "StreamMeta", "cancel", "emitted_before", "follow", "get_meta",
+           "history", "last_batch", "last_stored", "paced", "stored", "stream_not_found", "submit"]
 
 log = logging.getLogger(__name__)
+
+_CONSUMER_CREATE_TIMEOUT_S = 2.0  # one JetStream API round trip, which takes milliseconds when answered
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,14 @@ class Gap:
 
 
 StreamItem = TokenBatch | Ping | Gap
+
+
+def emitted_before(batch: TokenBatch, seconds: float) -> bool:
+    """Whether ``batch`` was emitted more than ``seconds`` ago. A stream whose oldest stored batch
+    is that old lost its start to retention; a younger one may still be waiting for its first
+    batches to be stored (republished after a NATS outage or a leader change)."""
+    emitted = batch.timings.get("emitted")
+    return emitted is None or time.time_ns() - emitted > seconds * 1e9
 
 
 async def submit(bus: Bus, request: Request, headers: dict[str, str] | None = None) -> None:
@@ -141,8 +151,11 @@ async def stored(bus: Bus, stream_id: str) -> dict[int, tuple[TokenBatch, dict[s
     if await last_batch(bus, stream_id) is None:
         return {}
     try:
-        sub = await bus.js.subscribe(token_subject(stream_id), stream=TOKENS_STREAM, ordered_consumer=True,
-                                     deliver_policy=js_api.DeliverPolicy.ALL)
+        # Bounded: while TP_TOKENS is between leaders nobody answers the consumer create, and a
+        # caller that retries (a reader filling a hole) should do so well before a 10 s API timeout.
+        sub = await asyncio.wait_for(bus.js.subscribe(token_subject(stream_id), stream=TOKENS_STREAM,
+                                                      ordered_consumer=True, deliver_policy=js_api.DeliverPolicy.ALL),
+                                     timeout=_CONSUMER_CREATE_TIMEOUT_S)
     except Exception as exc:
         raise TransportError(f"could not read stream history: {exc}") from exc
     by_seq: dict[int, tuple[TokenBatch, dict[str, str]]] = {}
@@ -244,7 +257,8 @@ async def follow(bus: Bus, stream_id: str, *, after_seq: int = -1, idle: float |
                     continue  # already delivered (a republished duplicate) or before the resume point
                 held[batch.seq] = batch
                 caught_up = msg.metadata.num_pending == 0
-                if expected not in held and caught_up and oldest_stored > expected:
+                if (expected not in held and caught_up and oldest_stored > expected
+                        and emitted_before(held.get(oldest_stored, batch), reorder_wait)):
                     # Everything stored is newer than what is asked for: retention removed the rest.
                     yield Gap(expected, oldest_stored - 1, "expired from history (retention)")
                     expected = oldest_stored
