@@ -44,6 +44,7 @@ from tokenpipe.wire import Request, TokenBatch
 from .auth import KeyRing
 from .http import WriteWatchdog
 from .registry import GeneratorRegistry
+from .streamfanout import StreamFanout
 
 __all__ = ["RelayState", "Session"]
 
@@ -82,9 +83,9 @@ class RelayState:
         self.bus: Bus | None = None
         self.fanout: Fanout | None = None
         self.watchdog = WriteWatchdog(settings.slow_client_timeout_s)
-        if settings.relay_fanout not in ("shared", "consumer"):
-            raise InvalidRequest(f"relay_fanout must be 'shared' or 'consumer', not {settings.relay_fanout!r}",
-                                 param="relay_fanout")
+        if settings.relay_fanout not in ("shared", "stream", "consumer"):
+            raise InvalidRequest("relay_fanout must be 'shared', 'stream' or 'consumer', "
+                                 f"not {settings.relay_fanout!r}", param="relay_fanout")
         self.active: Counter[str] = Counter()  # open readers per tenant
         self.open_streams: dict[str, dict[str, float]] = {}  # tenant -> {stream id: reservation expiry}
         self.metrics = RelayMetrics()
@@ -96,8 +97,8 @@ class RelayState:
             log.warning("relay listens beyond loopback without API keys: set TOKENPIPE_API_KEYS",
                         extra={"host": self.settings.host})
         self.bus = await connect(self.settings, name="tokenpipe-relay")
-        if self.settings.relay_fanout == "shared":
-            self.fanout = Fanout(self.bus)
+        if self.settings.relay_fanout in ("shared", "stream"):
+            self.fanout = Fanout(self.bus) if self.settings.relay_fanout == "shared" else StreamFanout(self.bus)
             await self.fanout.start()
         nc = self.bus.nc
         await nc.subscribe(f"{ANNOUNCE_PREFIX}.>", cb=self._on_announce)

@@ -61,8 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     relay.add_argument("--host")
     relay.add_argument("--port", type=int)
     relay.add_argument("--model", help="default model for requests that name none")
-    relay.add_argument("--fanout", dest="relay_fanout", choices=("shared", "consumer"),
-                       help="live batches from one wildcard subscription (shared, default) "
+    relay.add_argument("--fanout", dest="relay_fanout", choices=("shared", "stream", "consumer"),
+                       help="live batches from one wildcard subscription (shared, default), one core "
+                            "subscription per stream read here (stream: scales out over relays), "
                             "or one JetStream consumer per SSE stream")
 
     nats = sub.add_parser("nats", help="run nats-server with JetStream in the foreground")

@@ -128,7 +128,9 @@ def _transient(exc: BaseException) -> bool:
     if not isinstance(exc, nats.js.errors.APIError):
         return False
     # 409 "duplicate message id is in process": the previous try is still being replicated.
-    return exc.code == 503 or (exc.code == 409 and "in process" in (exc.description or ""))
+    # (Some subclasses, KeyNotFoundError among them, never set code or description.)
+    code, description = getattr(exc, "code", None), getattr(exc, "description", None) or ""
+    return code == 503 or (code == 409 and "in process" in description)
 
 
 async def through_elections(op: Callable[[], Awaitable[T]], *, window_s: float = ELECTION_WINDOW_S) -> T:

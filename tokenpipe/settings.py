@@ -73,6 +73,7 @@ class Settings:
     max_queue_depth: int = 256
     slow_client_timeout_s: float = 30.0
     # "shared": one wildcard subscription dispatching to every SSE stream (JetStream for catch-up);
+    # "stream": one core subscription per stream read here (a relay gets only its streams' traffic);
     # "consumer": one ordered JetStream consumer per SSE stream (no traffic for unread streams).
     relay_fanout: str = "shared"
     # process
