@@ -40,18 +40,22 @@ MAX_TOKENS = 160
 class Stack:
     """The cluster and the role processes; ``restore()`` makes it whole again between tests."""
 
-    def __init__(self, tmp: Path, data_dir: Path, *, generators: int = 2, relays: int = 2, **env: Any) -> None:
+    def __init__(self, tmp: Path, data_dir: Path, *, generators: int = 2, relays: int = 2,
+                 relay_fanouts: tuple[str, ...] = (), **env: Any) -> None:
         self.tmp = tmp
         self.data_dir = data_dir
         self.cluster = LocalCluster(tmp / "nats", 3)
         self.n_generators = generators
         self.n_relays = relays
+        self.relay_fanouts = relay_fanouts  # per relay; the default mode where none is given
         self.env = {**os.environ, "TOKENPIPE_ANNOUNCE_INTERVAL_S": "0.3", "TOKENPIPE_THREADS": "1",
                     "TOKENPIPE_DTYPE": "float32", "TOKENPIPE_LOG_LEVEL": "INFO", "TOKENPIPE_METRICS_PORT": "0",
                     "TOKENPIPE_MAX_BATCH": "16", "TOKENPIPE_ACK_WAIT_S": "30",
                     **{f"TOKENPIPE_{k.upper()}": str(v) for k, v in env.items()}}
         self.relay_ports = [free_port() for _ in range(relays)]
         self.procs: list[subprocess.Popen[bytes]] = []
+        self.generators: list[subprocess.Popen[bytes]] = []
+        self.relays: dict[int, subprocess.Popen[bytes]] = {}  # the current process of each relay
         self.announcements: dict[int, dict[str, Any]] = {}
         self.bus: Bus | None = None
 
@@ -81,15 +85,21 @@ class Stack:
 
         await self.bus.nc.subscribe(f"{ANNOUNCE_PREFIX}.>", cb=on)
         for _ in range(self.n_generators):
-            self._spawn("generator", "--model", "tiny-random")
-        for port in self.relay_ports:
-            self._spawn("relay", "--port", str(port), "--model", "tiny-random")
+            self.generators.append(self._spawn("generator", "--model", "tiny-random"))
+        for i in range(self.n_relays):
+            self.start_relay(i)
         await self.wait_roles()
         # Warm up both generators (first prefills, allocations), so no test times a cold start.
         warm = Load(self.relay_urls, concurrency=16, max_tokens=4).start()
         await warm.wait_streams(16)
         await warm.stop()
         return self
+
+    def start_relay(self, i: int) -> subprocess.Popen[bytes]:
+        fanout = ["--fanout", self.relay_fanouts[i]] if i < len(self.relay_fanouts) else []
+        proc = self._spawn("relay", "--port", str(self.relay_ports[i]), "--model", "tiny-random", *fanout)
+        self.relays[i] = proc
+        return proc
 
     async def wait_roles(self) -> None:
         live = {p.pid for p in self.procs if p.poll() is None}
@@ -106,7 +116,7 @@ class Stack:
         await wait_until(relays_ready, 90, "relays ready")
 
     def roles_alive(self) -> bool:
-        return all(p.poll() is None for p in self.procs)
+        return all(p.poll() is None for p in [*self.generators, *self.relays.values()])
 
     async def replicas_current(self) -> bool:
         """Every stream has a leader and all its replicas caught up."""
@@ -269,8 +279,9 @@ class Load:
         return self.outcomes
 
 
-def greedy_reference(lm: LoadedModel, max_tokens: int = MAX_TOKENS) -> list[list[int]]:
-    """What an undisturbed greedy run produces for each of :data:`PROMPTS` (the engine in-process)."""
+def greedy_reference(lm: LoadedModel, max_tokens: int = MAX_TOKENS, prompts: int = len(PROMPTS)) -> list[list[int]]:
+    """What an undisturbed greedy run produces for the first ``prompts`` of :data:`PROMPTS` (the
+    engine in-process)."""
     from generator.engine import Engine
     from generator.runner import encode_prompt
     from tokenpipe.wire import SamplingParams
@@ -278,7 +289,7 @@ def greedy_reference(lm: LoadedModel, max_tokens: int = MAX_TOKENS) -> list[list
     engine = Engine(lm, max_batch=len(PROMPTS))
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     seqs = []
-    for i, text in enumerate(PROMPTS):
+    for i, text in enumerate(PROMPTS[:prompts]):
         req = Request.from_map({"v": 1, "id": f"ref{i}", "model": "tiny-random", "prompt": text,
                                 "params": params.to_map()})
         seqs.append(engine.new_sequence(req.id, encode_prompt(lm.tokenizer, req), params))
