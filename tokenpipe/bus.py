@@ -79,9 +79,11 @@ async def connect(settings: Settings, *, name: str, provision_streams: bool = Tr
             reconnect_time_wait=0.5,
             connect_timeout=5,
             # A server that hangs (its host frozen, a network partition) keeps the socket open: it is
-            # noticed by unanswered pings, after about 4 s here instead of nats-py's 4 minutes.
-            ping_interval=1,
-            max_outstanding_pings=2,
+            # noticed by unanswered pings, after 6-8 s here instead of nats-py's 4 minutes. Not less:
+            # a PONG queues behind whatever the socket holds, and a relay forwarding 20k batches/s on
+            # a busy host fell that far behind (1 s x 2 pings dropped a healthy connection).
+            ping_interval=2,
+            max_outstanding_pings=3,
             error_cb=_err,
             disconnected_cb=_disc,
             reconnected_cb=_reconn,

@@ -34,7 +34,9 @@ __all__ = ["PING", "Gap", "Ping", "StreamItem", "StreamMeta", "cancel", "emitted
 
 log = logging.getLogger(__name__)
 
-_CONSUMER_CREATE_TIMEOUT_S = 2.0  # one JetStream API round trip, which takes milliseconds when answered
+# One JetStream API round trip: milliseconds when answered, but thousands of readers catching up
+# at once after a reconnect queue up behind each other.
+_CONSUMER_CREATE_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True)
