@@ -1,6 +1,6 @@
 """What replication costs: token batches into an R1 and an R3 stream on a local 3-node cluster.
 
-    python -m bench.replication            # 4,000 batches/s, 8 s per run: R1/R3 × 1- and 8-token batches, twice (~3 min)
+    python -m bench.replication        # 4,000 batches/s, 8 s a run: R1/R3 × 1- and 8-token batches, twice (~3 min)
     python -m bench.replication --rate 8000 --seconds 10 --rounds 3
 
 Three nats-server processes on loopback (``tokenpipe.cluster.LocalCluster``), two file-storage
@@ -120,7 +120,8 @@ async def measure(cluster: LocalCluster, replicas: int, rate: float, seconds: fl
 def table(results: list[dict[str, Any]]) -> Table:
     t = Table(title="JetStream replication cost, 3-node cluster on loopback (one host)")
     for col in ("replicas", "tokens / batch", "batches/s", "stored", "nats CPU (3 servers)", "CPU µs / batch",
-                "route bytes / batch", "stored bytes / batch", "disk bytes / batch (all replicas)", "PubAck p50 / p99 ms"):
+                "route bytes / batch", "stored bytes / batch", "disk bytes / batch (all replicas)",
+                "PubAck p50 / p99 ms"):
         t.add_column(col, justify="right")
     for r in results:
         t.add_row(f"R{r['replicas']}", str(r["tokens_per_batch"]), f"{r['batches'] / r['seconds']:,.0f}",
