@@ -62,9 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     relay.add_argument("--port", type=int)
     relay.add_argument("--model", help="default model for requests that name none")
     relay.add_argument("--fanout", dest="relay_fanout", choices=("shared", "stream", "consumer"),
-                       help="live batches from one wildcard subscription (shared, default), one core "
-                            "subscription per stream read here (stream: scales out over relays), "
-                            "or one JetStream consumer per SSE stream")
+                       help="live batches from one core subscription per stream read here (stream, "
+                            "default: scales out over relays), one wildcard subscription for all streams "
+                            "(shared), or one JetStream consumer per SSE stream")
 
     nats = sub.add_parser("nats", help="run nats-server with JetStream in the foreground")
     nats.add_argument("--data-dir")

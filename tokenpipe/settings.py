@@ -72,10 +72,11 @@ class Settings:
     max_streams_per_key: int = 64
     max_queue_depth: int = 256
     slow_client_timeout_s: float = 30.0
-    # "shared": one wildcard subscription dispatching to every SSE stream (JetStream for catch-up);
-    # "stream": one core subscription per stream read here (a relay gets only its streams' traffic);
-    # "consumer": one ordered JetStream consumer per SSE stream (no traffic for unread streams).
-    relay_fanout: str = "shared"
+    # "stream": one core subscription per stream read here (a relay gets only its streams' traffic,
+    # so relays scale out; JetStream for catch-up); "shared": one wildcard subscription for all
+    # streams (every relay receives every batch: ~15 % cheaper for a lone relay, a ceiling for
+    # many; see docs/scaling.md); "consumer": one ordered JetStream consumer per SSE stream.
+    relay_fanout: str = "stream"
     # process
     log_level: str = "INFO"
     log_json: bool = False
