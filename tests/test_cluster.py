@@ -7,6 +7,7 @@ Pure functions first; then real nats-server processes: a 3-node JetStream cluste
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import re
@@ -336,3 +337,24 @@ async def test_up_with_a_local_three_node_cluster(up_cluster: tuple[subprocess.P
         await bus.close()
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(60) == 0
+
+
+# -- the cluster benchmarks run end to end (tiny loads) -------------------------------------
+def _bench(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=200,
+                          cwd=Path(__file__).resolve().parent.parent)
+
+
+@pytest.mark.timeout(240)
+def test_relay_and_replication_benchmarks_run(tmp_path: Path) -> None:
+    relays = _bench("bench.relays", "--streams", "20", "--rate", "200", "--batches", "4", "--relays", "1,2",
+                    "--out", str(tmp_path / "relays.json"))
+    assert relays.returncode == 0, relays.stdout[-2000:] + relays.stderr[-2000:]
+    runs = json.loads((tmp_path / "relays.json").read_text())["runs"]
+    assert {(r["mode"], r["relays"]) for r in runs} == {(m, k) for m in ("shared", "stream") for k in (1, 2)}
+    assert all(r["batches_delivered"] == 80 for r in runs)
+    repl = _bench("bench.replication", "--rate", "200", "--seconds", "1", "--rounds", "1", "--tokens", "1",
+                  "--out", str(tmp_path / "replication.json"))
+    assert repl.returncode == 0, repl.stdout[-2000:] + repl.stderr[-2000:]
+    runs = json.loads((tmp_path / "replication.json").read_text())["runs"]
+    assert [r["replicas"] for r in runs] == [1, 3] and all(r["stored"] == 200 for r in runs)
