@@ -52,7 +52,9 @@ log = logging.getLogger(__name__)
 
 _QUEUE_INFO_TTL = 0.25  # seconds a consumer-lag reading is reused for admission decisions
 _QUEUE_INFO_TIMEOUT = 0.5  # ... and how long one reading may take before it counts as unavailable
-_LAPSED_GRACE_S = 1.0  # how long a request waits for a generator whose announcements just lapsed
+# How long a request waits for a generator whose announcements just lapsed: late (a stalled event
+# loop), or reconnecting after its NATS node hung, which takes the stale-connection check (6-8 s).
+_LAPSED_GRACE_S = 10.0
 _LAPSED_RECENT_S = 30.0  # ... when they lapsed at most this long ago (long gone: 503 at once)
 _RESERVATION_S = 900.0  # an unread stream holds its key's slot at most this long
 
