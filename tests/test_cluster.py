@@ -200,6 +200,36 @@ async def test_three_replicas_on_a_single_server_fail_with_what_to_do(tmp_path: 
             await connect(Settings.load(env={}, nats_url=server.url, replicas="3"), name="test-r3")
 
 
+async def test_tokenpipe_nats_runs_the_nodes_of_a_cluster(tmp_path: Path) -> None:
+    ports, routes = [free_port() for _ in range(3)], [free_port() for _ in range(3)]
+    procs = []
+    try:
+        for i in range(3):
+            others = ",".join(f"nats-route://127.0.0.1:{p}" for j, p in enumerate(routes) if j != i)
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "tokenpipe_cli", "nats", "--port", str(ports[i]),
+                 "--data-dir", str(tmp_path / str(i)), "--cluster-name", "tp", "--cluster-port", str(routes[i]),
+                 "--routes", others, "--server-name", f"n{i}"], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
+        url = ",".join(f"nats://127.0.0.1:{p}" for p in ports)
+        deadline = time.monotonic() + 60
+        while True:  # the nodes start, find each other and elect a meta leader
+            try:
+                bus = await connect(Settings.load(env={}, nats_url=url), name="test-cli-nodes")
+                break
+            except TransportError:
+                assert time.monotonic() < deadline, "the cluster never formed"
+                await asyncio.sleep(0.5)
+        try:
+            assert await replicas(bus, TOKENS_STREAM) == 3  # auto: three JetStream servers
+        finally:
+            await bus.close()
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(30)
+
+
 # -- readers of streams whose first batches are stored late (found on the cluster) --------
 async def store(bus: Bus, sid: str, seqs: list[int], final: int) -> None:
     for seq in seqs:
