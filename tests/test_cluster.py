@@ -33,6 +33,7 @@ from tokenpipe.cluster import (
     through_elections,
 )
 from tokenpipe.errors import InvalidRequest, TransportError
+from tokenpipe.natsauth import write_server_config
 from tokenpipe.settings import Settings
 from tokenpipe.streams import Gap, follow
 from tokenpipe.subjects import META_BUCKET, REQUESTS_STREAM, TOKENS_STREAM, token_subject
@@ -198,6 +199,19 @@ async def test_three_replicas_on_a_single_server_fail_with_what_to_do(tmp_path: 
         await bus.close()
         with pytest.raises(TransportError, match=r"from 1 to 3 replicas.*TOKENPIPE_REPLICAS"):
             await connect(Settings.load(env={}, nats_url=server.url, replicas="3"), name="test-r3")
+
+
+async def test_local_cluster_nodes_get_the_single_servers_authorization_and_route_users(tmp_path: Path) -> None:
+    conf = write_server_config(tmp_path / "nats-server.conf", tmp_path / "creds")
+    with LocalCluster(tmp_path / "cluster", 3, config_file=conf) as c:
+        node_conf = (tmp_path / "cluster" / c.server_name(0) / "nats-server.conf").read_text()
+        assert conf.read_text() in node_conf and "authorization { user: \"route\"" in node_conf
+        assert "nats-route://route:" in node_conf  # the other nodes are dialled with the route user
+        bus = await connect(on(c, nats_creds=str(tmp_path / "creds" / "relay.json")), name="test-relay")
+        try:
+            assert await replicas(bus, TOKENS_STREAM) == 3  # the routes formed one cluster
+        finally:
+            await bus.close()
 
 
 async def test_tokenpipe_nats_runs_the_nodes_of_a_cluster(tmp_path: Path) -> None:

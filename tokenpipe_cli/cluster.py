@@ -2,14 +2,15 @@
 local N-node JetStream cluster on loopback (``tokenpipe up --nats-cluster 3``, the fault tests,
 ``bench.replication``), inspected through the nodes' monitoring endpoints (meta leader, stream
 leaders, health). Every node gets the same authorization config as a single embedded server
-(:func:`tokenpipe.natsauth.write_server_config`); routes between the nodes carry their own
-route user (:func:`tokenpipe.natsauth.route_credentials`)."""
+(:func:`tokenpipe.natsauth.write_server_config`); routes between the nodes carry a route
+user of their own (:meth:`ClusterArgs.config_block`)."""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
+import secrets
 import signal
 import time
 import urllib.error
@@ -37,13 +38,29 @@ class ClusterArgs:
     port: int
     server_name: str
     routes: tuple[str, ...] = ()
+    # Routes authenticated with this user (every node's routes carry it): then the cluster is
+    # configured by :meth:`config_block` in the node's config file, not on the command line.
+    route_user: str = ""
+    route_password: str = ""
 
     def argv(self, host: str) -> list[str]:
+        if self.route_user:
+            return ["--server_name", self.server_name]
         out = ["--cluster_name", self.name, "--cluster", f"nats://{host}:{self.port}", "--server_name",
                self.server_name]
         if self.routes:
             out += ["--routes", ",".join(self.routes)]
         return out
+
+    def config_block(self, host: str) -> str:
+        """nats-server's ``cluster`` block: routes accepted only with the route user's password,
+        and the other nodes dialled with it."""
+        auth = f"{self.route_user}:{self.route_password}@"
+        routes = [u.replace("://", f"://{auth}", 1) for u in self.routes]
+        user, password = json.dumps(self.route_user), json.dumps(self.route_password)
+        return (f"cluster {{\n  name: {json.dumps(self.name)}\n  listen: {json.dumps(f'{host}:{self.port}')}\n"
+                f"  authorization {{ user: {user}, password: {password} }}\n"
+                f"  routes: {json.dumps(routes)}\n}}\n")
 
 
 def node_args(cluster_name: str, cluster_port: int, routes: str, server_name: str | None) -> ClusterArgs:
@@ -66,8 +83,9 @@ class LocalCluster:
     def __init__(self, data_dir: str | os.PathLike[str], size: int = 3, *, host: str = "127.0.0.1",
                  name: str = "tokenpipe", first_port: int | None = None,
                  config_file: str | os.PathLike[str] | None = None) -> None:
-        """``config_file``: every node's nats-server configuration (the authorization of a single
-        embedded server, :func:`tokenpipe.natsauth.write_server_config`)."""
+        """``config_file``: the nats-server configuration every node starts from (the authorization
+        of a single embedded server, :func:`tokenpipe.natsauth.write_server_config`); each node
+        gets it plus an authenticated ``cluster`` block in ``data_dir/<server name>/``."""
         if size < 1:
             raise InvalidRequest("a cluster needs at least one node", param="nats_cluster")
         self.data_dir = Path(data_dir)
@@ -76,12 +94,24 @@ class LocalCluster:
         ports = [first_port or free_port(host)] + [free_port(host) for _ in range(size - 1)]
         route_ports = [free_port(host) for _ in range(size)]
         self.nodes: list[NatsServer] = []
+        # With authorization on for clients, the routes get a user of their own too (a password
+        # for this cluster's lifetime: every node is restarted from this object).
+        base = Path(config_file).read_text() if config_file is not None else None
+        password = secrets.token_urlsafe(24) if base is not None else ""
         for i in range(size):
             routes = tuple(f"nats-route://{host}:{p}" for j, p in enumerate(route_ports) if j != i)
-            args = ClusterArgs(name=name, port=route_ports[i], server_name=f"{name}-{i}", routes=routes)
-            self.nodes.append(NatsServer(self.data_dir / args.server_name, host=host, port=ports[i],
-                                         monitor_port=free_port(host), cluster=args,
-                                         config_file=config_file))
+            args = ClusterArgs(name=name, port=route_ports[i], server_name=f"{name}-{i}", routes=routes,
+                               route_user="route" if base is not None else "", route_password=password)
+            node_dir = self.data_dir / args.server_name
+            conf: Path | None = None
+            if base is not None:
+                node_dir.mkdir(parents=True, exist_ok=True)
+                conf = node_dir / "nats-server.conf"
+                fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it holds passwords
+                with os.fdopen(fd, "w") as f:
+                    f.write(base + "\n" + args.config_block(host))
+            self.nodes.append(NatsServer(node_dir, host=host, port=ports[i], monitor_port=free_port(host),
+                                         cluster=args, config_file=conf))
 
     @property
     def url(self) -> str:
