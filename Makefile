@@ -34,11 +34,13 @@ up: install
 test: install
 	$(PY) -m pytest $(ARGS)
 
-# Every table of bench/RESULTS.md (3 to 15 minutes on 2 cores); ARGS go to bench.pipeline.
+# Every table of bench/RESULTS.md (8 to 20 minutes on 2 cores); ARGS go to bench.pipeline.
 bench: install
 	$(PY) -m bench.pipeline $(ARGS)
 	$(PY) -m bench.fanout
 	$(PY) -m bench.coalesce
+	$(PY) -m bench.relays
+	$(PY) -m bench.replication
 
 # tokenpipe against transformers serve and llama.cpp's server on this machine (see bench/peers.py).
 bench-peers: install

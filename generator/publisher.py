@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from nats.aio.msg import Msg
@@ -30,6 +31,9 @@ class _Pending:
     headers: Any
     fut: asyncio.Future[Any] | None
     ack: Msg | None = None
+    # When the PubAck is given up on: counted from the (re)publish, not from when the confirm
+    # loop reaches the item, so batches lost together (a NATS node died) time out together.
+    deadline: float = field(default_factory=lambda: time.monotonic() + _PUBACK_TIMEOUT_S)
 
 
 class BatchPublisher:
@@ -39,10 +43,41 @@ class BatchPublisher:
         self._outbox: asyncio.Queue[tuple[str, bytes, Any]] = asyncio.Queue()
         self._unconfirmed: asyncio.Queue[_Pending] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
+        self._inflight: dict[asyncio.Future[Any], _Pending] = {}  # PubAcks not yet answered
 
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._publish_loop(), name="publish"),
                        asyncio.create_task(self._confirm_loop(), name="confirm")]
+        self.bus.on_possible_loss.append(self._on_possible_loss)
+
+    def _on_possible_loss(self, sub: Any) -> None:
+        """After a reconnect (``sub`` None): what was in flight on the old connection may never have
+        reached a server (its server may be dead), so it goes out again now, not after a PubAck
+        timeout — live readers then get it within the reconnect, even before JetStream stores it."""
+        if sub is None and self._inflight:
+            task = asyncio.get_running_loop().create_task(self._resend(list(self._inflight.values())))
+            self._tasks.append(task)
+            task.add_done_callback(self._tasks.remove)
+
+    async def _resend(self, items: list[_Pending]) -> None:
+        for item in items:
+            old = item.fut
+            try:
+                self._sent(item, await self.bus.js.publish_async(item.subject, item.data,
+                                                                 headers=item.headers or None))
+            except Exception as exc:  # the confirm loop retries it
+                log.warning("republish after reconnect failed", extra={"subject": item.subject, "error": repr(exc)})
+            if old is not None and not old.done():
+                old.set_exception(ConnectionResetError("sent again after a reconnect"))
+                old.exception()  # retrieved: the confirm loop may never look at this future
+
+    def _sent(self, item: _Pending, fut: asyncio.Future[Any]) -> None:
+        item.fut, item.deadline = fut, time.monotonic() + _PUBACK_TIMEOUT_S
+        self._inflight[fut] = item
+        fut.add_done_callback(self._forget)
+
+    def _forget(self, fut: asyncio.Future[Any]) -> None:
+        self._inflight.pop(fut, None)
 
     def publish(self, subject: str, data: bytes, headers: dict[str, str]) -> None:
         self._outbox.put_nowait((subject, data, headers))
@@ -59,6 +94,8 @@ class BatchPublisher:
             log.warning("some batches were not confirmed in time")
 
     async def close(self) -> None:
+        if self._on_possible_loss in self.bus.on_possible_loss:
+            self.bus.on_possible_loss.remove(self._on_possible_loss)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -72,8 +109,9 @@ class BatchPublisher:
             subject, data, extra = await self._outbox.get()
             try:
                 if subject:
-                    fut = await js.publish_async(subject, data, headers=extra or None)
-                    await self._unconfirmed.put(_Pending(subject, data, extra, fut))
+                    item = _Pending(subject, data, extra, None)
+                    self._sent(item, await js.publish_async(subject, data, headers=extra or None))
+                    await self._unconfirmed.put(item)
                 else:
                     await self._unconfirmed.put(_Pending("", b"", None, None, ack=extra))
             except Exception as exc:  # a lost connection must not kill the publisher
@@ -90,30 +128,38 @@ class BatchPublisher:
         can land after later ones; readers restore the order by ``seq`` (see ``streams.follow``).
         """
         js, nc = self.bus.js, self.bus.nc
+        backoff = 0.0
         while True:
             item = await self._unconfirmed.get()
             try:
                 if item.ack is not None:
                     await item.ack.ack()
                     continue
-                backoff = 0.05
                 while True:
+                    fut = item.fut
                     try:
-                        if item.fut is None:
+                        if fut is None:
                             raise ConnectionError("never sent")
-                        await asyncio.wait_for(item.fut, timeout=_PUBACK_TIMEOUT_S)
+                        await asyncio.wait_for(fut, timeout=max(0.0, item.deadline - time.monotonic()))
+                        backoff = 0.0  # JetStream answers again: what failed meanwhile goes out at once
                         break
                     except Exception as exc:  # lost in an outage, timed out, or refused: send it again
-                        if item.fut is not None and not item.fut.done():
-                            item.fut.cancel()
+                        if item.fut is not fut:
+                            continue  # already sent again after a reconnect: wait for that one
+                        if fut is not None and not fut.done():
+                            fut.cancel()
                         log.warning("batch not confirmed; republishing", extra={"subject": item.subject,
                                                                                  "error": repr(exc)})
-                        await asyncio.sleep(backoff)  # no tight loop while JetStream is unavailable
-                        backoff = min(backoff * 2, 2.0)
+                        # No tight loop while JetStream is unavailable (a stream between leaders
+                        # refuses at once); shared across batches, so the ones that failed during
+                        # an outage are not each delayed once it is over.
+                        await asyncio.sleep(backoff)
+                        backoff = min(max(backoff * 2, 0.05), 1.0)
                         while not nc.is_connected:
                             await asyncio.sleep(0.1)  # waiting out a reconnect
                         try:
-                            item.fut = await js.publish_async(item.subject, item.data, headers=item.headers or None)
+                            self._sent(item, await js.publish_async(item.subject, item.data,
+                                                                    headers=item.headers or None))
                         except Exception as again:
                             log.warning("republish failed", extra={"error": repr(again)})
                             item.fut = None

@@ -22,6 +22,7 @@ __all__ = ["Admission"]
 log = logging.getLogger(__name__)
 
 _QUEUE_INFO_TTL = 0.25  # seconds a consumer-lag reading is reused for admission decisions
+_QUEUE_INFO_TIMEOUT = 0.5  # ... and how long one reading may take before it counts as unavailable
 
 
 class Admission:
@@ -76,7 +77,10 @@ class Admission:
         if cached is not None and now - cached[0] < _QUEUE_INFO_TTL:
             return cached[1]
         try:
-            info = await self._bus().js.consumer_info(REQUESTS_STREAM, consumer_name(model))
+            # Bounded: while the consumer's leader is being elected (a NATS node died) nobody answers,
+            # and admission must not wait out a 10 s API timeout for a number it may estimate.
+            info = await self._bus().js.consumer_info(REQUESTS_STREAM, consumer_name(model),
+                                                      timeout=_QUEUE_INFO_TIMEOUT)
             depth = int(info.num_pending or 0)
         except Exception as exc:  # no consumer yet, or NATS restarting (submission retries): nothing counted
             log.debug("consumer info unavailable", extra={"model": model, "error": repr(exc)})

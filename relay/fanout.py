@@ -32,7 +32,7 @@ from typing import Any
 from tokenpipe.bus import Bus
 from tokenpipe.errors import TransportError, WireFormatError
 from tokenpipe.reorder import Reorder
-from tokenpipe.streams import PING, StreamItem, last_stored, stored
+from tokenpipe.streams import PING, StreamItem, emitted_before, last_stored, stored
 from tokenpipe.subjects import owner_tokens, token_subject
 from tokenpipe.wire import TokenBatch
 
@@ -203,7 +203,10 @@ class LiveStream:
         now = time.monotonic()
         for batch, headers in by_seq.values():
             buf.feed(batch, headers, now=now)
-        if by_seq:
+        # Retention removed the start only if the oldest stored batch is old: a young one may be
+        # waiting for earlier batches still to be stored (republished after a leader change), a
+        # hole then, waited for like any other.
+        if by_seq and emitted_before(by_seq[min(by_seq)][0], self._fanout.reorder_wait):
             buf.caught_up(min(by_seq), now=now)
 
     async def items(self, *, idle: float | None = None,
@@ -245,7 +248,8 @@ class LiveStream:
                             settled, self._next_sync = True, time.monotonic() + fanout.settle_s
                 if self._inbox:
                     now = time.monotonic()
-                    self._next_sync = now + fanout.resync_s
+                    if not buf.holding:  # traffic postpones the idle resync, never a look for a hole
+                        self._next_sync = now + fanout.resync_s
                     inbox, self._inbox = self._inbox, []
                     for batch, headers in inbox:
                         buf.feed(batch, headers, now=now)

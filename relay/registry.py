@@ -18,7 +18,9 @@ __all__ = ["GeneratorRegistry", "GeneratorInfo"]
 
 log = logging.getLogger(__name__)
 
-_LAPSED_GRACE_S = 1.0  # how long a request waits for a generator whose announcements just lapsed
+# How long a request waits for a generator whose announcements just lapsed: late (a stalled event
+# loop), or reconnecting after its NATS node hung, which takes the stale-connection check (6-8 s).
+_LAPSED_GRACE_S = 10.0
 _LAPSED_RECENT_S = 30.0  # ... when they lapsed at most this long ago (long gone: 503 at once)
 
 

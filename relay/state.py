@@ -24,6 +24,7 @@ from .fanout import Fanout
 from .forward import Forwarder
 from .http import WriteWatchdog
 from .registry import GeneratorRegistry
+from .streamfanout import StreamFanout
 
 __all__ = ["RelayState"]
 
@@ -42,9 +43,9 @@ class RelayState:
         self.bus: Bus | None = None
         self.fanout: Fanout | None = None
         self.watchdog = WriteWatchdog(settings.slow_client_timeout_s)
-        if settings.relay_fanout not in ("shared", "consumer"):
-            raise InvalidRequest(f"relay_fanout must be 'shared' or 'consumer', not {settings.relay_fanout!r}",
-                                 param="relay_fanout")
+        if settings.relay_fanout not in ("shared", "stream", "consumer"):
+            raise InvalidRequest("relay_fanout must be 'shared', 'stream' or 'consumer', "
+                                 f"not {settings.relay_fanout!r}", param="relay_fanout")
         self.metrics = RelayMetrics()
         self.admission = Admission(settings, self.require_bus)
         self.forwarder = Forwarder(settings, self.tracer, self.metrics, self.admission, self.require_bus)
@@ -58,8 +59,8 @@ class RelayState:
             log.warning("relay listens beyond loopback without API keys: set TOKENPIPE_API_KEYS",
                         extra={"host": self.settings.host})
         self.bus = await connect(self.settings, name="tokenpipe-relay")
-        if self.settings.relay_fanout == "shared":
-            self.fanout = Fanout(self.bus)
+        if self.settings.relay_fanout in ("shared", "stream"):
+            self.fanout = Fanout(self.bus) if self.settings.relay_fanout == "shared" else StreamFanout(self.bus)
             await self.fanout.start()
             self.forwarder.fanout = self.fanout
         await self.forwarder.start()
@@ -137,6 +138,8 @@ class RelayState:
         self.registry.update(msg.data)
 
     def require_bus(self) -> Bus:
-        if self.bus is None or not self.bus.nc.is_connected:
+        # Reconnecting (its NATS node died) is not down: nats-py buffers what is sent meanwhile and
+        # the JetStream calls retry, so a request in that window waits instead of failing.
+        if self.bus is None or self.bus.nc.is_closed:
             raise NoGenerator("relay is not connected to NATS")
         return self.bus

@@ -9,9 +9,11 @@ from pathlib import Path
 
 import yaml
 
+from tokenpipe.cluster import server_list
 from tokenpipe.metrics import GeneratorMetrics, RelayMetrics
 from tokenpipe.settings import ENV_PREFIX, Settings
 from tokenpipe_cli.cli import build_parser
+from tokenpipe_cli.cluster import node_args
 
 ROOT = Path(__file__).resolve().parent.parent
 OTEL_VARS = {"OTEL_SERVICE_NAME", "OTEL_TRACES_EXPORTER", "OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_EXPORTER_OTLP_ENDPOINT"}
@@ -47,7 +49,7 @@ def test_ports_agree_between_compose_code_and_prometheus() -> None:
     relay_cmd = svc["relay"]["command"]
     port = relay_cmd[relay_cmd.index("--port") + 1]
     assert any(p.endswith(f":{port}:{port}") for p in svc["relay"]["ports"])
-    assert svc["relay"]["environment"]["TOKENPIPE_NATS_URL"] == "nats://nats:4222"
+    assert svc["relay"]["environment"]["TOKENPIPE_NATS_URL"] == "${TOKENPIPE_NATS_URL:-nats://nats:4222}"
     assert "-js" in svc["nats"]["command"] and "8222" in svc["nats"]["command"]
     gen_port = svc["generator"]["environment"]["TOKENPIPE_METRICS_PORT"]
     prom = yaml.safe_load((ROOT / "deploy/prometheus.yml").read_text())
@@ -113,3 +115,34 @@ def test_dockerfile_copies_every_package() -> None:
     text = (ROOT / "Dockerfile").read_text()
     for pkg in ("tokenpipe", "producer", "generator", "relay"):
         assert f"COPY {pkg} ./{pkg}" in text
+
+
+def _flag(command: list[str], name: str) -> str:
+    return command[command.index(name) + 1]
+
+
+def test_cluster_profile_is_three_nodes_routed_to_each_other_as_the_code_runs_them() -> None:
+    svc = services()
+    nodes = {name: s for name, s in svc.items() if "cluster" in (s.get("profiles") or ())}
+    assert sorted(nodes) == ["nats-1", "nats-2", "nats-3"]
+    ports = {}
+    for name, node in nodes.items():
+        cmd = node["command"]
+        assert "-js" in cmd and _flag(cmd, "--server_name") == name
+        ports[name] = _flag(cmd, "--cluster").rsplit(":", 1)[1]
+        # The same flags `tokenpipe nats --cluster-name ... --routes ...` gives the binary.
+        args = node_args(_flag(cmd, "--cluster_name"), int(ports[name]), _flag(cmd, "--routes"), name)
+        assert args.argv("0.0.0.0") == cmd[cmd.index("--cluster_name"):]
+        assert {r.split("//")[1].split(":")[0] for r in args.routes} == set(nodes) - {name}
+        assert len({v.split(":")[0] for v in node["volumes"]}) == 1
+    for node in nodes.values():
+        for route in _flag(node["command"], "--routes").split(","):
+            host, port = route.split("//")[1].split(":")
+            assert ports[host] == port
+    assert len({n["volumes"][0].split(":")[0] for n in nodes.values()}) == 3  # a store each
+    assert {n["volumes"][0].split(":")[0] for n in nodes.values()} <= set(compose()["volumes"])
+    # The header tells how to point the roles at the nodes; every node it names exists.
+    header = next(line for line in (ROOT / "compose.yaml").read_text().splitlines() if "TOKENPIPE_NATS_URL=" in line)
+    urls = server_list(header.split("TOKENPIPE_NATS_URL=")[1].split()[0])
+    assert sorted(u.split("//")[1].split(":")[0] for u in urls) == sorted(nodes)
+    assert all(u.endswith(":4222") for u in urls)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -9,6 +10,7 @@ from typing import Any
 
 import nats
 import nats.errors
+import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js import api as js_api
@@ -16,6 +18,7 @@ from nats.js.errors import NotFoundError
 from nats.js.kv import KeyValue
 
 from . import natsauth
+from .cluster import connected_server, replicas_to_keep, resolve_replicas, server_list
 from .errors import TransportError
 from .settings import Settings
 from .subjects import (
@@ -86,17 +89,23 @@ async def connect(settings: Settings, *, name: str, provision_streams: bool = Tr
             log.warning("nats disconnected")
 
     async def _reconn() -> None:
-        log.info("nats reconnected")
+        log.info("nats reconnected", extra={"server": connected_server(nc)})
         for hook in bus.on_possible_loss if bus is not None else ():
             hook(None)
 
     try:
         nc = await nats.connect(
-            settings.nats_url,
+            servers=server_list(settings.nats_url),  # a cluster's seed list: reconnects go to any node
             name=name,
             max_reconnect_attempts=-1,
             reconnect_time_wait=0.5,
             connect_timeout=5,
+            # A server that hangs (its host frozen, a network partition) keeps the socket open: it is
+            # noticed by unanswered pings, after 6-8 s here instead of nats-py's 4 minutes. Not less:
+            # a PONG queues behind whatever the socket holds, and a relay forwarding 20k batches/s on
+            # a busy host fell that far behind (1 s x 2 pings dropped a healthy connection).
+            ping_interval=2,
+            max_outstanding_pings=3,
             error_cb=_err,
             disconnected_cb=_disc,
             reconnected_cb=_reconn,
@@ -104,9 +113,10 @@ async def connect(settings: Settings, *, name: str, provision_streams: bool = Tr
         )
     except Exception as exc:  # nats raises bare OSError/TimeoutError/NoServersError variants
         raise TransportError(f"cannot connect to NATS at {settings.nats_url}: {exc}") from exc
+    log.info("nats connected", extra={"server": connected_server(nc), "nats_name": name})
     js = nc.jetstream(timeout=10)
     if provision_streams and ident.provisions:
-        await provision(js, settings, registry=ident.registry)
+        await provision(js, settings, registry=ident.registry, replicas=_replicas(js, settings))
     # An app may not touch the registry: it gets a handle that was never opened (any use is denied).
     meta = await js.key_value(META_BUCKET) if ident.registry else KeyValue(
         name=META_BUCKET, stream=META_STREAM, pre=f"$KV.{META_BUCKET}.", js=js, direct=False)
@@ -114,31 +124,53 @@ async def connect(settings: Settings, *, name: str, provision_streams: bool = Tr
     return bus
 
 
-async def _ensure_stream(js: JetStreamContext, config: js_api.StreamConfig) -> None:
+async def _ensure_stream(js: JetStreamContext, config: js_api.StreamConfig, settings: Settings) -> None:
     assert config.name is not None
     try:
         info = await js.stream_info(config.name)
     except NotFoundError:
-        await js.add_stream(config)
-        log.info("stream created", extra={"stream": config.name})
+        try:
+            await js.add_stream(config)
+        except nats.js.errors.APIError as exc:
+            if (config.num_replicas or 1) == 1:
+                raise
+            raise TransportError(
+                f"cannot create stream {config.name} with {config.num_replicas} replicas: {exc.description}. "
+                "Set TOKENPIPE_REPLICAS to at most the number of JetStream servers") from exc
+        log.info("stream created", extra={"stream": config.name, "replicas": config.num_replicas})
         return
     have = info.config
+    config.num_replicas = replicas_to_keep(have.num_replicas or 1, config.num_replicas or 1, settings.replicas)
     wanted: dict[str, Any] = {
         "subjects": config.subjects,
         "max_age": config.max_age,
         "max_bytes": config.max_bytes,
         "duplicate_window": config.duplicate_window,
         "allow_direct": config.allow_direct,
+        "num_replicas": config.num_replicas,
     }
     if any(getattr(have, k) != v for k, v in wanted.items() if v is not None):
-        # Retention/storage can't change in place; the rest can, so settings changes apply.
+        # Retention/storage can't change in place; the rest can (replicas included), so settings apply.
+        await _update_stream(js, config, have.num_replicas or 1)
+
+
+async def _update_stream(js: JetStreamContext, config: js_api.StreamConfig, had_replicas: int) -> None:
+    try:
         await js.update_stream(config)
-        log.info("stream updated", extra={"stream": config.name})
+    except nats.js.errors.APIError as exc:
+        if config.num_replicas == had_replicas:
+            raise
+        raise TransportError(
+            f"cannot change stream {config.name} from {had_replicas} to {config.num_replicas} replicas: "
+            f"{exc.description}. Set TOKENPIPE_REPLICAS to the number of JetStream servers (at most), "
+            f"or to {had_replicas} to keep it as it is") from exc
+    log.info("stream updated", extra={"stream": config.name, "replicas": config.num_replicas})
 
 
-async def provision(js: JetStreamContext, settings: Settings, *, registry: bool = True) -> None:
+async def provision(js: JetStreamContext, settings: Settings, *, registry: bool = True, replicas: int = 1) -> None:
     """Create or update the request/token streams and (``registry``: only the roles that may touch
-    it, tokenpipe.natsauth) the meta bucket. Safe to race."""
+    it, tokenpipe.natsauth) the meta bucket, with ``replicas`` replicas (existing ones are scaled
+    up in place). Safe to race."""
     try:
         await _ensure_stream(
             js,
@@ -149,7 +181,9 @@ async def provision(js: JetStreamContext, settings: Settings, *, registry: bool 
                 storage=js_api.StorageType.FILE,
                 max_age=settings.request_max_age_s,
                 duplicate_window=min(120.0, settings.request_max_age_s),
+                num_replicas=replicas,
             ),
+            settings,
         )
         await _ensure_stream(
             js,
@@ -166,20 +200,35 @@ async def provision(js: JetStreamContext, settings: Settings, *, registry: bool 
                 # Readers catch up with "last message for subject" direct gets, which any server
                 # answers without a trip through the JetStream API queue.
                 allow_direct=True,
+                num_replicas=replicas,
             ),
+            settings,
         )
+        if not registry:
+            return
         try:
-            if registry:
-                await js.key_value(META_BUCKET)
+            await js.key_value(META_BUCKET)
         except NotFoundError:
             # Kept twice as long as the tokens, so an expired stream is told apart from an unknown one.
             await js.create_key_value(
-                js_api.KeyValueConfig(bucket=META_BUCKET, ttl=2 * settings.token_max_age_s, history=1)
+                js_api.KeyValueConfig(bucket=META_BUCKET, ttl=2 * settings.token_max_age_s, history=1,
+                                      replicas=replicas)
             )
+        else:
+            await _scale_bucket(js, replicas, settings)
     except TransportError:
         raise
     except Exception as exc:  # nats.js.errors.* and timeouts; one translation point
         raise TransportError(f"JetStream provisioning failed: {exc}") from exc
+
+
+async def _scale_bucket(js: JetStreamContext, replicas: int, settings: Settings) -> None:
+    """A KV bucket is a stream (``KV_<bucket>``): its replicas change like any stream's."""
+    info = await js.stream_info(f"KV_{META_BUCKET}")
+    had = info.config.num_replicas or 1
+    want = replicas_to_keep(had, replicas, settings.replicas)
+    if want != had:
+        await _update_stream(js, dataclasses.replace(info.config, num_replicas=want), had)
 
 
 async def missing(js: JetStreamContext, *, registry: bool = True) -> list[str]:
@@ -202,5 +251,12 @@ async def repair(js: JetStreamContext, settings: Settings, *, registry: bool = T
     gone = await missing(js, registry=registry)
     if gone:
         log.warning("JetStream state tokenpipe owns is missing; re-provisioning", extra={"missing": ",".join(gone)})
-        await provision(js, settings, registry=registry)
+        await provision(js, settings, registry=registry, replicas=_replicas(js, settings))
     return gone
+
+
+def _replicas(js: JetStreamContext, settings: Settings) -> int:
+    """``TOKENPIPE_REPLICAS`` resolved against the connected server's cluster. nats-py keeps the
+    server's INFO (cluster name, advertised nodes) only in private fields."""
+    nc = getattr(js, "_nc", None)
+    return resolve_replicas(settings.replicas, getattr(nc, "_server_info", None) or {})

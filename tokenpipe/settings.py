@@ -38,7 +38,15 @@ class Settings:
     README.md's configuration table is rendered from it (:mod:`tokenpipe.settings_doc`)."""
 
     # transport
-    nats_url: str = field(default="nats://127.0.0.1:4222", metadata=_doc("NATS server (every role)"))
+    nats_url: str = field(
+        default="nats://127.0.0.1:4222",
+        metadata=_doc("NATS server (every role), or a cluster's seed list `nats://a:4222,nats://b:4222,...`: "
+                      "clients reconnect across its servers"))
+    replicas: str = field(
+        default="auto",
+        metadata=_doc("replicas of the streams and the KV bucket: `auto` (3 on a cluster of three or more "
+                      "JetStream servers, else 1) or 1..5; existing streams are scaled up in place, `auto` "
+                      "never scales down"))
     nats_creds: str = field(
         default="",
         metadata=_doc("NATS credentials file: tokenpipe's user/password JSON (`tokenpipe creds`) or a JWT `.creds` "
@@ -143,7 +151,8 @@ class Settings:
     generator_wait_s: float = field(
         default=0.0,
         metadata=_doc("how long a request waits for a generator of its model to announce before 404/503 (0: answer "
-                      "at once; a generator whose announcements just lapsed is always given 1 s)"),
+                      "at once; a generator whose announcements just lapsed is always given 10 s: it may be "
+                      "reconnecting after its NATS node hung)"),
     )
     api_keys: str = field(default="", metadata=_doc("API keys → tenants, `key:tenant,…` (none, and no file: keys off)"))
     api_keys_file: str = field(
@@ -156,8 +165,9 @@ class Settings:
         default=0, metadata=_doc("generators the relay expects (`tokenpipe up` sets it): `/readyz` says `degraded` "
                                  "while fewer are live (0: unknown)"))
     submit_retry_s: float = field(
-        default=5.0, metadata=_doc("how long the relay retries enqueueing a request while NATS is unavailable "
-                                   "before answering 503 (idempotent by request id)"))
+        default=15.0, metadata=_doc("how long the relay retries enqueueing a request while NATS is unavailable "
+                                    "before answering 503 (idempotent by request id); covers a nats-server restart "
+                                    "and, on a cluster, a stream leader's re-election (4-9 s)"))
     cancel_grace_s: float = field(
         default=2.0,
         metadata=_doc("after the last live reader of a running stream (on any relay) disconnects, wait this long for "
@@ -169,10 +179,11 @@ class Settings:
     metrics_auth: bool = field(
         default=False, metadata=_doc("`/metrics` requires an API key too (when keys are on)"))
     relay_fanout: str = field(
-        default="shared",
-        metadata=_doc("`shared`: one `tp.tok.>` subscription dispatching to all SSE streams (JetStream only to "
-                      "catch up); `consumer`: one JetStream consumer per SSE stream (a relay then receives only "
-                      "the streams it serves) — `tokenpipe relay --fanout`"),
+        default="stream",
+        metadata=_doc("`stream`: one core subscription per stream read here (a relay receives only its streams' "
+                      "traffic, so relays scale out; JetStream to catch up); `shared`: one `tp.tok.relay.>` "
+                      "subscription for all SSE streams (every relay receives every batch; see docs/scaling.md); "
+                      "`consumer`: one JetStream consumer per SSE stream — `tokenpipe relay --fanout`"),
     )
     # process
     log_level: str = field(default="INFO", metadata=_doc("log level"))

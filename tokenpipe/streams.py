@@ -21,15 +21,20 @@ from nats.js import api as js_api
 from nats.js.errors import KeyNotFoundError, NotFoundError
 
 from .bus import Bus
+from .cluster import through_elections
 from .errors import StreamNotFound, TransportError
 from .reorder import Gap, Reorder
 from .subjects import RELAY_OWNER, TOKENS_STREAM, cancel_subject, check_stream_id, request_subject, token_subject
 from .wire import Request, StreamMeta, TokenBatch
 
-__all__ = ["PING", "Gap", "Ping", "StreamItem", "cancel", "follow", "get_meta", "history",
+__all__ = ["PING", "Gap", "Ping", "StreamItem", "cancel", "emitted_before", "follow", "get_meta", "history",
            "last_batch", "last_stored", "paced", "stored", "stream_not_found", "submit"]
 
 log = logging.getLogger(__name__)
+
+# One JetStream API round trip: milliseconds when answered, but thousands of readers catching up
+# at once after a reconnect queue up behind each other.
+_CONSUMER_CREATE_TIMEOUT_S = 5.0
 
 
 class Ping:
@@ -40,6 +45,14 @@ PING = Ping()
 
 
 StreamItem = TokenBatch | Ping | Gap
+
+
+def emitted_before(batch: TokenBatch, seconds: float) -> bool:
+    """Whether ``batch`` was emitted more than ``seconds`` ago. A stream whose oldest stored batch
+    is that old lost its start to retention; a younger one may still be waiting for its first
+    batches to be stored (republished after a NATS outage or a leader change)."""
+    emitted = batch.timings.get("emitted")
+    return emitted is None or time.time_ns() - emitted > seconds * 1e9
 
 
 async def submit(bus: Bus, request: Request, headers: dict[str, str] | None = None, *,
@@ -55,11 +68,13 @@ async def submit(bus: Bus, request: Request, headers: dict[str, str] | None = No
     # Concurrently (one round trip, not two, before the caller's 201): nothing reads the meta
     # entry before submit returns, and a generator never needs it.
     # The registry is the relay's: an app's streams (its own namespace) are not registered there.
-    register = bus.meta.put(request.id, meta.encode()) if bus.owner == RELAY_OWNER else _nothing()
-    owned, queued = await asyncio.gather(register,
-                                         bus.js.publish(request_subject(request.model, bus.owner), payload,
-                                                        headers=hdrs),
-                                         return_exceptions=True)
+    # Both writes are idempotent (same value; same Nats-Msg-Id), so they are retried while a stream
+    # is between leaders (a NATS node died): the request waits out the election instead of failing.
+    register = (through_elections(lambda: bus.meta.put(request.id, meta.encode())) if bus.owner == RELAY_OWNER
+                else _nothing())
+    queue = through_elections(lambda: bus.js.publish(request_subject(request.model, bus.owner), payload,
+                                                     headers=hdrs))
+    owned, queued = await asyncio.gather(register, queue, return_exceptions=True)
     if cancel_orphan and isinstance(owned, BaseException) and not isinstance(queued, BaseException):
         await cancel(bus, request.id)  # enqueued without an owner record: nobody could read it
     failed = next((r for r in (queued, owned) if isinstance(r, BaseException)), None)
@@ -75,7 +90,7 @@ def stream_not_found(stream_id: str) -> StreamNotFound:
 async def get_meta(bus: Bus, stream_id: str) -> StreamMeta:
     check_stream_id(stream_id)
     try:
-        entry = await bus.meta.get(stream_id)
+        entry = await through_elections(lambda: bus.meta.get(stream_id))
     except KeyNotFoundError as exc:
         raise stream_not_found(stream_id) from exc
     except Exception as exc:
@@ -124,9 +139,13 @@ async def stored(bus: Bus, stream_id: str, *,
     if await last_batch(bus, stream_id, owner=owner) is None:
         return {}
     try:
-        sub = await bus.js.subscribe(token_subject(owner or bus.owner, stream_id), stream=TOKENS_STREAM,
-                                     ordered_consumer=True, deliver_policy=js_api.DeliverPolicy.ALL,
-                                     config=named_consumer())
+        # Bounded: while TP_TOKENS is between leaders nobody answers the consumer create, and a
+        # caller that retries (a reader filling a hole) should do so well before a 10 s API timeout.
+        sub = await asyncio.wait_for(
+            bus.js.subscribe(token_subject(owner or bus.owner, stream_id), stream=TOKENS_STREAM,
+                             ordered_consumer=True, deliver_policy=js_api.DeliverPolicy.ALL,
+                             config=named_consumer()),
+            timeout=_CONSUMER_CREATE_TIMEOUT_S)
     except Exception as exc:
         raise TransportError(f"could not read stream history: {exc}") from exc
     by_seq: dict[int, tuple[TokenBatch, dict[str, str]]] = {}
@@ -213,7 +232,7 @@ async def follow(bus: Bus, stream_id: str, *, after_seq: int = -1, idle: float |
     except Exception as exc:
         raise TransportError(f"could not follow stream: {exc}") from exc
     buf = Reorder(after_seq, wait=reorder_wait, trace_headers=trace_headers)
-    oldest_stored: int | None = None  # lowest seq the stream still holds (read from its start)
+    oldest: TokenBatch | None = None
     try:
         while not buf.done:
             timeout = idle if idle else 3600.0
@@ -228,11 +247,14 @@ async def follow(bus: Bus, stream_id: str, *, after_seq: int = -1, idle: float |
                     continue
             else:
                 batch = TokenBatch.decode(msg.data)
-                oldest_stored = batch.seq if oldest_stored is None else min(oldest_stored, batch.seq)
+                if oldest is None or batch.seq < oldest.seq:
+                    oldest = batch  # the lowest seq the stream still holds (read from its start)
                 now = time.monotonic()
                 buf.feed(batch, msg.headers, now=now)
-                if msg.metadata.num_pending == 0:
-                    buf.caught_up(oldest_stored, now=now)
+                # Retention removed the start only if the oldest stored batch is old: a young one
+                # may still be waiting for earlier ones to be stored (republished after a leader change).
+                if msg.metadata.num_pending == 0 and emitted_before(oldest, reorder_wait):
+                    buf.caught_up(oldest.seq, now=now)
             for item in buf.ready():
                 yield item
     finally:

@@ -19,7 +19,8 @@ __all__ = ["main"]
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--nats-url", help="NATS server URL (env TOKENPIPE_NATS_URL)")
+    p.add_argument("--nats-url", help="NATS server URL, or a cluster's URLs separated by commas "
+                                      "(env TOKENPIPE_NATS_URL)")
     p.add_argument("--data-dir", help="state directory: NATS data, model cache (env TOKENPIPE_DATA_DIR)")
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING (env TOKENPIPE_LOG_LEVEL)")
     p.add_argument("--log-json", action="store_true", default=None, help="JSON log lines")
@@ -59,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--generators", type=int, default=1, help="generator processes (default 1)")
     up.add_argument("--nats-port", type=int, default=None,
                     help="embedded nats-server port (default 4222, or a free one when that is taken)")
+    up.add_argument("--nats-cluster", type=int, default=1, metavar="N",
+                    help="run the embedded NATS as a local N-node JetStream cluster (e.g. 3: R3 streams, "
+                         "a node can fail)")
 
     gen = sub.add_parser("generator", help="run one generator worker")
     _common(gen)
@@ -71,9 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     relay.add_argument("--host")
     relay.add_argument("--port", type=int)
     relay.add_argument("--model", help="default model for requests that name none")
-    relay.add_argument("--fanout", dest="relay_fanout", choices=("shared", "consumer"),
-                       help="live batches from one wildcard subscription (shared, default) "
-                            "or one JetStream consumer per SSE stream")
+    relay.add_argument("--fanout", dest="relay_fanout", choices=("shared", "stream", "consumer"),
+                       help="live batches from one core subscription per stream read here (stream, "
+                            "default: scales out over relays), one wildcard subscription for all streams "
+                            "(shared), or one JetStream consumer per SSE stream")
 
     nats = sub.add_parser("nats", help="run nats-server with JetStream in the foreground")
     nats.add_argument("--data-dir")
@@ -92,6 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
     creds.add_argument("action", choices=["add-app"], help="add-app NAME: credentials for an application (SDK)")
     creds.add_argument("name")
     creds.add_argument("--creds-dir", help="default: <data dir>/creds")
+    nats.add_argument("--cluster-name", help="join a JetStream cluster of this name (needs --server-name)")
+    nats.add_argument("--cluster-port", type=int, default=6222, help="route port for the other nodes (default 6222)")
+    nats.add_argument("--routes", default="", help="the other nodes, e.g. nats-route://10.0.0.2:6222,nats-route://...")
+    nats.add_argument("--server-name", help="this node's unique name in the cluster")
 
     prep = sub.add_parser("prepare", help="convert and cache the default model (one-time, ~20 s)")
     prep.add_argument("--data-dir")
@@ -163,10 +172,13 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.cmd == "nats":
         from .natsserver import NatsServer
 
-        data = args.data_dir or str(Path(Settings.load().data_dir) / "nats")
+        cluster = _cluster_args(args)
+        # Nodes of one cluster on one host must not share a store.
+        default_dir = "nats" if cluster is None else f"nats-{cluster.server_name}"
+        data = args.data_dir or str(Path(Settings.load().data_dir) / default_dir)
         setup_logging("nats")
         server = NatsServer(data, host=args.host, port=args.port, monitor_port=args.monitor_port,
-                            config_file=_nats_config(args, data), tls=bool(args.tls_cert))
+                            config_file=_nats_config(args, data), tls=bool(args.tls_cert), cluster=cluster)
         server.start()
         try:
             return server.wait()
@@ -195,7 +207,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         explicit = frozenset(k for k in ("port", "metrics_port")
                              if getattr(args, k, None) is not None or f"TOKENPIPE_{k.upper()}" in os.environ)
         return Supervisor(settings, generators=args.generators, nats_port=args.nats_port,
-                          external_nats=args.nats_url is not None, explicit=explicit).run()
+                          external_nats=args.nats_url is not None, explicit=explicit,
+                          nats_cluster=args.nats_cluster).run()
     if args.cmd == "generator":
         from generator.main import serve as serve_generator
 
@@ -228,6 +241,14 @@ def _nats_config(args: argparse.Namespace, data: str) -> Path | None:
         path.write_text(server_config(None, tls))
         return path
     return None
+
+
+def _cluster_args(args: argparse.Namespace) -> Any:
+    if args.cluster_name is None:
+        return None
+    from .cluster import node_args
+
+    return node_args(args.cluster_name, args.cluster_port, args.routes, args.server_name)
 
 
 def _bench(args: argparse.Namespace) -> int:

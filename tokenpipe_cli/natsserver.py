@@ -7,10 +7,14 @@ import os
 import shutil
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tokenpipe.errors import TransportError
 
 from .launch import Child, LaunchError, free_port, spawn, tcp_listening, wait_ready
+
+if TYPE_CHECKING:
+    from .cluster import ClusterArgs
 
 __all__ = ["NatsServer", "find_nats_server"]
 
@@ -41,6 +45,7 @@ class NatsServer:
         log_file: str | os.PathLike[str] | None = None,
         config_file: str | os.PathLike[str] | None = None,
         tls: bool = False,
+        cluster: ClusterArgs | None = None,
     ) -> None:
         """``config_file``: a nats-server configuration (tokenpipe's authorization and TLS,
         :func:`tokenpipe.natsauth.write_server_config`); ``tls``: it serves TLS (``tls://`` URL)."""
@@ -52,6 +57,7 @@ class NatsServer:
         self.child: Child | None = None
         self.config_file = Path(config_file) if config_file else None
         self.tls = tls
+        self.cluster = cluster  # a node of a JetStream cluster (tokenpipe_cli.cluster)
 
     @property
     def url(self) -> str:
@@ -69,6 +75,8 @@ class NatsServer:
             cmd += ["-c", str(self.config_file)]
         if self.monitor_port is not None:
             cmd += ["-m", str(self.monitor_port)]
+        if self.cluster is not None:
+            cmd += self.cluster.argv(self.host)
         self.child = spawn("nats-server", cmd, log=self.log_file, new_session=True)
         try:
             wait_ready(tcp_listening(self.host, self.port), timeout=timeout, what=f"nats-server on {self.url}",

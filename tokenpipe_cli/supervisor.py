@@ -36,6 +36,7 @@ from tokenpipe.errors import TokenpipeError, TransportError
 from tokenpipe.natsauth import write_server_config
 from tokenpipe.settings import Settings
 
+from .cluster import LocalCluster
 from .launch import Child, free_port, http_ok, port_free, spawn_role
 from .natsserver import NatsServer
 
@@ -92,7 +93,8 @@ class Supervisor:
     explicit: frozenset[str] = frozenset()  # settings the user gave (a taken port is then an error)
     ready_timeout: float = 600.0
     children: list[Child] = field(default_factory=list)
-    nats: NatsServer | None = None
+    nats_cluster: int = 1  # > 1: that many nats-server nodes on loopback, one JetStream cluster
+    nats: NatsServer | LocalCluster | None = None
     roles: list[Role] = field(default_factory=list)
     _stop_signal: int | None = None
     _state: str = "starting"
@@ -132,11 +134,20 @@ class Supervisor:
 
         return Role(name, kind, start, alive, ready)
 
-    def _nats_role(self, port: int) -> Role:
-        # Authorization on, even on loopback: every role gets its own user (tokenpipe.natsauth).
+    def _nats_roles(self, port: int) -> list[Role]:
+        # Authorization on, even on loopback: every role gets its own user (tokenpipe.natsauth);
+        # the nodes of a local cluster share one configuration (the same users everywhere).
         data = Path(self.settings.data_dir)
         conf = write_server_config(data / "nats" / "nats-server.conf", data / "creds")
-        nats = self.nats = NatsServer(data / "nats", port=port, config_file=conf)
+        if self.nats_cluster > 1:
+            cluster = self.nats = LocalCluster(data / "nats-cluster", self.nats_cluster, first_port=port,
+                                               config_file=conf)
+            # One role per node: each is restarted on its own ports and store, like a single server.
+            return [self._nats_role(node, f"nats-server-{i}") for i, node in enumerate(cluster.nodes)]
+        self.nats = NatsServer(data / "nats", port=port, config_file=conf)
+        return [self._nats_role(self.nats, "nats-server")]
+
+    def _nats_role(self, nats: NatsServer, name: str) -> Role:
 
         def start() -> int:
             try:
@@ -150,15 +161,15 @@ class Supervisor:
         def alive() -> int | None:
             return nats.child.returncode if nats.child is not None else -1
 
-        return Role("nats-server", "nats", start, alive, lambda: True)
+        return Role(name, "nats", start, alive, lambda: True)
 
     def _build_roles(self) -> None:
         s = self.settings
         nats_url = s.nats_url
         if not self.external_nats:
             port = self._port("NATS", self.nats_port or 4222, self.nats_port is not None)
-            self.roles.append(self._nats_role(port))
-            nats_url = f"nats://127.0.0.1:{port}"
+            self.roles.extend(self._nats_roles(port))
+            nats_url = self.nats.url if self.nats is not None else f"nats://127.0.0.1:{port}"
             self._ports["nats"] = port
         self._ports["nats_url"] = nats_url
         relay_port = self._port("relay", s.port, "port" in self.explicit)
@@ -213,8 +224,7 @@ class Supervisor:
             print(f"tokenpipe: error: {exc.message}", flush=True)
             return 1
         try:
-            nats = next((r for r in self.roles if r.kind == "nats"), None)
-            if nats is not None:
+            for nats in (r for r in self.roles if r.kind == "nats"):  # one, or a local cluster's nodes
                 self._start(nats)
                 if nats.pid == -1:
                     return 1

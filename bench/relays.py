@@ -1,0 +1,191 @@
+"""Relays scaling out: K relays, each serving 1/K of the streams, shared vs per-stream fan-out.
+
+    python -m bench.relays                              # 1,000 streams at 5,000 batches/s, K = 1, 2, 4 (~2 min)
+    python -m bench.relays --streams 2000 --rate 8000 --relays 1,2,4,8 --modes shared,stream
+
+Per run: one nats-server, K ``tokenpipe relay`` processes with the given fan-out mode, and a
+SYNTHETIC token source (``bench.fanout.SyntheticSource``: meta entries, then 4-token batches
+for every stream spread evenly over each interval). Stream ``i``'s SSE client connects to
+relay ``i % K``, as a load balancer would spread them. The question is whether adding relays
+adds capacity: with the shared fan-out every relay receives every stream's batches, so its CPU
+per *delivered* batch grows with K; with the per-stream subscription mode (``--fanout
+stream``) a relay receives only the batches of the streams it serves.
+
+Each run also starts a bystander: one more relay that serves no stream. Its CPU per batch
+published anywhere is what a relay pays for traffic that is not its own (the shared fan-out's
+price per extra relay; next to nothing with per-stream subscriptions).
+
+Reported per run: batches delivered per second, every relay's CPU, their sum per delivered
+batch, the busiest relay, what one relay core would deliver at that cost, the bystander's
+cost per published batch, nats-server's CPU, and the steady added latency. The ratios are
+within one run (this machine is noisy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from rich.console import Console
+from rich.table import Table
+
+from tokenpipe import eventloop
+from tokenpipe.bus import connect
+from tokenpipe.settings import Settings
+from tokenpipe_cli.launch import free_port
+from tokenpipe_cli.natsserver import NatsServer
+from tokenpipe_cli.stats import latency_stats
+
+from .fanout import SyntheticSource, _SSEClient
+from .procstat import cpu_seconds, rss_kib
+
+__all__ = ["main", "run_one"]
+
+
+async def _wait_healthy(port: int) -> None:
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            async with httpx.AsyncClient() as c:
+                if (await c.get(f"http://127.0.0.1:{port}/healthz")).status_code == 200:
+                    return
+        except httpx.HTTPError:
+            if time.monotonic() > deadline:
+                raise
+        await asyncio.sleep(0.2)  # the relay process is still starting
+
+
+async def _drive(nats: NatsServer, ports: list[int], pids: list[int], bystander: int, streams: int, rate: float,
+                 batches: int) -> dict[str, Any]:
+    loop = asyncio.get_running_loop()
+    settings = Settings.load(env={}, nats_url=nats.url, replicas="1")
+    bus = await connect(settings, name="bench-relays")
+    try:
+        for port in ports:
+            await _wait_healthy(port)
+        source = SyntheticSource(bus, streams)
+        await source.register()
+        k = len(ports)
+        latencies: list[list[int]] = [[] for _ in ports]
+        steady: list[int] = []
+        span = [0, 0]
+        clients: list[_SSEClient] = []
+        transports: list[Any] = []
+        base_rss = [rss_kib(p) for p in pids]
+        gate = asyncio.Semaphore(256)  # the relays' accept backlogs are finite
+
+        async def open_one(i: int, sid: str) -> None:
+            async with gate:
+                client = _SSEClient(f"/v1/streams/{sid}", latencies[i % k], steady, batches - 1, span,
+                                    loop.create_future())
+                transport, _ = await loop.create_connection(lambda: client, "127.0.0.1", ports[i % k])
+                transports.append(transport)
+                clients.append(client)
+                await client.opened
+
+        await asyncio.gather(*(open_one(i, sid) for i, sid in enumerate(source.ids)))
+        rss = [(rss_kib(p) - b) / (streams / k) for p, b in zip(pids, base_rss, strict=True)]
+        assert nats.pid is not None
+        cpu0, nats0, idle0 = [cpu_seconds(p) for p in pids], cpu_seconds(nats.pid), cpu_seconds(bystander)
+        t0 = time.perf_counter()
+        await source.run(batches, streams / rate)
+        await asyncio.wait_for(asyncio.gather(*(c.done for c in clients), return_exceptions=True), 120)
+        wall = time.perf_counter() - t0
+        cpu1, nats1, idle1 = [cpu_seconds(p) for p in pids], cpu_seconds(nats.pid), cpu_seconds(bystander)
+        for t in transports:
+            t.close()
+    finally:
+        await bus.close()
+    cpu = [b - a for a, b in zip(cpu0, cpu1, strict=True)]
+    delivered = [len(x) for x in latencies]
+    total = sum(delivered)
+    per_batch_us = 1e6 * sum(cpu) / max(1, total)
+    return {
+        "relays": k, "streams": streams, "offered_batches_s": rate, "batches_expected": streams * batches,
+        "batches_delivered": total, "delivered_batches_s": total / wall,
+        "relay_cpu_pct": [100 * c / wall for c in cpu], "relay_cpu_us_per_delivered_batch": per_batch_us,
+        "busiest_relay_cpu_pct": 100 * max(cpu) / wall,
+        "batches_s_per_relay_core": 1e6 / per_batch_us if per_batch_us else 0.0,
+        "nats_cpu_pct": 100 * (nats1 - nats0) / wall,
+        "bystander_cpu_us_per_published_batch": 1e6 * (idle1 - idle0) / (streams * batches),
+        "rss_per_stream_kib": sum(rss) / len(rss),
+        "steady_latency_ms": latency_stats([v / 1e9 for v in steady]),
+    }
+
+
+def run_one(mode: str, relays: int, streams: int, rate: float, batches: int) -> dict[str, Any]:
+    """One run: a fresh nats-server and ``relays`` relay processes in fan-out ``mode``."""
+    with tempfile.TemporaryDirectory() as tmp, NatsServer(Path(tmp) / "nats") as nats:
+        ports = [free_port() for _ in range(relays + 1)]  # the last one is the bystander
+        procs = [subprocess.Popen([sys.executable, "-m", "tokenpipe_cli", "relay", "--nats-url", nats.url, "--data-dir",
+                                   tmp, "--port", str(p), "--log-level", "WARNING", "--fanout", mode]) for p in ports]
+        try:
+            result = eventloop.run(_drive(nats, ports[:-1], [p.pid for p in procs[:-1]], procs[-1].pid, streams,
+                                          rate, batches))
+        finally:
+            for p in procs:
+                p.terminate()
+            for p in procs:
+                p.wait(30)
+    return {"mode": mode, **result}
+
+
+def table(results: list[dict[str, Any]]) -> Table:
+    t = Table(title="relays scaling out, SYNTHETIC token source (each relay serves 1/K of the streams)")
+    for col in ("fan-out", "relays", "streams/relay", "offered/s", "delivered/s", "relay CPU (each)",
+                "busiest relay", "relay CPU µs / delivered batch", "× K=1", "batches/s per relay core",
+                "bystander µs / batch", "nats CPU", "RSS/stream KiB", "steady p50 / p99 ms"):
+        t.add_column(col, justify="right")
+    base = {r["mode"]: r["relay_cpu_us_per_delivered_batch"] for r in results if r["relays"] == 1}
+    for r in results:
+        lat = r["steady_latency_ms"]
+        ratio = r["relay_cpu_us_per_delivered_batch"] / base[r["mode"]] if r["mode"] in base else float("nan")
+        t.add_row(r["mode"], str(r["relays"]), f"{r['streams'] // r['relays']:,}", f"{r['offered_batches_s']:,.0f}",
+                  f"{r['delivered_batches_s']:,.0f}", " ".join(f"{c:.0f}%" for c in r["relay_cpu_pct"]),
+                  f"{r['busiest_relay_cpu_pct']:.0f}%", f"{r['relay_cpu_us_per_delivered_batch']:.0f}",
+                  f"{ratio:.2f}", f"{r['batches_s_per_relay_core']:,.0f}",
+                  f"{r['bystander_cpu_us_per_published_batch']:.1f}", f"{r['nats_cpu_pct']:.0f}%",
+                  f"{r['rss_per_stream_kib']:.1f}", f"{lat['p50']:.1f} / {lat['p99']:.1f}")
+    return t
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--streams", type=int, default=1000)
+    parser.add_argument("--rate", type=float, default=5000.0, help="batches/s offered, over all streams")
+    parser.add_argument("--batches", type=int, default=50, help="batches per stream")
+    parser.add_argument("--relays", default="1,2,4", help="relay counts to run, e.g. 1,2,4")
+    parser.add_argument("--modes", default="shared,stream", help="fan-out modes to compare")
+    parser.add_argument("--out", default="bench/out/relays.json")
+    args = parser.parse_args(argv)
+    console = Console(width=180)
+    results = []
+    for k in (int(x) for x in args.relays.split(",")):
+        for mode in args.modes.split(","):  # alternating modes within each K: drift hits both alike
+            console.print(f"[bold]{mode}[/bold] fan-out, {k} relay(s), {args.streams:,} streams at {args.rate:,.0f}/s")
+            results.append(run_one(mode, k, args.streams, args.rate, args.batches))
+    results.sort(key=lambda r: (r["mode"], r["relays"]))
+    console.print(table(results))
+    by = {(r["mode"], r["relays"]): r for r in results}
+    top = max(r["relays"] for r in results)
+    if ("shared", top) in by and ("stream", top) in by:
+        s, p = by[("shared", top)], by[("stream", top)]
+        console.print(f"at {top} relays: per-stream ÷ shared relay CPU per delivered batch = "
+                      f"{p['relay_cpu_us_per_delivered_batch'] / s['relay_cpu_us_per_delivered_batch']:.2f}; "
+                      f"nats-server CPU {p['nats_cpu_pct']:.0f}% vs {s['nats_cpu_pct']:.0f}%")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"runs": results}, indent=1))
+    return 0 if all(r["batches_delivered"] == r["batches_expected"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,256 @@
+"""Clustered nats-server nodes: one node's flags (``tokenpipe nats --cluster-name ...``) and a
+local N-node JetStream cluster on loopback (``tokenpipe up --nats-cluster 3``, the fault tests,
+``bench.replication``), inspected through the nodes' monitoring endpoints (meta leader, stream
+leaders, health). Every node gets the same authorization config as a single embedded server
+(:func:`tokenpipe.natsauth.write_server_config`); routes between the nodes carry a route
+user of their own (:meth:`ClusterArgs.config_block`)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import signal
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tokenpipe.errors import InvalidRequest, TransportError
+
+from .launch import free_port
+from .natsserver import NatsServer
+
+__all__ = ["ClusterArgs", "LocalCluster", "node_args"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ClusterArgs:
+    """What makes one nats-server a node of a JetStream cluster: JetStream clustering needs a
+    cluster name and a unique server name; ``routes`` are the other nodes' ``nats-route://`` URLs."""
+
+    name: str
+    port: int
+    server_name: str
+    routes: tuple[str, ...] = ()
+    # Routes authenticated with this user (every node's routes carry it): then the cluster is
+    # configured by :meth:`config_block` in the node's config file, not on the command line.
+    route_user: str = ""
+    route_password: str = ""
+
+    def argv(self, host: str) -> list[str]:
+        if self.route_user:
+            return ["--server_name", self.server_name]
+        out = ["--cluster_name", self.name, "--cluster", f"nats://{host}:{self.port}", "--server_name",
+               self.server_name]
+        if self.routes:
+            out += ["--routes", ",".join(self.routes)]
+        return out
+
+    def config_block(self, host: str) -> str:
+        """nats-server's ``cluster`` block: routes accepted only with the route user's password,
+        and the other nodes dialled with it."""
+        auth = f"{self.route_user}:{self.route_password}@"
+        routes = [u.replace("://", f"://{auth}", 1) for u in self.routes]
+        user, password = json.dumps(self.route_user), json.dumps(self.route_password)
+        return (f"cluster {{\n  name: {json.dumps(self.name)}\n  listen: {json.dumps(f'{host}:{self.port}')}\n"
+                f"  authorization {{ user: {user}, password: {password} }}\n"
+                f"  routes: {json.dumps(routes)}\n}}\n")
+
+
+def node_args(cluster_name: str, cluster_port: int, routes: str, server_name: str | None) -> ClusterArgs:
+    """``tokenpipe nats --cluster-name N --cluster-port P --routes URL,URL --server-name S``:
+    JetStream clustering needs both names; every node lists the others' ``nats-route://`` URLs."""
+    if not server_name:
+        raise InvalidRequest("a clustered node needs --server-name (unique in the cluster)", param="server_name")
+    urls = tuple(u.strip() for u in routes.split(",") if u.strip())
+    for url in urls:
+        if not url.startswith(("nats-route://", "nats://")):
+            raise InvalidRequest(f"route {url!r} is not a nats-route://host:port URL", param="routes")
+    return ClusterArgs(name=cluster_name, port=cluster_port, server_name=server_name, routes=urls)
+
+
+
+class LocalCluster:
+    """N nats-server processes on loopback forming one JetStream cluster, each with its own store
+    under ``data_dir/<server name>`` and a monitoring port; start/stop as a whole or node by node."""
+
+    def __init__(self, data_dir: str | os.PathLike[str], size: int = 3, *, host: str = "127.0.0.1",
+                 name: str = "tokenpipe", first_port: int | None = None,
+                 config_file: str | os.PathLike[str] | None = None) -> None:
+        """``config_file``: the nats-server configuration every node starts from (the authorization
+        of a single embedded server, :func:`tokenpipe.natsauth.write_server_config`); each node
+        gets it plus an authenticated ``cluster`` block in ``data_dir/<server name>/``."""
+        if size < 1:
+            raise InvalidRequest("a cluster needs at least one node", param="nats_cluster")
+        self.data_dir = Path(data_dir)
+        self.host = host
+        self.name = name
+        ports = [first_port or free_port(host)] + [free_port(host) for _ in range(size - 1)]
+        route_ports = [free_port(host) for _ in range(size)]
+        self.nodes: list[NatsServer] = []
+        # With authorization on for clients, the routes get a user of their own too (a password
+        # for this cluster's lifetime: every node is restarted from this object).
+        base = Path(config_file).read_text() if config_file is not None else None
+        password = secrets.token_urlsafe(24) if base is not None else ""
+        for i in range(size):
+            routes = tuple(f"nats-route://{host}:{p}" for j, p in enumerate(route_ports) if j != i)
+            args = ClusterArgs(name=name, port=route_ports[i], server_name=f"{name}-{i}", routes=routes,
+                               route_user="route" if base is not None else "", route_password=password)
+            node_dir = self.data_dir / args.server_name
+            conf: Path | None = None
+            if base is not None:
+                node_dir.mkdir(parents=True, exist_ok=True)
+                conf = node_dir / "nats-server.conf"
+                fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it holds passwords
+                with os.fdopen(fd, "w") as f:
+                    f.write(base + "\n" + args.config_block(host))
+            self.nodes.append(NatsServer(node_dir, host=host, port=ports[i], monitor_port=free_port(host),
+                                         cluster=args, config_file=conf))
+
+    @property
+    def url(self) -> str:
+        """The seed list to give every role (``TOKENPIPE_NATS_URL``)."""
+        return ",".join(n.url for n in self.nodes)
+
+    @property
+    def names(self) -> list[str]:
+        return [self.server_name(i) for i in range(len(self.nodes))]
+
+    def server_name(self, i: int) -> str:
+        cluster = self.nodes[i].cluster
+        assert cluster is not None
+        return cluster.server_name
+
+    def index(self, server_name: str) -> int:
+        return self.names.index(server_name)
+
+    # -- lifecycle -------------------------------------------------------------------
+    def start(self, timeout: float = 30.0) -> LocalCluster:
+        try:
+            for node in self.nodes:
+                node.start(timeout)
+            self.wait_healthy(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        log.info("nats cluster ready", extra={"url": self.url, "nodes": len(self.nodes)})
+        return self
+
+    def stop(self) -> None:
+        for i, node in enumerate(self.nodes):
+            self.thaw(i)  # a frozen process cannot act on SIGTERM
+            node.stop()
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def kill(self, i: int) -> None:
+        """``kill -9`` node ``i`` (no lame duck, no leader hand-over) and reap it."""
+        node = self.nodes[i]
+        child, node.child = node.child, None
+        if child is not None and child.proc.poll() is None:
+            child.proc.send_signal(signal.SIGKILL)
+            child.proc.wait()
+
+    def restart(self, i: int, *, graceful: bool = True, timeout: float = 30.0) -> None:
+        """Stop node ``i`` (SIGTERM, or SIGKILL with ``graceful=False``) and start it again on the
+        same ports and store; returns once it listens (see :meth:`wait_healthy` for caught up)."""
+        if graceful:
+            self.thaw(i)
+            self.nodes[i].stop()
+        else:
+            self.kill(i)
+        self.nodes[i].start(timeout)
+
+    def start_node(self, i: int, timeout: float = 30.0) -> None:
+        self.nodes[i].start(timeout)
+
+    def freeze(self, i: int) -> None:
+        """SIGSTOP node ``i``: its sockets stay open but nothing answers (a hung host)."""
+        proc = self._proc(i)
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGSTOP)
+
+    def thaw(self, i: int) -> None:
+        proc = self._proc(i)
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGCONT)
+
+    def _proc(self, i: int) -> Any:
+        child = self.nodes[i].child
+        return child.proc if child is not None else None
+
+    def running(self, i: int) -> bool:
+        proc = self._proc(i)
+        return proc is not None and proc.poll() is None
+
+    # -- inspection (monitoring endpoints) ----------------------------------------------
+    def monitor(self, i: int, path: str, timeout: float = 2.0) -> Any:
+        """GET ``path`` (e.g. ``/jsz?streams=true``) from node ``i``'s monitoring port, as JSON."""
+        node = self.nodes[i]
+        url = f"http://{node.host}:{node.monitor_port}{path}"
+        try:
+            with urllib.request.urlopen(url, timeout=timeout) as resp:
+                return json.loads(resp.read())
+        except urllib.error.HTTPError as exc:  # /healthz answers 503 with a JSON body
+            return json.loads(exc.read() or b"{}")
+        except (OSError, ValueError) as exc:
+            raise TransportError(f"monitoring endpoint {url} failed: {exc}") from exc
+
+    def healthy(self, i: int) -> bool:
+        """Node ``i`` is up, knows the meta leader and has caught up on every stream it holds."""
+        if not self.running(i):
+            return False
+        try:
+            return bool(self.monitor(i, "/healthz").get("status") == "ok")
+        except TransportError:
+            return False
+
+    def wait_healthy(self, timeout: float = 30.0, nodes: list[int] | None = None) -> None:
+        """Until every running node (or those given) reports healthy: after a start, a restart or a
+        thaw, the cluster is whole again only when the returning node has caught up."""
+        wanted = [i for i in (nodes if nodes is not None else range(len(self.nodes))) if self.running(i)]
+        deadline = time.monotonic() + timeout
+        while not all(self.healthy(i) for i in wanted):
+            if time.monotonic() > deadline:
+                bad = [self.server_name(i) for i in wanted if not self.healthy(i)]
+                raise TransportError(f"nats cluster not healthy within {timeout}s: {', '.join(bad)}")
+            time.sleep(0.1)  # polling the monitoring endpoints; they publish no event
+
+    def _any_running(self) -> list[int]:
+        return [i for i in range(len(self.nodes)) if self.running(i)]
+
+    def meta_leader(self) -> str | None:
+        """The server name of the JetStream meta leader, as a running node reports it."""
+        for i in self._any_running():
+            try:
+                leader = self.monitor(i, "/jsz").get("meta_cluster", {}).get("leader")
+            except TransportError:
+                continue
+            if leader:
+                return str(leader)
+        return None
+
+    def stream_leader(self, stream: str) -> str | None:
+        """The server name leading ``stream``'s Raft group (None while one is being elected)."""
+        for i in self._any_running():
+            try:
+                jsz = self.monitor(i, "/jsz?accounts=true&streams=true")
+            except TransportError:
+                continue
+            for account in jsz.get("account_details") or ():
+                for detail in account.get("stream_detail") or ():
+                    if detail.get("name") == stream:
+                        leader = (detail.get("cluster") or {}).get("leader")
+                        if leader:
+                            return str(leader)
+        return None
