@@ -23,7 +23,10 @@ FROM python:${PYTHON}-slim AS runtime
 COPY --from=build /opt/venv /opt/venv
 COPY --from=build /opt/tokenpipe /opt/tokenpipe
 ENV PATH=/opt/venv/bin:$PATH TOKENPIPE_DATA_DIR=/opt/tokenpipe PYTHONUNBUFFERED=1
-RUN useradd --create-home --uid 10001 tokenpipe && chown -R tokenpipe /opt/tokenpipe
+# /var/lib/tokenpipe: where compose's nats service keeps its store and the credentials (named
+# volumes take this ownership when first mounted).
+RUN useradd --create-home --uid 10001 tokenpipe && mkdir -p /var/lib/tokenpipe/nats /var/lib/tokenpipe/creds \
+    && chown -R tokenpipe /opt/tokenpipe /var/lib/tokenpipe
 USER tokenpipe
 EXPOSE 8000
 ENTRYPOINT ["tokenpipe"]

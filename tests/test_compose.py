@@ -29,9 +29,24 @@ def services() -> dict:
 
 def test_services_run_real_cli_commands_with_known_flags() -> None:
     parser = build_parser()
-    for name in ("generator", "generator-gpu", "relay"):
+    for name in ("generator", "generator-gpu", "relay", "nats"):
         args = parser.parse_args(services()[name]["command"])  # exits (fails) on an unknown flag
-        assert args.cmd in ("generator", "relay")
+        assert args.cmd in ("generator", "relay", "nats")
+
+
+def test_the_bus_is_locked_down_and_each_role_brings_its_own_credentials() -> None:
+    """Regression: compose ran nats-server with no authorization (any container could read every
+    tenant's tokens); now it runs tokenpipe's own, with one user per role."""
+    svc = services()
+    nats = build_parser().parse_args(svc["nats"]["command"])
+    assert nats.auth
+    creds_volume = next(v.split(":")[0] for v in svc["nats"]["volumes"] if v.endswith(nats.creds_dir))
+    for name, role in (("generator", "generator"), ("generator-gpu", "generator"), ("relay", "relay")):
+        path = svc[name]["environment"]["TOKENPIPE_NATS_CREDS"]
+        assert path == f"{nats.creds_dir}/{role}.json"  # the file natsauth.ensure_credentials writes
+        assert f"{creds_volume}:{nats.creds_dir}:ro" in svc[name]["volumes"]
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert nats.creds_dir in dockerfile and nats.data_dir in dockerfile  # created, owned by the image's user
 
 
 def test_environment_names_are_settings_or_otel_variables() -> None:
@@ -50,7 +65,8 @@ def test_ports_agree_between_compose_code_and_prometheus() -> None:
     port = relay_cmd[relay_cmd.index("--port") + 1]
     assert any(p.endswith(f":{port}:{port}") for p in svc["relay"]["ports"])
     assert svc["relay"]["environment"]["TOKENPIPE_NATS_URL"] == "${TOKENPIPE_NATS_URL:-nats://nats:4222}"
-    assert "-js" in svc["nats"]["command"] and "8222" in svc["nats"]["command"]
+    nats = build_parser().parse_args(svc["nats"]["command"])
+    assert nats.cmd == "nats" and nats.monitor_port == 8222 and nats.port == 4222
     gen_port = svc["generator"]["environment"]["TOKENPIPE_METRICS_PORT"]
     prom = yaml.safe_load((ROOT / "deploy/prometheus.yml").read_text())
     jobs = {j["job_name"]: j for j in prom["scrape_configs"]}
