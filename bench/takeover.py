@@ -39,6 +39,7 @@ from producer import aiter_sse
 from tokenpipe.settings import Settings
 from tokenpipe.subjects import ANNOUNCE_PREFIX
 from tokenpipe_cli.launch import die_with_parent, free_port
+from tokenpipe_cli.supervisor import read_status
 
 from .procstat import cpu_seconds
 
@@ -71,10 +72,7 @@ class Up:
         return f"http://127.0.0.1:{self.port}"
 
     def status(self) -> dict[str, Any]:
-        try:
-            return json.loads((self.data / "up.json").read_text())  # type: ignore[no-any-return]
-        except (OSError, ValueError):
-            return {}
+        return read_status(self.data)
 
     async def wait_up(self, timeout: float = 300) -> None:
         deadline = time.monotonic() + timeout

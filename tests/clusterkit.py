@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 
 from generator.models import LoadedModel
+from producer import aiter_sse
 from tokenpipe.bus import Bus, connect
 from tokenpipe.settings import Settings
 from tokenpipe.subjects import (
@@ -207,22 +208,14 @@ def body(prompt: int, max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
 
 async def read_stream(http: httpx.AsyncClient, out: Outcome, headers: dict[str, str] | None = None) -> None:
     """Append ``out``'s SSE events (arrival time, event, id, data) until ``done`` or ``error``."""
-    event, eid = "message", None
     async with http.stream("GET", f"/v1/streams/{out.id}", headers=headers) as resp:
         if resp.status_code != 200:
             out.error = f"GET {resp.status_code}: {(await resp.aread())[:200]!r}"
             return
-        async for line in resp.aiter_lines():
-            if line.startswith("event:"):
-                event = line[6:].strip()
-            elif line.startswith("id:"):
-                eid = line[3:].strip()
-            elif line.startswith("data:"):
-                out.events.append((time.monotonic(), event, eid, json.loads(line[5:])))
-                if event in ("done", "error"):
-                    return
-            elif line == "":
-                event, eid = "message", None
+        async for ev in aiter_sse(resp):
+            out.events.append((time.monotonic(), ev.event, ev.id, ev.json()))
+            if ev.event in ("done", "error"):
+                return
 
 
 async def one_stream(http: httpx.AsyncClient, relay: int, prompt: int, max_tokens: int = MAX_TOKENS) -> Outcome:

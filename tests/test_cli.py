@@ -19,36 +19,10 @@ import pytest
 from producer import SSEParser
 from tokenpipe_cli.launch import LaunchError, free_port, spawn, wait_ready
 
+from .conftest import alive, descendants
+
 # The console script that `make install` puts beside this interpreter, as a user runs it.
 TOKENPIPE = str(Path(sys.executable).parent / "tokenpipe")
-
-
-def _children(pid: int) -> list[int]:
-    """Every live descendant of ``pid`` (from /proc)."""
-    kids: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        kids.setdefault(ppid, []).append(int(entry.name))
-    out, todo = [], [pid]
-    while todo:
-        for child in kids.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 @pytest.mark.timeout(240)
@@ -75,9 +49,9 @@ def test_up_serves_a_stream_and_stops_cleanly_on_sigterm(tmp_path: Path, data_di
         status = json.loads((tmp_path / "up.json").read_text())
         assert status["state"] == "up" and status["ports"]["relay"] == port and status["ports"]["nats"] == nats_port
         assert {r["name"] for r in status["roles"]} == {"nats-server", "generator-0", "generator-1", "relay"}
-        assert all(r["pid"] in _children(proc.pid) for r in status["roles"])
-        descendants = _children(proc.pid)
-        assert len(descendants) >= 4  # nats-server, 2 generators, relay
+        assert all(r["pid"] in descendants(proc.pid) for r in status["roles"])
+        children = descendants(proc.pid)
+        assert len(children) >= 4  # nats-server, 2 generators, relay
         base = f"http://127.0.0.1:{port}"
         with httpx.Client(base_url=base, timeout=60) as c:
             assert c.get("/readyz").status_code == 200
@@ -91,15 +65,15 @@ def test_up_serves_a_stream_and_stops_cleanly_on_sigterm(tmp_path: Path, data_di
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
         deadline = time.monotonic() + 10
-        while any(_alive(p) for p in descendants) and time.monotonic() < deadline:
+        while any(alive(p) for p in children) and time.monotonic() < deadline:
             time.sleep(0.1)  # processes are reaped asynchronously by their parent's exit
-        assert not [p for p in descendants if _alive(p)], "orphan processes left behind"
+        assert not [p for p in children if alive(p)], "orphan processes left behind"
         status = json.loads((tmp_path / "up.json").read_text())
         assert status["state"] == "stopped" and {r["state"] for r in status["roles"]} == {"stopped"}
     finally:
         if proc.poll() is None:
             proc.kill()
-        for pid in _children(proc.pid):
+        for pid in descendants(proc.pid):
             os.kill(pid, signal.SIGKILL)
 
 

@@ -43,6 +43,8 @@ from tokenpipe_cli.cluster import LocalCluster, node_args
 from tokenpipe_cli.launch import free_port
 from tokenpipe_cli.natsserver import NatsServer
 
+from .conftest import descendants
+
 pytestmark = pytest.mark.timeout(120)
 
 CLUSTER_INFO = {"jetstream": True, "cluster": "c", "connect_urls": ["10.0.0.1:4222", "10.0.0.2:4222", "10.0.0.3:4222"]}
@@ -319,23 +321,6 @@ async def test_regression_a_hole_was_looked_up_again_only_when_traffic_stopped(b
 
 
 # -- tokenpipe up --nats-cluster 3 -------------------------------------------------------
-def _descendants(pid: int) -> list[int]:
-    kids: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except OSError:
-                continue
-            kids.setdefault(ppid, []).append(int(entry.name))
-    out, todo = [], [pid]
-    while todo:
-        for child in kids.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
 @pytest.fixture
 async def up_cluster(tmp_path: Path, data_dir: Path) -> AsyncIterator[tuple[subprocess.Popen[str], str, str, str]]:
     port = free_port()
@@ -360,7 +345,7 @@ async def up_cluster(tmp_path: Path, data_dir: Path) -> AsyncIterator[tuple[subp
     finally:
         if proc.poll() is None:
             proc.kill()
-        for pid in _descendants(proc.pid):
+        for pid in descendants(proc.pid):
             os.kill(pid, signal.SIGKILL)
 
 
@@ -368,7 +353,7 @@ async def up_cluster(tmp_path: Path, data_dir: Path) -> AsyncIterator[tuple[subp
 async def test_up_with_a_local_three_node_cluster(up_cluster: tuple[subprocess.Popen[str], str, str, str]) -> None:
     proc, url, nats_url, creds = up_cluster
     assert len(server_list(nats_url)) == 3
-    names = [Path(f"/proc/{p}/comm").read_text().strip() for p in _descendants(proc.pid)]
+    names = [Path(f"/proc/{p}/comm").read_text().strip() for p in descendants(proc.pid)]
     assert names.count("nats-server") == 3
     async with httpx.AsyncClient(base_url=url, timeout=60) as http:
         sid = (await http.post("/v1/streams", json={"prompt": "hi", "max_tokens": 8, "temperature": 0,

@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from generator.models import LoadedModel
+from producer import aiter_sse
 
 from .clusterkit import Outcome, Stack, body, greedy_reference, read_stream
 
@@ -59,19 +60,13 @@ def assert_continues(parts: list[list[dict[str, Any]]]) -> list[int]:
 
 async def read_some(http: httpx.AsyncClient, out: Outcome, n: int, **params: str) -> None:
     """Read ``out``'s stream until ``n`` token batches arrived, then drop the connection."""
-    event, eid = "message", None
     async with http.stream("GET", f"/v1/streams/{out.id}", params=params,
                            headers={"Last-Event-ID": str(out.events[-1][2])} if out.events else None) as resp:
         assert resp.status_code == 200
-        async for line in resp.aiter_lines():
-            if line.startswith("event:"):
-                event = line[6:].strip()
-            elif line.startswith("id:"):
-                eid = line[3:].strip()
-            elif line.startswith("data:"):
-                out.events.append((time.monotonic(), event, eid, json.loads(line[5:])))
-                if len(tokens(out.events)) >= n:
-                    return
+        async for ev in aiter_sse(resp):
+            out.events.append((time.monotonic(), ev.event, ev.id, ev.json()))
+            if len(tokens(out.events)) >= n:
+                return
 
 
 async def test_stream_created_on_a_is_read_resumed_and_cancelled_on_b(stack: Stack) -> None:

@@ -29,6 +29,7 @@ from tokenpipe.natsauth import load_credential
 from tokenpipe.subjects import ANNOUNCE_PREFIX, TOKENS_STREAM
 from tokenpipe.wire import Request
 from tokenpipe_cli.launch import free_port
+from tokenpipe_cli.supervisor import read_status
 
 from .conftest import wait_until
 from .test_resilience import _greedy_ids, assert_contiguous
@@ -66,10 +67,7 @@ class Stack:
         return f"http://127.0.0.1:{self.port}"
 
     def status(self) -> dict[str, Any]:
-        try:
-            return json.loads((self.data / "up.json").read_text())  # type: ignore[no-any-return]
-        except (OSError, ValueError):
-            return {}
+        return read_status(self.data)
 
     def role(self, name: str) -> dict[str, Any]:
         return next((r for r in self.status().get("roles", []) if r["name"] == name), {})

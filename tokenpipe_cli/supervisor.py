@@ -40,7 +40,7 @@ from .cluster import LocalCluster
 from .launch import Child, free_port, http_ok, port_free, spawn_role
 from .natsserver import NatsServer
 
-__all__ = ["Supervisor", "describe_exit"]
+__all__ = ["Supervisor", "describe_exit", "read_status", "status_path"]
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ class Supervisor:
 
     @property
     def status_path(self) -> Path:
-        return Path(self.settings.data_dir) / "up.json"
+        return status_path(self.settings.data_dir)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self._stop_signal = signum
@@ -377,3 +377,16 @@ class Supervisor:
         if self.nats is not None:
             self.nats.stop()
         self.children.clear()
+
+
+def status_path(data_dir: str | os.PathLike[str]) -> Path:
+    """Where ``tokenpipe up`` keeps its status (``up.json`` in the data dir)."""
+    return Path(data_dir) / "up.json"
+
+
+def read_status(data_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """``tokenpipe up``'s status as last written, or ``{}`` before the first write."""
+    try:
+        return json.loads(status_path(data_dir).read_text())  # type: ignore[no-any-return]
+    except (OSError, ValueError):
+        return {}
