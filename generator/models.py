@@ -78,16 +78,20 @@ def resolve_device(device: str) -> torch.device:
 
 
 def resolve_threads(threads: int) -> int:
-    """torch's thread count for the engine: ``threads`` if set, else one fewer than the cores.
+    """torch's thread count for the engine: ``threads`` if set; else every core on a machine of
+    up to 3 cores, one fewer than the cores on a larger one.
 
     Every parallel region of an OpenMP team waits for its slowest thread, so a team as wide as
-    the machine stalls whenever anything else runs (the relay and nats-server of ``tokenpipe
-    up``, another process). Measured with bench.neighbour on a shared 2-core machine (32
-    streams, bf16 + int4): 1 thread 213 tok/s against 23 with 2; with a ``nice 19`` busy
-    neighbour 1 thread kept 0.97x of that, 2 threads 0.76x (bench/RESULTS.md)."""
+    the machine stalls when a busy, un-niced process (the relay and nats-server of ``tokenpipe
+    up`` under load) takes a core. Leaving a core free costs 1/cores of the compute: cheap on 16
+    cores, 38 % on 2 (quiet 2-core machine, 32 streams, bf16: 745 tok/s with 2 threads, 464 with
+    1; with a ``nice 19`` busy neighbour 2 threads kept 0.97x, with a nice-0 one 0.29x while 1
+    thread kept 1.01x — ``python -m bench.neighbour``, bench/RESULTS.md). ``TOKENPIPE_THREADS=1``
+    is the choice on a small machine that shares its cores with busy un-niced work."""
     if threads > 0:
         return threads
-    return max(1, (os.cpu_count() or 1) - 1)
+    cores = os.cpu_count() or 1
+    return cores - 1 if cores >= 4 else cores
 
 
 def cpu_has_fast_bf16() -> bool:

@@ -125,7 +125,8 @@ class Settings:
     announce_interval_s: float = field(
         default=2.0, metadata=_doc("how often a generator announces its model and load (lapses after 3 intervals)"))
     threads: int = field(
-        default=0, metadata=_doc("torch CPU threads for the engine (0: one fewer than the cores, at least 1)"))
+        default=0, metadata=_doc("torch CPU threads for the engine (0: every core up to 3 cores, one fewer "
+                                 "from 4 cores on; see `python -m bench.neighbour`)"))
     metrics_port: int = field(
         default=9101, metadata=_doc("generator `/metrics` port (`tokenpipe up` counts up from it; 0: off)"))
     metrics_host: str = field(default="127.0.0.1", metadata=_doc("generator `/metrics` bind address"))
