@@ -228,3 +228,14 @@ def test_bf16_decode_step_tracks_hf_forward(data_dir) -> None:  # type: ignore[n
         ref = lm.model(torch.cat([ids, nxt[:, None]], 1)).logits[0, -1].float()
     assert torch.nn.functional.cosine_similarity(step[0], ref, dim=0) > 0.999
     assert step[0].argmax() == ref.argmax()
+
+
+@pytest.mark.parametrize(("cores", "expected"), [(1, 1), (2, 2), (3, 3), (4, 3), (16, 15)])
+def test_engine_threads_leave_a_core_only_where_it_is_cheap(monkeypatch: pytest.MonkeyPatch, cores: int,
+                                                            expected: int) -> None:
+    """Regression: "one fewer than the cores" ran a quiet 2-core machine's engine at 0.62x."""
+    from generator.models import resolve_threads
+
+    monkeypatch.setattr("os.cpu_count", lambda: cores)
+    assert resolve_threads(0) == expected
+    assert resolve_threads(5) == 5  # an explicit TOKENPIPE_THREADS wins
