@@ -22,97 +22,33 @@ import json
 import os
 import signal
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
-import nats
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
 from producer import aiter_sse
 from tokenpipe.settings import Settings
-from tokenpipe.subjects import ANNOUNCE_PREFIX
-from tokenpipe_cli.launch import die_with_parent, free_port
-from tokenpipe_cli.supervisor import read_status
+from tokenpipe_cli.upprocess import UpProcess
 
 from .procstat import cpu_seconds
 
 BODY = {"prompt": "keep going", "temperature": 0, "ignore_eos": True}  # default coalescing, as a user gets
 
 
-class Up:
-    """``tokenpipe up`` as a subprocess, with its up.json and the generators' announcements."""
-
-    def __init__(self, data: Path, model: str, generators: int) -> None:
-        self.data = data
-        self.port = free_port()
-        self.log = data / "up.log"
-        # Ten kills in a couple of minutes are a crash loop by the default limit (5 in 60 s): these
-        # are on purpose. Nothing else differs from the defaults (ack_wait, progress interval).
-        # Announcements every 0.5 s find the holder sooner, so the kill lands early in the stream; they
-        # play no part in the takeover itself (ack_wait and the progress acks do).
-        env = {**os.environ, "TOKENPIPE_LOG_LEVEL": "WARNING", "TOKENPIPE_RESTART_LIMIT": "1000",
-               "TOKENPIPE_ANNOUNCE_INTERVAL_S": "0.5"}
-        with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "tokenpipe_cli", "up", "--model", model, "--port", str(self.port),
-                 "--data-dir", str(data), "--generators", str(generators)], stdout=out, stderr=subprocess.STDOUT,
-                env=env, preexec_fn=die_with_parent)
-        self.announcements: dict[int, dict[str, Any]] = {}
-        self.nc: Any = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def status(self) -> dict[str, Any]:
-        return read_status(self.data)
-
-    async def wait_up(self, timeout: float = 300) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"tokenpipe up exited ({self.proc.returncode}); see {self.log}")
-            st = self.status()
-            if st.get("state") == "up" and all(r["state"] == "ready" for r in st.get("roles", [])):
-                break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"tokenpipe up not ready within {timeout:g}s; see {self.log}")
-            await asyncio.sleep(0.05)  # polling a file another process writes
-        if self.nc is None:
-            self.nc = await nats.connect(st["nats_url"])
-
-            async def on(msg: Any) -> None:
-                info = json.loads(msg.data)
-                self.announcements[info["pid"]] = info
-
-            await self.nc.subscribe(f"{ANNOUNCE_PREFIX}.>", cb=on)
-
-    async def holder(self, stream_id: str, timeout: float = 30) -> int:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            gens = {r["pid"] for r in self.status().get("roles", []) if r["name"].startswith("generator")}
-            for pid, ann in self.announcements.items():
-                if stream_id in ann.get("streams", ()) and pid in gens:
-                    return pid
-            await asyncio.sleep(0.02)  # the holder's next announcement names the stream
-        raise RuntimeError(f"no generator announced {stream_id}")
-
-    async def close(self) -> None:
-        if self.nc is not None:
-            await self.nc.close()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+def start_up(data: Path, model: str, generators: int) -> UpProcess:
+    # Ten kills in a couple of minutes are a crash loop by the default limit (5 in 60 s): these
+    # are on purpose. Nothing else differs from the defaults (ack_wait, progress interval).
+    # Announcements every 0.5 s find the holder sooner, so the kill lands early in the stream; they
+    # play no part in the takeover itself (ack_wait and the progress acks do).
+    env = {**os.environ, "TOKENPIPE_LOG_LEVEL": "WARNING", "TOKENPIPE_RESTART_LIMIT": "1000",
+           "TOKENPIPE_ANNOUNCE_INTERVAL_S": "0.5"}
+    return UpProcess(data, "--model", model, "--generators", str(generators), env=env)
 
 
 async def _read(http: httpx.AsyncClient, sid: str, until: int, on_tokens: Any = None) -> list[tuple[float, dict]]:
@@ -134,7 +70,7 @@ async def _read(http: httpx.AsyncClient, sid: str, until: int, on_tokens: Any = 
     return got
 
 
-async def one_kill(up: Up, http: httpx.AsyncClient, reference: list[int], max_tokens: int,
+async def one_kill(up: UpProcess, http: httpx.AsyncClient, reference: list[int], max_tokens: int,
                    kill_at: int) -> dict[str, Any]:
     sid = (await http.post("/v1/streams", json={**BODY, "max_tokens": max_tokens})).json()["id"]
     killed: list[tuple[int, float]] = []
@@ -174,7 +110,7 @@ async def takeover(args: argparse.Namespace, console: Console) -> dict[str, Any]
         models = Path(args.data_dir) / "models"
         if models.is_dir():
             (data / "models").symlink_to(models.resolve(), target_is_directory=True)  # no conversion per run
-        up = Up(data, args.model, 2)
+        up = start_up(data, args.model, 2)
         try:
             await up.wait_up()
             async with httpx.AsyncClient(base_url=up.url, timeout=120) as http:
@@ -188,7 +124,7 @@ async def takeover(args: argparse.Namespace, console: Console) -> dict[str, Any]
                         rounds.append(await one_kill(up, http, reference, args.max_tokens, args.kill_at))
                         progress.advance(task)
         finally:
-            await up.close()
+            await up.stop()
             out = Path(args.out).with_suffix(".log")  # the stack's output (warnings and restarts), for a look
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_bytes(up.log.read_bytes())

@@ -8,11 +8,9 @@ every role is ready. Synchronisation is on events (tokens seen, announcements, u
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import socket
-import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -20,16 +18,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import nats
 import pytest
 
 from generator.models import LoadedModel
 from producer import aiter_sse
-from tokenpipe.natsauth import load_credential
-from tokenpipe.subjects import ANNOUNCE_PREFIX, TOKENS_STREAM
+from tokenpipe.subjects import TOKENS_STREAM
 from tokenpipe.wire import Request
-from tokenpipe_cli.launch import free_port
-from tokenpipe_cli.supervisor import read_status
+from tokenpipe_cli.upprocess import UpProcess
 
 from .conftest import wait_until
 from .test_resilience import _greedy_ids, assert_contiguous
@@ -42,84 +37,22 @@ LONG = {"prompt": "keep going", "max_tokens": 600, "temperature": 0, "ignore_eos
 Events = list[tuple[str, str | None, dict[str, Any]]]
 
 
-class Stack:
-    """A `tokenpipe up` subprocess, its up.json, and the generators' announcements."""
-
-    def __init__(self, data: Path, generators: int, *extra: str, **env: str) -> None:
-        self.data = data
-        self.port = free_port()
-        self.log = data / "up.log"
-        # SUBMIT_RETRY_S: a nats-server restart takes well over the default 5 s on a busy 2-core
-        # machine; the tests check that a POST during the outage is served, not how fast NATS restarts.
-        self.env = {**os.environ, "TOKENPIPE_ANNOUNCE_INTERVAL_S": "0.5", "TOKENPIPE_THREADS": "1",
-                    "TOKENPIPE_DTYPE": "float32", "TOKENPIPE_LOG_LEVEL": "INFO", "TOKENPIPE_SUBMIT_RETRY_S": "60",
-                    **env}
-        self.env.pop("TOKENPIPE_METRICS_PORT", None)  # the defaults, so that taken ones are replaced
-        with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen(
-                [TOKENPIPE, "up", "--model", "tiny-random", "--port", str(self.port), "--data-dir", str(data),
-                 "--generators", str(generators), *extra], stdout=out, stderr=subprocess.STDOUT, env=self.env)
-        self.announcements: dict[int, dict[str, Any]] = {}
-        self.nc: Any = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def status(self) -> dict[str, Any]:
-        return read_status(self.data)
-
-    def role(self, name: str) -> dict[str, Any]:
-        return next((r for r in self.status().get("roles", []) if r["name"] == name), {})
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    async def wait_up(self, timeout: float = 120) -> None:
-        def up() -> bool:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"tokenpipe up exited with {self.proc.returncode}:\n{self.output()[-4000:]}")
-            st = self.status()
-            return st.get("state") == "up" and all(r["state"] == "ready" for r in st.get("roles", []))
-
-        await wait_until(up, timeout, "every role ready in up.json")
-        if self.nc is None:
-            admin = load_credential(self.data / "creds" / "admin.json")  # `up` runs NATS with authorization on
-            self.nc = await nats.connect(self.status()["nats_url"], max_reconnect_attempts=-1,
-                                         reconnect_time_wait=0.2, user=admin.user, password=admin.password,
-                                         inbox_prefix=admin.inbox_prefix)
-
-            async def on(msg: Any) -> None:
-                info = json.loads(msg.data)
-                self.announcements[info["pid"]] = info
-
-            await self.nc.subscribe(f"{ANNOUNCE_PREFIX}.>", cb=on)
-
-    async def holder(self, stream_id: str) -> int:
-        """The pid of the generator announcing ``stream_id`` (its next announcement names it)."""
-        def find() -> int | None:
-            gens = {r["pid"] for r in self.status()["roles"] if r["name"].startswith("generator")}
-            return next((pid for pid, a in self.announcements.items()
-                         if stream_id in a.get("streams", ()) and pid in gens), None)
-
-        await wait_until(lambda: find() is not None, 30, f"a generator announcing {stream_id}")
-        pid = find()
-        assert pid is not None
-        return pid
-
-    async def stop(self) -> int:
-        if self.nc is not None:
-            await self.nc.close()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        return await asyncio.to_thread(self.proc.wait, 60)
+def start_stack(data: Path, generators: int, *extra: str, **env: str) -> UpProcess:
+    """`tokenpipe up --model tiny-random` through the installed console script, as a user runs it."""
+    # SUBMIT_RETRY_S: a nats-server restart takes well over the default 5 s on a busy 2-core
+    # machine; the tests check that a POST during the outage is served, not how fast NATS restarts.
+    full = {**os.environ, "TOKENPIPE_ANNOUNCE_INTERVAL_S": "0.5", "TOKENPIPE_THREADS": "1",
+            "TOKENPIPE_DTYPE": "float32", "TOKENPIPE_LOG_LEVEL": "INFO", "TOKENPIPE_SUBMIT_RETRY_S": "60", **env}
+    full.pop("TOKENPIPE_METRICS_PORT", None)  # the defaults, so that taken ones are replaced
+    return UpProcess(data, "--model", "tiny-random", "--generators", str(generators), *extra, env=full,
+                     command=[TOKENPIPE])
 
 
 @pytest.fixture(scope="module")
-async def stack(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> AsyncIterator[Stack]:
+async def stack(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> AsyncIterator[UpProcess]:
     data = tmp_path_factory.mktemp("heal")
     (data / "models").symlink_to(data_dir / "models", target_is_directory=True)
-    s = Stack(data, 2)
+    s = start_stack(data, 2)
     try:
         await s.wait_up()
         yield s
@@ -158,7 +91,7 @@ def reference(lm: LoadedModel, body: dict[str, Any]) -> list[int]:
 
 
 async def test_kill9_of_the_generator_holding_a_stream_is_taken_over_and_restarted(
-        stack: Stack, tiny_model: LoadedModel) -> None:
+        stack: UpProcess, tiny_model: LoadedModel) -> None:
     await stack.wait_up()
     killed: list[tuple[int, float]] = []
     arrivals: list[float] = []
@@ -193,7 +126,7 @@ async def test_kill9_of_the_generator_holding_a_stream_is_taken_over_and_restart
         assert events[-1][0] == "done"
 
 
-async def test_a_generator_frozen_for_less_than_the_slack_keeps_its_stream(stack: Stack) -> None:
+async def test_a_generator_frozen_for_less_than_the_slack_keeps_its_stream(stack: UpProcess) -> None:
     """SIGSTOP (a GC pause, a busy CPU) for 1.5 s, under the default 4 s ack_wait with progress every
     1 s: the request must not be redelivered to the other generator."""
     await stack.wait_up()
@@ -216,7 +149,7 @@ async def test_a_generator_frozen_for_less_than_the_slack_keeps_its_stream(stack
     assert f"continuing redelivered request request_id={sid}" not in stack.output()
 
 
-async def test_kill9_of_the_relay_comes_back_on_its_port_and_resumes(stack: Stack, tiny_model: LoadedModel) -> None:
+async def test_kill9_of_the_relay_comes_back_on_its_port_and_resumes(stack: UpProcess, tiny_model: LoadedModel) -> None:
     await stack.wait_up()
     relay_pid = stack.role("relay")["pid"]
     body = {**LONG, "max_tokens": 400}
@@ -248,7 +181,7 @@ async def test_kill9_of_the_relay_comes_back_on_its_port_and_resumes(stack: Stac
 
 
 async def test_kill9_of_nats_server_a_stream_in_flight_finishes_and_a_post_meanwhile_is_served(
-        stack: Stack) -> None:
+        stack: UpProcess) -> None:
     await stack.wait_up()
     nats_pid = stack.role("nats-server")["pid"]
     posted: list[asyncio.Task[tuple[str, Events]]] = []
@@ -283,7 +216,7 @@ def _state(pid: int) -> str:
         return "Z"
 
 
-async def test_a_deleted_token_stream_is_reprovisioned(stack: Stack) -> None:
+async def test_a_deleted_token_stream_is_reprovisioned(stack: UpProcess) -> None:
     """Regression: after TP_TOKENS was deleted every later stream hung on "no responders" and
     /readyz kept answering 200."""
     await stack.wait_up()
@@ -306,7 +239,7 @@ async def test_a_deleted_token_stream_is_reprovisioned(stack: Stack) -> None:
         assert events[-1][0] == "done" and events[-1][2]["usage"]["completion_tokens"] == 16
 
 
-async def test_kill9_of_a_generator_holding_32_streams_all_finish_on_the_other(stack: Stack) -> None:
+async def test_kill9_of_a_generator_holding_32_streams_all_finish_on_the_other(stack: UpProcess) -> None:
     await stack.wait_up()
     gens = [r["pid"] for r in stack.status()["roles"] if r["name"].startswith("generator")]
     holder, other = gens
@@ -324,8 +257,10 @@ async def test_kill9_of_a_generator_holding_32_streams_all_finish_on_the_other(s
             async def on_tokens(sid: str, n: int) -> None:
                 seen[sid] = n
                 if len(seen) == 32 and min(seen.values()) >= 5 and not killed:
-                    await wait_until(lambda: len(stack.announcements.get(holder, {}).get("streams", ())) == 32,
-                                     30, "the holder announcing 32 streams")
+                    def holds_all() -> bool:
+                        return holder in stack.announcements and len(stack.announcements[holder].streams) == 32
+
+                    await wait_until(holds_all, 30, "the holder announcing 32 streams")
                     os.kill(other, signal.SIGCONT)
                     os.kill(holder, signal.SIGKILL)
                     killed.append(holder)
@@ -342,7 +277,7 @@ async def test_kill9_of_a_generator_holding_32_streams_all_finish_on_the_other(s
 
 async def test_a_role_that_crashes_at_start_is_given_up_and_up_exits_1(tmp_path: Path, data_dir: Path) -> None:
     (tmp_path / "models").symlink_to(data_dir / "models", target_is_directory=True)
-    s = Stack(tmp_path, 1, "--model-path", str(tmp_path / "no-such-model"), TOKENPIPE_RESTART_LIMIT="2",
+    s = start_stack(tmp_path, 1, "--model-path", str(tmp_path / "no-such-model"), TOKENPIPE_RESTART_LIMIT="2",
               TOKENPIPE_RESTART_BACKOFF_S="0.05")
     try:
         assert await asyncio.to_thread(s.proc.wait, 150) == 1
