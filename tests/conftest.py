@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
@@ -182,3 +183,15 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def read_until_up(proc: subprocess.Popen[str]) -> str:
+    """Read ``tokenpipe up``'s output (a text pipe) up to its "tokenpipe is up" line, and return
+    that line; fail with everything it printed if it exits first."""
+    assert proc.stdout is not None
+    lines: list[str] = []
+    for line in proc.stdout:
+        lines.append(line)
+        if "tokenpipe is up" in line:
+            return line
+    raise AssertionError("tokenpipe up exited early:\n" + "".join(lines))

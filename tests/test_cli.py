@@ -19,7 +19,7 @@ import pytest
 from producer import SSEParser
 from tokenpipe_cli.launch import LaunchError, free_port, spawn, wait_ready
 
-from .conftest import alive, descendants
+from .conftest import alive, descendants, read_until_up
 
 # The console script that `make install` puts beside this interpreter, as a user runs it.
 TOKENPIPE = str(Path(sys.executable).parent / "tokenpipe")
@@ -36,16 +36,8 @@ def test_up_serves_a_stream_and_stops_cleanly_on_sigterm(tmp_path: Path, data_di
          "--nats-port", str(nats_port), "--data-dir", str(tmp_path), "--generators", "2"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
     )
-    lines: list[str] = []
     try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line)
-            if "tokenpipe is up" in line:
-                break
-        else:
-            raise AssertionError("tokenpipe up exited early:\n" + "".join(lines))
-        assert f"http://127.0.0.1:{port}" in lines[-1]
+        assert f"http://127.0.0.1:{port}" in read_until_up(proc)
         status = json.loads((tmp_path / "up.json").read_text())
         assert status["state"] == "up" and status["ports"]["relay"] == port and status["ports"]["nats"] == nats_port
         assert {r["name"] for r in status["roles"]} == {"nats-server", "generator-0", "generator-1", "relay"}

@@ -43,7 +43,7 @@ from tokenpipe_cli.cluster import LocalCluster, node_args
 from tokenpipe_cli.launch import free_port
 from tokenpipe_cli.natsserver import NatsServer
 
-from .conftest import descendants
+from .conftest import descendants, read_until_up
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -331,15 +331,7 @@ async def up_cluster(tmp_path: Path, data_dir: Path) -> AsyncIterator[tuple[subp
                              "--data-dir", str(tmp_path)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
     try:
-        assert proc.stdout is not None
-        lines: list[str] = []
-        for line in proc.stdout:
-            lines.append(line)
-            if "tokenpipe is up" in line:
-                break
-        else:
-            raise AssertionError("tokenpipe up exited early:\n" + "".join(lines))
-        nats_url = re.search(r"\(NATS (\S+?)[,;] ", lines[-1])
+        nats_url = re.search(r"\(NATS (\S+?)[,;] ", read_until_up(proc))
         assert nats_url is not None
         yield proc, f"http://127.0.0.1:{port}", nats_url.group(1), str(tmp_path / "creds" / "admin.json")
     finally:
