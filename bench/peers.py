@@ -46,12 +46,13 @@ import httpx
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
-from tokenpipe.natsserver import free_port
 
 from tokenpipe.settings import Settings
+from tokenpipe_cli.launch import free_port
+from tokenpipe_cli.loadgen import Record, record_batch
+from tokenpipe_cli.stats import summarize
 
 from .ceilings import cpu_summary
-from .loadgen import Record, record_batch, summarize
 
 console = Console(width=190)
 LLAMA_PYTHON = Path.home() / ".cache" / "tokenpipe" / "peers" / "bin" / "python"

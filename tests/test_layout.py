@@ -8,6 +8,7 @@ the repository's ``bench`` scripts.
 from __future__ import annotations
 
 import ast
+import importlib
 import sys
 import tomllib
 from pathlib import Path
@@ -77,3 +78,10 @@ def test_the_module_map_in_docs_lists_every_module_and_no_other() -> None:
                for p in modules(package) if p.name != "__init__.py"}
     assert not present - listed, f"modules missing from docs/architecture.md's module map: {sorted(present - listed)}"
     assert not listed - present, f"the module map names modules that do not exist: {sorted(listed - present)}"
+
+
+@pytest.mark.parametrize("module", sorted(p.stem for p in (ROOT / "bench").glob("*.py") if p.stem != "__init__"))
+def test_bench_script_imports_after_modules_moved(module: str) -> None:
+    """Every bench script imports: mypy ignores missing imports, so a module moved by a refactor
+    (bench.peers still imported ``tokenpipe.natsserver`` and ``bench.loadgen``) went unseen."""
+    importlib.import_module(f"bench.{module}")
