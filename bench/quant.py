@@ -15,7 +15,8 @@ ratios within one run mean anything.
 ``--isa avx2`` re-runs itself with torch's kernels, oneDNN and MKL limited to AVX2
 (``ATEN_CPU_CAPABILITY=avx2``, ``ONEDNN_MAX_CPU_ISA=AVX2``, ``MKL_ENABLE_INSTRUCTIONS=AVX2``):
 the code paths an AVX2-only CPU takes, on this CPU's memory system.
-JSON goes to ``bench/out/quant.json`` (``quant-avx2.json`` with ``--isa avx2``).
+JSON goes to ``bench/out/quant.json`` (``quant-avx2.json`` with ``--isa avx2``, ``quant-cuda.json``
+with ``--device cuda``: torch's int8pack and tinygemm int4 kernels on the GPU).
 """
 
 from __future__ import annotations
@@ -76,19 +77,26 @@ def _rounds(fns: dict[str, Callable[[], float]], rounds: int) -> dict[str, list[
     return res
 
 
+def _sync(lm: LoadedModel) -> None:
+    if lm.device.type == "cuda":
+        torch.cuda.synchronize(lm.device)  # kernels are asynchronous: time what ran, not what was queued
+
+
 def _decode(lm: LoadedModel, batch: int, steps: int) -> Callable[[], float]:
     attend = -(-(CONTEXT + steps + 8) // 32) * 32
     cache = SlotKVCache(lm.model, batch, attend, lm.device, lm.dtype)
     cache.ensure(attend)
     gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(100, 40_000, (batch, CONTEXT), generator=gen)
-    tok = prefill(lm.model, cache, ids, torch.full((batch,), CONTEXT), 0).argmax(-1)
-    pos = torch.full((batch,), CONTEXT)
+    ids = torch.randint(100, 40_000, (batch, CONTEXT), generator=gen).to(lm.device)
+    tok = prefill(lm.model, cache, ids, torch.full((batch,), CONTEXT, device=lm.device), 0).argmax(-1)
+    pos = torch.full((batch,), CONTEXT, device=lm.device)
 
     def run() -> float:
+        _sync(lm)
         t0 = time.perf_counter()
         for i in range(steps):
             decode_step(lm.model, cache, tok, pos + i, attend)
+        _sync(lm)
         return batch * steps / (time.perf_counter() - t0)
 
     run()
@@ -97,11 +105,14 @@ def _decode(lm: LoadedModel, batch: int, steps: int) -> Callable[[], float]:
 
 def _prefill_ms(lm: LoadedModel, length: int) -> Callable[[], float]:
     cache = SlotKVCache(lm.model, 1, 256, lm.device, lm.dtype)
-    ids = torch.randint(100, 40_000, (1, length), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(100, 40_000, (1, length), generator=torch.Generator().manual_seed(1)).to(lm.device)
+    lengths = torch.tensor([length], device=lm.device)
 
     def run() -> float:
+        _sync(lm)
         t0 = time.perf_counter()
-        prefill(lm.model, cache, ids, torch.tensor([length]), 0)
+        prefill(lm.model, cache, ids, lengths, 0)
+        _sync(lm)
         return (time.perf_counter() - t0) * 1e3
 
     run()
@@ -133,12 +144,14 @@ def _loglik(lm: LoadedModel) -> float:
     (the path that reads the quantized weights; a prefill of many rows reads the float ones)."""
     ids = lm.tokenizer.encode(TEXT)
     cache = SlotKVCache(lm.model, 1, len(ids) + 1, lm.device, lm.dtype)
-    logits = prefill(lm.model, cache, torch.tensor([ids[:1]]), torch.tensor([1]), 0)
+    dev = lm.device
+    logits = prefill(lm.model, cache, torch.tensor([ids[:1]], device=dev), torch.tensor([1], device=dev), 0)
     total = 0.0
     for pos in range(1, len(ids)):
         total += float(logits[0].float().log_softmax(-1)[ids[pos]])
         attend = min(cache.max_len, -(-(pos + 1) // 32) * 32)
-        logits = decode_step(lm.model, cache, torch.tensor([ids[pos]]), torch.tensor([pos]), attend)
+        logits = decode_step(lm.model, cache, torch.tensor([ids[pos]], device=dev), torch.tensor([pos], device=dev),
+                             attend)
     return total / (len(ids) - 1)
 
 
@@ -195,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     ap.add_argument("--isa", choices=("native", "avx2"), default="native")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (the CUDA kernels: int8pack, tinygemm int4)")
     ap.add_argument("--data-dir", default=None)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -211,8 +225,12 @@ def main(argv: list[str] | None = None) -> int:
     lms: dict[str, LoadedModel] = {}
     for v in args.variants.split(","):
         dtype, quant = v.split("/")
-        lms[v] = load_model(args.model, device="cpu", dtype=dtype, quant=quant, data_dir=data_dir)
-    peaks = {str(dt): gemm_peak_gflops(dt) for dt in {lm.dtype for lm in lms.values()}}
+        lms[v] = load_model(args.model, device=args.device, dtype=dtype, quant=quant, data_dir=data_dir)
+        fallbacks = [m for m in lms[v].model.modules() if getattr(m, "fallback", False)]
+        if fallbacks:  # the numbers would be the float weights', not the quantized kernel's
+            console.print(f"[yellow]{v}: {len(fallbacks)} layers have no working {quant} kernel on "
+                          f"{args.device}; they run on float weights[/]")
+    peaks = {str(dt): gemm_peak_gflops(dt, args.device) for dt in {lm.dtype for lm in lms.values()}}
     sp = speed(lms, args.rounds)
     for k, lm in lms.items():  # achieved GFLOP/s against the GEMM peak of the model's dtype
         peak = peaks[str(lm.dtype)]
@@ -237,10 +255,15 @@ def main(argv: list[str] | None = None) -> int:
                  f"{torch.get_num_threads()} threads, {args.rounds} alternating rounds; GEMM peak "
                  + ", ".join(f"{k.removeprefix('torch.')} {v:.0f}" for k, v in peaks.items()) + " GFLOP/s")
     console.print(t)
-    result: dict[str, Any] = {"cpu": cpu, "isa": args.isa, "kernels": torch.backends.cpu.get_cpu_capability(),
+    gpu = torch.cuda.get_device_name(torch.device(args.device)) if args.device.startswith("cuda") else None
+    if gpu:
+        console.print(f"device: {gpu}")
+    result: dict[str, Any] = {"cpu": cpu, "device": args.device, "gpu": gpu, "isa": args.isa,
+                              "kernels": torch.backends.cpu.get_cpu_capability(),
                               "threads": torch.get_num_threads(), "torch": torch.__version__, "model": args.model,
                               "rounds": args.rounds, "gemm_peak_gflops": peaks, "speed": sp, "quality": q}
-    out = Path(args.out or f"bench/out/quant{'-avx2' if args.isa == 'avx2' else ''}.json")
+    suffix = "-cuda" if gpu else "-avx2" if args.isa == "avx2" else ""
+    out = Path(args.out or f"bench/out/quant{suffix}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     console.print(f"wrote {out}")

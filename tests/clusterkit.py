@@ -218,8 +218,10 @@ async def read_stream(http: httpx.AsyncClient, out: Outcome, headers: dict[str, 
                 return
 
 
-async def one_stream(http: httpx.AsyncClient, relay: int, prompt: int, max_tokens: int = MAX_TOKENS) -> Outcome:
-    out = Outcome(relay, prompt, time.monotonic())
+async def one_stream(http: httpx.AsyncClient, relay: int, prompt: int, max_tokens: int = MAX_TOKENS,
+                     out: Outcome | None = None) -> Outcome:
+    """POST a stream and read it to its end, into ``out`` (a new :class:`Outcome` if not given)."""
+    out = out if out is not None else Outcome(relay, prompt, time.monotonic())
     try:
         resp = await http.post("/v1/streams", json=body(prompt, max_tokens))
         out.post_s = time.monotonic() - out.started
@@ -254,14 +256,15 @@ class Load:
         while not self._stopping.is_set():
             self._n += 1
             relay = i % len(self.clients)
-            self.outcomes.append(await one_stream(self.clients[relay], relay, self._n % len(PROMPTS),
-                                                  self.max_tokens))
+            out = Outcome(relay, self._n % len(PROMPTS), time.monotonic())
+            self.outcomes.append(out)  # before it ends: a stream that hangs is reported by stop()
+            await one_stream(self.clients[relay], relay, out.prompt, self.max_tokens, out)
 
     async def submit(self, relay: int, prompt: int) -> Outcome:
         """One more stream beside the load (the caller decides when)."""
-        out = await one_stream(self.clients[relay], relay, prompt, self.max_tokens)
+        out = Outcome(relay, prompt, time.monotonic())
         self.outcomes.append(out)
-        return out
+        return await one_stream(self.clients[relay], relay, prompt, self.max_tokens, out)
 
     def done_streams(self) -> int:
         return sum(1 for o in self.outcomes if o.events and o.events[-1][1] in ("done", "error"))
@@ -274,10 +277,22 @@ class Load:
     async def stop(self, timeout: float = 120.0) -> list[Outcome]:
         """No new streams; the ones in flight run to their end."""
         self._stopping.set()
-        await asyncio.wait_for(asyncio.gather(*self._tasks), timeout)
-        for c in self.clients:
-            await c.aclose()
+        try:
+            await asyncio.wait_for(asyncio.gather(*self._tasks), timeout)
+        except TimeoutError:
+            raise AssertionError(f"streams still open after {timeout:g} s: " + "; ".join(self.open_streams())) from None
+        finally:
+            for c in self.clients:
+                await c.aclose()
         return self.outcomes
+
+    def open_streams(self) -> list[str]:
+        """The streams not ended, each with where it stopped (for a failure message)."""
+        now = time.monotonic()
+        return [f"{o.id or '(POST)'} via relay {o.relay}: {len(o.events)} events, last "
+                f"{o.events[-1][1:3] if o.events else None}, "
+                f"{now - (o.events[-1][0] if o.events else o.started):.1f} s ago"
+                for o in self.outcomes if not (o.events and o.events[-1][1] in ("done", "error")) and o.error is None]
 
 
 def greedy_reference(lm: LoadedModel, max_tokens: int = MAX_TOKENS, prompts: int = len(PROMPTS)) -> list[list[int]]:
@@ -362,11 +377,11 @@ def verify(scenario: str, outcomes: list[Outcome], reference: list[list[int]],
         if times and times[0] - o.started - o.post_s > rep.max_first_token_s:
             rep.max_first_token_s = times[0] - o.started - o.post_s
             rep.worst_first = f"{o.id} via relay {o.relay}"
-            for (a, e, i, _), (b, *_) in zip(o.events, o.events[1:], strict=False):
-                if b - a > rep.max_stall_s:
-                    rep.max_stall_s = b - a
-                    at = time.strftime("%H:%M:%S", time.localtime(time.time() - (time.monotonic() - a)))
-                    rep.worst = f"{o.id} via relay {o.relay} after batch {i} ({e}) at {at}"
+        for (a, e, i, _), (b, *_) in zip(o.events, o.events[1:], strict=False):
+            if b - a > rep.max_stall_s:
+                rep.max_stall_s = b - a
+                at = time.strftime("%H:%M:%S", time.localtime(time.time() - (time.monotonic() - a)))
+                rep.worst = f"{o.id} via relay {o.relay} after batch {i} ({e}) at {at}"
         if stored is not None and o.id is not None:
             # The final batch counts too; batch seqs are 0..final_seq.
             have = stored.get(token_subject(RELAY_OWNER, o.id), 0)
