@@ -10,13 +10,16 @@ concurrency. Reports output tok/s, TTFT p50/p99 and ITL p50/p99, each also as a 
 tokenpipe in the same run, and writes ``bench/out/peers.json``.
 
 - **tokenpipe**: the ``tokenpipe up`` console script (``TOKENPIPE_*`` settings pass through,
-  e.g. ``TOKENPIPE_QUANT``), SmolLM2-135M-Instruct.
+  e.g. ``TOKENPIPE_QUANT``), SmolLM2-135M-Instruct; **tokenpipe-int4** the same with
+  ``TOKENPIPE_QUANT=int4`` (not in the default list: ``--servers tokenpipe,tokenpipe-int4,...``).
 - **transformers**: ``transformers serve --continuous-batching`` on the same weights, de-quantized
   from the GGUF by ``tokenpipe prepare`` (offline: ``HF_HUB_OFFLINE=1``), in their stored dtype
   (fp32) unless ``--hf-dtype``.
 - **llamacpp**: llama-cpp-python's server on the GGUF file itself (Q4_1), from a Python that has
-  it, by default ``~/.cache/tokenpipe/peers/bin/python``. It builds llama.cpp from source
-  (~12 min on 2 cores), so it is kept outside the repo and its virtualenv::
+  it, by default ``~/.cache/tokenpipe/peers/bin/python``; it takes no ``ignore_eos``, so requests
+  carry ``min_tokens`` = ``--max-tokens`` (and its repeat penalty and min_p switched off). It
+  builds llama.cpp from source (~12 min on 2 cores), so it is kept outside the repo and its
+  virtualenv::
 
       python3 -m venv ~/.cache/tokenpipe/peers
       ~/.cache/tokenpipe/peers/bin/pip install 'llama-cpp-python[server]'
@@ -38,7 +41,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +74,7 @@ class Peer:
     ready_path: str
     model: str
     ignore_eos: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)  # request fields this server needs (see make_peers)
 
     @property
     def url(self) -> str:
@@ -88,13 +92,16 @@ def make_peers(args: argparse.Namespace, data_dir: str, model_dir: Path, gguf: P
     threads = str(args.threads or os.cpu_count() or 1)
     for name in args.servers.split(","):
         port = free_port()
-        if name == "tokenpipe":
+        if name in ("tokenpipe", "tokenpipe-int4"):
             exe = _which("tokenpipe")
             if exe is None:
                 out.append("tokenpipe: the `tokenpipe` console script is not installed (make install)")
                 continue
+            # tokenpipe-int4: the same stack with int4 weights (the GGUF's own 4-bit values), whatever
+            # `auto` picks on this CPU.
+            env = {"TOKENPIPE_QUANT": "int4"} if name == "tokenpipe-int4" else {}
             out.append(Peer(name, [exe, "up", "--port", str(port), "--nats-port", str(free_port()),
-                                   "--data-dir", data_dir], {}, port, "/readyz", "smollm2-135m"))
+                                   "--data-dir", data_dir], env, port, "/readyz", "smollm2-135m"))
         elif name == "transformers":
             exe = _which("transformers")
             if exe is None:
@@ -119,9 +126,13 @@ def make_peers(args: argparse.Namespace, data_dir: str, model_dir: Path, gguf: P
             cmd = [str(py), "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port),
                    "--n_ctx", "8192", "--n_threads", threads, "--n_threads_batch", threads,
                    "--interrupt_requests", "False", "--model_alias", "smollm2-135m"]
-            out.append(Peer(name, cmd, {}, port, "/v1/models", "smollm2-135m"))
+            # No ignore_eos there: min_tokens holds EOS back instead, so every server writes the same
+            # number of tokens; its own sampler extras (repeat penalty 1.1, min_p 0.05) are switched
+            # off so the sampling matches the other servers'.
+            out.append(Peer(name, cmd, {}, port, "/v1/models", "smollm2-135m", ignore_eos=False,
+                            extra={"min_tokens": args.max_tokens, "repeat_penalty": 1.0, "min_p": 0.0}))
         else:
-            out.append(f"{name}: unknown server (use tokenpipe, transformers, llamacpp)")
+            out.append(f"{name}: unknown server (use tokenpipe, tokenpipe-int4, transformers, llamacpp)")
     return out
 
 
@@ -208,7 +219,7 @@ async def drive(peer: Peer, prompts: list[str], concurrency: int, requests: int,
                 text = queue.pop()
                 body: dict[str, Any] = {"model": peer.model, "messages": [{"role": "user", "content": text}],
                                         "max_tokens": max_tokens, "stream": True,
-                                        "stream_options": {"include_usage": True}, **sampling}
+                                        "stream_options": {"include_usage": True}, **sampling, **peer.extra}
                 if peer.ignore_eos:
                     body["ignore_eos"] = True
                 rec = Record(ok=False, start=time.perf_counter())
@@ -287,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
                     for c in levels:
                         s = asyncio.run(drive(peer, prompts, c, max(c, args.min_requests), args.max_tokens,
                                               SAMPLING[mode]))
-                        s["ignore_eos"] = peer.ignore_eos
+                        s["ignore_eos"] = peer.ignore_eos or "min_tokens" in peer.extra  # EOS held back either way
                         results.setdefault(peer.name, {}).setdefault(mode, {})[str(c)] = s
                         _save(args, cpu, results, skipped)  # a long run stopped midway keeps what it measured
                         console.print(f"  {mode} c={c}: {s['output_tok_s']:.1f} tok/s, TTFT p50 "

@@ -69,7 +69,10 @@ def measure(args: argparse.Namespace, console: Console) -> tuple[dict[str, Any],
         torch.set_num_threads(resolve_threads(Settings.load().threads))
         lm = load_model(args.model, device=args.device, dtype=args.dtype, quant=args.quant, data_dir=args.data_dir)
         eng = measure_engine(lm, args, progress)
-        extra_env = {"TOKENPIPE_QUANT": args.quant, **dict(kv.split("=", 1) for kv in args.gen_env)}
+        # The generator takes every stream at once, as the in-process engine does: with the default
+        # max batch (32) a 64-stream run queued half its requests behind the other half.
+        extra_env = {"TOKENPIPE_QUANT": args.quant, "TOKENPIPE_MAX_BATCH": str(max(args.streams, 1)),
+                     **dict(kv.split("=", 1) for kv in args.gen_env)}
         with Pipeline(args.model, args.data_dir, extra_env, args.device, args.dtype) as pipe:
             runs = asyncio.run(drive(pipe.url, args, progress))
         engine_again(lm, eng, args)

@@ -12,23 +12,31 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Callable
-from typing import Any
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 from nats.aio.msg import Msg
 from nats.js import api as js_api
 from nats.js.errors import NotFoundError
 
 from tokenpipe.bus import Bus
+from tokenpipe.cluster import through_elections
 from tokenpipe.errors import GenerationError, TokenpipeError
 from tokenpipe.settings import Settings
 from tokenpipe.streams import history
 from tokenpipe.subjects import REQUESTS_STREAM, consumer_name, model_request_filter, owner_of_request, token_subject
 from tokenpipe.wire import Request, TokenBatch, peek_request_id
 
-__all__ = ["RequestIntake"]
+__all__ = ["PATIENCE_S", "RequestIntake", "keep", "patiently"]
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# How long a generator waits out JetStream being unavailable (a stream between leaders takes
+# 4-9 s after a node dies) for a read a delivery needs, before giving the delivery back.
+PATIENCE_S = 30.0
 
 
 class RequestIntake:
@@ -129,29 +137,78 @@ class RequestIntake:
         await msg.term()
 
     async def _on_max_deliveries(self, msg: Msg) -> None:
-        """Every attempt failed (workers died): end the client's stream with a clear error."""
+        """Every attempt failed (workers died): end the client's stream with a clear error.
+
+        Each JetStream call is retried through leader elections: this advisory comes once, so a
+        read that fails during one (a node died: the same event that used up the attempts) would
+        leave the client's stream open for ever, with nobody left to end it."""
         try:
             advisory = json.loads(msg.data)
-            raw = await self.bus.js.get_msg(REQUESTS_STREAM, int(advisory["stream_seq"]))
-            request = Request.decode(raw.data or b"")
-            owner = owner_of_request(raw.subject or "")
-            past = await history(self.bus, request.id, owner=owner)
-        except (ValueError, KeyError, TokenpipeError) as exc:
+            seq, attempts = int(advisory["stream_seq"]), int(advisory.get("deliveries", self.settings.max_deliver))
+        except (ValueError, KeyError, TypeError) as exc:
             log.warning("unusable max-deliveries advisory", extra={"error": str(exc)})
             return
-        except Exception as exc:  # the message may already be gone; nothing left to report
-            log.warning("max-deliveries advisory: request unavailable", extra={"error": repr(exc)})
+        try:
+            raw = await through_elections(lambda: self.bus.js.get_msg(REQUESTS_STREAM, seq), window_s=PATIENCE_S)
+        except NotFoundError:
+            return  # already gone (another generator's copy of this advisory handled it)
+        except Exception as exc:
+            log.error("max-deliveries advisory: cannot read the request", extra={"seq": seq, "error": repr(exc)})
             return
-        if not past or not past[-1].is_final:
-            attempts = int(advisory.get("deliveries", self.settings.max_deliver))
-            produced = sum(len(b.token_ids) for b in past)
-            batch = TokenBatch.error_for(
-                request.id, f"generation failed: the request was attempted {attempts} times and every worker stopped",
-                GenerationError.code, seq=len(past), index=produced)
-            await self.bus.nc.publish(token_subject(owner, request.id), batch.encode(),
-                                      headers={"Nats-Msg-Id": f"{owner}:{batch.id}:{batch.seq}"})
-            log.error("request exhausted its deliveries", extra={"request_id": request.id, "attempts": attempts})
-        await self.bus.js.delete_msg(REQUESTS_STREAM, int(advisory["stream_seq"]))
+        try:
+            request = Request.decode(raw.data or b"")
+            owner = owner_of_request(raw.subject or "")
+            past = await patiently(lambda: history(self.bus, request.id, owner=owner), what="reading history",
+                                   request_id=request.id)
+        except TokenpipeError as exc:
+            log.error("cannot end a request that exhausted its deliveries", extra={"seq": seq, "error": exc.message})
+            return
+        try:
+            if not past or not past[-1].is_final:
+                produced = sum(len(b.token_ids) for b in past)
+                batch = TokenBatch.error_for(
+                    request.id,
+                    f"generation failed: the request was attempted {attempts} times and every worker stopped",
+                    GenerationError.code, seq=len(past), index=produced)
+                headers = {"Nats-Msg-Id": f"{owner}:{batch.id}:{batch.seq}"}
+                await through_elections(lambda: self.bus.js.publish(token_subject(owner, request.id),
+                                                                     batch.encode(), headers=headers),
+                                        window_s=PATIENCE_S)
+                log.error("request exhausted its deliveries", extra={"request_id": request.id, "attempts": attempts})
+            await through_elections(lambda: self.bus.js.delete_msg(REQUESTS_STREAM, seq), window_s=PATIENCE_S)
+        except Exception as exc:  # JetStream stayed unavailable for PATIENCE_S
+            log.error("cannot end a request that exhausted its deliveries",
+                      extra={"request_id": request.id, "error": repr(exc)})
+
+
+async def patiently(op: Callable[[], Awaitable[T]], *, what: str, request_id: str | None,
+                    msg: Msg | None = None, patience_s: float = PATIENCE_S) -> T:
+    """``op()``, tried again while it fails with a :class:`TokenpipeError` (JetStream unavailable:
+    a stream between leaders), for up to ``patience_s``; then its error is raised. ``msg``, the
+    delivery this read is for, is kept meanwhile (progress acks): handing it back would spend one
+    of the request's few delivery attempts on an outage that is not the request's fault."""
+    deadline = time.monotonic() + patience_s
+    delay = 0.25
+    while True:
+        try:
+            return await op()
+        except TokenpipeError as exc:
+            if time.monotonic() + delay >= deadline:
+                raise
+            log.warning("%s failed; retrying", what, extra={"request_id": request_id, "error": exc.message})
+        if msg is not None:
+            await keep(msg)
+        await asyncio.sleep(delay)  # waiting out a leader election: there is no event to wait on
+        delay = min(delay * 2, 2.0)
+
+
+async def keep(msg: Msg) -> None:
+    """A progress ack for ``msg``. Best effort: while disconnected it cannot go out, and the
+    delivery then lives on its ``ack_wait``."""
+    try:
+        await msg.in_progress()
+    except Exception as exc:  # nats-py raises its connection errors here
+        log.debug("progress ack failed", extra={"error": repr(exc)})
 
 
 

@@ -34,7 +34,7 @@ from tokenpipe.telemetry import extract_context, get_tracer
 from tokenpipe.wire import Request, TokenBatch, Usage, peek_request_id
 
 from .announce import Announcer, step_observer
-from .intake import RequestIntake
+from .intake import RequestIntake, patiently
 from .models import LoadedModel
 from .output import OutputContext, RequestOutput
 from .publisher import BatchPublisher
@@ -182,7 +182,9 @@ class GeneratorWorker:
             owner = owner_of_request(msg.subject)
         except TokenpipeError:
             return False  # _accept rejects it
-        return await last_stored(self.bus, rid, owner=owner) is not None
+        last = await patiently(lambda: last_stored(self.bus, rid, owner=owner), what="checking a stream id",
+                               request_id=rid, msg=msg)
+        return last is not None
 
     async def _accept(self, msg: Msg, *, more_coming: bool = False, taken: bool | BaseException = False) -> None:
         received = time.time_ns()
@@ -225,7 +227,8 @@ class GeneratorWorker:
         if msg.metadata.num_delivered > 1:
             # Redelivered: a worker died or handed it back. Continue after what it published.
             try:
-                past = await history(self.bus, request.id, owner=owner)
+                past = await patiently(lambda: history(self.bus, request.id, owner=owner), what="reading history",
+                                       request_id=request.id, msg=msg)
             except TokenpipeError as exc:
                 log.warning("cannot read history; retrying later", extra={"request_id": request.id,
                                                                           "error": exc.message})

@@ -13,7 +13,10 @@ registered may be stored just after the first look), as soon as a batch arrives 
 (a hole), within ``loss_spread_s`` of a reconnect or a slow-consumer drop (spread out, one
 second per 2,000 readers beyond that, so 10,000 readers do not ask JetStream at once), once
 more before a missing batch is declared a gap, and when nothing arrived for ``resync_s``
-(jittered). A look that fails (JetStream still recovering) is retried a second later while
+(jittered). A look reads everything when messages may have been lost or nothing arrived for
+``resync_s``: the stream leader counts what is stored, so a replica that is behind cannot hide
+it; otherwise one direct get of the last batch decides. A look that fails (JetStream still
+recovering, or a read that came from a replica that is behind) is retried a second later while
 live batches keep flowing.
 
 Order, duplicates and gaps are :class:`~tokenpipe.reorder.Reorder`'s: readers see batches in
@@ -224,7 +227,11 @@ class LiveStream:
         try:
             while True:
                 if sync:
-                    sync, thorough, self._thorough = False, self._thorough or buf.holding, False
+                    # After a quiet resync interval the look goes through the stream leader's count
+                    # (stored()): a direct get is answered by any replica, and one that is behind
+                    # (a node thawed after a freeze) kept saying "nothing new" while the stream stalled.
+                    quiet = time.monotonic() - delivered >= fanout.resync_s
+                    sync, thorough, self._thorough = False, self._thorough or buf.holding or quiet, False
                     try:
                         await self._catch_up(buf, thorough=thorough)
                     except TransportError as exc:

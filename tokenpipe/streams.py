@@ -28,13 +28,14 @@ from .subjects import RELAY_OWNER, TOKENS_STREAM, cancel_subject, check_stream_i
 from .wire import Request, StreamMeta, TokenBatch
 
 __all__ = ["PING", "Gap", "Ping", "StreamItem", "cancel", "emitted_before", "follow", "get_meta", "history",
-           "last_batch", "last_stored", "paced", "stored", "stream_not_found", "submit"]
+           "last_batch", "last_stored", "paced", "stored", "stored_count", "stream_not_found", "submit"]
 
 log = logging.getLogger(__name__)
 
 # One JetStream API round trip: milliseconds when answered, but thousands of readers catching up
 # at once after a reconnect queue up behind each other.
 _CONSUMER_CREATE_TIMEOUT_S = 5.0
+_COUNT_TIMEOUT_S = 2.0
 
 
 class Ping:
@@ -128,15 +129,37 @@ async def last_batch(bus: Bus, stream_id: str, *, owner: str | None = None) -> T
     return entry[0] if entry is not None else None
 
 
+async def stored_count(bus: Bus, stream_id: str, *, owner: str | None = None) -> int:
+    """How many messages TP_TOKENS holds for ``stream_id``, as its leader counts them.
+
+    Not a direct get: every replica answers those, and on a cluster a replica that is behind
+    (a node thawed after a freeze, catching up) answers from what it has — for minutes, seen
+    here — so "nothing more is stored" from a direct get is not to be trusted."""
+    subject = token_subject(owner or bus.owner, stream_id)
+    try:
+        # Bounded well below the 10 s API timeout: while the stream is between leaders nobody
+        # answers, and a caller that retries should do so soon after the new leader is in.
+        info = await asyncio.wait_for(bus.js.stream_info(TOKENS_STREAM, subjects_filter=subject),
+                                      timeout=_COUNT_TIMEOUT_S)
+    except Exception as exc:
+        raise TransportError(f"could not read stream history: {exc}") from exc
+    return int((info.state.subjects or {}).get(subject, 0))
+
+
 async def stored(bus: Bus, stream_id: str, *,
                  owner: str | None = None) -> dict[int, tuple[TokenBatch, dict[str, str]]]:
-    """Every batch JetStream still holds for ``stream_id``, by ``seq``, with the headers it carried.
+    """Every batch JetStream holds for ``stream_id``, by ``seq``, with the headers it carried.
 
     Reads every stored message (until the consumer reports nothing pending): after a NATS
     outage a republished batch can be stored after later ones, and a duplicate past the dedup
-    window can be stored twice, so "the last stored message" is not "the last batch".
+    window can be stored twice, so "the last stored message" is not "the last batch". The
+    count comes from the stream's leader (:func:`stored_count`); the consumer that reads lives
+    on any replica, so a read that ends short of the count came from a replica that is behind
+    and raises :class:`TransportError` (callers try again: the next consumer lands elsewhere,
+    or the replica has caught up).
     """
-    if await last_batch(bus, stream_id, owner=owner) is None:
+    count = await stored_count(bus, stream_id, owner=owner)
+    if count == 0:
         return {}
     try:
         # Bounded: while TP_TOKENS is between leaders nobody answers the consumer create, and a
@@ -149,9 +172,11 @@ async def stored(bus: Bus, stream_id: str, *,
     except Exception as exc:
         raise TransportError(f"could not read stream history: {exc}") from exc
     by_seq: dict[int, tuple[TokenBatch, dict[str, str]]] = {}
+    read = 0
     try:
         while True:
             msg = await sub.next_msg(timeout=5.0)
+            read += 1
             batch = TokenBatch.decode(msg.data)
             by_seq.setdefault(batch.seq, (batch, dict(msg.headers or {})))
             if msg.metadata.num_pending == 0:
@@ -160,6 +185,9 @@ async def stored(bus: Bus, stream_id: str, *,
         raise TransportError(f"stream {stream_id} history stalled") from exc
     finally:
         await _unsubscribe(sub, stream_id)
+    if read < count:
+        raise TransportError(f"stream {stream_id} history read from a replica that is behind "
+                             f"({read} of {count} messages)")
     return by_seq
 
 
