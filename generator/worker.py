@@ -45,6 +45,7 @@ __all__ = ["GeneratorWorker"]
 log = logging.getLogger(__name__)
 
 _RECENT_CANCELS = 10_000
+_CHECK_WAIT_S = 5.0  # at most this long a stopping worker waits for the stream-id checks in flight
 
 
 class GeneratorWorker:
@@ -115,6 +116,10 @@ class GeneratorWorker:
                 await asyncio.wait_for(self._slot_freed.wait(), timeout=deadline - time.monotonic())
             except TimeoutError:
                 break
+        if self._checks:
+            # A request is not handed back before its id check answered: a redelivery is not checked
+            # again (it continues the stream's history), so an unchecked one could append to a taken id.
+            await asyncio.wait(list(self._checks), timeout=_CHECK_WAIT_S)
         handed_back = list(self.active.values())
         for out in handed_back:
             self.runner.cancel(out.request.id)
