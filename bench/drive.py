@@ -21,7 +21,7 @@ from tokenpipe_cli.loadgen import Record, native_stream
 from .rawhttp import raw_stream
 from .workload import chat
 
-__all__ = ["Round", "Runs", "drive", "one_stream"]
+__all__ = ["Round", "Runs", "drive", "drive_ttft", "one_stream"]
 
 Round = tuple[list[Record], float]  # one round's records and its wall time (s)
 
@@ -73,6 +73,15 @@ async def drive(url: str, args: argparse.Namespace, progress: Progress) -> Runs:
                 many = await asyncio.gather(*(tracked(i, httpx_client) for i in range(args.streams)))
                 out.append((many, time.perf_counter() - t0))
     return Runs(singles, singles_httpx, rounds, rounds_httpx)
+
+
+async def drive_ttft(url: str, args: argparse.Namespace, progress: Progress) -> tuple[list[Record], list[Record]]:
+    """The TTFT phase alone (``--only ttft``): the same warm-up, then the same probe."""
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        relay = RelayClient(http=client)
+        base = {"max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True}
+        await one_stream(relay, {"messages": chat(999), **base, "max_tokens": 8})
+        return await _ttft_probe(url, relay, base, args.ttft_requests, progress)
 
 
 async def _ttft_probe(url: str, relay: RelayClient, base: dict[str, Any], requests: int,

@@ -1,13 +1,15 @@
 """`make bench`: the whole pipeline against the raw batched forward ceiling, in one run.
 
     python -m bench.pipeline [--streams 32] [--max-tokens 128] [--out bench/out/pipeline.json]
+    python -m bench.pipeline --only ttft --model tiny-random [--ttft-requests 200]
 
 Runs, in order: in-process reference points (raw forward step at the stream count, fp32 and
 bf16; our engine; HF generate one at a time; the naive no-KV-cache loop), then starts a real
 nats-server, a generator process and a relay process and drives them over HTTP/SSE:
 TTFT at one stream (pipeline-added = client TTFT minus the engine's own prefill time, per
 request, from the batch timestamps) and aggregate tokens/s at ``--streams`` concurrent
-streams. Every comparison is a ratio within this run.
+streams. Every comparison is a ratio within this run. ``--only ttft`` runs just the TTFT phase
+(no in-process engine, no concurrent streams) and prints where the first batch's time went.
 
 The phases live in :mod:`bench.reference` (in-process), :mod:`bench.stack` (the processes),
 :mod:`bench.drive` (over HTTP), :mod:`bench.pipeline_results` (the figures) and
@@ -34,9 +36,9 @@ from rich.progress import Progress
 from generator.models import load_model, resolve_threads
 from tokenpipe.settings import Settings
 
-from .drive import Runs, drive
-from .pipeline_report import render
-from .pipeline_results import goals, pipeline_figures, ratios, stage_breakdown
+from .drive import Runs, drive, drive_ttft
+from .pipeline_report import render, render_ttft
+from .pipeline_results import goals, pipeline_figures, ratios, stage_breakdown, ttft_figures
 from .reference import engine_again, measure_engine
 from .stack import Pipeline
 
@@ -57,6 +59,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--baseline-tokens", type=int, default=32)
     parser.add_argument("--data-dir", default=Settings.load().data_dir)
     parser.add_argument("--out", default="bench/out/pipeline.json")
+    parser.add_argument("--only", choices=["ttft"], default=None,
+                        help="just one phase: 'ttft' = the pipeline's TTFT at one stream and its stages")
     parser.add_argument("--gen-env", action="append", default=[], metavar="KEY=VALUE",
                         help="extra environment for the generator and relay processes (repeatable)")
     return parser.parse_args(argv)
@@ -81,6 +85,17 @@ def measure(args: argparse.Namespace, console: Console) -> tuple[dict[str, Any],
     return eng, runs
 
 
+def measure_ttft(args: argparse.Namespace, console: Console) -> dict[str, Any]:
+    """``--only ttft``: the pipeline's TTFT at one stream and its stages; no in-process engine."""
+    with Progress(console=console, transient=False) as progress:
+        extra_env = {"TOKENPIPE_QUANT": args.quant, **dict(kv.split("=", 1) for kv in args.gen_env)}
+        with Pipeline(args.model, args.data_dir, extra_env, args.device, args.dtype) as pipe:
+            singles, singles_httpx = asyncio.run(drive_ttft(pipe.url, args, progress))
+    return {"pipeline": ttft_figures(singles, singles_httpx),
+            "stages_1_stream_p50_ms": stage_breakdown(singles),
+            "stages_1_stream_p99_ms": stage_breakdown(singles, 99)}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     console = Console()
@@ -90,6 +105,11 @@ def main(argv: list[str] | None = None) -> int:
                     "torch_threads": torch.get_num_threads(), "cuda": torch.cuda.is_available()},
         "config": {k: v for k, v in vars(args).items() if k != "out"},
     }
+    if args.only == "ttft":
+        results.update(measure_ttft(args, console))
+        render_ttft(results, console)
+        _write(results, args.out, console)
+        return 0
     eng, runs = measure(args, console)
     pipe = pipeline_figures(runs, eng, args.streams, args.max_tokens)
     results["engine"] = eng
@@ -99,11 +119,15 @@ def main(argv: list[str] | None = None) -> int:
     results["ratios"] = ratios(pipe, eng)
     results["goals"] = goals(pipe, results["ratios"], eng)
     render(results, console)
-    out = Path(args.out)
+    _write(results, args.out, console)
+    return 0 if pipe["all_finished"] else 1
+
+
+def _write(results: dict[str, Any], path: str, console: Console) -> None:
+    out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
     console.print(f"wrote {out}")
-    return 0 if pipe["all_finished"] else 1
 
 
 if __name__ == "__main__":

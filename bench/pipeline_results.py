@@ -14,7 +14,7 @@ from tokenpipe_cli.stats import percentile
 
 from .drive import Round, Runs
 
-__all__ = ["goals", "pipeline_figures", "ratios", "stage_breakdown"]
+__all__ = ["goals", "pipeline_figures", "ratios", "stage_breakdown", "ttft_figures"]
 
 # Where the first batch's time goes: (from, to) timestamps, the batch's own stamps plus the
 # client's wall clock at the POST ("start") and at the first event ("arrival"), same host clock.
@@ -41,11 +41,10 @@ def _tok_s(rounds: list[Round]) -> list[float]:
     return [sum(r.tokens for r in batch) / wall for batch, wall in rounds]
 
 
-def pipeline_figures(runs: Runs, eng: dict[str, Any], streams: int, max_tokens: int) -> dict[str, Any]:
-    client_ttft = [s.ttft * 1e3 for s in runs.singles]
-    added, added_httpx = _added_ms(runs.singles), _added_ms(runs.singles_httpx)
-    many = [r for batch, _ in runs.rounds for r in batch]
-    round_tok_s, round_tok_s_httpx = _tok_s(runs.rounds), _tok_s(runs.rounds_httpx)
+def ttft_figures(singles: list[Record], singles_httpx: list[Record]) -> dict[str, float]:
+    """TTFT at one stream: client-measured, and pipeline-added (minus each request's own prefill)."""
+    client_ttft = [s.ttft * 1e3 for s in singles]
+    added, added_httpx = _added_ms(singles), _added_ms(singles_httpx)
     return {
         "ttft_1_stream_p50_ms": _pct(client_ttft, 50),
         "ttft_1_stream_p99_ms": _pct(client_ttft, 99),
@@ -53,6 +52,15 @@ def pipeline_figures(runs: Runs, eng: dict[str, Any], streams: int, max_tokens: 
         "added_ttft_p99_ms": _pct(added, 99),
         "added_ttft_httpx_p50_ms": _pct(added_httpx, 50),
         "added_ttft_httpx_p99_ms": _pct(added_httpx, 99),
+    }
+
+
+def pipeline_figures(runs: Runs, eng: dict[str, Any], streams: int, max_tokens: int) -> dict[str, Any]:
+    client_ttft = [s.ttft * 1e3 for s in runs.singles]
+    many = [r for batch, _ in runs.rounds for r in batch]
+    round_tok_s, round_tok_s_httpx = _tok_s(runs.rounds), _tok_s(runs.rounds_httpx)
+    return {
+        **ttft_figures(runs.singles, runs.singles_httpx),
         "added_ttft_vs_engine_p50_ms": _pct(client_ttft, 50) - eng["engine_ttft_p50_ms"],
         "added_ttft_vs_engine_p99_ms": _pct(client_ttft, 99) - eng["engine_ttft_p99_ms"],
         "streams": streams,
@@ -69,8 +77,9 @@ def pipeline_figures(runs: Runs, eng: dict[str, Any], streams: int, max_tokens: 
     }
 
 
-def stage_breakdown(recs: list[Record]) -> dict[str, float]:
-    """p50 ms of each stage of :data:`STAGES` over ``recs`` (NaN where no request has both stamps)."""
+def stage_breakdown(recs: list[Record], q: float = 50) -> dict[str, float]:
+    """The ``q``-th percentile (ms) of each stage of :data:`STAGES` over ``recs`` (NaN where no
+    request has both stamps)."""
     out = {}
     for name, (a, b) in STAGES.items():
         vals = []
@@ -78,7 +87,7 @@ def stage_breakdown(recs: list[Record]) -> dict[str, float]:
             stamps = {**r.first_timings, "start": r.start_ns, "arrival": r.first_arrival_ns}
             if stamps.get(a) and stamps.get(b):
                 vals.append((stamps[b] - stamps[a]) / 1e6)
-        out[name] = _pct(vals, 50) if vals else float("nan")
+        out[name] = _pct(vals, q) if vals else float("nan")
     return out
 
 

@@ -6,6 +6,11 @@ batch immediately), publishes each batch to ``tp.tok.<id>`` through the worker's
 :class:`~generator.publisher.BatchPublisher` with the generation's trace context, and finishes
 the request exactly once: metrics and spans, then the ack, which the publisher sends only after
 the final batch is stored. No NATS here: the publisher is the transport.
+
+A first delivery is not yet cleared to publish: the worker checks that its stream id is free
+while the engine already works on it (the check is a NATS round trip, the engine's admission
+and prefill take longer), and its batches wait here until :meth:`RequestOutput.clear` — or are
+never published, after :meth:`RequestOutput.refuse`.
 """
 
 from __future__ import annotations
@@ -50,10 +55,12 @@ class RequestOutput:
     """The output path of one running request (see the module docstring)."""
 
     def __init__(self, ctx: OutputContext, request: Request, msg: Msg | None, span: Any, *,
-                 past: Sequence[TokenBatch] = (), received: int, owner: str = RELAY_OWNER) -> None:
+                 past: Sequence[TokenBatch] = (), received: int, owner: str = RELAY_OWNER,
+                 cleared: bool = True) -> None:
         """``past`` holds the batches already published for a redelivered request: numbering
         continues after them. ``received`` is when this worker pulled the request (ns).
-        ``owner`` published the request (from its subject): the batches go to its token subjects."""
+        ``owner`` published the request (from its subject): the batches go to its token subjects.
+        Unless ``cleared``, batches are held until :meth:`clear` (or dropped by :meth:`refuse`)."""
         self.ctx = ctx
         self.request = request
         self.owner = owner
@@ -74,6 +81,8 @@ class RequestOutput:
         self.headers = inject_headers(span=span)  # every batch carries the generation's trace context
         self.timer: asyncio.TimerHandle | None = None
         self.closed = False
+        self.refused = False  # the stream id was taken: nothing of this request is ever published
+        self._held: list[TokenBatch] | None = None if cleared else []
 
     def emit(self, em: Emission) -> None:
         """Take what one engine step produced for this request."""
@@ -89,6 +98,26 @@ class RequestOutput:
         if batch is not None:
             self._send(batch)
         self._arm_timer()
+
+    def clear(self) -> None:
+        """The stream id is free: publish what was held, in order, and every batch from now on at once."""
+        held, self._held = self._held, None
+        if self.closed or held is None:
+            return
+        for batch in held:
+            self._send(batch)
+
+    def refuse(self) -> None:
+        """Publish nothing of this request, ever, nor ack it (its message is the worker's to
+        terminate or hand back). The worker also cancels it in the engine; the request is done
+        here once the engine's final emission for it arrived (it may already have)."""
+        held, self._held = self._held or [], None
+        if self.closed:
+            return
+        self.refused = True
+        self.msg = None
+        if held and held[-1].is_final:
+            self._finish(held[-1])
 
     def abandon(self) -> None:
         """Stop without a final batch (the request goes back to the queue): tokens coalesced but
@@ -119,6 +148,13 @@ class RequestOutput:
         self._arm_timer()
 
     def _send(self, batch: TokenBatch) -> None:
+        if self._held is not None:  # not cleared to publish yet
+            self._held.append(batch)
+            return
+        if self.refused:
+            if batch.is_final:
+                self._finish(batch)
+            return
         # Msg-Id per (stream, seq): should two workers ever publish the same batch, JetStream keeps one.
         headers = {**self.headers, "Nats-Msg-Id": f"{self.owner}:{batch.id}:{batch.seq}"}
         self.timeline.on_batch(self.ctx.metrics, batch, batch.timings.get("emitted", time.time_ns()))
@@ -129,7 +165,10 @@ class RequestOutput:
     def _finish(self, batch: TokenBatch) -> None:
         self.closed = True
         self._cancel_timer()
-        self.timeline.finish(self.ctx.metrics, self.ctx.tracer, self.span, batch)
+        if self.refused:
+            self.span.end()
+        else:
+            self.timeline.finish(self.ctx.metrics, self.ctx.tracer, self.span, batch)
         if self.msg is not None:
             self.ctx.publisher.ack_after_published(self.msg)
         self.ctx.finished(self, batch)

@@ -31,7 +31,7 @@ from tokenpipe.settings import Settings
 from tokenpipe.streams import history, last_stored
 from tokenpipe.subjects import CANCEL_WILDCARD, REQUESTS_STREAM, owner_of_request, parse_cancel_subject
 from tokenpipe.telemetry import extract_context, get_tracer
-from tokenpipe.wire import Request, TokenBatch, Usage, peek_request_id
+from tokenpipe.wire import Request, TokenBatch, Usage
 
 from .announce import Announcer, step_observer
 from .intake import RequestIntake, patiently
@@ -45,6 +45,7 @@ __all__ = ["GeneratorWorker"]
 log = logging.getLogger(__name__)
 
 _RECENT_CANCELS = 10_000
+_CHECK_WAIT_S = 5.0  # at most this long a stopping worker waits for the stream-id checks in flight
 
 
 class GeneratorWorker:
@@ -77,6 +78,7 @@ class GeneratorWorker:
                                    metrics=self.metrics)
         self._output = OutputContext(settings, self.publisher, self.metrics, self.tracer, self._finished)
         self._tasks: list[asyncio.Task[None]] = []
+        self._checks: set[asyncio.Task[None]] = set()  # stream-id checks of first deliveries still running
         self._cancels: Any = None
 
     # -- lifecycle -------------------------------------------------------------------
@@ -114,11 +116,17 @@ class GeneratorWorker:
                 await asyncio.wait_for(self._slot_freed.wait(), timeout=deadline - time.monotonic())
             except TimeoutError:
                 break
+        if self._checks:
+            # A request is not handed back before its id check answered: a redelivery is not checked
+            # again (it continues the stream's history), so an unchecked one could append to a taken id.
+            await asyncio.wait(list(self._checks), timeout=_CHECK_WAIT_S)
         handed_back = list(self.active.values())
         for out in handed_back:
             self.runner.cancel(out.request.id)
             out.abandon()  # emissions still in flight for it are dropped, unpublished
         self.active.clear()
+        for check in list(self._checks):
+            check.cancel()  # what it guarded was abandoned: its batches are never published
         # Every batch already handed to the publisher must be stored before another worker reads the stream.
         await self.publisher.flush()
         for out in handed_back:
@@ -162,31 +170,48 @@ class GeneratorWorker:
                 log.warning("fetch failed; retrying", extra={"error": repr(exc)})
                 await asyncio.sleep(0.5)
                 continue
-            # Whether each id is taken, for the whole burst in one round trip's time.
-            taken = await asyncio.gather(*(self._id_taken(m) for m in msgs), return_exceptions=True)
             # All but the last of a burst are flagged: an idle engine holds its first prefill
             # (at most admission_hold_ms) so that the burst is prefilled together.
-            for i, (msg, was_taken) in enumerate(zip(msgs, taken, strict=True)):
+            for i, msg in enumerate(msgs):
                 if self._stopping.is_set():
                     await msg.nak()  # fetched while stopping: hand it straight back
                 else:
-                    await self._accept(msg, more_coming=i < len(msgs) - 1, taken=was_taken)
+                    await self._accept(msg, more_coming=i < len(msgs) - 1)
 
-    async def _id_taken(self, msg: Msg) -> bool:
-        """A first delivery starts a new stream: whether its id already has token history (then it
-        is refused: nobody appends to a running or finished stream by reusing its id)."""
-        rid = peek_request_id(msg.data)
-        if rid is None or msg.metadata.num_delivered > 1:
-            return False
+    async def _check_id(self, out: RequestOutput, msg: Msg) -> None:
+        """A first delivery starts a new stream: unless its id already has token history (then it
+        is refused: nobody appends to a running or finished stream by reusing its id). This runs
+        while the engine already works on the request (the lookup is a round trip off the first
+        token's path); nothing of it is published before the id is known to be free."""
+        rid = out.request.id
         try:
-            owner = owner_of_request(msg.subject)
-        except TokenpipeError:
-            return False  # _accept rejects it
-        last = await patiently(lambda: last_stored(self.bus, rid, owner=owner), what="checking a stream id",
-                               request_id=rid, msg=msg)
-        return last is not None
+            # Waited out while JetStream is between leaders, the delivery kept: a nak would spend
+            # one of the request's few delivery attempts on an outage that is not its fault.
+            last = await patiently(lambda: last_stored(self.bus, rid, owner=out.owner), what="checking a stream id",
+                                   request_id=rid, msg=msg)
+            taken = last is not None
+        except TokenpipeError as exc:
+            if out.closed:
+                return  # handed back meanwhile
+            log.warning("cannot check the stream id; retrying later", extra={"request_id": rid, "error": exc.message})
+            self._refuse(out)
+            await msg.nak(delay=1.0)
+            return
+        if out.closed:
+            return
+        if not taken:
+            out.clear()
+            return
+        log.warning("refusing a request for a stream id that is taken", extra={"request_id": rid, "owner": out.owner})
+        self._refuse(out)
+        await msg.term()  # no error batch: that stream belongs to its first request
 
-    async def _accept(self, msg: Msg, *, more_coming: bool = False, taken: bool | BaseException = False) -> None:
+    def _refuse(self, out: RequestOutput) -> None:
+        """Nothing of ``out`` is published; its slot is free once the engine has let it go."""
+        out.refuse()
+        self.runner.cancel(out.request.id)
+
+    async def _accept(self, msg: Msg, *, more_coming: bool = False) -> None:
         received = time.time_ns()
         try:
             request = Request.decode(msg.data)
@@ -202,12 +227,7 @@ class GeneratorWorker:
             # Redelivered while we still run it (a late progress ack): keep it ours, do not ack it away.
             await msg.in_progress()
             return
-        if isinstance(taken, BaseException):
-            log.warning("cannot check the stream id; retrying later", extra={"request_id": request.id,
-                                                                             "error": repr(taken)})
-            await msg.nak(delay=1.0)
-            return
-        if held is not None or taken:
+        if held is not None:
             log.warning("refusing a request for a stream id that is taken", extra={"request_id": request.id,
                                                                                    "owner": owner})
             await msg.term()  # no error batch: that stream belongs to its first request
@@ -242,11 +262,16 @@ class GeneratorWorker:
         resume = tuple(t for b in past for t in b.token_ids)
         span.set_attribute("tokenpipe.delivery", msg.metadata.num_delivered)
         span.set_attribute("tokenpipe.resumed_tokens", len(resume))
+        first = msg.metadata.num_delivered == 1
         out = self.active[request.id] = RequestOutput(self._output, request, msg, span, past=past, received=received,
-                                                      owner=owner)
+                                                      owner=owner, cleared=not first)
         if past:
             log.info("continuing redelivered request", extra={"request_id": request.id, "resumed_tokens": len(resume),
                                                               "delivery": msg.metadata.num_delivered})
+        if first:
+            check = asyncio.get_running_loop().create_task(self._check_id(out, msg), name=f"check-{request.id}")
+            self._checks.add(check)
+            check.add_done_callback(self._checks.discard)
         if f"{owner}.{request.id}" in self.recent_cancels:
             out.emit(Emission(request.id, (), "", time.time_ns(), finish="cancelled", usage=Usage(0, len(resume))))
             return
@@ -318,5 +343,7 @@ class GeneratorWorker:
         rid = out.request.id
         self.active.pop(rid, None)
         self._slot_freed.set()
+        if out.refused:
+            return
         log.info("request finished", extra={"request_id": rid, "finish": batch.finish,
                                             "tokens": batch.usage.completion_tokens if batch.usage else 0})

@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 
 MAX_REPLAY_PAUSE_S = 5.0  # a replay's longest pause between two batches, whatever the recorded gap
 _READERS_ASK_S = 0.25  # how long a relay waits for another to say it holds a live reader
+_CREATED_HERE = 10_000  # owner records of the streams created here last, kept for their first GET
 
 
 @dataclass
@@ -82,6 +83,10 @@ class Forwarder:
         self._grace: dict[str, asyncio.Task[None]] = {}  # stream id -> its grace, while it is pending
         self._tasks: set[asyncio.Task[None]] = set()  # every cancel-after-grace still running
         self._readers_sub: Any = None
+        # The owner records this relay wrote itself (they never change): a client's GET right after
+        # its POST, to this relay, need not read its record back from the meta bucket (a round trip
+        # on the first token's path).
+        self._created: OrderedDict[str, StreamMeta] = OrderedDict()
 
     async def start(self) -> None:
         """Answer other relays asking whether a stream has a live reader here."""
@@ -186,7 +191,11 @@ class Forwarder:
         while True:
             try:
                 async with asyncio.timeout(max(deadline - time.monotonic(), 0.5)):
-                    await submit(self._bus(), request, headers, cancel_orphan=False)
+                    meta = await submit(self._bus(), request, headers, cancel_orphan=False)
+                if self._bus().owner == RELAY_OWNER:  # the record is in the meta bucket (tokenpipe.streams.submit)
+                    self._created[meta.id] = meta
+                    while len(self._created) > _CREATED_HERE:
+                        self._created.popitem(last=False)
                 return
             except (TransportError, NoGenerator, TimeoutError) as exc:
                 if time.monotonic() + delay >= deadline:
@@ -208,7 +217,10 @@ class Forwarder:
 
     async def owned_meta(self, stream_id: str, tenant: str) -> StreamMeta:
         """The stream's metadata if ``tenant`` owns it; otherwise 404, exactly as if it did not exist."""
-        meta = await get_meta(self._bus(), stream_id)
+        meta = self._created.get(stream_id)
+        # The bucket keeps a record for twice the tokens' age: a copy younger than that is still there.
+        if meta is None or (time.time_ns() - meta.created_at) / 1e9 > self.settings.token_max_age_s:
+            meta = await get_meta(self._bus(), stream_id)
         if meta.tenant != tenant:
             raise stream_not_found(stream_id)
         return meta

@@ -80,6 +80,18 @@ def test_pipeline_benchmark_and_gpu_summary_run_end_to_end(tmp_path: Path, data_
     assert row["model"] == "tiny-random" and row["pipeline_tok_s"] > 0 and set(row["sweep"]) == {"2", "4"}
 
 
+def test_pipeline_benchmark_ttft_only_reports_the_added_ttft_and_its_stages(tmp_path: Path, data_dir: Path) -> None:
+    """`bench.pipeline --only ttft`: the TTFT phase alone, no in-process engine."""
+    out = tmp_path / "ttft.json"
+    proc = _run(["bench.pipeline", "--only", "ttft", "--model", "tiny-random", "--dtype", "float32",
+                 "--ttft-requests", "3", "--data-dir", str(data_dir), "--out", str(out)])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert "engine" not in result and result["pipeline"]["added_ttft_p50_ms"] > 0
+    assert set(result["stages_1_stream_p50_ms"]) == set(result["stages_1_stream_p99_ms"])
+    assert result["stages_1_stream_p50_ms"]["prefill (admitted → first token)"] > 0
+
+
 def test_fanout_benchmark_forwards_every_batch_in_both_modes(tmp_path: Path) -> None:
     out = tmp_path / "fanout.json"
     proc = _run(["bench.fanout", "--scenario", "consumer:20:4:50", "--scenario", "shared:20:4:50", "--out", str(out)])

@@ -254,6 +254,31 @@ async def test_malformed_msgpack_is_terminated_and_worker_keeps_serving(bus: Bus
     await wait_until(queue_empty, 10, "bad messages to leave the work queue")
 
 
+@pytest.mark.parametrize("max_tokens", [1, 64])
+async def test_reused_stream_id_is_refused_though_the_engine_started_before_the_check(
+        bus: Bus, http: httpx.AsyncClient, generator: GeneratorWorker, max_tokens: int) -> None:
+    """The engine starts a first delivery before its stream id is checked (the lookup is off the
+    first token's path): whether it finished meanwhile (1 token) or is still running when the check
+    says the id is taken, nothing is appended to the existing stream and its slot is freed."""
+    r = await http.post("/v1/streams", json={"prompt": "original", "max_tokens": 3, "temperature": 0})
+    sid = r.json()["id"]
+    before = [b async for b in follow(bus, sid) if isinstance(b, TokenBatch)]
+    assert before[-1].is_final
+    reuse = Request.build("tiny-random", prompt="hijack", params={"max_tokens": max_tokens, "ignore_eos": True},
+                          request_id=sid)
+    await bus.js.publish(request_subject("tiny-random", bus.owner), reuse.encode(),
+                         headers={"Nats-Msg-Id": f"reuse-{max_tokens}-{sid}"})  # past the dedup window, as it were
+
+    async def refused() -> bool:
+        info = await bus.js.consumer_info("TP_REQUESTS", "gen-tiny-random")
+        return info.num_ack_pending == 0 and info.num_pending == 0 and sid not in generator.active
+
+    await wait_until(refused, 20, "the reused id to be refused and its slot freed")
+    after = [b async for b in follow(bus, sid) if isinstance(b, TokenBatch)]
+    assert [(b.seq, b.token_ids, b.finish) for b in after] == [(b.seq, b.token_ids, b.finish) for b in before]
+    assert generator.free_slots == generator.settings.max_batch
+
+
 async def test_stop_strings_cut_the_text(http: httpx.AsyncClient, tiny_model: LoadedModel) -> None:
     ref = Request.from_map({"v": 1, "id": "ref", "model": "tiny-random", "prompt": "stop here",
                             "params": {"max_tokens": 30, "temperature": 0, "ignore_eos": True}})

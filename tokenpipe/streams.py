@@ -57,17 +57,18 @@ def emitted_before(batch: TokenBatch, seconds: float) -> bool:
 
 
 async def submit(bus: Bus, request: Request, headers: dict[str, str] | None = None, *,
-                 cancel_orphan: bool = True) -> None:
-    """Record ownership (streams made in the relay's namespace) and enqueue as ``bus.owner``.
-    Raises :class:`TransportError` if NATS refuses. A request enqueued whose ownership record
-    failed is cancelled, unless ``cancel_orphan`` is false (the caller retries both, idempotently,
-    and cancels itself when it gives up)."""
+                 cancel_orphan: bool = True) -> StreamMeta:
+    """Record ownership (streams made in the relay's namespace) and enqueue as ``bus.owner``;
+    the ownership record is returned. Raises :class:`TransportError` if NATS refuses. A request
+    enqueued whose ownership record failed is cancelled, unless ``cancel_orphan`` is false (the
+    caller retries both, idempotently, and cancels itself when it gives up)."""
     meta = StreamMeta(request.id, request.tenant, request.model, request.created_at or time.time_ns())
     hdrs = dict(headers or {})
     hdrs["Nats-Msg-Id"] = f"{bus.owner}:{request.id}"  # ids are unique per owner, not across owners
     payload = request.encode()  # before any write: an unencodable request leaves nothing behind
     # Concurrently (one round trip, not two, before the caller's 201): nothing reads the meta
-    # entry before submit returns, and a generator never needs it.
+    # entry before submit returns, and a generator never needs it. The request goes out first:
+    # the server then stores and delivers it before it writes the meta entry.
     # The registry is the relay's: an app's streams (its own namespace) are not registered there.
     # Both writes are idempotent (same value; same Nats-Msg-Id), so they are retried while a stream
     # is between leaders (a NATS node died): the request waits out the election instead of failing.
@@ -75,12 +76,13 @@ async def submit(bus: Bus, request: Request, headers: dict[str, str] | None = No
                 else _nothing())
     queue = through_elections(lambda: bus.js.publish(request_subject(request.model, bus.owner), payload,
                                                      headers=hdrs))
-    owned, queued = await asyncio.gather(register, queue, return_exceptions=True)
+    queued, owned = await asyncio.gather(queue, register, return_exceptions=True)
     if cancel_orphan and isinstance(owned, BaseException) and not isinstance(queued, BaseException):
         await cancel(bus, request.id)  # enqueued without an owner record: nobody could read it
     failed = next((r for r in (queued, owned) if isinstance(r, BaseException)), None)
     if failed is not None:
         raise TransportError(f"could not enqueue request: {failed}") from failed
+    return meta
 
 
 def stream_not_found(stream_id: str) -> StreamNotFound:
