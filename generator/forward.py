@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .quant import QuantMode, quantize_weight
+from .quant import DENSE_ROWS, QuantMode, quantize_weight
 
 __all__ = ["SlotKVCache", "Plan", "build_plan", "plan_for", "prefill", "decode_step"]
 
@@ -87,7 +87,7 @@ class Plan:
 _PLANS: WeakKeyDictionary[nn.Module, Plan] = WeakKeyDictionary()
 
 
-def _fuse(mods: list[Any], quant: QuantMode) -> nn.Module:
+def _fuse(mods: list[Any], quant: QuantMode, dense_rows: int = DENSE_ROWS) -> nn.Module:
     """One projection for ``mods`` stacked along the output. The originals become views into
     the fused float weight (no second copy; the model's own forward still works)."""
     weight = torch.cat([m.weight for m in mods])
@@ -102,10 +102,10 @@ def _fuse(mods: list[Any], quant: QuantMode) -> nn.Module:
         if bias is not None:
             m.bias = nn.Parameter(bias[start:stop], requires_grad=False)
         start = stop
-    return quantize_weight(weight, bias, quant)
+    return quantize_weight(weight, bias, quant, dense_rows)
 
 
-def build_plan(model: Any, quant: QuantMode = "none") -> Plan:
+def build_plan(model: Any, quant: QuantMode = "none", dense_rows: int = DENSE_ROWS) -> Plan:
     """Fuse (and quantize) the model's projections once, after it is on its device.
 
     Quantized, the plan's projections hold the quantized weights and keep the float ones for
@@ -115,9 +115,9 @@ def build_plan(model: Any, quant: QuantMode = "none") -> Plan:
     layers = []
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        qkv = _fuse([attn.q_proj, attn.k_proj, attn.v_proj], quant)
-        gate_up = _fuse([mlp.gate_proj, mlp.up_proj], quant)
-        o, down = (quantize_weight(m.weight, m.bias, quant) if quant != "none" else m
+        qkv = _fuse([attn.q_proj, attn.k_proj, attn.v_proj], quant, dense_rows)
+        gate_up = _fuse([mlp.gate_proj, mlp.up_proj], quant, dense_rows)
+        o, down = (quantize_weight(m.weight, m.bias, quant, dense_rows) if quant != "none" else m
                    for m in (attn.o_proj, mlp.down_proj))
         q_size, kv_size, inter = attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0], mlp.gate_proj.weight.shape[0]
         layers.append(_LayerPlan(qkv, o, gate_up, down, q_size, kv_size, inter))
@@ -126,7 +126,7 @@ def build_plan(model: Any, quant: QuantMode = "none") -> Plan:
         # lm_head stays at 8 bits under int4, as in the GGUF the default model comes from (its
         # output is Q8_0, its layers Q4_1): a 4-bit lm_head cost SmolLM2 0.086 nats/token on
         # bench.quant's fixed text, an 8-bit one 0.0003.
-        lm_head = quantize_weight(model.lm_head.weight, model.lm_head.bias, "int8")
+        lm_head = quantize_weight(model.lm_head.weight, model.lm_head.bias, "int8", dense_rows)
     plan = Plan(layers, lm_head, quant)
     _PLANS[model] = plan
     return plan

@@ -22,7 +22,7 @@ import torch
 from tokenpipe.errors import InvalidRequest, ModelNotFound
 
 from .forward import build_plan
-from .quant import QuantMode, resolve_quant
+from .quant import QuantMode, dense_rows_for, resolve_quant
 
 __all__ = ["LoadedModel", "load_model", "resolve_device", "resolve_dtype", "resolve_threads", "BUILTIN_MODELS",
            "prepare_smollm2", "prepare_tokenizer"]
@@ -214,7 +214,8 @@ def load_model(name: str, *, path: str = "", device: str = "auto", dtype: str = 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dev = resolve_device(device)
-    mode = resolve_quant(quant, from_4bit=name == SMOLLM2 and not path, device=dev, native_bf16=cpu_has_fast_bf16())
+    native_bf16 = cpu_has_fast_bf16()
+    mode = resolve_quant(quant, from_4bit=name == SMOLLM2 and not path, device=dev, native_bf16=native_bf16)
     dt = resolve_dtype(dtype, dev)
     model: Any
     if path:
@@ -238,7 +239,8 @@ def load_model(name: str, *, path: str = "", device: str = "auto", dtype: str = 
         raise ModelNotFound(f"model type {model.config.model_type!r} is not supported (Llama-family only)")
     model.to(dev).eval()
     model.requires_grad_(False)
-    build_plan(model, mode)  # fused projections (and quantized weights) for generator.forward
+    # Fused projections (and quantized weights) for generator.forward.
+    build_plan(model, mode, dense_rows_for(dt, native_bf16=native_bf16 and dev.type == "cpu"))
     eos: set[int] = set()
     for src_ids in (tok.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
         if isinstance(src_ids, int):

@@ -30,7 +30,8 @@ from torch import Tensor, nn
 
 from tokenpipe.errors import InvalidRequest
 
-__all__ = ["DENSE_ROWS", "QUANT_MODES", "QuantMode", "QuantLinear", "check_quant", "quantize_weight", "resolve_quant"]
+__all__ = ["BF16_DENSE_ROWS", "DENSE_ROWS", "QUANT_MODES", "QuantLinear", "QuantMode", "check_quant", "dense_rows_for",
+           "quantize_weight", "resolve_quant"]
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,11 @@ GROUP = 32  # int4 group size along K (GGUF Q4_0/Q4_1 use 32 too)
 # lose where it computes (prefill of 64 tokens: int4 1.8x bf16's time with AVX512-BF16, 2.5x
 # fp32's with AVX2 kernels). So quantization here trades memory (+1/7 of fp32 for int4) for speed.
 DENSE_ROWS = 32
+# With native bf16 (AVX512-BF16) the bf16 GEMM overtakes the int4 kernel already at about 20
+# rows (decode step, SmolLM2, 2 threads, int4 ÷ bf16: 2.04x at 1 row, 1.39x at 8, 1.11x at 16,
+# 0.96x at 24, 0.90x at 32): there the float weight serves matmuls of more than 16 rows, so a
+# few streams decode at int4's speed and many at bf16's.
+BF16_DENSE_ROWS = 16
 _INNER_K_TILES = 8  # tinygemm's packing parameter (CUDA); the CPU packer accepts and ignores it
 
 
@@ -53,19 +59,25 @@ def check_quant(mode: str) -> str:
 
 
 def resolve_quant(mode: str, *, from_4bit: bool, device: torch.device, native_bf16: bool) -> QuantMode:
-    """``auto``: int4 on a CPU without native bf16 for weights that came from a 4-bit file (the
-    default model's GGUF, which int4 gives back exactly); otherwise none.
+    """``auto``: int4 on a CPU for weights that came from a 4-bit file (the default model's GGUF,
+    which int4 gives back exactly); otherwise none.
 
-    Measured with bench.quant (bench/RESULTS.md), SmolLM2, one thread: with AVX2 kernels int4
-    decoded one stream 2.2x faster than fp32 and 32 streams about as fast (1.03x, noisy; 1.1-1.25x
-    in an A/B). On an AVX512-BF16 CPU int4 decoded one stream 2.1x faster than bf16 but 32
-    streams 0.70x as fast, so there ``auto`` keeps bf16 (``--quant int4`` is the single-stream
-    choice). The log-likelihood stays within 0.005 nats/token of fp32. Other weights would lose
-    precision, and the GPU path is untested here."""
+    Measured with bench.quant (bench/RESULTS.md), SmolLM2: with AVX2 kernels int4 decoded one
+    stream 2.2x faster than fp32 and 32 streams about as fast (1.03x, noisy; 1.1-1.25x in an
+    A/B). On an AVX512-BF16 CPU (``native_bf16``) int4 decodes one stream 2.0x faster than bf16
+    but 32 streams 0.9x as fast: there the bf16 weight takes matmuls of more than
+    :data:`BF16_DENSE_ROWS` rows (:func:`dense_rows_for`). The log-likelihood stays within 0.005
+    nats/token of fp32. Other weights would lose precision. On CUDA neither kernel pays
+    (bench/gpu.sh: a batch-1 step is launch-bound), so ``auto`` keeps it unquantized."""
     mode = check_quant(mode)
     if mode != "auto":
         return cast(QuantMode, mode)
-    return "int4" if from_4bit and device.type == "cpu" and not native_bf16 else "none"
+    return "int4" if from_4bit and device.type == "cpu" else "none"
+
+
+def dense_rows_for(dtype: torch.dtype, *, native_bf16: bool) -> int:
+    """Above how many rows a quantized projection uses the float weight the model keeps."""
+    return BF16_DENSE_ROWS if dtype == torch.bfloat16 and native_bf16 else DENSE_ROWS
 
 
 class QuantLinear(nn.Module):
@@ -174,7 +186,7 @@ def _pack_int4(q: Tensor, device: torch.device) -> Tensor:
     return torch.ops.aten._convert_weight_to_int4pack(packed.contiguous(), _INNER_K_TILES)
 
 
-def quantize_weight(weight: Tensor, bias: Tensor | None, mode: QuantMode) -> nn.Module:
+def quantize_weight(weight: Tensor, bias: Tensor | None, mode: QuantMode, dense_rows: int = DENSE_ROWS) -> nn.Module:
     """A module computing ``F.linear(x, weight, bias)``: the plain weight for ``none``, else quantized."""
     if mode == "none":
         lin = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
@@ -182,4 +194,4 @@ def quantize_weight(weight: Tensor, bias: Tensor | None, mode: QuantMode) -> nn.
         if bias is not None:
             lin.bias = nn.Parameter(bias, requires_grad=False)
         return lin
-    return QuantLinear(weight, bias, mode)
+    return QuantLinear(weight, bias, mode, dense_rows)

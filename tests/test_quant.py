@@ -11,7 +11,7 @@ import torch
 from generator.engine import Engine
 from generator.forward import SlotKVCache, plan_for, prefill
 from generator.models import LoadedModel, load_model
-from generator.quant import DENSE_ROWS, QuantLinear, check_quant, resolve_quant
+from generator.quant import BF16_DENSE_ROWS, DENSE_ROWS, QuantLinear, check_quant, dense_rows_for, resolve_quant
 from generator.runner import Emission, Job, Runner
 from tokenpipe.errors import InvalidRequest
 from tokenpipe.settings import Settings
@@ -103,10 +103,10 @@ def test_invalid_quant_is_a_clear_error(data_dir: Path) -> None:
     assert Settings.load(env={"TOKENPIPE_QUANT": "int8"}).quant == "int8"
 
 
-def test_auto_quant_is_int4_only_for_4bit_weights_on_a_cpu_without_native_bf16() -> None:
+def test_auto_quant_is_int4_for_4bit_weights_on_a_cpu() -> None:
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert resolve_quant("auto", from_4bit=True, device=cpu, native_bf16=False) == "int4"
-    assert resolve_quant("auto", from_4bit=True, device=cpu, native_bf16=True) == "none"
+    assert resolve_quant("auto", from_4bit=True, device=cpu, native_bf16=True) == "int4"
     assert resolve_quant("auto", from_4bit=False, device=cpu, native_bf16=False) == "none"
     assert resolve_quant("auto", from_4bit=True, device=cuda, native_bf16=False) == "none"
     assert resolve_quant("int8", from_4bit=False, device=cpu, native_bf16=True) == "int8"
@@ -123,3 +123,19 @@ def test_a_kernel_that_fails_its_check_leaves_the_float_weight_serving(monkeypat
     lin = QuantLinear(w, None, "int4")
     assert lin.fallback
     assert torch.equal(lin(x), torch.nn.functional.linear(x, w))
+
+
+def test_with_native_bf16_the_bf16_weight_serves_more_than_16_rows() -> None:
+    """Where bf16 is native the bf16 GEMM beats the int4 kernel from about 20 rows on (bench in
+    generator.quant), so a bf16 model hands matmuls of more than 16 rows to its float weight."""
+    assert dense_rows_for(torch.bfloat16, native_bf16=True) == BF16_DENSE_ROWS == 16
+    assert dense_rows_for(torch.bfloat16, native_bf16=False) == DENSE_ROWS
+    assert dense_rows_for(torch.float32, native_bf16=True) == DENSE_ROWS
+    w = torch.randn(64, 128, dtype=torch.bfloat16)
+    q = QuantLinear(w, None, "int8", dense_rows=BF16_DENSE_ROWS)  # the routing is the same for int4
+    few, many = torch.randn(BF16_DENSE_ROWS, 128, dtype=torch.bfloat16), torch.randn(BF16_DENSE_ROWS + 1, 128,
+                                                                                       dtype=torch.bfloat16)
+    assert torch.equal(q(many), torch.nn.functional.linear(many, w))  # the float weight, exactly
+    ref = few.float() @ q.dequantize().T
+    assert ((q(few).float() - ref).norm() <= 0.02 * ref.norm()).item()  # the quantized kernel
+    assert not torch.equal(q(few), torch.nn.functional.linear(few, w))

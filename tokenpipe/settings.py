@@ -92,7 +92,8 @@ class Settings:
     quant: str = field(
         default="auto",
         metadata=_doc("weight-only quantization of the projections: `auto` (int4 for the default model, whose GGUF "
-                      "is 4-bit, on CPUs without native bf16; else none), `none`, `int8`, `int4`"))
+                      "is 4-bit, on CPUs; with native bf16 the bf16 weight takes matmuls of more than 16 rows; "
+                      "else none), `none`, `int8`, `int4`"))
     max_batch: int = field(default=32, metadata=_doc("concurrent sequences per generator (= requests it pulls)"))
     max_seq_len: int = field(
         default=2048, metadata=_doc("prompt + output limit per sequence (at most the model's context)"))
