@@ -239,3 +239,21 @@ def test_engine_threads_leave_a_core_only_where_it_is_cheap(monkeypatch: pytest.
     monkeypatch.setattr("os.cpu_count", lambda: cores)
     assert resolve_threads(0) == expected
     assert resolve_threads(5) == 5  # an explicit TOKENPIPE_THREADS wins
+
+
+@pytest.mark.parametrize("rows", [1, 2, 8])
+def test_decode_attention_in_fp32_for_few_rows_agrees_with_bf16(rows: int) -> None:
+    """Few rows of a bf16 cache are attended in fp32 (faster there); either path must give the
+    attention an fp32 reference gives, in the caller's dtype."""
+    from generator.forward import FP32_ATTENTION_ROWS, _decode_attention
+
+    g = torch.Generator().manual_seed(rows)
+    q, k, v = (torch.randn(rows, *shape, generator=g).to(torch.bfloat16) for shape in ((9, 1, 64), (3, 40, 64),
+                                                                                        (3, 40, 64)))
+    mask = torch.ones(rows, 1, 1, 40, dtype=torch.bool)
+    mask[0, ..., 30:] = False
+    got = _decode_attention(q, k, v, mask, 0.125)
+    qf, kf, vf = (t.float().repeat_interleave(3, 1) if t is not q else t.float() for t in (q, k, v))
+    ref = torch.nn.functional.scaled_dot_product_attention(qf, kf, vf, attn_mask=mask, scale=0.125)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 9, 1, 64)
+    assert torch.allclose(got.float(), ref, atol=0.03), (rows, FP32_ATTENTION_ROWS)
