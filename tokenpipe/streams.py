@@ -135,8 +135,9 @@ async def stored_count(bus: Bus, stream_id: str, *, owner: str | None = None) ->
     """How many messages TP_TOKENS holds for ``stream_id``, as its leader counts them.
 
     Not a direct get: every replica answers those, and on a cluster a replica that is behind
-    (a node thawed after a freeze, catching up) answers from what it has — for minutes, seen
-    here — so "nothing more is stored" from a direct get is not to be trusted."""
+    (a node thawed after a freeze, catching up) answers from what it has — a read after a
+    freeze got 48 of 49 messages from one — so "nothing more is stored" from a direct get or a
+    consumer on any replica is not to be trusted."""
     subject = token_subject(owner or bus.owner, stream_id)
     try:
         # Bounded well below the 10 s API timeout: while the stream is between leaders nobody
