@@ -59,7 +59,7 @@ class Stack:
         self.relay_fanouts = relay_fanouts  # per relay; the default mode where none is given
         self.env = {**os.environ, "TOKENPIPE_ANNOUNCE_INTERVAL_S": "0.3", "TOKENPIPE_THREADS": "1",
                     "TOKENPIPE_DTYPE": "float32", "TOKENPIPE_LOG_LEVEL": "INFO", "TOKENPIPE_METRICS_PORT": "0",
-                    "TOKENPIPE_MAX_BATCH": "16", "TOKENPIPE_ACK_WAIT_S": "30",
+                    "TOKENPIPE_MAX_BATCH": "16",
                     **{f"TOKENPIPE_{k.upper()}": str(v) for k, v in env.items()}}
         self.relay_ports = [free_port() for _ in range(relays)]
         self.procs: list[subprocess.Popen[bytes]] = []

@@ -20,7 +20,9 @@ from pathlib import Path
 import pytest
 
 from generator.models import LoadedModel
-from tokenpipe.subjects import REQUESTS_STREAM, TOKENS_STREAM
+from tokenpipe.cluster import ack_wait_for
+from tokenpipe.settings import Settings
+from tokenpipe.subjects import REQUESTS_STREAM, TOKENS_STREAM, consumer_name
 
 from .clusterkit import STREAMS, Load, Report, Stack, greedy_reference, verify
 from .conftest import wait_until
@@ -117,6 +119,19 @@ async def leader_kill(stack: Stack, reference: list[list[int]], what: str,
           f"served {kill.roles}; "
           f"longest stall {report.max_stall_s:.2f} s: the {LEADER_KILL_STALL_GOAL_S:g} s goal {goal}")
     assert report.max_stall_s <= kill.stall_bound(), report.line()
+
+
+async def test_default_ack_wait_outlasts_an_election_on_a_cluster(cluster: Stack) -> None:
+    """Regression: with the single-server default (4 s) a TP_TOKENS leader kill stopped a
+    generator's progress acks long enough for its request to be redelivered to the other
+    generator; both generated it, and the client got the two streams mixed ("batch 2 at index
+    3"). Replicated streams get ``TOKENPIPE_CLUSTER_ACK_WAIT_S`` (these tests run the defaults)."""
+    assert cluster.bus is not None
+    info = await cluster.bus.js.consumer_info(REQUESTS_STREAM, consumer_name("tiny-random"))
+    defaults = Settings.load(env={})
+    assert cluster.bus.replicas == 3
+    assert info.config.ack_wait == ack_wait_for(defaults, 3) == defaults.cluster_ack_wait_s > defaults.ack_wait_s
+    assert ack_wait_for(defaults, 1) == defaults.ack_wait_s
 
 
 async def test_kill9_of_the_meta_leader(cluster: Stack, reference: list[list[int]]) -> None:

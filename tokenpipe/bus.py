@@ -53,6 +53,8 @@ class Bus:
     owner: str = RELAY_OWNER
     # Whether this connection may touch the tp_streams registry (re-provisioning passes it on).
     registry: bool = True
+    # The replica count TOKENPIPE_REPLICAS resolved to against the connected cluster.
+    replicas: int = 1
 
     async def close(self) -> None:
         if self.nc.is_closed:
@@ -115,12 +117,13 @@ async def connect(settings: Settings, *, name: str, provision_streams: bool = Tr
         raise TransportError(f"cannot connect to NATS at {settings.nats_url}: {exc}") from exc
     log.info("nats connected", extra={"server": connected_server(nc), "nats_name": name})
     js = nc.jetstream(timeout=10)
+    replicas = _replicas(js, settings)
     if provision_streams and ident.provisions:
-        await provision(js, settings, registry=ident.registry, replicas=_replicas(js, settings))
+        await provision(js, settings, registry=ident.registry, replicas=replicas)
     # An app may not touch the registry: it gets a handle that was never opened (any use is denied).
     meta = await js.key_value(META_BUCKET) if ident.registry else KeyValue(
         name=META_BUCKET, stream=META_STREAM, pre=f"$KV.{META_BUCKET}.", js=js, direct=False)
-    bus = Bus(nc=nc, js=js, meta=meta, owner=ident.owner, registry=ident.registry)
+    bus = Bus(nc=nc, js=js, meta=meta, owner=ident.owner, registry=ident.registry, replicas=replicas)
     return bus
 
 

@@ -20,14 +20,17 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import nats.errors
 import nats.js.errors
 
 from .errors import InvalidRequest
 
-__all__ = ["ELECTION_WINDOW_S", "MAX_REPLICAS", "cluster_size", "connected_server", "parse_replicas",
+if TYPE_CHECKING:
+    from .settings import Settings
+
+__all__ = ["ELECTION_WINDOW_S", "MAX_REPLICAS", "ack_wait_for", "cluster_size", "connected_server", "parse_replicas",
            "replicas_to_keep", "resolve_replicas", "server_list", "through_elections"]
 
 log = logging.getLogger(__name__)
@@ -133,3 +136,14 @@ async def through_elections(op: Callable[[], Awaitable[T]], *, window_s: float =
             log.info("jetstream unavailable; retrying", extra={"error": repr(exc)})
         await asyncio.sleep(delay)  # backing off while a leader is elected; nothing to wait on
         delay = min(delay * 2, 1.0)
+
+
+def ack_wait_for(settings: Settings, replicas: int) -> float:
+    """The request consumer's ``ack_wait``: ``TOKENPIPE_ACK_WAIT_S``, raised to
+    ``TOKENPIPE_CLUSTER_ACK_WAIT_S`` where streams are replicated. On a cluster a leader election
+    (4-9 s) stops a generator's progress acks; with 4 s the request was redelivered to a second
+    generator while the first still ran it, and the client got both streams mixed (seen in the
+    fault tests at the default)."""
+    if replicas > 1 and settings.cluster_ack_wait_s > 0:
+        return max(settings.ack_wait_s, settings.cluster_ack_wait_s)
+    return settings.ack_wait_s
