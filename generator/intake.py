@@ -202,18 +202,19 @@ async def patiently(op: Callable[[], Awaitable[T]], *, what: str, request_id: st
                 raise
             log.warning("%s failed; retrying", what, extra={"request_id": request_id, "error": exc.message})
         if msg is not None:
-            await keep(msg)
+            await keep(msg, request_id)
         await asyncio.sleep(delay)  # waiting out a leader election: there is no event to wait on
         delay = min(delay * 2, 2.0)
 
 
-async def keep(msg: Msg) -> None:
-    """A progress ack for ``msg``. Best effort: while disconnected it cannot go out, and the
-    delivery then lives on its ``ack_wait``."""
+async def keep(msg: Msg, request_id: str | None) -> None:
+    """A progress ack for ``msg`` (the request ``request_id``). Best effort: while disconnected it
+    cannot go out, and the delivery then lives on its ``ack_wait``; a failure is logged, never
+    raised, so one request's ack cannot stop the others' (the worker's progress loop) or a retry."""
     try:
         await msg.in_progress()
     except Exception as exc:  # nats-py raises its connection errors here
-        log.debug("progress ack failed", extra={"error": repr(exc)})
+        log.warning("in-progress ack failed", extra={"request_id": request_id, "error": repr(exc)})
 
 
 

@@ -34,7 +34,7 @@ from tokenpipe.telemetry import extract_context, get_tracer
 from tokenpipe.wire import Request, TokenBatch, Usage
 
 from .announce import Announcer, step_observer
-from .intake import RequestIntake, patiently
+from .intake import RequestIntake, keep, patiently
 from .models import LoadedModel
 from .output import OutputContext, RequestOutput
 from .publisher import BatchPublisher
@@ -303,12 +303,8 @@ class GeneratorWorker:
         while True:
             await asyncio.sleep(self.progress_every)  # a fixed cadence, not an event: the point is the clock
             for out in list(self.active.values()):
-                if out.msg is None:
-                    continue
-                try:
-                    await out.msg.in_progress()
-                except Exception as exc:  # one failure must not starve the other requests' progress acks
-                    log.warning("in-progress ack failed", extra={"request_id": out.request.id, "error": repr(exc)})
+                if out.msg is not None:
+                    await keep(out.msg, out.request.id)
 
     async def _repair_loop(self) -> None:
         """Re-provision the streams and bucket when someone deleted them; a new ``TP_REQUESTS``
