@@ -36,7 +36,7 @@ from tokenpipe.errors import InvalidRequest, TransportError
 from tokenpipe.natsauth import write_server_config
 from tokenpipe.settings import Settings
 from tokenpipe.streams import Gap, follow
-from tokenpipe.subjects import META_BUCKET, REQUESTS_STREAM, TOKENS_STREAM, token_subject
+from tokenpipe.subjects import META_BUCKET, REQUESTS_STREAM, TOKENS_STREAM, consumer_name, token_subject
 from tokenpipe.wire import TokenBatch, new_request_id
 from tokenpipe_cli.cli import build_parser
 from tokenpipe_cli.cluster import LocalCluster, node_args
@@ -357,6 +357,9 @@ async def test_up_with_a_local_three_node_cluster(up_cluster: tuple[subprocess.P
                         provision_streams=False, role="admin")
     try:
         assert await replicas(bus, TOKENS_STREAM) == 3 and await replicas(bus, REQUESTS_STREAM) == 3
+        # The README's promise: on a cluster a request outlasts a leader election (the cluster ack_wait).
+        consumer = await bus.js.consumer_info(REQUESTS_STREAM, consumer_name("tiny-random"))
+        assert consumer.config.ack_wait == Settings.load(env={}).cluster_ack_wait_s
     finally:
         await bus.close()
     proc.send_signal(signal.SIGTERM)
