@@ -20,8 +20,8 @@ from tokenpipe.errors import TokenpipeError
 from tokenpipe.metrics import render
 from tokenpipe.settings import Settings
 
-from . import native, openai
-from .auth import TENANT_KEY, AuthMiddleware
+from . import native, openai, ws
+from .auth import TENANT_KEY, AuthMiddleware, authorization_header
 from .http import RAW_SEND, error_body, error_response
 from .observe import ObserveMiddleware
 from .schema import install_openapi
@@ -35,7 +35,7 @@ async def authenticate(request: Request) -> None:
     (resolved here when the app runs without it, as a bare ASGI app in a test might)."""
     if getattr(request.state, TENANT_KEY, None) is None:
         state: RelayState = request.app.state.relay
-        request.state.tenant = state.keys.tenant_for(request.headers.get("authorization"))
+        request.state.tenant = state.keys.tenant_for(authorization_header(request.scope.get("headers", [])))
 
 
 _METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
@@ -122,6 +122,7 @@ def create_app(settings: Settings, tracer_provider: TracerProvider | None = None
 
     app.include_router(native.router, dependencies=api)
     app.include_router(openai.router, dependencies=api)
+    app.include_router(ws.router)  # authenticates itself: a header, or a first auth frame (browsers)
     install_openapi(app, settings)
     app.add_middleware(AuthMiddleware, keys=state.keys, metrics=settings.metrics_auth)
     app.add_middleware(ObserveMiddleware, tracer=state.tracer, metrics=state.metrics)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -13,7 +14,7 @@ from tokenpipe.errors import TokenpipeError
 
 from .http import error_response
 
-__all__ = ["KeyRing", "Unauthorized", "DEFAULT_TENANT", "AuthMiddleware", "TENANT_KEY"]
+__all__ = ["KeyRing", "Unauthorized", "DEFAULT_TENANT", "AuthMiddleware", "TENANT_KEY", "authorization_header"]
 
 TENANT_KEY = "tenant"  # in the ASGI scope's ``state``: ``request.state.tenant`` to the routes
 
@@ -73,6 +74,15 @@ class KeyRing:
         raise Unauthorized("invalid API key")
 
 
+def authorization_header(headers: Iterable[tuple[bytes, bytes]]) -> str | None:
+    """The request's one ``Authorization`` header (raw ASGI headers), or None. Two are refused:
+    proxies and servers disagree on which one counts, so taking either silently is unsafe."""
+    found = [value for name, value in headers if name == b"authorization"]
+    if len(found) > 1:
+        raise Unauthorized("more than one Authorization header: send exactly one")
+    return found[0].decode("latin-1") if found else None
+
+
 class AuthMiddleware:
     """Authentication before routing: every ``/v1/*`` path (and ``/metrics`` when ``metrics``)
     answers 401 without a valid key, whatever the method and whether the route exists, so an
@@ -88,13 +98,8 @@ class AuthMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and self._guarded(scope["path"]):
-            authorization = None
-            for name, value in scope.get("headers", []):
-                if name == b"authorization":
-                    authorization = value.decode("latin-1")
-                    break
             try:
-                tenant = self.keys.tenant_for(authorization)
+                tenant = self.keys.tenant_for(authorization_header(scope.get("headers", [])))
             except Unauthorized as exc:
                 response = error_response(exc, {"WWW-Authenticate": "Bearer"})
                 await response(scope, receive, send)

@@ -9,7 +9,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 from fastapi import Request
@@ -22,7 +22,7 @@ from tokenpipe.wire import TokenBatch
 from .sse import SSE_HEADERS
 
 __all__ = ["RAW_SEND", "error_body", "error_response", "read_json", "parse_json", "check_strings", "RequestTooLarge",
-           "SSEResponse", "WriteWatchdog", "error_type", "stream_error"]
+           "SSEResponse", "WriteWatchdog", "Writer", "error_type", "stream_error"]
 
 # Scope key under which the relay app leaves the server's own ``send``: an SSE body chunk then
 # skips three middleware wrappers that only ever look at the response start (4% of the relay's
@@ -132,8 +132,14 @@ def _check_utf8(text: str, field: str) -> None:
                              param=safe.split(".")[0].split("[")[0] or None) from exc
 
 
+class Writer(Protocol):
+    """A response or socket the :class:`WriteWatchdog` can cut off: ``abandon`` ends its blocked write."""
+
+    def abandon(self) -> None: ...
+
+
 class WriteWatchdog:
-    """Ends SSE responses whose write has been blocked longer than ``timeout`` seconds.
+    """Ends SSE responses (and WebSockets) whose write has been blocked longer than ``timeout`` seconds.
 
     A client that stops reading fills the socket buffers and then blocks our write. One task
     checks every response mid-write, instead of a cancel scope around every write: at 20k
@@ -143,16 +149,16 @@ class WriteWatchdog:
 
     def __init__(self, timeout: float) -> None:
         self.timeout = timeout
-        self._writing: dict[SSEResponse, float] = {}
+        self._writing: dict[Writer, float] = {}
         self._task: asyncio.Task[None] | None = None
         self._stopped = False
 
-    def begin(self, response: SSEResponse) -> None:
+    def begin(self, response: Writer) -> None:
         self._writing[response] = time.monotonic()
         if (self._task is None or self._task.done()) and not self._stopped:
             self._task = asyncio.get_running_loop().create_task(self._run(), name="sse-write-watchdog")
 
-    def end(self, response: SSEResponse) -> None:
+    def end(self, response: Writer) -> None:
         self._writing.pop(response, None)
 
     async def _run(self) -> None:

@@ -21,7 +21,7 @@ from .http import SSEResponse, read_json
 from .sse import sse_comment, sse_event
 from .state import RelayState
 
-__all__ = ["router", "build_request", "check_max_tokens", "tenant_of"]
+__all__ = ["router", "build_request", "check_max_tokens", "create", "tenant_of", "check_speed", "MAX_SEQ"]
 
 router = APIRouter()
 
@@ -72,18 +72,24 @@ def build_request(*, model: str, tenant: str, settings: Settings, prompt: Any = 
 async def create_stream(request: Request) -> JSONResponse:
     state = state_of(request)
     body = await read_json(request, state.settings.max_body_bytes)
+    created = await create(state, tenant_of(request), body)
+    return JSONResponse(created, status_code=201, headers={"X-Request-Id": created["id"],
+                                                           "Location": created["stream_url"]})
+
+
+async def create(state: RelayState, tenant: str, body: dict[str, Any]) -> dict[str, str]:
+    """Validate, admit and enqueue one native create body (``POST /v1/streams``, and the
+    WebSocket's ``create`` frame): the one path every transport creates a stream through."""
     unknown = sorted(set(body) - _NATIVE_KEYS)
     if unknown:
         raise InvalidRequest(f"unknown field(s): {', '.join(unknown)}", param=unknown[0])
     model = await state.registry.resolve(body.get("model"))
-    tenant = tenant_of(request)
     req = build_request(model=model, tenant=tenant, settings=state.settings, prompt=body.get("prompt"),
                         messages=body.get("messages"), input_ids=body.get("input_ids"),
                         params={k: body[k] for k in _SAMPLING_KEYS if k in body}, coalesce=body.get("coalesce"))
     await state.admission.admit(tenant, model, req.id)
     await state.forwarder.submit(req)
-    return JSONResponse({"id": req.id, "model": model, "stream_url": f"/v1/streams/{req.id}"}, status_code=201,
-                        headers={"X-Request-Id": req.id, "Location": f"/v1/streams/{req.id}"})
+    return {"id": req.id, "model": model, "stream_url": f"/v1/streams/{req.id}"}
 
 
 def _resume_point(request: Request, last_event_id: int | None) -> int:
@@ -95,7 +101,7 @@ def _resume_point(request: Request, last_event_id: int | None) -> int:
     return int(header)
 
 
-def _check_speed(speed: float) -> float:
+def check_speed(speed: float) -> float:
     """0 (as fast as possible) or within [MIN_SPEED, MAX_SPEED]: a replay always ends."""
     if speed != 0 and not MIN_SPEED <= speed <= MAX_SPEED:  # NaN fails both comparisons
         raise InvalidRequest(f"'speed' must be 0 (as fast as possible) or between {MIN_SPEED:g} and {MAX_SPEED:g}",
@@ -113,7 +119,7 @@ async def get_stream(stream_id: str, request: Request,
     state = state_of(request)
     tenant = tenant_of(request)
     check_stream_id(stream_id)
-    _check_speed(speed)
+    check_speed(speed)
     after = _resume_point(request, last_event_id)
     meta = await state.forwarder.owned_meta(stream_id, tenant)
     await state.forwarder.check_retained(meta)

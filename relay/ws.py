@@ -1,0 +1,313 @@
+"""The WebSocket transport, ``/v1/ws``: one socket carries any number of its tenant's streams.
+
+Frames are JSON text. Client → server: ``auth``, ``create`` (the native POST body), ``attach``,
+``cancel``, ``ping``. Server → client: ``authenticated``, ``created``, ``attached``,
+``cancelled``, ``pong``, then per stream ``tokens``, ``gap``, ``done`` or ``error`` (the SSE
+events' data plus ``type`` and ``id``). Every client frame gets a reply or an ``error`` frame;
+a bad frame never closes the socket (README, "WebSocket").
+
+Streams are read through the same :class:`relay.forward.Session` and ``Forwarder.batches`` as
+SSE, created through :func:`relay.native.create`, so tenancy, admission (429), viewer rules
+and cancellation are the HTTP API's. One writer task per socket sends what its streams queue;
+a socket whose write blocks longer than ``slow_client_timeout_s`` is dropped by the relay's
+:class:`relay.http.WriteWatchdog` (its streams keep generating and can be re-attached).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any
+
+import orjson
+from fastapi import APIRouter, WebSocket
+from starlette.websockets import WebSocketDisconnect
+
+from tokenpipe.errors import InvalidRequest, TokenpipeError
+from tokenpipe.streams import Gap
+from tokenpipe.subjects import check_stream_id
+from tokenpipe.wire import TokenBatch
+
+from . import native
+from .auth import Unauthorized, authorization_header
+from .forward import Session
+from .http import RequestTooLarge, parse_json
+from .state import RelayState
+
+__all__ = ["router", "AUTH_WAIT_S"]
+
+log = logging.getLogger(__name__)
+
+router = APIRouter()
+
+AUTH_WAIT_S = 10.0  # a socket without a key (header or auth frame) is closed after this long
+_OUTBOX = 256  # frames queued per socket before its streams wait for its writer
+_POLICY_VIOLATION = 1008  # WebSocket close code: authentication failed or never came
+_MAX_REF_CHARS = 256
+
+
+def _dumps(frame: dict[str, Any]) -> str:
+    return orjson.dumps({k: v for k, v in frame.items() if v is not None}).decode()
+
+
+def error_frame(exc: TokenpipeError, *, ref: Any = None, stream_id: str | None = None) -> str:
+    """An ``error`` frame: the HTTP error body's fields, plus the status and ``retry_after`` of a 429."""
+    return _dumps({"type": "error", "ref": ref, "id": stream_id, "code": exc.code, "message": exc.message,
+                   "param": exc.param, "status": exc.status, "retry_after": getattr(exc, "retry_after", None)})
+
+
+def batch_frames(stream_id: str, batch: TokenBatch) -> list[str]:
+    """A batch as frames: the SSE events' data (``relay.native._render``) plus ``type`` and ``id``."""
+    out = []
+    if batch.token_ids or batch.text or not batch.is_final:
+        out.append(_dumps({"type": "tokens", "id": stream_id, "seq": batch.seq, "index": batch.index,
+                           "token_ids": list(batch.token_ids), "text": batch.text, "timings": dict(batch.timings)}))
+    if batch.is_final:
+        usage = batch.usage.to_map() if batch.usage else None
+        if batch.finish == "error":
+            out.append(_dumps({"type": "error", "id": stream_id, "seq": batch.seq, "code": batch.error_code,
+                               "message": batch.error or "generation failed", "finish": "error", "usage": usage}))
+        else:
+            out.append(_dumps({"type": "done", "id": stream_id, "seq": batch.seq, "finish": batch.finish,
+                               "usage": usage}))
+    return out
+
+
+def _ref(frame: dict[str, Any]) -> Any:
+    ref = frame.get("ref")
+    if ref is None or (isinstance(ref, str) and len(ref) <= _MAX_REF_CHARS):
+        return ref
+    if isinstance(ref, int) and not isinstance(ref, bool) and abs(ref) < 2**53:
+        return ref
+    raise InvalidRequest(f"'ref' must be a string (at most {_MAX_REF_CHARS} characters) or an integer",
+                         param="ref")
+
+
+def _stream_id(frame: dict[str, Any]) -> str:
+    sid = frame.get("id")
+    if not isinstance(sid, str):
+        raise InvalidRequest("'id' must be a stream id (a string)", param="id")
+    check_stream_id(sid)
+    return sid
+
+
+def _flag(frame: dict[str, Any], name: str, default: bool) -> bool:
+    value = frame.get(name, default)
+    if not isinstance(value, bool):
+        raise InvalidRequest(f"'{name}' must be true or false", param=name)
+    return value
+
+
+def _after_seq(frame: dict[str, Any]) -> int:
+    after = frame.get("after_seq")
+    if after is None:
+        return -1
+    if isinstance(after, bool) or not isinstance(after, int) or not 0 <= after <= native.MAX_SEQ:
+        raise InvalidRequest(f"'after_seq' must be an integer between 0 and {native.MAX_SEQ}", param="after_seq")
+    return after
+
+
+def _speed(frame: dict[str, Any]) -> float:
+    speed = frame.get("speed", 1.0)
+    if isinstance(speed, bool) or not isinstance(speed, int | float):
+        raise InvalidRequest("'speed' must be a number", param="speed")
+    return native.check_speed(float(speed))
+
+
+class Connection:
+    """One client socket: its tenant, its streams (id → reading task) and its writer."""
+
+    def __init__(self, state: RelayState, ws: WebSocket) -> None:
+        self.state = state
+        self.ws = ws
+        self.tenant: str | None = None
+        self.streams: dict[str, tuple[Session, asyncio.Task[None]]] = {}
+        self.outbox: asyncio.Queue[str | int] = asyncio.Queue(_OUTBOX)  # frames, or a close code
+        self.dropped = False
+        self._writer: asyncio.Task[None] | None = None
+
+    # -- the socket's life -------------------------------------------------------------------
+    async def run(self) -> None:
+        keys = self.state.keys
+        await self.ws.accept()
+        try:
+            header = authorization_header(self.ws.scope.get("headers", []))
+            if header is not None or not keys.enabled:
+                self.tenant = keys.tenant_for(header)
+        except Unauthorized as exc:
+            await self.ws.send_text(error_frame(exc))
+            await self.ws.close(code=_POLICY_VIOLATION)
+            return
+        self._writer = asyncio.get_running_loop().create_task(self._write(), name="ws-writer")
+        reader = asyncio.get_running_loop().create_task(self._read(), name="ws-reader")
+        try:
+            await asyncio.wait({reader, self._writer}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            await self._close(reader)
+
+    async def _close(self, reader: asyncio.Task[None]) -> None:
+        if self.dropped:
+            log.warning("dropping slow WebSocket client: a write blocked too long",
+                        extra={"streams": len(self.streams), "send_timeout_s": self.state.watchdog.timeout})
+            self.state.metrics.errors.labels(kind="ws_slow_client").inc()
+        tasks = [reader] + [task for _, task in self.streams.values()]
+        for session, _ in self.streams.values():
+            if self.dropped:
+                session.cancel_on_exit = False  # a slow client is cut off, not its generations: it may re-attach
+        if self._writer is not None:
+            tasks.append(self._writer)
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, WebSocketDisconnect):
+                await task  # a failure other than these is a bug: let it surface (logged by the server)
+        if self.dropped:
+            with contextlib.suppress(RuntimeError, OSError):
+                await self.ws.close(code=1013)  # "try again later"; the server aborts it if it cannot be sent
+
+    def abandon(self) -> None:
+        """Called by the write watchdog: this socket's write blocked too long."""
+        self.dropped = True
+        if self._writer is not None:
+            self._writer.cancel()
+
+    async def _write(self) -> None:
+        watchdog = self.state.watchdog
+        while True:
+            frame = await self.outbox.get()
+            if isinstance(frame, int):  # a close code: everything queued before it has been sent
+                await self.ws.close(code=frame)
+                return
+            watchdog.begin(self)
+            try:
+                await self.ws.send_text(frame)
+            finally:
+                watchdog.end(self)
+
+    async def _read(self) -> None:
+        deadline = time.monotonic() + AUTH_WAIT_S
+        while True:
+            if self.tenant is None:
+                try:
+                    async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                        message = await self.ws.receive()
+                except TimeoutError:
+                    await self.outbox.put(error_frame(Unauthorized(
+                        f"no API key within {AUTH_WAIT_S:g} s: send an auth frame first")))
+                    await self.outbox.put(_POLICY_VIOLATION)  # the writer sends what is queued, then closes
+                    if self._writer is not None:
+                        await self._writer
+                    return
+            else:
+                message = await self.ws.receive()
+            if message["type"] == "websocket.disconnect":
+                return
+            text = message.get("text")
+            if text is None:
+                await self.outbox.put(error_frame(InvalidRequest("frames must be JSON text, not binary")))
+                continue
+            await self._handle(text)
+
+    # -- frames ------------------------------------------------------------------------------
+    async def _handle(self, text: str) -> None:
+        ref: Any = None
+        frame: dict[str, Any] = {}
+        try:
+            if len(text) > self.state.settings.max_body_bytes:
+                raise RequestTooLarge(self.state.settings.max_body_bytes)
+            frame = parse_json(text.encode())
+            ref = _ref(frame)
+            kind = frame.get("type")
+            if kind == "auth":
+                await self._auth(frame, ref)
+            elif self.tenant is None:
+                raise Unauthorized('authenticate first: send {"type": "auth", "api_key": ...} '
+                                   "(or connect with an Authorization header)")
+            elif kind == "create":
+                await self._create(frame, ref, self.tenant)
+            elif kind == "attach":
+                await self._attach(frame, ref, self.tenant)
+            elif kind == "cancel":
+                await self._cancel(frame, ref, self.tenant)
+            elif kind == "ping":
+                await self.outbox.put(_dumps({"type": "pong", "ref": ref}))
+            else:
+                raise InvalidRequest("unknown frame 'type': expected auth, create, attach, cancel or ping",
+                                     param="type")
+        except TokenpipeError as exc:
+            sid = frame.get("id") if frame.get("type") in ("attach", "cancel") else None
+            await self.outbox.put(error_frame(exc, ref=ref, stream_id=sid if isinstance(sid, str) else None))
+
+    async def _auth(self, frame: dict[str, Any], ref: Any) -> None:
+        keys = self.state.keys
+        if keys.enabled:
+            if self.tenant is not None:
+                raise InvalidRequest("this socket is already authenticated", param="api_key")
+            key = frame.get("api_key")
+            if not isinstance(key, str) or not key.strip():
+                raise Unauthorized("'api_key' must be a non-empty string", param="api_key")
+            self.tenant = keys.tenant_for(f"Bearer {key.strip()}")
+        await self.outbox.put(_dumps({"type": "authenticated", "ref": ref}))
+
+    async def _create(self, frame: dict[str, Any], ref: Any, tenant: str) -> None:
+        body = {k: v for k, v in frame.items() if k not in ("type", "ref")}
+        created = await native.create(self.state, tenant, body)
+        sid = created["id"]
+        await self.outbox.put(_dumps({"type": "created", "ref": ref, "id": sid, "model": created["model"]}))
+        self._follow(Session(sid, tenant), after=-1, speed=None)
+
+    async def _attach(self, frame: dict[str, Any], ref: Any, tenant: str) -> None:
+        sid = _stream_id(frame)
+        after = _after_seq(frame)
+        replay = _flag(frame, "replay", False)
+        speed = _speed(frame)
+        cancel_on_disconnect = _flag(frame, "cancel_on_disconnect", True)
+        forwarder = self.state.forwarder
+        meta = await forwarder.owned_meta(sid, tenant)
+        if sid in self.streams:
+            raise InvalidRequest(f"stream {sid!r} is already attached on this socket", param="id")
+        await forwarder.check_retained(meta)
+        await self.outbox.put(_dumps({"type": "attached", "ref": ref, "id": sid}))
+        session = Session(sid, tenant, cancel_on_exit=cancel_on_disconnect and not replay, reader=not replay)
+        self._follow(session, after=after, speed=speed if replay else None)
+
+    async def _cancel(self, frame: dict[str, Any], ref: Any, tenant: str) -> None:
+        sid = _stream_id(frame)
+        await self.state.forwarder.owned_meta(sid, tenant)
+        await self.state.forwarder.cancel(sid)
+        self.state.admission.release(tenant, sid)
+        await self.outbox.put(_dumps({"type": "cancelled", "ref": ref, "id": sid}))
+
+    # -- streams -----------------------------------------------------------------------------
+    def _follow(self, session: Session, *, after: int, speed: float | None) -> None:
+        task = asyncio.get_running_loop().create_task(self._forward(session, after, speed),
+                                                      name=f"ws-stream-{session.stream_id}")
+        self.streams[session.stream_id] = (session, task)
+
+    async def _forward(self, session: Session, after: int, speed: float | None) -> None:
+        sid = session.stream_id
+        try:
+            async for item in self.state.forwarder.batches(session, after=after, speed=speed):
+                if isinstance(item, TokenBatch):
+                    for frame in batch_frames(sid, item):
+                        await self.outbox.put(frame)
+                elif isinstance(item, Gap):
+                    await self.outbox.put(_dumps({
+                        "type": "gap", "id": sid, "from_seq": item.from_seq, "to_seq": item.to_seq,
+                        "message": f"batches {item.from_seq}..{item.to_seq} are missing: {item.reason}"}))
+                # a Ping (idle stream) needs no frame: the socket has its own keepalive
+        except TokenpipeError as exc:
+            await self.outbox.put(error_frame(exc, stream_id=sid))
+        finally:
+            if self.streams.get(sid, (None, None))[0] is session:
+                del self.streams[sid]
+
+
+@router.websocket("/v1/ws")
+async def websocket_streams(websocket: WebSocket) -> None:
+    """``/v1/ws``: see the module docstring and the README's "WebSocket" section."""
+    state: RelayState = websocket.app.state.relay
+    await Connection(state, websocket).run()
+
