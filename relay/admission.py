@@ -7,14 +7,16 @@ without bound, and keeps one key from holding every slot.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
 from collections.abc import Callable
 
 from tokenpipe.bus import Bus
-from tokenpipe.errors import Overloaded
+from tokenpipe.errors import Overloaded, TokenpipeError
 from tokenpipe.settings import Settings
+from tokenpipe.streams import last_batch
 from tokenpipe.subjects import REQUESTS_STREAM, consumer_name
 
 __all__ = ["Admission"]
@@ -26,7 +28,8 @@ _QUEUE_INFO_TIMEOUT = 0.5  # ... and how long one reading may take before it cou
 
 
 class Admission:
-    """Stream slots per tenant (``max_streams_per_key``) and the queue-depth check (``max_queue_depth``)."""
+    """Stream slots per tenant (``max_streams_per_key``, shared by all of a tenant's keys) and the
+    queue-depth check (``max_queue_depth``)."""
 
     def __init__(self, settings: Settings, bus: Callable[[], Bus]) -> None:
         self.settings = settings
@@ -35,17 +38,22 @@ class Admission:
         self._queue_info: dict[str, tuple[float, int]] = {}
 
     async def admit(self, tenant: str, model: str, stream_id: str) -> None:
-        """Reserve a stream slot for ``tenant``; 429 when the key has too many unfinished streams
-        or the model's queue is too deep. The slot is freed when a reader sees the stream end,
-        when its owner cancels it, or ``unread_stream_release_s`` after it was created or its
-        last reader here left (a stream nobody reads); while a reader is attached it is held."""
-        now = time.monotonic()
+        """Reserve a stream slot for ``tenant``; 429 when the tenant (all its keys together) has too
+        many unfinished streams or the model's queue is too deep. The slot is freed when a reader
+        sees the stream end, when its owner cancels it, or ``unread_stream_release_s`` after it was
+        created or its last reader here left (a stream nobody reads); while a reader is attached it
+        is held. A stream that finished while nobody here read it is found (its final batch in
+        JetStream) when the tenant reaches its limit, and freed then."""
         mine = self.open_streams.setdefault(tenant, {})
-        for sid in [k for k, expiry in mine.items() if expiry < now]:
-            del mine[sid]
+        self._forget_lapsed(mine)
         if len(mine) >= self.settings.max_streams_per_key:
-            raise Overloaded(f"too many unfinished streams for this key (limit {self.settings.max_streams_per_key})")
-        mine[stream_id] = now + self.settings.unread_stream_release_s  # no await between the check and this: no race
+            await self._forget_finished(mine)
+            self._forget_lapsed(mine)
+        if len(mine) >= self.settings.max_streams_per_key:
+            raise Overloaded(f"too many unfinished streams for this tenant (limit {self.settings.max_streams_per_key}, "
+                             "shared by all its keys)")
+        # No await between the last check and this: no race.
+        mine[stream_id] = time.monotonic() + self.settings.unread_stream_release_s
         try:
             depth = await self.queue_depth(model)
             if depth > self.settings.max_queue_depth:
@@ -54,6 +62,29 @@ class Admission:
         except BaseException:
             self.release(tenant, stream_id)
             raise
+
+    @staticmethod
+    def _forget_lapsed(mine: dict[str, float]) -> None:
+        now = time.monotonic()
+        for sid in [k for k, expiry in mine.items() if expiry < now]:
+            del mine[sid]
+
+    async def _forget_finished(self, mine: dict[str, float]) -> None:
+        """Free the slots of streams that finished while no reader here was attached (nobody here
+        saw their final batch): asked of JetStream only when a tenant is at its limit."""
+        unread = [sid for sid, expiry in mine.items() if expiry != math.inf]
+        finished = await asyncio.gather(*(self._finished(sid) for sid in unread))
+        for sid, done in zip(unread, finished, strict=True):
+            if done:
+                mine.pop(sid, None)
+
+    async def _finished(self, stream_id: str) -> bool:
+        try:
+            last = await last_batch(self._bus(), stream_id)
+        except TokenpipeError as exc:  # cannot tell: the slot stays taken until it lapses
+            log.debug("could not read a stream's last batch", extra={"request_id": stream_id, "error": exc.message})
+            return False
+        return last is not None and last.is_final
 
     def release(self, tenant: str, stream_id: str) -> None:
         self.open_streams.get(tenant, {}).pop(stream_id, None)

@@ -16,7 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 from starlette.types import Receive, Scope, Send
 
-from tokenpipe.errors import TokenpipeError
+from tokenpipe.errors import ModelNotFound, TokenpipeError
 from tokenpipe.metrics import render
 from tokenpipe.settings import Settings
 
@@ -119,6 +119,14 @@ def create_app(settings: Settings, tracer_provider: TracerProvider | None = None
     async def list_models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": m, "object": "model", "owned_by": "tokenpipe", "created": 0}
                                            for m in state.registry.models()]}
+
+    @app.get("/v1/models/{model_id:path}", dependencies=api)
+    async def retrieve_model(model_id: str) -> dict[str, Any]:
+        """One model, as the OpenAI SDK's ``models.retrieve`` reads it; 404 when it is not served here."""
+        if model_id not in state.registry.models():
+            known = ", ".join(state.registry.models()) or "none yet"
+            raise ModelNotFound(f"model {model_id!r} is not served here (available: {known})", param="model")
+        return {"id": model_id, "object": "model", "owned_by": "tokenpipe", "created": 0}
 
     app.include_router(native.router, dependencies=api)
     app.include_router(openai.router, dependencies=api)

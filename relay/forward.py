@@ -219,7 +219,10 @@ class Forwarder:
         """The stream's metadata if ``tenant`` owns it; otherwise 404, exactly as if it did not exist."""
         meta = self._created.get(stream_id)
         # The bucket keeps a record for twice the tokens' age: a copy younger than that is still there.
-        if meta is None or (time.time_ns() - meta.created_at) / 1e9 > self.settings.token_max_age_s:
+        # Another tenant's stream is read from the bucket like a missing one, so that both answers
+        # cost the same round trip (a faster 404 would tell which ids exist).
+        aged = meta is not None and (time.time_ns() - meta.created_at) / 1e9 > self.settings.token_max_age_s
+        if meta is None or meta.tenant != tenant or aged:
             meta = await get_meta(self._bus(), stream_id)
         if meta.tenant != tenant:
             raise stream_not_found(stream_id)

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from tokenpipe.errors import GenerationError, InvalidRequest, TokenpipeError
@@ -22,7 +23,7 @@ from tokenpipe.wire import TokenBatch
 from .sse import SSE_HEADERS
 
 __all__ = ["RAW_SEND", "error_body", "error_response", "read_json", "parse_json", "check_strings", "RequestTooLarge",
-           "SSEResponse", "WriteWatchdog", "Writer", "error_type", "stream_error"]
+           "SSEResponse", "WriteWatchdog", "Writer", "ClientGone", "error_type", "stream_error"]
 
 # Scope key under which the relay app leaves the server's own ``send``: an SSE body chunk then
 # skips three middleware wrappers that only ever look at the response start (4% of the relay's
@@ -35,7 +36,8 @@ log = logging.getLogger(__name__)
 # The OpenAI error ``type`` of each status the relay answers with; any other is a server error.
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
-                422: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable_error"}
+                422: "invalid_request_error", 429: "rate_limit_error", 499: "invalid_request_error",
+                503: "service_unavailable_error"}
 
 
 def error_type(status: int) -> str:
@@ -64,6 +66,13 @@ def error_response(exc: TokenpipeError, headers: dict[str, str] | None = None) -
                         status_code=exc.status, headers=extra or None)
 
 
+class ClientGone(TokenpipeError):
+    """The client closed the connection before its request body arrived: nobody to answer."""
+
+    status = 499  # nginx's "client closed request": counted as the client's doing, not a 500
+    code = "client_closed_request"
+
+
 class RequestTooLarge(InvalidRequest):
     status = 413
     code = "request_too_large"
@@ -78,10 +87,13 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise RequestTooLarge(limit)
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise RequestTooLarge(limit)
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise RequestTooLarge(limit)
+    except ClientDisconnect as exc:
+        raise ClientGone("the client closed the connection mid-body") from exc
     return parse_json(bytes(body))
 
 

@@ -11,6 +11,7 @@ from tokenpipe.settings import Settings
 from tokenpipe.telemetry import setup_tracing
 
 from .app import create_app
+from .connections import server_options
 
 __all__ = ["serve", "uvicorn_config"]
 
@@ -18,7 +19,7 @@ __all__ = ["serve", "uvicorn_config"]
 def uvicorn_config(settings: Settings, provider: TracerProvider, **kw: object) -> uvicorn.Config:
     app = create_app(settings, tracer_provider=provider)
     return uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, access_log=False,
-                          timeout_graceful_shutdown=3, **kw)  # type: ignore[arg-type]
+                          timeout_graceful_shutdown=3, **{**server_options(settings), **kw})
 
 
 # The cyclic GC's default young-generation threshold (700 allocations) made collections run

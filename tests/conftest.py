@@ -18,6 +18,7 @@ from generator.models import LoadedModel, load_model, prepare_smollm2
 from generator.worker import GeneratorWorker
 from producer import aiter_sse
 from relay.app import create_app
+from relay.connections import server_options
 from tokenpipe.bus import Bus, connect
 from tokenpipe.settings import Settings
 from tokenpipe_cli.launch import free_port
@@ -111,8 +112,9 @@ class RelayServer:
         self.app = app
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
+        options = server_options(app.state.relay.settings)  # the header timeout and keepalives relay.main runs with
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None,
-                                                    access_log=False, timeout_graceful_shutdown=1))
+                                                    access_log=False, timeout_graceful_shutdown=1, **options))
         self.task: asyncio.Task[None] | None = None
 
     async def start(self) -> RelayServer:

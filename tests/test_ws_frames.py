@@ -45,7 +45,8 @@ FIELDS: dict[str, st.SearchStrategy[Any]] = {
 # A create always says max_tokens, and a small one: a generated frame must not start long generations.
 small_max_tokens = st.sampled_from([-1, 0, 1, 3, 8, "3", 2.5, True])
 typed_frames = st.builds(
-    lambda kind, fields, max_tokens: {"type": kind, **fields, **({"max_tokens": max_tokens} if kind == "create" else {})},
+    lambda kind, fields, max_tokens: {"type": kind, **fields,
+                                      **({"max_tokens": max_tokens} if kind == "create" else {})},
     st.sampled_from(["auth", "create", "attach", "cancel", "ping", "pong", "nope", ""]) | st.text(max_size=10),
     st.fixed_dictionaries({}, optional=FIELDS),
     small_max_tokens,

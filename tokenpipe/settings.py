@@ -164,10 +164,14 @@ class Settings:
     api_keys: str = field(default="", metadata=_doc("API keys → tenants, `key:tenant,…` (none, and no file: keys off)"))
     api_keys_file: str = field(
         default="", metadata=_doc("a file with one `key tenant` per line, added to `TOKENPIPE_API_KEYS`"))
-    max_streams_per_key: int = field(default=64, metadata=_doc("unfinished streams per key (429)"))
+    max_streams_per_key: int = field(
+        default=64, metadata=_doc("unfinished streams per tenant, shared by all its keys (429)"))
     max_queue_depth: int = field(default=256, metadata=_doc("JetStream consumer lag for the model (429)"))
     slow_client_timeout_s: float = field(
         default=30.0, metadata=_doc("drop a client whose socket stays full this long (the generation goes on)"))
+    header_timeout_s: float = field(
+        default=10.0, metadata=_doc("a connection's request headers must be complete this long after it opened (or "
+                                    "after its previous response), else 408 and closed (slowloris)"))
     expected_generators: int = field(
         default=0, metadata=_doc("generators the relay expects (`tokenpipe up` sets it): `/readyz` says `degraded` "
                                  "while fewer are live (0: unknown)"))

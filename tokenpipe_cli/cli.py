@@ -203,7 +203,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.cmd == "up":
         from .supervisor import Supervisor
 
-        # A port the user chose that is taken is an error; a default one that is taken is replaced.
+        # A port the user chose that is taken is an error; a default one that is taken is replaced (not the relay's).
         explicit = frozenset(k for k in ("port", "metrics_port")
                              if getattr(args, k, None) is not None or f"TOKENPIPE_{k.upper()}" in os.environ)
         return Supervisor(settings, generators=args.generators, nats_port=args.nats_port,

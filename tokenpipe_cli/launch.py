@@ -55,7 +55,10 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def port_free(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether a server could listen on ``port`` now. With ``SO_REUSEADDR``, as uvicorn and
+    nats-server bind: connections of a stack stopped a moment ago, in TIME_WAIT, do not count."""
     with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
         except OSError:

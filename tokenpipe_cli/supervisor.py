@@ -113,7 +113,7 @@ class Supervisor:
         if port_free(wanted, self.settings.host if what == "relay" else "127.0.0.1"):
             return wanted
         if explicit:
-            raise TransportError(f"{what} port {wanted} is already in use (given explicitly; choose another)")
+            raise TransportError(f"{what} port {wanted} is already in use (another tokenpipe up?); choose another")
         chosen = free_port()
         log.warning("default port taken; using a free one", extra={"what": what, "default": wanted, "port": chosen})
         print(f"tokenpipe: {what} port {wanted} is taken; using {chosen}", flush=True)
@@ -172,7 +172,7 @@ class Supervisor:
             nats_url = self.nats.url if self.nats is not None else f"nats://127.0.0.1:{port}"
             self._ports["nats"] = port
         self._ports["nats_url"] = nats_url
-        relay_port = self._port("relay", s.port, "port" in self.explicit)
+        relay_port = self._port("relay", s.port, True)  # the page's address never moves silently
         self._ports["relay"] = relay_port
         self._ports["relay_url"] = f"http://{s.host}:{relay_port}"
         common = ["--nats-url", nats_url, "--data-dir", s.data_dir, "--log-level", s.log_level]
