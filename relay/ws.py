@@ -59,19 +59,22 @@ def error_frame(exc: TokenpipeError, *, ref: Any = None, stream_id: str | None =
 
 
 def batch_frames(stream_id: str, batch: TokenBatch) -> list[str]:
-    """A batch as frames: the SSE events' data (``relay.native._render``) plus ``type`` and ``id``."""
+    """A batch as frames: exactly the SSE events' data (``relay.native._render``, nulls included)
+    after ``type``, ``id`` and (on the final frame, which has no SSE field for it) ``seq``."""
     out = []
     if batch.token_ids or batch.text or not batch.is_final:
-        out.append(_dumps({"type": "tokens", "id": stream_id, "seq": batch.seq, "index": batch.index,
-                           "token_ids": list(batch.token_ids), "text": batch.text, "timings": dict(batch.timings)}))
+        out.append(orjson.dumps({"type": "tokens", "id": stream_id, "seq": batch.seq, "index": batch.index,
+                                 "token_ids": list(batch.token_ids), "text": batch.text,
+                                 "timings": dict(batch.timings)}).decode())
     if batch.is_final:
         usage = batch.usage.to_map() if batch.usage else None
         if batch.finish == "error":
-            out.append(_dumps({"type": "error", "id": stream_id, "seq": batch.seq, "code": batch.error_code,
-                               "message": batch.error or "generation failed", "finish": "error", "usage": usage}))
+            out.append(orjson.dumps({"type": "error", "id": stream_id, "seq": batch.seq,
+                                     "message": batch.error or "generation failed", "code": batch.error_code,
+                                     "finish": "error", "usage": usage}).decode())
         else:
-            out.append(_dumps({"type": "done", "id": stream_id, "seq": batch.seq, "finish": batch.finish,
-                               "usage": usage}))
+            out.append(orjson.dumps({"type": "done", "id": stream_id, "seq": batch.seq, "finish": batch.finish,
+                                     "usage": usage}).decode())
     return out
 
 

@@ -282,3 +282,31 @@ async def test_a_socket_that_stops_reading_is_dropped_without_slowing_others(
         slow.close()  # the relay has dropped it already
     finally:
         await relay.stop()
+
+
+@pytest.mark.parametrize("transport", ["sse", "websocket"])
+async def test_relay_client_transports_give_the_same_events(relay: RelayServer, transport: str) -> None:
+    from producer import RelayClient
+    from tokenpipe.errors import InvalidRequest, ModelNotFound, StreamNotFound
+
+    async with RelayClient(relay.url) as sse, RelayClient(relay.url, transport=transport) as client:
+        sid = await client.create(prompt="Hello there", max_tokens=25, temperature=0, ignore_eos=True)
+        events = [e async for e in client.events(sid)]
+        assert events == [e async for e in sse.events(sid)]  # event names, data and ids alike
+        assert events[-1].event == "done" and events[-1].json()["finish"] == "length"
+        assert [e async for e in client.events(sid, last_event_id=int(events[0].id or 0))] == events[1:]
+        long = await client.create(prompt="a long one", max_tokens=2000, temperature=0, ignore_eos=True,
+                                   coalesce={"max_tokens": 0})
+        seen = []
+        async for event in client.events(long):
+            seen.append(event)
+            if len(seen) == 2:
+                await client.cancel(long)
+        assert seen[-1].event == "done" and seen[-1].json()["finish"] == "cancelled"
+        with pytest.raises(StreamNotFound):
+            [e async for e in client.events("doesnotexist123")]
+        with pytest.raises(ModelNotFound):
+            await client.create(prompt="x", model="no-such-model")
+        with pytest.raises(InvalidRequest) as bad:
+            await client.create(prompt="x", temperature=9)
+        assert bad.value.param == "temperature"
