@@ -1,0 +1,227 @@
+"""Relay cost per stream, WebSocket vs SSE, with a SYNTHETIC token source (a relay load benchmark).
+
+    python -m bench.transports                          # 1,000 streams: 1,000 SSE connections vs 100 sockets
+    python -m bench.transports --streams 200 --sockets 20 --repeats 1
+
+Each run starts its own nats-server and one ``tokenpipe relay`` process (default fan-out). A
+:class:`bench.fanout.SyntheticSource` (no model: meta entries, then 4-token batches for every
+stream spread evenly over each interval) feeds the same number of streams to either
+``--streams`` SSE connections (raw asyncio clients, ``GET /v1/streams/{id}``) or ``--sockets``
+WebSockets on ``/v1/ws`` (the ``websockets`` client), each attached to ``streams / sockets``
+streams. Reported per run: the relay's RSS per open stream (after opening them all, before
+any batch), its CPU per delivered batch and per stream-second, and the steady added latency
+(the batch's ``emitted`` stamp to its arrival at the client). Runs alternate SSE, WebSocket,
+SSE, ... so drift on a shared machine hits both alike; the summary gives WebSocket ÷ SSE ratios
+of the medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+from websockets.asyncio.client import ClientConnection, connect
+
+from tokenpipe import eventloop
+from tokenpipe.bus import connect as connect_bus
+from tokenpipe.settings import Settings
+from tokenpipe_cli.launch import free_port, http_ok, spawn_role, wait_ready
+from tokenpipe_cli.natsserver import NatsServer
+from tokenpipe_cli.stats import latency_stats
+
+from .fanout import SyntheticSource, _SSEClient
+from .procstat import cpu_seconds, rss_kib
+
+__all__ = ["main", "run_one"]
+
+
+class _Socket:
+    """One ``/v1/ws`` client attached to several streams: counts ``tokens`` frames and their latency."""
+
+    def __init__(self, ws: ClientConnection, ids: list[str], latencies: list[int], steady: list[int],
+                 last_seq: int) -> None:
+        self.ws, self.ids = ws, ids
+        self.latencies, self.steady, self.last_seq = latencies, steady, last_seq
+        self.attached: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.task = asyncio.get_running_loop().create_task(self._read())
+
+    async def attach(self) -> None:
+        for sid in self.ids:
+            await self.ws.send(json.dumps({"type": "attach", "id": sid}))
+        await self.attached
+
+    async def _read(self) -> None:
+        waiting, open_streams = set(self.ids), set(self.ids)
+        try:
+            async for message in self.ws:
+                now = time.time_ns()
+                frame = json.loads(message)
+                kind = frame["type"]
+                if kind == "tokens":
+                    lat = now - frame["timings"]["emitted"]
+                    self.latencies.append(lat)
+                    if 0 < frame["seq"] < self.last_seq:
+                        self.steady.append(lat)
+                elif kind == "attached":
+                    waiting.discard(frame["id"])
+                    if not waiting:
+                        self.attached.set_result(None)
+                elif kind == "done":
+                    open_streams.discard(frame["id"])
+                    if not open_streams:
+                        self.done.set_result(None)
+                        return
+                elif kind == "error":
+                    raise RuntimeError(f"error frame: {frame}")
+        except Exception as exc:
+            for future in (self.attached, self.done):
+                if not future.done():
+                    future.set_exception(exc)
+            raise
+
+
+async def _open_sse(port: int, ids: list[str], latencies: list[int], steady: list[int],
+                    last_seq: int) -> tuple[list[asyncio.Future[None]], list[Any]]:
+    loop = asyncio.get_running_loop()
+    done: list[asyncio.Future[None]] = []
+    transports: list[Any] = []
+    span = [0, 0]
+    gate = asyncio.Semaphore(256)  # the relay's accept backlog is finite
+
+    async def open_one(sid: str) -> None:
+        async with gate:
+            client = _SSEClient(f"/v1/streams/{sid}", latencies, steady, last_seq, span, loop.create_future())
+            transport, _ = await loop.create_connection(lambda: client, "127.0.0.1", port)
+            transports.append(transport)
+            done.append(client.done)
+            await client.opened
+
+    await asyncio.gather(*(open_one(sid) for sid in ids))
+    return done, transports
+
+
+async def _open_ws(port: int, ids: list[str], sockets: int, latencies: list[int], steady: list[int],
+                   last_seq: int) -> tuple[list[asyncio.Future[None]], list[_Socket]]:
+    per = -(-len(ids) // sockets)
+    clients = []
+    for i in range(sockets):
+        ws = await connect(f"ws://127.0.0.1:{port}/v1/ws", max_size=None)
+        clients.append(_Socket(ws, ids[i * per:(i + 1) * per], latencies, steady, last_seq))
+    await asyncio.gather(*(c.attach() for c in clients))
+    return [c.done for c in clients], clients
+
+
+async def _drive(transport: str, port: int, relay_pid: int, nats_url: str, streams: int, sockets: int,
+                 batches: int, rate: float) -> dict[str, Any]:
+    bus = await connect_bus(Settings.load(env={}, nats_url=nats_url, replicas="1"), name="bench-transports")
+    try:
+        source = SyntheticSource(bus, streams)
+        await source.register()
+        latencies: list[int] = []
+        steady: list[int] = []
+        base_rss = rss_kib(relay_pid)
+        t_open = time.perf_counter()
+        closers: list[Any]
+        if transport == "sse":
+            done, closers = await _open_sse(port, source.ids, latencies, steady, batches - 1)
+        else:
+            done, closers = await _open_ws(port, source.ids, sockets, latencies, steady, batches - 1)
+        open_s = time.perf_counter() - t_open
+        open_rss = rss_kib(relay_pid)
+        cpu0 = cpu_seconds(relay_pid)
+        t0 = time.perf_counter()
+        await source.run(batches, streams / rate)
+        await asyncio.wait_for(asyncio.gather(*done), 120)
+        wall = time.perf_counter() - t0
+        cpu = cpu_seconds(relay_pid) - cpu0
+        for c in closers:
+            if isinstance(c, _Socket):
+                await c.ws.close()
+                await c.task
+            else:
+                c.close()
+    finally:
+        await bus.close()
+    return {"transport": transport, "streams": streams, "connections": streams if transport == "sse" else sockets,
+            "batches_expected": streams * batches, "batches_delivered": len(latencies),
+            "offered_batches_s": rate, "delivered_batches_s": len(latencies) / wall, "open_s": open_s,
+            "rss_per_stream_kib": (open_rss - base_rss) / streams, "relay_rss_open_kib": open_rss,
+            "relay_cpu_pct": 100 * cpu / wall, "relay_cpu_us_per_batch": 1e6 * cpu / max(1, len(latencies)),
+            "relay_cpu_ms_per_stream_s": 1e3 * cpu / (streams * wall),
+            "steady_latency_ms": latency_stats([v / 1e9 for v in steady])}
+
+
+def run_one(transport: str, streams: int, sockets: int, batches: int, rate: float) -> dict[str, Any]:
+    """One run on a fresh nats-server and relay process."""
+    with tempfile.TemporaryDirectory() as tmp, NatsServer(Path(tmp) / "nats") as nats:
+        port = free_port()
+        relay = spawn_role("relay", "--nats-url", nats.url, "--data-dir", tmp, "--port", str(port),
+                           "--log-level", "WARNING")
+        try:
+            wait_ready(http_ok(f"http://127.0.0.1:{port}/healthz"), timeout=60, what="the relay", children=[relay])
+            return eventloop.run(_drive(transport, port, relay.pid, nats.url, streams, sockets, batches, rate))
+        finally:
+            relay.stop(30)
+
+
+def table(results: list[dict[str, Any]]) -> Table:
+    t = Table(title="relay per stream, WebSocket vs SSE, SYNTHETIC token source")
+    for col in ("transport", "streams", "connections", "delivered/s", "relay CPU", "CPU µs / batch",
+                "CPU ms / stream·s", "RSS / stream KiB", "open s", "steady p50 / p99 ms"):
+        t.add_column(col, justify="right")
+    for r in results:
+        lat = r["steady_latency_ms"]
+        t.add_row(r["transport"], f"{r['streams']:,}", f"{r['connections']:,}", f"{r['delivered_batches_s']:,.0f}",
+                  f"{r['relay_cpu_pct']:.0f}%", f"{r['relay_cpu_us_per_batch']:.1f}",
+                  f"{r['relay_cpu_ms_per_stream_s']:.3f}", f"{r['rss_per_stream_kib']:.1f}", f"{r['open_s']:.1f}",
+                  f"{lat['p50']:.1f} / {lat['p99']:.1f}")
+    return t
+
+
+def ratios(results: list[dict[str, Any]]) -> dict[str, float]:
+    """WebSocket ÷ SSE, medians over the runs of each."""
+    def med(transport: str, key: str) -> float:
+        return statistics.median(r[key] for r in results if r["transport"] == transport)
+
+    return {key: med("websocket", key) / med("sse", key) for key in
+            ("relay_cpu_us_per_batch", "rss_per_stream_kib") if med("sse", key) > 0}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--streams", type=int, default=1000)
+    parser.add_argument("--sockets", type=int, default=100, help="WebSockets carrying the streams")
+    parser.add_argument("--batches", type=int, default=50, help="batches per stream")
+    parser.add_argument("--rate", type=float, default=5000.0, help="batches/s offered, over all streams")
+    parser.add_argument("--repeats", type=int, default=2, help="runs of each transport, alternating")
+    parser.add_argument("--out", default="bench/out/transports.json")
+    args = parser.parse_args(argv)
+    console = Console(width=160)
+    results = []
+    for i in range(args.repeats):
+        for transport in ("sse", "websocket"):
+            connections = args.streams if transport == "sse" else args.sockets
+            console.print(f"run {i + 1}/{args.repeats}: [bold]{transport}[/bold], {args.streams:,} streams over "
+                          f"{connections:,} connections at {args.rate:,.0f} batches/s", highlight=False)
+            results.append(run_one(transport, args.streams, args.sockets, args.batches, args.rate))
+    console.print(table(results))
+    summary = ratios(results)
+    console.print("WebSocket ÷ SSE (medians): " + ", ".join(f"{k} {v:.2f}" for k, v in summary.items()))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"runs": results, "websocket_over_sse": summary}, indent=1))
+    return 0 if all(r["batches_delivered"] == r["batches_expected"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
