@@ -147,10 +147,11 @@ async def test_unread_streams_count_against_the_key_limit(limited: RelayServer) 
         await http.delete(f"/v1/streams/{ids[0]}")  # the owner's cancel frees its slot
         assert (await http.post("/v1/streams", json={"prompt": "y", "max_tokens": 2})).status_code == 201
         await http.delete(f"/v1/streams/{ids[1]}")
-        # concurrent creations cannot slip past the limit together
+        # concurrent creations cannot slip past the limit together (the short stream above may have
+        # finished meanwhile, unread: then it no longer counts, issue 25, and two fit)
         results = await asyncio.gather(*(http.post("/v1/streams", json=long) for _ in range(6)))
         created = [r.json()["id"] for r in results if r.status_code == 201]
-        assert len(created) <= 1 and all(r.status_code in (201, 429) for r in results)
+        assert 1 <= len(created) <= 2 and all(r.status_code in (201, 429) for r in results)
         for sid in created:
             await http.delete(f"/v1/streams/{sid}")
 
