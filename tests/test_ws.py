@@ -310,3 +310,31 @@ async def test_relay_client_transports_give_the_same_events(relay: RelayServer, 
         with pytest.raises(InvalidRequest) as bad:
             await client.create(prompt="x", temperature=9)
         assert bad.value.param == "temperature"
+
+
+async def test_relay_pings_and_closes_a_socket_that_never_answers(settings: Settings,
+                                                                  generator: GeneratorWorker) -> None:
+    relay = await start_relay(settings.replace(keepalive_s=0.5, slow_client_timeout_s=1.0))
+    try:
+        reader, writer = await _raw_ws(relay.port)  # a client that reads but never answers a ping
+        opcodes = []
+        while True:
+            try:
+                head = await asyncio.wait_for(reader.readexactly(2), 20)
+            except asyncio.IncompleteReadError:
+                break  # the relay closed the connection
+            n = head[1] & 0x7F
+            await reader.readexactly(n)
+            opcodes.append(head[0] & 0x0F)
+            if opcodes[-1] == 0x8:
+                break  # a close frame
+        writer.close()
+        assert opcodes and opcodes[0] == 0x9, opcodes  # a ping came first
+        # A real client answers the pings: its socket stays open past several intervals.
+        async with connect(ws_url(relay)) as ws:
+            for ref in range(4):
+                await asyncio.sleep(1.0)  # idle on purpose: the relay's pings keep the socket alive
+                await send(ws, {"type": "ping", "ref": ref})
+                assert await recv(ws, 10) == {"type": "pong", "ref": ref}
+    finally:
+        await relay.stop()
