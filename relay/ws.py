@@ -141,7 +141,7 @@ class Connection:
                 self.tenant = keys.tenant_for(header)
         except Unauthorized as exc:
             await self.ws.send_text(error_frame(exc))
-            await self.ws.close(code=_POLICY_VIOLATION)
+            await self._close_socket(_POLICY_VIOLATION)
             return
         self._writer = asyncio.get_running_loop().create_task(self._write(), name="ws-writer")
         reader = asyncio.get_running_loop().create_task(self._read(), name="ws-reader")
@@ -167,8 +167,14 @@ class Connection:
             with contextlib.suppress(asyncio.CancelledError, WebSocketDisconnect):
                 await task  # a failure other than these is a bug: let it surface (logged by the server)
         if self.dropped:
-            with contextlib.suppress(RuntimeError, OSError):
-                await self.ws.close(code=1013)  # "try again later"; the server aborts it if it cannot be sent
+            await self._close_socket(1013)  # "try again later"
+
+    async def _close_socket(self, code: int) -> None:
+        """Send a close frame, giving up after the slow-client timeout: a client that does not read
+        cannot take it, and the server closes the connection once the handler returns anyway."""
+        with contextlib.suppress(RuntimeError, OSError, TimeoutError, WebSocketDisconnect):
+            async with asyncio.timeout(self.state.watchdog.timeout):
+                await self.ws.close(code=code)
 
     def abandon(self) -> None:
         """Called by the write watchdog: this socket's write blocked too long."""
@@ -181,7 +187,7 @@ class Connection:
         while True:
             frame = await self.outbox.get()
             if isinstance(frame, int):  # a close code: everything queued before it has been sent
-                await self.ws.close(code=frame)
+                await self._close_socket(frame)
                 return
             watchdog.begin(self)
             try:

@@ -10,7 +10,8 @@ import logging
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given
+from hypothesis import settings as settings_
 from hypothesis import strategies as st
 from websockets.sync.client import ClientConnection, connect
 
@@ -82,7 +83,7 @@ async def test_any_frame_gets_a_reply_or_an_error_frame(relay: RelayServer, capl
 
     def run() -> None:
         with connect(url, max_size=None) as ws:
-            @settings(max_examples=200, deadline=None, database=None,
+            @settings_(max_examples=200, deadline=None, database=None,
                       suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
             @given(frame=frames)
             def one(frame: str | bytes) -> None:
@@ -94,3 +95,30 @@ async def test_any_frame_gets_a_reply_or_an_error_frame(relay: RelayServer, capl
     with caplog.at_level(logging.ERROR):
         await asyncio.to_thread(run)  # the relay serves on this test's event loop meanwhile
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
+async def test_before_auth_any_frame_is_refused_with_one_error_frame(settings: Any, generator: Any) -> None:
+    from .conftest import start_relay
+
+    keyed = await start_relay(settings.replace(api_keys="frame-key:fran"),
+                              ready_headers={"Authorization": "Bearer frame-key"})
+    url = keyed.url.replace("http://", "ws://") + "/v1/ws"
+
+    def run() -> None:
+        @settings_(max_examples=60, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+        @given(frame=frames)
+        def one(frame: str | bytes) -> None:
+            with connect(url) as ws:
+                ws.send(frame)
+                reply = json.loads(ws.recv(timeout=REPLY_TIMEOUT_S))
+                assert reply["type"] == "error" and reply["code"] in ("invalid_api_key", "invalid_request"), reply
+                # Nothing else came, and the socket still takes the key.
+                ws.send(json.dumps({"type": "auth", "api_key": "frame-key"}))
+                assert json.loads(ws.recv(timeout=REPLY_TIMEOUT_S))["type"] == "authenticated"
+
+        one()
+
+    try:
+        await asyncio.to_thread(run)
+    finally:
+        await keyed.stop()
