@@ -185,7 +185,7 @@ class Settings:
                       "one to re-attach (`Last-Event-ID`) before cancelling the generation"))
     unread_stream_release_s: float = field(
         default=30.0,
-        metadata=_doc("a stream no reader is attached to stops counting against its key's `max_streams_per_key` "
+        metadata=_doc("a stream no reader is attached to stops counting against its tenant's `max_streams_per_key` "
                       "after this long (it is freed at once when it finishes or is deleted)"))
     metrics_auth: bool = field(
         default=False, metadata=_doc("`/metrics` requires an API key too (when keys are on)"))
