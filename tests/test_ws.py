@@ -174,10 +174,12 @@ async def test_auth_by_header_or_first_frame_nothing_else_before_it(keyed: Relay
         assert await recv(ws) == {"type": "authenticated", "ref": "k"}
         await send(ws, {"type": "ping", "ref": 2})
         assert await recv(ws) == {"type": "pong", "ref": 2}
-    async with connect(ws_url(keyed), additional_headers={"Authorization": "Bearer wrong"}) as ws:
-        assert (await recv(ws))["code"] == "invalid_api_key"
-        await asyncio.wait_for(ws.wait_closed(), 10)
-        assert ws.close_code == 1008
+    for headers in ({"Authorization": "Bearer wrong"},
+                    [("Authorization", "Bearer key-alice"), ("Authorization", "Bearer key-bob")]):
+        async with connect(ws_url(keyed), additional_headers=headers) as ws:
+            assert (await recv(ws))["code"] == "invalid_api_key"
+            await asyncio.wait_for(ws.wait_closed(), 10)
+            assert ws.close_code == 1008
 
 
 async def test_tenants_cannot_attach_or_cancel_each_others_streams_and_limits_are_http_s(
