@@ -242,32 +242,29 @@ async def _raw_ws(port: int, path: str = "/v1/ws") -> tuple[asyncio.StreamReader
     return reader, writer
 
 
-def _masked_text(text: str) -> bytes:
+def _masked_text(text: str, *, zero_mask: bool = False) -> bytes:
+    """A client text frame (clients must mask; a zero mask leaves the payload as it is, for floods)."""
     payload = text.encode()
-    mask = os.urandom(4)
-    assert len(payload) < 126
-    return bytes([0x81, 0x80 | len(payload)]) + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
+    mask = b"\0\0\0\0" if zero_mask else os.urandom(4)
+    n = len(payload)
+    head = bytes([0x81, 0x80 | n]) if n < 126 else bytes([0x81, 0x80 | 126]) + n.to_bytes(2, "big")
+    return head + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
 
 
 async def test_a_socket_that_stops_reading_is_dropped_without_slowing_others(
         settings: Settings, generator: GeneratorWorker, bus: Bus) -> None:
     relay = await start_relay(settings.replace(slow_client_timeout_s=1.0))
     try:
-        # History worth more than the loopback's socket buffers (up to 4 MiB send buffer): 8 finished
-        # streams of 4000 one-token batches (~200 bytes a frame) ...
-        async with httpx.AsyncClient(base_url=relay.url, timeout=60) as http:
-            done_ids = [(await http.post("/v1/streams", json=LONG)).json()["id"] for _ in range(8)]
-        for sid in done_ids:
-            async for _ in follow(bus, sid):
-                pass
-        # ... and one live stream, all on a socket whose client never reads.
+        # A socket whose client never reads, with one live stream ...
         _, slow = await _raw_ws(relay.port)
         slow.write(_masked_text(json.dumps({"type": "create", **LONG}, separators=(",", ":"))))
         forwarder = relay.app.state.relay.forwarder
         await wait_until(lambda: len(forwarder.readers) == 1, 30, "the slow socket's live stream")
         (live,) = list(forwarder.readers)
-        for sid in done_ids:
-            slow.write(_masked_text(json.dumps({"type": "attach", "id": sid}, separators=(",", ":"))))
+        # ... asks for far more than any socket buffers hold (the loopback's send buffer grows to
+        # 4 MiB): 40,000 pings, each answered by a ~290-byte pong (12 MB).
+        ping = _masked_text(json.dumps({"type": "ping", "ref": "p" * 256}, separators=(",", ":")), zero_mask=True)
+        slow.write(ping * 40_000)
         # Meanwhile another socket on the same relay gets a whole stream.
         async with connect(ws_url(relay)) as fast:
             streams: dict[str, list[dict[str, Any]]] = {}
@@ -275,10 +272,10 @@ async def test_a_socket_that_stops_reading_is_dropped_without_slowing_others(
             other = (await reply_to(fast, 1, streams))["id"]
             await until_final(fast, streams, {other}, timeout=60)
             assert len(tokens_of(streams[other])) == SHORT["max_tokens"]
-        # The slow socket is dropped (its readers released) while its live generation goes on.
+        # The slow socket is dropped (its reader released) while its live generation goes on.
         drops = relay.app.state.relay.metrics.errors.labels(kind="ws_slow_client")
         await wait_until(lambda: drops._value.get() == 1, 60, "the slow socket to be dropped")
-        await wait_until(lambda: not forwarder.readers, 10, "the dropped socket's readers to be released")
+        await wait_until(lambda: not forwarder.readers, 10, "the dropped socket's reader to be released")
         finals = [b async for b in follow(bus, live) if isinstance(b, TokenBatch) and b.is_final]
         assert finals[0].finish == "length", finals[0]
         slow.close()  # the relay has dropped it already
