@@ -7,13 +7,16 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import time
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any, TypeVar
 
 import anyio
-from fastapi import Request
+from fastapi import Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.routing import APIRoute
+from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
 from tokenpipe.errors import GenerationError, InvalidRequest, TokenpipeError
@@ -22,7 +25,7 @@ from tokenpipe.wire import TokenBatch
 from .sse import SSE_HEADERS
 
 __all__ = ["RAW_SEND", "error_body", "error_response", "read_json", "parse_json", "check_strings", "RequestTooLarge",
-           "SSEResponse", "WriteWatchdog", "error_type", "stream_error"]
+           "JSONBodyRoute", "takes", "SSEResponse", "WriteWatchdog", "error_type", "stream_error"]
 
 # Scope key under which the relay app leaves the server's own ``send``: an SSE body chunk then
 # skips three middleware wrappers that only ever look at the response start (4% of the relay's
@@ -30,6 +33,7 @@ __all__ = ["RAW_SEND", "error_body", "error_response", "read_json", "parse_json"
 RAW_SEND = "tokenpipe.raw_send"
 
 log = logging.getLogger(__name__)
+E = TypeVar("E", bound=Callable[..., Any])
 
 
 # The OpenAI error ``type`` of each status the relay answers with; any other is a server error.
@@ -72,6 +76,39 @@ class RequestTooLarge(InvalidRequest):
         super().__init__(f"request body exceeds {limit} bytes")
 
 
+class JSONBodyRoute(APIRoute):
+    """A route whose JSON body passes :func:`parse_json`'s checks, within the relay's size
+    limit, before FastAPI validates it against the route's model: FastAPI's own parser would
+    let lone surrogates, digit-limit overflows and deep nesting through as a 500."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+        if self.body_field is None:
+            return handler
+
+        async def checked(request: Request) -> Response:
+            kind = request.headers.get("content-type")
+            if kind is not None and not _JSON_TYPE.match(kind):  # none at all is taken as JSON
+                raise InvalidRequest(f"the request body must be JSON (content-type: application/json), not {kind!r}",
+                                     param="content-type")
+            request._json = await read_json(request, request.app.state.relay.settings.max_body_bytes)
+            return await handler(request)  # FastAPI's request.json() returns the checked value
+
+        return checked
+
+
+def takes(model: type[BaseModel]) -> Callable[[E], E]:
+    """Give an endpoint's ``body`` parameter this app's model (built per app: it carries the
+    relay's own limits, see :class:`relay.protocol.Protocol`), for FastAPI to validate and document."""
+    def declare(endpoint: E) -> E:
+        endpoint.__annotations__["body"] = model
+        return endpoint
+    return declare
+
+
+_JSON_TYPE = re.compile(r"\s*application/([\w.+-]*\+)?json\s*(;|$)", re.IGNORECASE)
+
+
 async def read_json(request: Request, limit: int) -> dict[str, Any]:
     """The body as a JSON object, refusing more than ``limit`` bytes before reading them all."""
     declared = request.headers.get("content-length")
@@ -82,7 +119,8 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
         body += chunk
         if len(body) > limit:
             raise RequestTooLarge(limit)
-    return parse_json(bytes(body))
+    request._body = bytes(body)  # read once: Starlette's body() and json() serve it from here
+    return parse_json(request._body)
 
 
 def parse_json(body: bytes) -> dict[str, Any]:
