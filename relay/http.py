@@ -28,8 +28,8 @@ __all__ = ["RAW_SEND", "error_body", "error_response", "read_json", "parse_json"
            "JSONBodyRoute", "takes", "SSEResponse", "WriteWatchdog", "error_type", "stream_error"]
 
 # Scope key under which the relay app leaves the server's own ``send``: an SSE body chunk then
-# skips three middleware wrappers that only ever look at the response start (4% of the relay's
-# samples in a py-spy profile at 20k batches/s).
+# skips three middleware wrappers that only ever look at the response start (their cost per
+# event: bench/RESULTS.md, "Relay per-event costs").
 RAW_SEND = "tokenpipe.raw_send"
 
 log = logging.getLogger(__name__)
@@ -174,8 +174,8 @@ class WriteWatchdog:
     """Ends SSE responses whose write has been blocked longer than ``timeout`` seconds.
 
     A client that stops reading fills the socket buffers and then blocks our write. One task
-    checks every response mid-write, instead of a cancel scope around every write: at 20k
-    events/s those scopes alone cost a tenth of the relay's CPU. A write that does not block
+    checks every response mid-write, instead of a cancel scope around every write, which costs
+    on every event (bench/RESULTS.md, "Relay per-event costs"). A write that does not block
     never yields to this task, so for it the bookkeeping is one dict insert and one delete.
     """
 
