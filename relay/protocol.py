@@ -1,12 +1,10 @@
 """The relay's HTTP protocol, declared once: typed request and response bodies.
 
-FastAPI validates each request body against its model here and writes the OpenAPI document
-from these models (schemathesis holds the two to each other, ``tests/test_schema.py``). The
-sampling fields are :class:`~tokenpipe.wire.SamplingParams`' own, with its bounds, each made
-optional; a body becomes the wire :class:`~tokenpipe.wire.Request` in one place
-(``to_request``), without validating again. What depends on this relay's settings (its
-``max_tokens`` cap, the longest prompt) is applied by :class:`Protocol`, which derives the
-models one app serves, so that its document states the limits it enforces.
+FastAPI validates each request body against its model and writes the OpenAPI document from
+these models. The sampling fields are :class:`~tokenpipe.wire.SamplingParams`' own, with its
+bounds, each made optional; a body becomes the wire request in one place (``_wire``), without
+validating again. :class:`Protocol` derives the models one app serves, with its settings'
+limits (``max_tokens`` cap, longest prompt), so that its document states what it enforces.
 """
 
 from __future__ import annotations
@@ -35,57 +33,46 @@ from pydantic_core import PydanticCustomError
 from tokenpipe.errors import InvalidRequest
 from tokenpipe.params import MAX_TOKENS_LIMIT, MaxTokens, Whole, invalid_request
 from tokenpipe.settings import Settings
-from tokenpipe.wire import CoalesceParams, Message, Role, SamplingParams, TokenId
+from tokenpipe.wire import CoalesceParams, Message, Role, SamplingParams, TokenId, chat_message
 from tokenpipe.wire import Request as TpRequest
 
 __all__ = ["Protocol", "NativeCreate", "ChatCompletionRequest", "CompletionRequest", "StreamCreated",
-           "StreamCancelled", "ModelList", "ChatCompletion", "Completion", "ErrorResponse", "NativeEvent",
-           "OpenAIEvent", "ERROR_STATUSES", "ID_PATTERN"]
+           "StreamCancelled", "ModelList", "ModelCard", "ChatCompletion", "Completion", "Usage", "ErrorResponse",
+           "NativeEvent", "OpenAIEvent", "ERROR_STATUSES", "ID_PATTERN"]
 
 ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"  # stream ids and model names: NATS subject tokens
 StreamId = Annotated[str, StringConstraints(pattern=ID_PATTERN)]
 Text = Annotated[str, StringConstraints(strict=True)]
 PromptText = Annotated[str, StringConstraints(strict=True, min_length=1)]  # an empty prompt has nothing to continue
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+Flag = Annotated[bool, Field(strict=True)]
 B = TypeVar("B", bound="_Create")
-
-
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-
-def _optional_fields(cls: type) -> dict[str, Any]:
-    """A dataclass's fields, each with its bounds, as optional pydantic fields (null: the default)."""
-    hints = get_type_hints(cls, include_extras=True)
-    return {f.name: (hints[f.name] | None, None) for f in dataclasses.fields(cls)}
-
-
 SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
+
 if TYPE_CHECKING:
-    class _Sampling(_Body):
+    class _Sampling(BaseModel):
         max_tokens: int | None
-else:  # built from SamplingParams: a new sampling field appears in every body and in the document
-    _Sampling = create_model("Sampling", __base__=_Body, **_optional_fields(SamplingParams))
+else:  # from SamplingParams: a new sampling field is in every body, and in the document, with its bounds
+    _hints = get_type_hints(SamplingParams, include_extras=True)
+    _Sampling = create_model("Sampling", **{name: (_hints[name] | None, None) for name in SAMPLING_FIELDS})
 
 
 class _Create(_Sampling):
-    max_tokens_cap: ClassVar[int] = MAX_TOKENS_LIMIT  # this relay's (Protocol)
+    max_tokens_cap: ClassVar[int] = MAX_TOKENS_LIMIT  # this relay's limits, set by Protocol
     max_prompt_chars: ClassVar[int] = 1 << 62
 
     def _wire(self, *, model: str, tenant: str, max_tokens: int | None = None, prompt: str | None = None,
               messages: Sequence[Mapping[str, Any]] | None = None, input_ids: list[int] | None = None,
               coalesce: CoalesceParams | None = None) -> TpRequest:
-        """The wire request: the one place an HTTP body becomes a :class:`~tokenpipe.wire.Request`."""
-        chars = len(prompt or "") + sum(len(m["content"]) for m in messages or ())
-        if chars > self.max_prompt_chars:  # the total; a single prompt string is bounded by its schema too
-            raise InvalidRequest(f"the prompt exceeds {self.max_prompt_chars} characters",
+        """The one place an HTTP body becomes a wire :class:`~tokenpipe.wire.Request`."""
+        if len(prompt or "") + sum(len(m["content"]) for m in messages or ()) > self.max_prompt_chars:
+            raise InvalidRequest(f"the prompt exceeds {self.max_prompt_chars} characters",  # all messages together
                                  param="messages" if messages is not None else "prompt")
         sampling = {name: getattr(self, name) for name in SAMPLING_FIELDS if getattr(self, name) is not None}
         sampling["max_tokens"] = max_tokens or min(SamplingParams().max_tokens, self.max_tokens_cap)
         return TpRequest.create(model, prompt=prompt, input_ids=tuple(input_ids) if input_ids is not None else None,
-                                messages=tuple(messages) if messages is not None else None,
-                                params=SamplingParams(**sampling), coalesce=coalesce or CoalesceParams(),
-                                tenant=tenant)
+                                messages=tuple(messages) if messages is not None else None, tenant=tenant,
+                                params=SamplingParams(**sampling), coalesce=coalesce or CoalesceParams())
 
 
 class NativeCreate(_Create):
@@ -93,7 +80,6 @@ class NativeCreate(_Create):
     ``messages``, ``input_ids``; unknown fields are refused."""
 
     model_config = ConfigDict(extra="forbid")
-
     model: StreamId | None = None
     prompt: PromptText | None = None
     messages: Annotated[list[Message], Field(min_length=1)] | None = None
@@ -113,14 +99,14 @@ class NativeCreate(_Create):
 
 def _neutral(value: Any) -> Any:
     def check(given: Any, info: ValidationInfo) -> Any:
-        ok = given is None or given == value or (info.field_name == "response_format" and given == {"type": "text"})
-        if not ok:
+        if given is not None and given != value and not (info.field_name == "response_format" and
+                                                         given == {"type": "text"}):
             raise ValueError(f"'{info.field_name}' is not supported by this server")
         return given
     return (SkipJsonSchema[Annotated[Any, AfterValidator(check)]], None)  # type: ignore[misc]
 
 
-# OpenAI fields accepted only with the value that changes nothing (not in the document: unsupported).
+# OpenAI fields accepted only with the value that changes nothing (left out of the document).
 _NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "logprobs": False, "parallel_tool_calls": None,
             "logit_bias": None, "tools": None, "tool_choice": None, "response_format": None, "echo": False,
             "best_of": 1, "suffix": None, "top_logprobs": None, "service_tier": None, "store": None,
@@ -131,8 +117,8 @@ else:
     _OpenAIFields = create_model("OpenAIFields", __base__=_Create, **{k: _neutral(v) for k, v in _NEUTRAL.items()})
 
 
-class StreamOptions(_Body):
-    include_usage: Annotated[bool, Field(strict=True)] = False
+class StreamOptions(BaseModel):
+    include_usage: Flag = False
 
 
 class _OpenAIRequest(_OpenAIFields):
@@ -141,11 +127,10 @@ class _OpenAIRequest(_OpenAIFields):
     model_config = ConfigDict(json_schema_extra={  # what _only_streaming checks, in the document's words
         "if": {"required": ["stream_options"], "properties": {"stream_options": {"type": "object"}}},
         "then": {"required": ["stream"], "properties": {"stream": {"const": True}}}})
-
     model: Text | None = Field(None, description="a served model (else 404)")
-    stream: Annotated[bool, Field(strict=True)] | None = None
+    stream: Flag | None = None
     stream_options: StreamOptions | None = Field(None, description="only with `stream: true`")
-    n: Annotated[int, Field(strict=True, ge=1, le=1, description="only 1 is supported")] | None = None
+    n: Annotated[int, Whole(1, 1)] | None = None
     user: Text | None = None
     max_completion_tokens: MaxTokens | None = None
 
@@ -160,12 +145,13 @@ class _OpenAIRequest(_OpenAIFields):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
     def wire_max_tokens(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens
 
 
 def _one_of(what: str) -> WrapValidator:
-    """A union's error as one sentence (pydantic lists each alternative's failure)."""
+    """A union's error in one sentence (pydantic lists each alternative's failure)."""
     def validate(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
         try:
             return handler(value)
@@ -175,33 +161,30 @@ def _one_of(what: str) -> WrapValidator:
     return WrapValidator(validate)
 
 
-class TextPart(_Body):
+class TextPart(BaseModel):
     type: Literal["text"]
     text: Text
 
 
-class ChatMessage(_Body):
+class ChatMessage(BaseModel):
     role: Role
     content: Annotated[Text | list[TextPart], _one_of("a string or a list of text parts")]
 
     @model_validator(mode="before")
     @classmethod
-    def _assistant_may_be_empty(cls, data: Any) -> Any:
+    def _assistant_may_be_empty(cls, data: Any) -> Any:  # an assistant turn that only called tools
         if isinstance(data, dict) and data.get("role") == "assistant" and data.get("content") is None:
-            return {**data, "content": ""}  # an assistant turn that only called tools
+            return {**data, "content": ""}
         return data
-
-    def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
 class ChatCompletionRequest(_OpenAIRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
 
     def to_request(self, model: str, tenant: str) -> TpRequest:
-        role = {"developer": "system"}  # as the wire's Message says
-        messages = [{"role": role.get(m.role, m.role), "content": m.text()} for m in self.messages]
-        return self._wire(model=model, tenant=tenant, max_tokens=self.wire_max_tokens(), messages=messages)
+        texts = [m.content if isinstance(m.content, str) else "".join(p.text for p in m.content) for m in self.messages]
+        messages = [chat_message(m.role, text) for m, text in zip(self.messages, texts, strict=True)]
+        return self._wire(model=model, tenant=tenant, max_tokens=self.wire_max_tokens, messages=messages)
 
 
 def _completion_prompt(text: Any) -> Any:
@@ -213,12 +196,10 @@ class CompletionRequest(_OpenAIRequest):
     prompt: _completion_prompt(PromptText)  # type: ignore[valid-type]
 
     def to_request(self, model: str, tenant: str) -> TpRequest:
-        prompt = self.prompt
-        if isinstance(prompt, list) and isinstance(prompt[0], str):
-            prompt = prompt[0]
+        prompt = self.prompt[0] if isinstance(self.prompt, list) and isinstance(self.prompt[0], str) else self.prompt
         if isinstance(prompt, str):
-            return self._wire(model=model, tenant=tenant, max_tokens=self.wire_max_tokens(), prompt=prompt)
-        return self._wire(model=model, tenant=tenant, max_tokens=self.wire_max_tokens(), input_ids=prompt)
+            return self._wire(model=model, tenant=tenant, max_tokens=self.wire_max_tokens, prompt=prompt)
+        return self._wire(model=model, tenant=tenant, max_tokens=self.wire_max_tokens, input_ids=prompt)
 
 
 class Protocol:
@@ -249,7 +230,6 @@ class Protocol:
 
 
 # --- responses --------------------------------------------------------------------------------
-
 
 class ErrorDetail(BaseModel):
     message: str
@@ -335,13 +315,9 @@ class Completion(BaseModel):
     usage: Usage | None
 
 
-class ChatCompletion(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage | None
+class ChatCompletion(Completion):
+    object: Literal["chat.completion"] = "chat.completion"  # type: ignore[assignment]
+    choices: list[ChatChoice]  # type: ignore[assignment]
 
 
 # Before OpenAPI 3.2 a ``text/event-stream`` schema describes one event (as schemathesis reads it).

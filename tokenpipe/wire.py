@@ -40,6 +40,7 @@ __all__ = [
     "Request",
     "Role",
     "Message",
+    "chat_message",
     "TokenId",
     "TokenBatch",
     "Usage",
@@ -57,8 +58,6 @@ FINISH_REASONS: frozenset[str] = frozenset({"stop", "length", "cancelled", "erro
 MAX_TOKEN_ID = 1 << 31  # no vocabulary is larger; keeps every id encodable
 TokenId = Annotated[int, Field(strict=True, ge=0, lt=MAX_TOKEN_ID)]
 Role = Literal["system", "user", "assistant", "developer", "tool"]
-
-
 _Text = Annotated[str, StringConstraints(strict=True)]
 _Name = Annotated[str, StringConstraints(strict=True, min_length=1)]
 
@@ -69,12 +68,12 @@ class MessageDict(TypedDict):
     content: _Text
 
 
-def _developer_is_system(message: MessageDict) -> MessageDict:
-    return {"role": "system", "content": message["content"]} if message["role"] == "developer" else message
+def chat_message(role: Role, content: str) -> MessageDict:
+    """One chat message as the wire carries it: OpenAI's newer "developer" role is the system role."""
+    return {"role": "system" if role == "developer" else role, "content": content}
 
 
-# One chat message (other keys are dropped): OpenAI's newer "developer" role is the system role.
-Message = Annotated[MessageDict, AfterValidator(_developer_is_system)]
+Message = Annotated[MessageDict, AfterValidator(lambda m: chat_message(m["role"], m["content"]))]  # other keys dropped
 
 
 class _RequestFields(TypedDict, total=False):
@@ -181,25 +180,15 @@ class Request:
         return cls(model=model, **kw)
 
     def encode(self) -> bytes:
-        return _pack(
-            {
-                "v": WIRE_VERSION,
-                "id": self.id,
-                "model": self.model,
-                "prompt": self.prompt,
-                "messages": [dict(m) for m in self.messages] if self.messages is not None else None,
-                "input_ids": list(self.input_ids) if self.input_ids is not None else None,
-                "params": self.params.to_map(),
-                "coalesce": self.coalesce.to_map(),
-                "tenant": self.tenant,
-                "created_at": self.created_at,
-            }
-        )
+        return _pack({"v": WIRE_VERSION, "id": self.id, "model": self.model, "prompt": self.prompt,
+                      "messages": [dict(m) for m in self.messages] if self.messages is not None else None,
+                      "input_ids": list(self.input_ids) if self.input_ids is not None else None,
+                      "params": self.params.to_map(), "coalesce": self.coalesce.to_map(), "tenant": self.tenant,
+                      "created_at": self.created_at})
 
     @classmethod
     def decode(cls, data: bytes) -> Request:
-        obj = _unpack(data, "request")
-        return cls.from_map(obj)
+        return cls.from_map(_unpack(data, "request"))
 
     @classmethod
     def from_map(cls, obj: Mapping[str, Any]) -> Request:
