@@ -84,7 +84,7 @@ async def start_stream(state: RelayState, body: NativeCreate, tenant: str) -> Tp
 
 def router(protocol: Protocol) -> APIRouter:
     """The native routes, taking this app's :class:`~relay.protocol.Protocol` models."""
-    api = APIRouter(route_class=JSONBodyRoute, strict_content_type=False)
+    api = APIRouter(route_class=JSONBodyRoute)
 
     @api.post("/v1/streams", status_code=201, response_model=StreamCreated,
               responses={201: {"description": "the stream was created", "links": _LINKS}})

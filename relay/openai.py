@@ -55,7 +55,7 @@ def _finish_reason(finish: str | None) -> Literal["stop", "length"]:
 
 def router(protocol: Protocol) -> APIRouter:
     """The OpenAI-compatible routes, taking this app's :class:`~relay.protocol.Protocol` models."""
-    api = APIRouter(route_class=JSONBodyRoute, strict_content_type=False)
+    api = APIRouter(route_class=JSONBodyRoute)
 
     @api.post("/v1/chat/completions", response_model=ChatCompletion, responses=_STREAMED)
     @takes(protocol.chat)
