@@ -26,7 +26,7 @@ from . import native, openai
 from .auth import TENANT_KEY, AuthMiddleware
 from .http import RAW_SEND, error_body, error_response
 from .observe import ObserveMiddleware
-from .protocol import ERROR_STATUSES, ErrorResponse, ModelCard, ModelList, Protocol
+from .protocol import ERROR_STATUSES, Bodies, ErrorResponse, ModelCard, ModelList
 from .state import RelayState
 
 __all__ = ["create_app"]
@@ -135,9 +135,9 @@ def create_app(settings: Settings, tracer_provider: TracerProvider | None = None
     async def list_models() -> ModelList:
         return ModelList(data=[ModelCard(id=m) for m in state.registry.models()])
 
-    app.state.protocol = protocol = Protocol(settings)
-    app.include_router(native.router(protocol), dependencies=api, responses=guarded)
-    app.include_router(openai.router(protocol), dependencies=api, responses=guarded)
+    app.state.bodies = bodies = Bodies(settings)
+    app.include_router(native.router(bodies), dependencies=api, responses=guarded)
+    app.include_router(openai.router(bodies), dependencies=api, responses=guarded)
     app.add_middleware(AuthMiddleware, keys=state.keys, metrics=settings.metrics_auth)
     app.add_middleware(ObserveMiddleware, tracer=state.tracer, metrics=state.metrics)
     return app

@@ -79,7 +79,8 @@ class RequestTooLarge(InvalidRequest):
 class JSONBodyRoute(APIRoute):
     """A route whose JSON body passes :func:`parse_json`'s checks, within the relay's size
     limit, before FastAPI validates it against the route's model: FastAPI's own parser would
-    let lone surrogates, digit-limit overflows and deep nesting through as a 500."""
+    pass lone surrogates on (msgpack and the tokenizer fail on them later) and answer too
+    many digits or too deep a nesting without saying which."""
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
@@ -101,7 +102,7 @@ class JSONBodyRoute(APIRoute):
 
 def takes(model: type[BaseModel]) -> Callable[[E], E]:
     """Give an endpoint's ``body`` parameter this app's model (built per app: it carries the
-    relay's own limits, see :class:`relay.protocol.Protocol`), for FastAPI to validate and document."""
+    relay's own limits, see :class:`relay.protocol.Bodies`), for FastAPI to validate and document."""
     def declare(endpoint: E) -> E:
         endpoint.__annotations__["body"] = model
         return endpoint

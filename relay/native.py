@@ -18,7 +18,7 @@ from tokenpipe.wire import TokenBatch
 
 from .forward import Session
 from .http import JSONBodyRoute, SSEResponse, takes
-from .protocol import ID_PATTERN, NativeCreate, NativeEvent, Protocol, StreamCancelled, StreamCreated
+from .protocol import ID_PATTERN, Bodies, NativeCreate, NativeEvent, StreamCancelled, StreamCreated
 from .sse import sse_comment, sse_event
 from .state import RelayState
 
@@ -74,7 +74,7 @@ def state_of(request: Request) -> RelayState:
 
 async def start_stream(state: RelayState, body: NativeCreate, tenant: str) -> TpRequest:
     """Create a stream from a validated native create body (``POST /v1/streams``; the WebSocket
-    ``create`` frame validates its body with :meth:`relay.protocol.Protocol.parse_native`)."""
+    ``create`` frame validates its body with :meth:`relay.protocol.Bodies.parse_native`)."""
     model = await state.registry.resolve(body.model)
     req = body.to_request(model, tenant)
     await state.admission.admit(tenant, model, req.id)
@@ -82,13 +82,13 @@ async def start_stream(state: RelayState, body: NativeCreate, tenant: str) -> Tp
     return req
 
 
-def router(protocol: Protocol) -> APIRouter:
-    """The native routes, taking this app's :class:`~relay.protocol.Protocol` models."""
+def router(bodies: Bodies) -> APIRouter:
+    """The native routes, taking this app's :class:`~relay.protocol.Bodies` models."""
     api = APIRouter(route_class=JSONBodyRoute)
 
     @api.post("/v1/streams", status_code=201, response_model=StreamCreated,
               responses={201: {"description": "the stream was created", "links": _LINKS}})
-    @takes(protocol.native)
+    @takes(bodies.native)
     async def create_stream(body: NativeCreate, request: Request) -> JSONResponse:
         req = await start_stream(state_of(request), body, tenant_of(request))
         created = StreamCreated(id=req.id, model=req.model, stream_url=f"/v1/streams/{req.id}")

@@ -27,6 +27,7 @@ from .http import JSONBodyRoute, SSEResponse, error_body, stream_error, takes
 from .native import state_of, tenant_of
 from .protocol import (
     AssistantMessage,
+    Bodies,
     ChatChoice,
     ChatCompletion,
     ChatCompletionRequest,
@@ -34,7 +35,6 @@ from .protocol import (
     CompletionChoice,
     CompletionRequest,
     OpenAIEvent,
-    Protocol,
     Usage,
 )
 from .sse import sse_comment, sse_event
@@ -53,17 +53,17 @@ def _finish_reason(finish: str | None) -> Literal["stop", "length"]:
     return "length" if finish == "length" else "stop"  # OpenAI has no "cancelled"; the stream simply stopped
 
 
-def router(protocol: Protocol) -> APIRouter:
-    """The OpenAI-compatible routes, taking this app's :class:`~relay.protocol.Protocol` models."""
+def router(bodies: Bodies) -> APIRouter:
+    """The OpenAI-compatible routes, taking this app's :class:`~relay.protocol.Bodies` models."""
     api = APIRouter(route_class=JSONBodyRoute)
 
     @api.post("/v1/chat/completions", response_model=ChatCompletion, responses=_STREAMED)
-    @takes(protocol.chat)
+    @takes(bodies.chat)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await _complete(request, body, chat=True)
 
     @api.post("/v1/completions", response_model=Completion, responses=_STREAMED)
-    @takes(protocol.completion)
+    @takes(bodies.completion)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await _complete(request, body, chat=False)
 

@@ -3,7 +3,7 @@
 FastAPI validates each request body against its model and writes the OpenAPI document from
 these models. The sampling fields are :class:`~tokenpipe.wire.SamplingParams`' own, with its
 bounds, each made optional; a body becomes the wire request in one place (``_wire``), without
-validating again. :class:`Protocol` derives the models one app serves, with its settings'
+validating again. :class:`Bodies` derives the models one app serves, with its settings'
 limits (``max_tokens`` cap, longest prompt), so that its document states what it enforces.
 """
 
@@ -36,7 +36,7 @@ from tokenpipe.settings import Settings
 from tokenpipe.wire import CoalesceParams, Message, Role, SamplingParams, TokenId, chat_message
 from tokenpipe.wire import Request as TpRequest
 
-__all__ = ["Protocol", "NativeCreate", "ChatCompletionRequest", "CompletionRequest", "StreamCreated",
+__all__ = ["Bodies", "NativeCreate", "ChatCompletionRequest", "CompletionRequest", "StreamCreated",
            "StreamCancelled", "ModelList", "ModelCard", "ChatCompletion", "Completion", "Usage", "ErrorResponse",
            "NativeEvent", "OpenAIEvent", "ERROR_STATUSES", "ID_PATTERN"]
 
@@ -58,7 +58,7 @@ else:  # from SamplingParams: a new sampling field is in every body, and in the 
 
 
 class _Create(_Sampling):
-    max_tokens_cap: ClassVar[int] = MAX_TOKENS_LIMIT  # this relay's limits, set by Protocol
+    max_tokens_cap: ClassVar[int] = MAX_TOKENS_LIMIT  # this relay's limits, set by Bodies
     max_prompt_chars: ClassVar[int] = 1 << 62
 
     def _wire(self, *, model: str, tenant: str, max_tokens: int | None = None, prompt: str | None = None,
@@ -202,8 +202,9 @@ class CompletionRequest(_OpenAIRequest):
         return self._wire(model=model, tenant=tenant, max_tokens=self.wire_max_tokens, input_ids=prompt)
 
 
-class Protocol:
-    """The request models one relay serves: the shared ones with this relay's limits."""
+class Bodies:
+    """The request body models one relay serves (``app.state.bodies``): the shared ones with
+    this relay's limits."""
 
     def __init__(self, settings: Settings) -> None:
         cap = min(settings.max_tokens_cap, MAX_TOKENS_LIMIT)

@@ -8,7 +8,7 @@ import json
 import httpx
 import pytest
 
-from relay.protocol import Protocol
+from relay.protocol import Bodies
 from tokenpipe.errors import InvalidRequest
 from tokenpipe.settings import Settings
 from tokenpipe.wire import Request, SamplingParams
@@ -18,26 +18,26 @@ from .conftest import read_sse
 
 def test_a_native_body_becomes_the_wire_request_the_wire_would_decode(settings: Settings) -> None:
     """What the WebSocket route calls: parsed JSON in, the wire request out, no second validation."""
-    protocol = Protocol(settings.replace(max_tokens_cap=64))
-    body = protocol.parse_native({"messages": [{"role": "developer", "content": "be brief", "name": "x"}],
+    bodies = Bodies(settings.replace(max_tokens_cap=64))
+    body = bodies.parse_native({"messages": [{"role": "developer", "content": "be brief", "name": "x"}],
                                   "max_tokens": 8.0, "top_k": -1, "stop": "\n", "coalesce": {"max_tokens": 0}})
     req = body.to_request("tiny-random", "acme")
     assert req.messages == ({"role": "system", "content": "be brief"},)
     assert req.params == SamplingParams(max_tokens=8, top_k=0, stop=("\n",))
     assert req.coalesce.max_tokens == 0 and req.tenant == "acme"
     assert Request.decode(req.encode()) == req  # the generator reads the same request
-    assert protocol.parse_native({"prompt": "x"}).to_request("m", "t").params.max_tokens == 64  # default under the cap
+    assert bodies.parse_native({"prompt": "x"}).to_request("m", "t").params.max_tokens == 64  # default under the cap
     for bad, param in (({"prompt": "x", "max_tokens": 65}, "max_tokens"), ({"prompt": "x", "seed": "7"}, "seed"),
                        ({"prompt": "x", "temprature": 1}, "temprature"), ({"prompt": "x", "stop": [""]}, "stop"),
                        ({"prompt": "x", "coalesce": {"max_delay_ms": -1}}, "coalesce"), ({}, None)):
         with pytest.raises(InvalidRequest) as info:
-            protocol.parse_native(bad)
+            bodies.parse_native(bad)
         assert info.value.param == param, bad
 
 
 def test_every_sampling_field_is_in_every_body_and_the_document_with_its_bounds(settings: Settings) -> None:
-    protocol = Protocol(settings.replace(max_tokens_cap=64))
-    for model in (protocol.native, protocol.chat, protocol.completion):
+    bodies = Bodies(settings.replace(max_tokens_cap=64))
+    for model in (bodies.native, bodies.chat, bodies.completion):
         schema = model.model_json_schema()["properties"]
         for field in dataclasses.fields(SamplingParams):
             assert field.name in schema, (model.__name__, field.name)
