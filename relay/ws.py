@@ -7,7 +7,8 @@ events' data plus ``type`` and ``id``). Every client frame gets a reply or an ``
 a bad frame never closes the socket (README, "WebSocket").
 
 Streams are read through the same :class:`relay.forward.Session` and ``Forwarder.batches`` as
-SSE, created through :func:`relay.native.create`, so tenancy, admission (429), viewer rules
+SSE, created through :func:`relay.native.start_stream` from a body validated by the same model
+(:meth:`relay.protocol.Bodies.parse_native`), so tenancy, admission (429), viewer rules
 and cancellation are the HTTP API's. One writer task per socket sends what its streams queue;
 a socket whose write blocks longer than ``slow_client_timeout_s`` is dropped by the relay's
 :class:`relay.http.WriteWatchdog` (its streams keep generating and can be re-attached).
@@ -23,9 +24,11 @@ from typing import Any
 
 import orjson
 from fastapi import APIRouter, WebSocket
+from pydantic import TypeAdapter, ValidationError
 from starlette.websockets import WebSocketDisconnect
 
 from tokenpipe.errors import InvalidRequest, TokenpipeError
+from tokenpipe.params import invalid_request
 from tokenpipe.streams import Gap
 from tokenpipe.subjects import check_stream_id
 from tokenpipe.wire import TokenBatch
@@ -34,6 +37,7 @@ from . import native
 from .auth import Unauthorized, authorization_header
 from .forward import Session
 from .http import RequestTooLarge, parse_json
+from .protocol import Bodies
 from .state import RelayState
 
 __all__ = ["router", "AUTH_WAIT_S"]
@@ -112,18 +116,25 @@ def _after_seq(frame: dict[str, Any]) -> int:
     return after
 
 
+_SPEED = TypeAdapter(native.Speed)  # the SSE route's ``speed`` rule
+
+
 def _speed(frame: dict[str, Any]) -> float:
     speed = frame.get("speed", 1.0)
     if isinstance(speed, bool) or not isinstance(speed, int | float):
         raise InvalidRequest("'speed' must be a number", param="speed")
-    return native.check_speed(float(speed))
+    try:
+        return float(_SPEED.validate_python(speed))
+    except ValidationError as exc:
+        raise invalid_request([{**err, "loc": ("speed",)} for err in exc.errors()]) from exc
 
 
 class Connection:
     """One client socket: its tenant, its streams (id → reading task) and its writer."""
 
-    def __init__(self, state: RelayState, ws: WebSocket) -> None:
+    def __init__(self, state: RelayState, bodies: Bodies, ws: WebSocket) -> None:
         self.state = state
+        self.bodies = bodies
         self.ws = ws
         self.tenant: str | None = None
         self.streams: dict[str, tuple[Session, asyncio.Task[None]]] = {}
@@ -261,10 +272,10 @@ class Connection:
         await self.outbox.put(_dumps({"type": "authenticated", "ref": ref}))
 
     async def _create(self, frame: dict[str, Any], ref: Any, tenant: str) -> None:
-        body = {k: v for k, v in frame.items() if k not in ("type", "ref")}
-        created = await native.create(self.state, tenant, body)
-        sid = created["id"]
-        await self.outbox.put(_dumps({"type": "created", "ref": ref, "id": sid, "model": created["model"]}))
+        body = self.bodies.parse_native({k: v for k, v in frame.items() if k not in ("type", "ref")})
+        req = await native.start_stream(self.state, body, tenant)  # exactly POST /v1/streams' path
+        sid = req.id
+        await self.outbox.put(_dumps({"type": "created", "ref": ref, "id": sid, "model": req.model}))
         self._follow(Session(sid, tenant), after=-1, speed=None)
 
     async def _attach(self, frame: dict[str, Any], ref: Any, tenant: str) -> None:
@@ -317,6 +328,6 @@ class Connection:
 @router.websocket("/v1/ws")
 async def websocket_streams(websocket: WebSocket) -> None:
     """``/v1/ws``: see the module docstring and the README's "WebSocket" section."""
-    state: RelayState = websocket.app.state.relay
-    await Connection(state, websocket).run()
+    app = websocket.app
+    await Connection(app.state.relay, app.state.bodies, websocket).run()
 
