@@ -16,8 +16,8 @@ from tokenpipe.subjects import check_stream_id
 from tokenpipe.wire import Request as TpRequest
 from tokenpipe.wire import SamplingParams, TokenBatch
 
-from .forward import Session
 from .http import SSEResponse, read_json
+from .sessions import Session
 from .sse import sse_comment, sse_event
 from .state import RelayState
 

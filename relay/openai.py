@@ -22,9 +22,9 @@ from tokenpipe.streams import Gap, Ping
 from tokenpipe.wire import Request as TpRequest
 from tokenpipe.wire import TokenBatch
 
-from .forward import Session
 from .http import SSEResponse, error_body, read_json, stream_error
 from .native import build_request, check_max_tokens, state_of, tenant_of
+from .sessions import Session
 from .sse import sse_comment, sse_event
 from .state import RelayState
 

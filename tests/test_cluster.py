@@ -297,7 +297,7 @@ async def test_regression_a_hole_was_looked_up_again_only_when_traffic_stopped(b
     fanout = _DropLive(bus, reorder_wait=15.0)
     await fanout.start()
     try:
-        live = fanout.open(sid, fresh=True)
+        live = fanout.open(sid)
         got: list[Any] = []
 
         async def read() -> None:
@@ -378,7 +378,7 @@ def test_relay_and_replication_benchmarks_run(tmp_path: Path) -> None:
                     "--out", str(tmp_path / "relays.json"))
     assert relays.returncode == 0, relays.stdout[-2000:] + relays.stderr[-2000:]
     runs = json.loads((tmp_path / "relays.json").read_text())["runs"]
-    assert {(r["mode"], r["relays"]) for r in runs} == {(m, k) for m in ("shared", "stream") for k in (1, 2)}
+    assert [r["relays"] for r in runs] == [1, 2]
     assert all(r["batches_delivered"] == 80 for r in runs)
     repl = _bench("bench.replication", "--rate", "200", "--seconds", "1", "--rounds", "1", "--tokens", "1",
                   "--out", str(tmp_path / "replication.json"))

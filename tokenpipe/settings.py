@@ -185,13 +185,6 @@ class Settings:
                       "after this long (it is freed at once when it finishes or is deleted)"))
     metrics_auth: bool = field(
         default=False, metadata=_doc("`/metrics` requires an API key too (when keys are on)"))
-    relay_fanout: str = field(
-        default="stream",
-        metadata=_doc("`stream`: one core subscription per stream read here (a relay receives only its streams' "
-                      "traffic, so relays scale out; JetStream to catch up); `shared`: one `tp.tok.relay.>` "
-                      "subscription for all SSE streams (every relay receives every batch; see docs/scaling.md); "
-                      "`consumer`: one JetStream consumer per SSE stream — `tokenpipe relay --fanout`"),
-    )
     # process
     log_level: str = field(default="INFO", metadata=_doc("log level"))
     log_json: bool = field(default=False, metadata=_doc("JSON log lines instead of `key=value`"))

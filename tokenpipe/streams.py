@@ -22,7 +22,7 @@ from nats.js.errors import KeyNotFoundError, NotFoundError
 
 from .bus import Bus
 from .cluster import through_elections
-from .errors import StreamNotFound, TransportError
+from .errors import StreamNotFound, TransportError, WireFormatError
 from .reorder import Gap, Reorder
 from .subjects import RELAY_OWNER, TOKENS_STREAM, cancel_subject, check_stream_id, request_subject, token_subject
 from .wire import Request, StreamMeta, TokenBatch
@@ -180,8 +180,12 @@ async def stored(bus: Bus, stream_id: str, *,
         while True:
             msg = await sub.next_msg(timeout=5.0)
             read += 1
-            batch = TokenBatch.decode(msg.data)
-            by_seq.setdefault(batch.seq, (batch, dict(msg.headers or {})))
+            try:
+                batch = TokenBatch.decode(msg.data)
+            except WireFormatError as exc:  # not a batch (nobody's to fix): skipped, never retried
+                log.warning("undecodable stored token batch", extra={"stream_id": stream_id, "error": exc.message})
+            else:
+                by_seq.setdefault(batch.seq, (batch, dict(msg.headers or {})))
             if msg.metadata.num_pending == 0:
                 break
     except nats.errors.TimeoutError as exc:

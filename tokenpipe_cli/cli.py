@@ -75,10 +75,6 @@ def build_parser() -> argparse.ArgumentParser:
     relay.add_argument("--host")
     relay.add_argument("--port", type=int)
     relay.add_argument("--model", help="default model for requests that name none")
-    relay.add_argument("--fanout", dest="relay_fanout", choices=("shared", "stream", "consumer"),
-                       help="live batches from one core subscription per stream read here (stream, "
-                            "default: scales out over relays), one wildcard subscription for all streams "
-                            "(shared), or one JetStream consumer per SSE stream")
 
     nats = sub.add_parser("nats", help="run nats-server with JetStream in the foreground")
     nats.add_argument("--data-dir")
@@ -150,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _settings(args: argparse.Namespace, **extra: Any) -> Settings:
     keys = ("nats_url", "data_dir", "log_level", "log_json", "model", "model_path", "device", "dtype", "quant", "host",
-            "port", "max_batch", "metrics_port", "relay_fanout", "nats_creds", "nats_user", "nats_ca", "nats_cert",
+            "port", "max_batch", "metrics_port", "nats_creds", "nats_user", "nats_ca", "nats_cert",
             "nats_key")
     overrides = {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
     overrides.update(extra)

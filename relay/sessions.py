@@ -29,7 +29,7 @@ from tokenpipe.bus import Bus
 from tokenpipe.errors import NoGenerator, StreamNotFound, TokenpipeError, TransportError
 from tokenpipe.metrics import RelayMetrics
 from tokenpipe.settings import Settings
-from tokenpipe.streams import StreamItem, cancel, follow, get_meta, last_batch, paced, stream_not_found, submit
+from tokenpipe.streams import StreamItem, cancel, get_meta, last_batch, paced, stream_not_found, submit
 from tokenpipe.subjects import READERS_WILDCARD, RELAY_OWNER, readers_subject, request_subject
 from tokenpipe.telemetry import extract_context, producer_span
 from tokenpipe.wire import Request, StreamMeta, TokenBatch
@@ -67,8 +67,8 @@ class Session:
 
 
 class Forwarder:
-    """Stream operations of one relay process. ``fanout`` is set by the relay's start-up when
-    live batches come through the shared fan-out (else each reader follows JetStream itself)."""
+    """Stream operations of one relay process. ``fanout`` (live batches) is set by the relay's
+    start-up, once it is connected."""
 
     def __init__(self, settings: Settings, tracer: Tracer, metrics: RelayMetrics, admission: Admission,
                  bus: Callable[[], Bus]) -> None:
@@ -168,7 +168,7 @@ class Forwarder:
     async def submit(self, request: Request, *, follow: bool = False) -> LiveStream | None:
         """Enqueue inside a PRODUCER span, a child of the current (HTTP server) span. With
         ``follow``, a live reader is registered first and returned (for :class:`Session`)."""
-        live = self.fanout.open(request.id, fresh=True) if follow and self.fanout is not None else None
+        live = self._fanout().open(request.id) if follow else None
         try:
             with producer_span(self.tracer, request_subject(request.model, RELAY_OWNER),
                                {"gen_ai.request.model": request.model, "tokenpipe.stream.id": request.id}) as headers:
@@ -208,6 +208,11 @@ class Forwarder:
                 log.warning("enqueue failed; retrying", extra={"request_id": request.id, "error": str(exc)})
             await asyncio.sleep(delay)  # waiting out a NATS restart; bounded by the deadline
             delay = min(delay * 2, 0.5)
+
+    def _fanout(self) -> Fanout:
+        if self.fanout is None:
+            raise NoGenerator("relay is not connected to NATS")
+        return self.fanout
 
     def _bus_if_connected(self) -> Bus | None:
         try:
@@ -254,14 +259,10 @@ class Forwarder:
                       speed: float | None = None) -> AsyncGenerator[StreamItem, None]:
         """A stream's batches for one client (re-timed when ``speed`` is given); on early exit the
         generation is cancelled unless ``session.cancel_on_exit`` was cleared."""
-        bus = self._bus()
         trace_headers: dict[str, str] = {}
-        if session.live is None and self.fanout is not None:
-            session.live = self.fanout.open(session.stream_id, after_seq=after)
-        if session.live is not None:
-            source = session.live.items(idle=idle, trace_headers=trace_headers)
-        else:
-            source = follow(bus, session.stream_id, after_seq=after, idle=idle, trace_headers=trace_headers)
+        if session.live is None:
+            session.live = self._fanout().open(session.stream_id, after_seq=after)
+        source = session.live.items(idle=idle, trace_headers=trace_headers)
         agen = source if speed is None else paced(source, speed, max_pause=MAX_REPLAY_PAUSE_S)
         if session.reader:
             self._attach(session)
