@@ -26,8 +26,9 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Tracer
 
 from tokenpipe.bus import Bus
-from tokenpipe.errors import NoGenerator, StreamNotFound, TokenpipeError, TransportError
+from tokenpipe.errors import NoGenerator, StreamNotFound, TokenpipeError
 from tokenpipe.metrics import RelayMetrics
+from tokenpipe.retry import ELECTIONS
 from tokenpipe.settings import Settings
 from tokenpipe.streams import StreamItem, cancel, get_meta, last_batch, paced, stream_not_found, submit
 from tokenpipe.subjects import READERS_WILDCARD, RELAY_OWNER, readers_subject, request_subject
@@ -172,7 +173,7 @@ class Forwarder:
         try:
             with producer_span(self.tracer, request_subject(request.model, RELAY_OWNER),
                                {"gen_ai.request.model": request.model, "tokenpipe.stream.id": request.id}) as headers:
-                await self._submit_retrying(request, headers)
+                await self._submit(request, headers)
         except BaseException:
             if live is not None:
                 live.close()
@@ -182,43 +183,20 @@ class Forwarder:
                                           "tenant": request.tenant})
         return live
 
-    async def _submit_retrying(self, request: Request, headers: dict[str, str]) -> None:
-        """Enqueue, retrying for up to ``submit_retry_s`` while NATS is away (a nats-server restart
-        takes a second or two). Every attempt carries the same ``Nats-Msg-Id``: a retry of a
-        publish that did arrive is dropped by JetStream's duplicate window."""
-        deadline = time.monotonic() + self.settings.submit_retry_s
-        delay = 0.05
-        while True:
-            try:
-                async with asyncio.timeout(max(deadline - time.monotonic(), 0.5)):
-                    meta = await submit(self._bus(), request, headers, cancel_orphan=False)
-                if self._bus().owner == RELAY_OWNER:  # the record is in the meta bucket (tokenpipe.streams.submit)
-                    self._created[meta.id] = meta
-                    while len(self._created) > _CREATED_HERE:
-                        self._created.popitem(last=False)
-                return
-            except (TransportError, NoGenerator, TimeoutError) as exc:
-                if time.monotonic() + delay >= deadline:
-                    bus = self._bus_if_connected()
-                    if bus is not None:  # it may have been enqueued without its owner record: nobody could read it
-                        await cancel(bus, request.id)
-                    if isinstance(exc, TimeoutError):
-                        raise TransportError("could not enqueue request: NATS did not answer in time") from exc
-                    raise
-                log.warning("enqueue failed; retrying", extra={"request_id": request.id, "error": str(exc)})
-            await asyncio.sleep(delay)  # waiting out a NATS restart; bounded by the deadline
-            delay = min(delay * 2, 0.5)
+    async def _submit(self, request: Request, headers: dict[str, str]) -> None:
+        """Enqueue, retried for up to ``submit_retry_s`` while NATS is away (a nats-server restart
+        takes a second or two; a stream leader's election 4-9 s)."""
+        bus = self._bus()
+        meta = await submit(bus, request, headers, retry=ELECTIONS.within(self.settings.submit_retry_s))
+        if bus.owner == RELAY_OWNER:  # the record is in the meta bucket (tokenpipe.streams.submit)
+            self._created[meta.id] = meta
+            while len(self._created) > _CREATED_HERE:
+                self._created.popitem(last=False)
 
     def _fanout(self) -> Fanout:
         if self.fanout is None:
             raise NoGenerator("relay is not connected to NATS")
         return self.fanout
-
-    def _bus_if_connected(self) -> Bus | None:
-        try:
-            return self._bus()
-        except NoGenerator:
-            return None
 
     async def owned_meta(self, stream_id: str, tenant: str) -> StreamMeta:
         """The stream's metadata if ``tenant`` owns it; otherwise 404, exactly as if it did not exist."""

@@ -30,10 +30,10 @@ from tokenpipe.cluster import (
     replicas_to_keep,
     resolve_replicas,
     server_list,
-    through_elections,
 )
 from tokenpipe.errors import InvalidRequest, TransportError
 from tokenpipe.natsauth import write_server_config
+from tokenpipe.retry import through_elections
 from tokenpipe.settings import Settings
 from tokenpipe.streams import Gap, follow
 from tokenpipe.subjects import META_BUCKET, REQUESTS_STREAM, TOKENS_STREAM, consumer_name, token_subject
