@@ -12,7 +12,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 from typing import Any
 
 from tokenpipe.bus import Bus
@@ -23,18 +23,9 @@ from tokenpipe.wire import Announcement
 
 from .runner import Runner
 
-__all__ = ["Announcer", "step_observer"]
+__all__ = ["Announcer"]
 
 log = logging.getLogger(__name__)
-
-
-def step_observer(metrics: GeneratorMetrics) -> Callable[[int], None]:
-    """The engine thread's once-per-step callback: the batch-size histogram
-    (prometheus_client is thread-safe)."""
-    def observe(batch_size: int) -> None:
-        metrics.labels(metrics.batch_size).observe(batch_size)
-
-    return observe
 
 
 class Announcer:

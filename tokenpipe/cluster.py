@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from .errors import InvalidRequest
+from .errors import ConfigError
 
 if TYPE_CHECKING:
     from .settings import Settings
@@ -38,7 +38,7 @@ def server_list(nats_url: str) -> list[str]:
     A client needs only one reachable seed: the servers tell it about the rest of the cluster."""
     servers = [u.strip() for u in nats_url.split(",") if u.strip()]
     if not servers:
-        raise InvalidRequest("TOKENPIPE_NATS_URL names no server", param="nats_url")
+        raise ConfigError("TOKENPIPE_NATS_URL names no server", param="nats_url")
     return servers
 
 
@@ -58,7 +58,7 @@ def parse_replicas(value: str) -> int | None:
     except ValueError:
         n = 0
     if not 1 <= n <= MAX_REPLICAS:
-        raise InvalidRequest(f"TOKENPIPE_REPLICAS must be 'auto' or 1..{MAX_REPLICAS}, not {value!r}",
+        raise ConfigError(f"TOKENPIPE_REPLICAS must be 'auto' or 1..{MAX_REPLICAS}, not {value!r}",
                              param="replicas")
     return n
 
