@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import importlib.util
 import json
 import os
 import sys
 from pathlib import Path
 from typing import Any, get_type_hints
 
-from tokenpipe.errors import TokenpipeError
+from tokenpipe.errors import ConfigError, TokenpipeError
 from tokenpipe.eventloop import run
 from tokenpipe.logs import setup_logging
 from tokenpipe.settings import ENV_PREFIX, Settings
@@ -149,6 +150,22 @@ def _settings(args: argparse.Namespace, **extra: Any) -> Settings:
     return Settings.load(**overrides)
 
 
+# What each extra brings (pyproject.toml), by import name: a role command checks for its extra
+# before importing the role, so a base install says what to install instead of a traceback.
+_EXTRAS = {"relay": ("fastapi", "uvicorn"), "generator": ("torch", "transformers", "gguf", "safetensors")}
+_NEEDS = {"up": ("relay", "generator"), "relay": ("relay",), "generator": ("generator",), "prepare": ("generator",)}
+
+
+def require_extras(cmd: str) -> None:
+    """Raise :class:`ConfigError` naming the extra to install when ``tokenpipe cmd`` cannot run here."""
+    extras = _NEEDS.get(cmd, ())
+    missing = [m for extra in extras for m in _EXTRAS[extra] if importlib.util.find_spec(m) is None]
+    if missing:
+        extra = "all" if len(extras) > 1 else extras[0]
+        raise ConfigError(f"`tokenpipe {cmd}` needs the {extra!r} extra (missing: {', '.join(missing)}): "
+                          f"pip install 'tokenpipe[{extra}]'")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -161,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _dispatch(args: argparse.Namespace) -> int:
+    require_extras(args.cmd)
     if args.cmd == "nats":
         from .natsserver import NatsServer
 
