@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 
 import httpx
@@ -132,22 +133,30 @@ def count_looks(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return looks
 
 
-async def test_final_batch_missed_by_the_live_path_is_found_by_resync(bus: Bus,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """Core delivery is at-most-once: a batch stored after the reader's first looks, whose live
-    copy never reached it, must still arrive."""
+@contextlib.asynccontextmanager
+async def deaf_reader(bus: Bus, monkeypatch: pytest.MonkeyPatch,
+                      **kw: float) -> AsyncIterator[tuple[str, asyncio.Task[list[StreamItem]]]]:
+    """A reader of a new stream that hears nothing live, once its opening looks are done."""
     looks = count_looks(monkeypatch)
-    fan = _Deaf(bus, resync_s=0.5, settle_s=0.05, reorder_wait=30.0)
+    fan = _Deaf(bus, settle_s=0.05, **kw)
     await fan.start()
     try:
         sid = new_request_id()
         task = asyncio.create_task(collect(fan.open(sid)))
         await wait_until(lambda: len(looks) >= 2, 10, "the opening look and the settling one")
-        await publish(bus, batch(sid, 0, final=True))
-        items = await asyncio.wait_for(task, 30)
-        assert [b.seq for b in items if isinstance(b, TokenBatch)] == [0]
+        yield sid, task
     finally:
         await fan.stop()
+
+
+async def test_final_batch_missed_by_the_live_path_is_found_by_resync(bus: Bus,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Core delivery is at-most-once: a batch stored after the reader's first looks, whose live
+    copy never reached it, must still arrive."""
+    async with deaf_reader(bus, monkeypatch, resync_s=0.5, reorder_wait=30.0) as (sid, task):
+        await publish(bus, batch(sid, 0, final=True))
+        items = await asyncio.wait_for(task, 30)
+    assert [b.seq for b in items if isinstance(b, TokenBatch)] == [0]
 
 
 async def test_undecodable_message_on_a_token_subject_is_skipped(bus: Bus, fanout: Fanout) -> None:
@@ -227,16 +236,8 @@ async def test_failed_catch_up_is_retried_and_the_stream_goes_on(bus: Bus, fanou
 
 async def test_reconnect_makes_readers_look_again_without_waiting_for_the_idle_resync(
         bus: Bus, monkeypatch: pytest.MonkeyPatch) -> None:
-    looks = count_looks(monkeypatch)
-    fan = _Deaf(bus, resync_s=3600, settle_s=0.05, loss_spread_s=0.2)
-    await fan.start()
-    try:
-        sid = new_request_id()
-        task = asyncio.create_task(collect(fan.open(sid)))
-        await wait_until(lambda: len(looks) >= 2, 10, "the opening look and the settling one")
+    async with deaf_reader(bus, monkeypatch, resync_s=3600, loss_spread_s=0.2) as (sid, task):
         await publish(bus, batch(sid, 0, final=True))  # its live copy never reaches the reader, as in a disconnect
         loss_reported(bus)
         items = await asyncio.wait_for(task, 10)  # not the hour-long idle resync
-        assert [b.seq for b in items if isinstance(b, TokenBatch)] == [0]
-    finally:
-        await fan.stop()
+    assert [b.seq for b in items if isinstance(b, TokenBatch)] == [0]
