@@ -13,7 +13,9 @@ import logging
 import os
 import time
 from collections.abc import Collection
-from typing import Any
+
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 
 from tokenpipe.bus import Bus
 from tokenpipe.metrics import GeneratorMetrics
@@ -44,7 +46,7 @@ class Announcer:
         self.runner = runner
         self.streams = streams
         self.metrics = metrics
-        self._sub: Any = None
+        self._sub: Subscription | None = None
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -71,7 +73,7 @@ class Announcer:
     async def announce(self, ready: bool = True) -> None:
         await self.bus.nc.publish(f"{ANNOUNCE_PREFIX}.{self.worker_id}", self.announcement(ready).encode())
 
-    async def _on_discover(self, msg: Any) -> None:
+    async def _on_discover(self, msg: Msg) -> None:
         if msg.reply:
             await self.bus.nc.publish(msg.reply, self.announcement().encode())
 

@@ -14,15 +14,17 @@ import functools
 import json
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.js import JetStreamContext
 from nats.js import api as js_api
 from nats.js.errors import NotFoundError
 
 from tokenpipe.bus import Bus
 from tokenpipe.cluster import ack_wait_for
-from tokenpipe.errors import GenerationError, TokenpipeError
+from tokenpipe.errors import GenerationError, TokenpipeError, TransportError
 from tokenpipe.retry import PATIENCE, retrying, through_elections
 from tokenpipe.settings import Settings
 from tokenpipe.streams import history
@@ -43,8 +45,8 @@ class RequestIntake:
         self.bus = bus
         self.model = model
         self.settings = settings
-        self._psub: Any = None
-        self._advisories: Any = None
+        self._psub: JetStreamContext.PullSubscription | None = None
+        self._advisories: Subscription | None = None
 
     @property
     def ack_wait_s(self) -> float:
@@ -105,16 +107,23 @@ class RequestIntake:
         self._psub = self._advisories = None
         await self.subscribe()
 
+    @property
+    def pull(self) -> JetStreamContext.PullSubscription:
+        """The pull subscription (after :meth:`subscribe`)."""
+        if self._psub is None:
+            raise TransportError("the request intake is not subscribed")
+        return self._psub
+
     async def next_burst(self, free_slots: Callable[[], int], stopping: asyncio.Event) -> list[Msg]:
         """The next request, and whatever else the queue already holds that fits in
         ``free_slots()``. Raises ``TimeoutError`` when nothing arrived within a second."""
         # One at a time: nats-py's fetch(n) lingers for all n once the first arrives, which
         # would hold a lone request back; fetch(1) returns as soon as one is available.
-        msgs: list[Msg] = await self._psub.fetch(1, timeout=1.0)
+        msgs: list[Msg] = await self.pull.fetch(1, timeout=1.0)
         pending = msgs[-1].metadata.num_pending if msgs else 0
         while pending > 0 and free_slots() > len(msgs) and not stopping.is_set():
             try:
-                more = await self._psub.fetch(min(pending, free_slots() - len(msgs)), timeout=0.02)
+                more = await self.pull.fetch(min(pending, free_slots() - len(msgs)), timeout=0.02)
             except TimeoutError:
                 break  # another worker took them
             except Exception as exc:  # keep what was fetched; the caller's next round retries the rest

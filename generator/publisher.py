@@ -11,9 +11,10 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.js.api import PubAck
 
 from tokenpipe.bus import Bus
 from tokenpipe.retry import ELECTIONS, Backoff, transient
@@ -37,7 +38,7 @@ class _Pending:
     subject: str
     data: bytes
     headers: dict[str, str] | None
-    fut: asyncio.Future[Any] | None
+    fut: asyncio.Future[PubAck] | None
     # When the PubAck is given up on: counted from the (re)publish, not from when the confirm
     # loop reaches the item, so batches lost together (a NATS node died) time out together.
     deadline: float = field(default_factory=lambda: time.monotonic() + _PUBACK_TIMEOUT_S)
@@ -50,14 +51,14 @@ class BatchPublisher:
         self._outbox: asyncio.Queue[_Pending | _Ack] = asyncio.Queue()
         self._unconfirmed: asyncio.Queue[_Pending | _Ack] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
-        self._inflight: dict[asyncio.Future[Any], _Pending] = {}  # PubAcks not yet answered
+        self._inflight: dict[asyncio.Future[PubAck], _Pending] = {}  # PubAcks not yet answered
 
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._publish_loop(), name="publish"),
                        asyncio.create_task(self._confirm_loop(), name="confirm")]
         self.bus.on_possible_loss.append(self._on_possible_loss)
 
-    def _on_possible_loss(self, sub: Any) -> None:
+    def _on_possible_loss(self, sub: Subscription | None) -> None:
         """After a reconnect (``sub`` None): what was in flight on the old connection may never have
         reached a server (its server may be dead), so it goes out again now, not after a PubAck
         timeout — live readers then get it within the reconnect, even before JetStream stores it."""
@@ -78,12 +79,12 @@ class BatchPublisher:
                 old.set_exception(ConnectionResetError("sent again after a reconnect"))
                 old.exception()  # retrieved: the confirm loop may never look at this future
 
-    def _sent(self, item: _Pending, fut: asyncio.Future[Any]) -> None:
+    def _sent(self, item: _Pending, fut: asyncio.Future[PubAck]) -> None:
         item.fut, item.deadline = fut, time.monotonic() + _PUBACK_TIMEOUT_S
         self._inflight[fut] = item
         fut.add_done_callback(self._forget)
 
-    def _forget(self, fut: asyncio.Future[Any]) -> None:
+    def _forget(self, fut: asyncio.Future[PubAck]) -> None:
         self._inflight.pop(fut, None)
 
     def publish(self, subject: str, data: bytes, headers: dict[str, str]) -> None:

@@ -18,9 +18,9 @@ import socket
 import time
 from collections import OrderedDict
 from concurrent.futures import Executor
-from typing import Any
 
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, TracerProvider
 
@@ -80,7 +80,7 @@ class GeneratorWorker:
         self._output = OutputContext(settings, self.publisher, self.metrics, self.tracer, self._finished)
         self._tasks: list[asyncio.Task[None]] = []
         self._checks: set[asyncio.Task[None]] = set()  # stream-id checks of first deliveries still running
-        self._cancels: Any = None
+        self._cancels: Subscription | None = None
 
     # -- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:

@@ -33,6 +33,9 @@ import time
 from collections.abc import AsyncGenerator, Coroutine
 from typing import Any
 
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
 from tokenpipe.bus import Bus
 from tokenpipe.errors import TransportError, WireFormatError
 from tokenpipe.reorder import Reorder
@@ -63,7 +66,7 @@ class Fanout:
         self.loss_spread_s = loss_spread_s
         self._loss_pending = False
         self._readers: dict[str, list[LiveStream]] = {}  # subject -> readers
-        self._subs: dict[str, Any] = {}  # subject -> nats subscription (None while being made)
+        self._subs: dict[str, Subscription | None] = {}  # subject -> nats subscription (None while being made)
         self._pending: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
@@ -122,7 +125,7 @@ class Fanout:
         else:  # the last reader left while the SUB was being made
             await self._unsubscribe(subject, sub)
 
-    async def _unsubscribe(self, subject: str, sub: Any) -> None:
+    async def _unsubscribe(self, subject: str, sub: Subscription | None) -> None:
         if sub is None or self.bus.nc.is_closed:
             return
         try:
@@ -130,7 +133,7 @@ class Fanout:
         except Exception as exc:  # reconnecting or closing: the server drops it with the connection
             log.debug("stream unsubscribe failed", extra={"subject": subject, "error": repr(exc)})
 
-    async def _on_msg(self, msg: Any) -> None:
+    async def _on_msg(self, msg: Msg) -> None:
         readers = self._readers.get(msg.subject)
         if not readers:
             return  # nobody here reads this stream: not even decoded
@@ -142,7 +145,7 @@ class Fanout:
         for reader in readers:
             reader._push(batch, msg.headers)
 
-    def _on_possible_loss(self, sub: Any) -> None:
+    def _on_possible_loss(self, sub: Subscription | None) -> None:
         """After a reconnect (``sub`` None) or a slow-consumer drop on our subscription: every
         reader reads JetStream in full within ``loss_spread_s``. nats-py reports a drop per
         message, so one pass per event-loop turn is scheduled, not one per report."""

@@ -18,12 +18,13 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
-from typing import Any
 
 import anyio
 import nats.errors
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from opentelemetry import trace
-from opentelemetry.trace import SpanKind, Tracer
+from opentelemetry.trace import Span, SpanKind, Tracer
 
 from tokenpipe.bus import Bus
 from tokenpipe.errors import NoGenerator, StreamNotFound, TokenpipeError
@@ -83,7 +84,7 @@ class Forwarder:
         self.readers: Counter[str] = Counter()  # live (non-replay) readers per stream id, on this relay
         self._grace: dict[str, asyncio.Task[None]] = {}  # stream id -> its grace, while it is pending
         self._tasks: set[asyncio.Task[None]] = set()  # every cancel-after-grace still running
-        self._readers_sub: Any = None
+        self._readers_sub: Subscription | None = None
         # The owner records this relay wrote itself (they never change): a client's GET right after
         # its POST, to this relay, need not read its record back from the meta bucket (a round trip
         # on the first token's path).
@@ -100,7 +101,7 @@ class Forwarder:
                 await task
         self._grace.clear()
 
-    async def _on_readers_query(self, msg: Any) -> None:
+    async def _on_readers_query(self, msg: Msg) -> None:
         """Answer when a live reader of the stream is here, or a reader left here within the grace
         (this relay then decides itself, when its own grace ends)."""
         stream_id = msg.subject.rpartition(".")[2]
@@ -218,7 +219,7 @@ class Forwarder:
     async def cancel(self, stream_id: str) -> None:
         await cancel(self._bus(), stream_id)
 
-    def _forward_span(self, session: Session, trace_headers: dict[str, str], *, resumed: bool) -> Any:
+    def _forward_span(self, session: Session, trace_headers: dict[str, str], *, resumed: bool) -> Span:
         """Live forwarding continues the generation's trace (the batches carry its context);
         a replay or resume is its own work, linked to the original trace."""
         origin = trace.get_current_span(extract_context(trace_headers)).get_span_context()

@@ -8,6 +8,7 @@ import asyncio
 import logging
 from typing import Any
 
+from nats.aio.msg import Msg
 from opentelemetry import trace
 from opentelemetry.trace import TracerProvider
 
@@ -129,7 +130,7 @@ class RelayState:
         if self.bus is not None:
             await self.bus.close()
 
-    async def _on_announce(self, msg: Any) -> None:
+    async def _on_announce(self, msg: Msg) -> None:
         self.registry.update(msg.data)
 
     def require_bus(self) -> Bus:

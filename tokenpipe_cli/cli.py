@@ -10,13 +10,16 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any, get_type_hints
+from typing import TYPE_CHECKING, Any, get_type_hints
 
 from tokenpipe.errors import ConfigError, TokenpipeError
 from tokenpipe.eventloop import run
 from tokenpipe.logs import setup_logging
 from tokenpipe.settings import ENV_PREFIX, Settings
 from tokenpipe.settings_doc import shown_default
+
+if TYPE_CHECKING:
+    from .cluster import ClusterArgs
 
 __all__ = ["main"]
 
@@ -253,7 +256,7 @@ def _nats_config(args: argparse.Namespace, data: str) -> Path | None:
     return None
 
 
-def _cluster_args(args: argparse.Namespace) -> Any:
+def _cluster_args(args: argparse.Namespace) -> ClusterArgs | None:
     if args.cluster_name is None:
         return None
     from .cluster import node_args
