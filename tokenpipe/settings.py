@@ -14,13 +14,14 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
+from .cluster import parse_replicas, server_list
 from .errors import ConfigError
 
 __all__ = ["Dtype", "Quant", "Settings", "default_data_dir"]
 
 ENV_PREFIX = "TOKENPIPE_"
 
-Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+Dtype = Literal["auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"]
 Quant = Literal["auto", "none", "int8", "int4"]
 
 
@@ -215,8 +216,6 @@ class Settings:
     def __post_init__(self) -> None:
         """Every choice is checked once, here, at start-up: a bad value is a :class:`ConfigError`
         naming the variable, not a failure later in whichever module reads it first."""
-        from .cluster import parse_replicas, server_list  # cluster needs Settings only for type hints
-
         for f in fields(self):
             choices = _choices(f.type)
             value = getattr(self, f.name)
