@@ -118,3 +118,13 @@ def test_backoff_doubles_to_its_cap_and_resets() -> None:
     assert [b.next() for _ in range(5)] == [0.05, 0.1, 0.2, 0.3, 0.3]
     b.reset()
     assert b.next() == 0.05
+
+
+def test_regression_an_immediate_backoff_sends_what_failed_during_an_outage_at_once_after_it() -> None:
+    """The publisher's confirm loop once paused 50 ms before republishing each batch that failed
+    during a leader election, even after JetStream answered again: hundreds of batches were held
+    back for tens of seconds and the relays' readers declared them lost (the fault tests)."""
+    b = Backoff(0.05, 1.0, immediate=True)
+    assert [b.next() for _ in range(4)] == [0.0, 0.05, 0.1, 0.2]
+    b.reset()  # a batch was confirmed: JetStream answers again
+    assert b.next() == 0.0

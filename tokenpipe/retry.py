@@ -58,18 +58,21 @@ def transient(exc: BaseException) -> bool:
 
 
 class Backoff:
-    """Exponential delays from ``first_s`` up to ``max_s``; :meth:`reset` once things work again."""
+    """Exponential delays from ``first_s`` up to ``max_s``; :meth:`reset` once things work again.
+    ``immediate``: the first delay (and the first after a reset) is 0 — for a loop that retries
+    many items in turn, where the items that failed during an outage must each go out at once
+    after it, not each after a pause."""
 
-    def __init__(self, first_s: float, max_s: float) -> None:
-        self.first_s, self.max_s = first_s, max_s
-        self._next = first_s
+    def __init__(self, first_s: float, max_s: float, *, immediate: bool = False) -> None:
+        self.first_s, self.max_s, self.immediate = first_s, max_s, immediate
+        self._next = 0.0 if immediate else first_s
 
     def next(self) -> float:
-        delay, self._next = self._next, min(self._next * 2, self.max_s)
+        delay, self._next = self._next, min(max(self._next * 2, self.first_s), self.max_s)
         return delay
 
     def reset(self) -> None:
-        self._next = self.first_s
+        self._next = 0.0 if self.immediate else self.first_s
 
 
 @dataclass(frozen=True)
