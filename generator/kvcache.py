@@ -31,8 +31,9 @@ import torch
 from torch import Tensor
 
 from tokenpipe.errors import TokenpipeError
+from tokenpipe.metrics import GeneratorMetrics
 
-__all__ = ["BLOCK_SIZE", "ROOT_KEY", "SCRATCH", "BlockPool", "PagedKVCache", "KVCacheTooSmall", "auto_budget_bytes", "bytes_per_position",
+__all__ = ["BLOCK_SIZE", "ROOT_KEY", "SCRATCH", "BlockPool", "PagedKVCache", "KVCacheTooSmall", "KVCacheMeter", "auto_budget_bytes", "bytes_per_position",
            "prefix_keys"]
 
 BLOCK_SIZE = 16
@@ -232,3 +233,24 @@ class PagedKVCache:
         flat = tables.reshape(-1)
         shape = (self.kv_heads, B, n * BLOCK_SIZE, self.head_dim)
         return (self.k[layer].index_select(1, flat).view(shape), self.v[layer].index_select(1, flat).view(shape))
+
+
+class KVCacheMeter:
+    """Moves a pool's state into the generator's Prometheus metrics (its counters by how much
+    the pool's totals grew since the last look)."""
+
+    def __init__(self, metrics: GeneratorMetrics) -> None:
+        self.metrics = metrics
+        self._seen = (0, 0, 0)
+
+    def update(self, pool: BlockPool, preemptions: int) -> None:
+        m = self.metrics
+        cached = pool.cached
+        m.labels(m.kv_cache).set(pool.used / max(pool.capacity, 1))
+        for state, count in (("used", pool.used), ("cached", cached), ("free", pool.capacity - pool.used - cached)):
+            m.kv_blocks.labels(model_name=m.model, state=state).set(count)
+        now = (pool.query_tokens, pool.hit_tokens, preemptions)
+        for counter, new, old in zip((m.prefix_queries, m.prefix_hits, m.preemptions), now, self._seen, strict=True):
+            if new > old:
+                m.labels(counter).inc(new - old)
+        self._seen = now
