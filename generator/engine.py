@@ -219,8 +219,9 @@ class Engine:
             self.waiting.popleft()
             seq.blocks = held + [self.pool.allocate() for _ in range(fresh)]
             seq.computed = len(held) * BLOCK_SIZE
-            self.pool.query_tokens += len(tokens)
-            self.pool.hit_tokens += seq.computed
+            if not seq.order:  # a prompt's first admission (a preempted one's recompute is not a query)
+                self.pool.query_tokens += len(tokens)
+                self.pool.hit_tokens += seq.computed
             self._admissions += 1
             seq.order = self._admissions
             batch.append(seq)

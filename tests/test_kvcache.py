@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -22,7 +24,7 @@ def mb_for(lm: LoadedModel, positions: int) -> float:
 
 
 def alone(lm: LoadedModel, prompt: list[int], n: int) -> list[int]:
-    engine = Engine(lm, max_batch=1, max_seq_len=512, prefix_caching=False)
+    engine = Engine(lm, max_batch=1, max_seq_len=2048, kv_cache_mb=mb_for(lm, 2100), prefix_caching=False)
     seq = engine.new_sequence("ref", prompt, greedy(n))
     engine.add(seq)
     engine.run_to_completion()
@@ -180,3 +182,40 @@ def test_decode_reads_blocks_in_any_order(tiny_model: LoadedModel) -> None:
     assert seq.blocks != sorted(seq.blocks) or seq.blocks[0] != 1
     engine.run_to_completion()
     assert seq.generated == alone(tiny_model, prompt, 20)
+
+
+async def test_a_generator_short_of_kv_blocks_pulls_by_memory_and_loses_no_token(settings, data_dir) -> None:  # type: ignore[no-untyped-def]
+    """A worker whose KV budget holds a few of the requests at a time (max_batch is 16): every
+    stream completes with the tokens the engine gives it alone; its metrics count the prompt tokens
+    looked up and its announcement the free blocks."""
+    from generator.models import load_model
+    from generator.worker import GeneratorWorker
+    from producer import Producer
+    from tokenpipe.bus import connect
+    from tokenpipe.metrics import render
+
+    from .conftest import wait_until
+
+    loaded = load_model("tiny-random", device="cpu", dtype="float32", data_dir=data_dir)
+    loaded.name = "tiny-small-kv"  # its own request subject: the session's generator does not take these
+    budget = mb_for(loaded, 160 * BLOCK_SIZE)  # 159 usable blocks; max_seq_len 2048 needs 128
+    bus = await connect(settings, name="kv-generator")
+    worker = GeneratorWorker(settings.replace(max_batch=16, kv_cache_mb=budget), loaded, bus)
+    await worker.start()
+    prompts = [[(13 * i + j) % 900 + 5 for j in range(300 + 37 * i)] for i in range(10)]
+    try:
+        assert 0 < worker.announcer.announcement().free_blocks <= 159
+        async with await Producer.connect(settings=settings) as producer:
+            handles = [await producer.submit("tiny-small-kv", input_ids=p, max_tokens=24, temperature=0,
+                                             ignore_eos=True) for p in prompts]
+            results = await asyncio.wait_for(asyncio.gather(*(h.result() for h in handles)), 120)
+        for prompt, res in zip(prompts, results, strict=True):
+            assert res.finish == "length" and res.token_ids == alone(loaded, prompt, 24)
+        await worker.announcer._refresh_gauges()
+        text = render(worker.metrics.registry).decode()
+        assert f'tokenpipe_prefix_cache_queries_total{{model_name="tiny-small-kv"}} {float(sum(map(len, prompts)))}' \
+            in text
+        await wait_until(lambda: worker.runner.engine.pool.used == 0, 10, "blocks to be given back")
+    finally:
+        await worker.stop(drain_timeout=1.0)
+        await bus.close()
