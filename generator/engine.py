@@ -28,7 +28,7 @@ __all__ = ["Engine", "Sequence", "StepOutput"]
 
 log = logging.getLogger(__name__)
 
-_ATTEND_ROUND = 64  # attended length is rounded up to this (fewer distinct shapes)
+_ATTEND_ROUND = 32  # attended length is rounded up to this (fewer distinct shapes, little padding)
 
 
 @dataclass(eq=False)

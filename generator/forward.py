@@ -144,7 +144,7 @@ def prefill(model: Any, cache: PagedKVCache, input_ids: Tensor, positions: Tenso
     N, S = input_ids.shape
     x = inner.embed_tokens(input_ids)  # [N, S, D]
     cos, sin = inner.rotary_emb(x, positions)  # [N, S, hd]
-    flat_slots = slots.reshape(-1)
+    where = cache.locate(slots.reshape(-1))
     mask = None
     if tables is not None:
         cols = torch.arange(tables.shape[1] * BLOCK_SIZE, device=input_ids.device)
@@ -153,7 +153,7 @@ def prefill(model: Any, cache: PagedKVCache, input_ids: Tensor, positions: Tenso
         attn = layer.self_attn
         q, k, v = _qkv(attn, lp, layer.input_layernorm(x), cos, sin, cache.head_dim)  # k, v [N, G, S, hd]
         cache.write(li, k.permute(1, 0, 2, 3).reshape(k.shape[1], N * S, -1),
-                    v.permute(1, 0, 2, 3).reshape(v.shape[1], N * S, -1), flat_slots)
+                    v.permute(1, 0, 2, 3).reshape(v.shape[1], N * S, -1), where)
         if tables is None:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling, enable_gqa=True)
         else:
@@ -193,6 +193,23 @@ def _decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: floa
     return torch.matmul(probs, v).transpose(0, 1).reshape(B, H, 1, hd).to(out_dtype)
 
 
+def _bagged_attention(q: Tensor, cache: PagedKVCache, layer: int, tables: Tensor, bags: tuple[Tensor, Tensor],
+                      mask: Tensor, scale: float) -> Tensor:
+    """Decode attention that gathers only K: ``probs @ V`` is an ``embedding_bag`` (weighted sum)
+    over the pool's V rows in place. Gathering V as well cost a third of a 32-row step at 512
+    positions (its copy is as large as the matmul's read). q [B, H, 1, hd] -> [B, H, 1, hd]"""
+    B, H, _, hd = q.shape
+    G = cache.kv_heads
+    kc = cache.gather_k(layer, tables)  # [G, B, T, hd]
+    qg = q.view(B, G, H // G, hd).transpose(0, 1)  # [G, B, H/G, hd]
+    scores = torch.matmul(qg, kc.transpose(-1, -2)).float() * scale  # [G, B, H/G, T]
+    probs = scores.masked_fill(~mask[None, :, None, :], float("-inf")).softmax(-1)
+    values = cache.v[layer].reshape(-1, hd)  # [G * blocks * BLOCK_SIZE, hd]: a view of the pool
+    index, offsets = bags
+    o = F.embedding_bag(index, values, offsets, mode="sum", per_sample_weights=probs.to(values.dtype).reshape(-1))
+    return o.view(G, B, H // G, hd).transpose(0, 1).reshape(B, H, 1, hd).to(q.dtype)
+
+
 @torch.inference_mode()
 def decode_step(model: Any, cache: PagedKVCache, tokens: Tensor, positions: Tensor, slots: Tensor,
                 tables: Tensor) -> Tensor:
@@ -206,12 +223,18 @@ def decode_step(model: Any, cache: PagedKVCache, tokens: Tensor, positions: Tens
     cos, sin = inner.rotary_emb(x, positions[:, None])  # [B, 1, hd]
     cols = torch.arange(tables.shape[1] * BLOCK_SIZE, device=tokens.device)
     mask = cols[None, :] <= positions[:, None]  # [B, T]
+    where = cache.locate(slots)
+    bags = None if B <= FP32_ATTENTION_ROWS else cache.value_bags(
+        tables, int(model.config.num_attention_heads) // cache.kv_heads)
     for li, (layer, lp) in enumerate(zip(inner.layers, plan.layers, strict=True)):
         attn = layer.self_attn
         q, k, v = _qkv(attn, lp, layer.input_layernorm(x), cos, sin, cache.head_dim)  # q [B,H,1,hd] k,v [B,G,1,hd]
-        cache.write(li, k[:, :, 0].transpose(0, 1), v[:, :, 0].transpose(0, 1), slots)
-        kc, vc = cache.gather(li, tables)  # [G, B, T, hd]
-        o = _decode_attention(q, kc, vc, mask, attn.scaling)  # [B, H, 1, hd]
+        cache.write(li, k[:, :, 0].transpose(0, 1), v[:, :, 0].transpose(0, 1), where)
+        if bags is None:
+            kc, vc = cache.gather(li, tables)  # [G, B, T, hd]
+            o = _decode_attention(q, kc, vc, mask, attn.scaling)  # [B, H, 1, hd]
+        else:
+            o = _bagged_attention(q, cache, li, tables, bags, mask, attn.scaling)
         x = x + lp.o(o.transpose(1, 2).reshape(B, 1, -1))
         x = _mlp_block(layer, lp, x)
     return plan.lm_head(inner.norm(x[:, 0]))  # [B, V]

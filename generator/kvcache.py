@@ -33,8 +33,8 @@ from torch import Tensor
 from tokenpipe.errors import TokenpipeError
 from tokenpipe.metrics import GeneratorMetrics
 
-__all__ = ["BLOCK_SIZE", "ROOT_KEY", "SCRATCH", "BlockPool", "PagedKVCache", "KVCacheTooSmall", "KVCacheMeter", "auto_budget_bytes", "bytes_per_position",
-           "prefix_keys"]
+__all__ = ["BLOCK_SIZE", "ROOT_KEY", "SCRATCH", "BlockPool", "PagedKVCache", "KVCacheTooSmall", "KVCacheMeter",
+           "auto_budget_bytes", "bytes_per_position", "prefix_keys"]
 
 BLOCK_SIZE = 16
 SCRATCH = 0  # block id padding writes go to; never handed out
@@ -209,6 +209,7 @@ class PagedKVCache:
         else:
             data = torch.zeros(shape, dtype=dtype, device=device)
         self.data = data
+        self.kv = [data[i] for i in range(self.layers)]  # [2, G, num_blocks, BLOCK_SIZE, hd] each
         self.k = [data[i, 0] for i in range(self.layers)]
         self.v = [data[i, 1] for i in range(self.layers)]
 
@@ -221,18 +222,41 @@ class PagedKVCache:
         """Bytes of the pool ever written (what RSS holds on CPU)."""
         return self.pool.touched * self.block_bytes
 
-    def write(self, layer: int, k: Tensor, v: Tensor, slots: Tensor) -> None:
-        """Store ``k, v [G, M, hd]`` at flat positions ``slots [M]`` (block * BLOCK_SIZE + offset)."""
-        blocks, offsets = slots // BLOCK_SIZE, slots % BLOCK_SIZE
+    @staticmethod
+    def locate(slots: Tensor) -> tuple[Tensor, Tensor]:
+        """Flat positions ``slots [M]`` (block * BLOCK_SIZE + offset) as (blocks, offsets), once per step."""
+        return slots // BLOCK_SIZE, slots % BLOCK_SIZE
+
+    def write(self, layer: int, k: Tensor, v: Tensor, where: tuple[Tensor, Tensor]) -> None:
+        """Store ``k, v [G, M, hd]`` at the positions ``where`` (from :meth:`locate`)."""
+        blocks, offsets = where
         self.k[layer][:, blocks, offsets] = k
         self.v[layer][:, blocks, offsets] = v
 
-    def gather(self, layer: int, tables: Tensor) -> tuple[Tensor, Tensor]:
-        """``tables [B, n]`` of block ids -> K, V ``[G, B, n * BLOCK_SIZE, hd]``."""
+    def gather_k(self, layer: int, tables: Tensor) -> Tensor:
+        """``tables [B, n]`` of block ids -> K ``[G, B, n * BLOCK_SIZE, hd]``."""
         B, n = tables.shape
-        flat = tables.reshape(-1)
-        shape = (self.kv_heads, B, n * BLOCK_SIZE, self.head_dim)
-        return (self.k[layer].index_select(1, flat).view(shape), self.v[layer].index_select(1, flat).view(shape))
+        return self.k[layer].index_select(1, tables.reshape(-1)).view(self.kv_heads, B, n * BLOCK_SIZE, self.head_dim)
+
+    def value_bags(self, tables: Tensor, group: int) -> tuple[Tensor, Tensor]:
+        """For ``embedding_bag`` over one layer's V viewed as rows ``[G * num_blocks * BLOCK_SIZE, hd]``:
+        the row of every (kv head g, row b, query head r of g's group, position t), and the start
+        of each (g, b, r) bag. The same for every layer of a step: built once."""
+        B, n = tables.shape
+        T = n * BLOCK_SIZE
+        offset = torch.arange(BLOCK_SIZE, device=tables.device)
+        rows = (tables[:, :, None] * BLOCK_SIZE + offset).view(1, B, 1, T)  # [1, B, 1, T]
+        head = torch.arange(self.kv_heads, device=tables.device).view(-1, 1, 1, 1) * (self.num_blocks * BLOCK_SIZE)
+        index = (rows + head).expand(self.kv_heads, B, group, T).reshape(-1)
+        starts = torch.arange(0, index.numel(), T, device=tables.device)
+        return index, starts
+
+    def gather(self, layer: int, tables: Tensor) -> tuple[Tensor, Tensor]:
+        """``tables [B, n]`` of block ids -> K, V ``[G, B, n * BLOCK_SIZE, hd]``, in one gather."""
+        B, n = tables.shape
+        kv = self.kv[layer].index_select(2, tables.reshape(-1))  # [2, G, B * n, BLOCK_SIZE, hd]
+        kv = kv.view(2, self.kv_heads, B, n * BLOCK_SIZE, self.head_dim)
+        return kv[0], kv[1]
 
 
 class KVCacheMeter:

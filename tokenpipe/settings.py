@@ -95,7 +95,7 @@ class Settings:
                       "is 4-bit, on CPUs; with native bf16 the bf16 weight takes matmuls of more than 16 rows; "
                       "else none), `none`, `int8`, `int4`"))
     max_batch: int = field(
-        default=32, metadata=_doc("most concurrent sequences per generator; the KV cache's free blocks decide below it"))
+        default=32, metadata=_doc("most concurrent sequences per generator; free KV-cache blocks decide below it"))
     kv_cache_mb: float = field(
         default=0, metadata=_doc("KV-cache budget in MiB, one pool of 16-position blocks, written only as used (0: a "
                                  "quarter of available RAM on CPU, 60 % of free GPU memory on CUDA, at most "
