@@ -178,6 +178,39 @@ def capacity(lm: LoadedModel, budget_mb: float, max_seq_len: int = 2048) -> dict
             "slot_streams": slot}
 
 
+def up_ttft(model: str) -> dict[str, Any]:
+    """(b) through ``tokenpipe up`` over HTTP: a chat with a ~1,200-token system prompt, then four
+    more with the same system prompt and other questions; TTFT is the POST to the first content."""
+    import httpx
+
+    from tokenpipe_cli.launch import free_port
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "tokenpipe_cli", "up", "--model", model, "--port", str(port),
+                             "--nats-port", str(free_port())], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    system = " ".join(f"Rule {i}: answer politely, cite the source, and keep it short." for i in range(95))
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if "is up" in line:
+                break
+        times = []
+        for q in ("What is NATS?", "Name a colour.", "How far is the moon?", "What is 2+2?", "Who wrote Hamlet?"):
+            body = {"model": model, "stream": True, "max_tokens": 4, "temperature": 0,
+                    "messages": [{"role": "system", "content": system}, {"role": "user", "content": q}]}
+            t0 = time.perf_counter()
+            with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data:") and '"content"' in line and '"content":""' not in line:
+                        break
+            times.append(time.perf_counter() - t0)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    return {"cold_s": times[0], "warm_s": times[1:], "warm_over_cold": statistics.median(times[1:]) / times[0]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
@@ -192,6 +225,8 @@ def main() -> None:
     lm = _load(args.model)
     results["dtype"], results["quant"], results["threads"] = str(lm.dtype), lm.quant, torch.get_num_threads()
     results["ttft"] = ttft(lm, 1100)
+    results["ttft_up"] = up_ttft(args.model)
+    console.print(f"(b) through tokenpipe up: {results['ttft_up']}")
     results["throughput"] = throughput(lm, 2 if args.quick else 4, 64)
     # 32 streams of 8k positions are a 262k-token prefill: minutes on a small CPU, so the 32-stream
     # curve stops at 1k here (and at the model's context everywhere).
@@ -215,6 +250,9 @@ def report(r: dict[str, Any]) -> None:
         t.add_row(m["variant"], f"{m['kv_written_mb']:.0f}", f"{m['kv_needed_mb']:.0f}", f"{m['kv_over_needed']:.2f}",
                   f"{m['rss_idle_mb']:.0f}", f"{m['rss_after_mb']:.0f}")
     out.print(t)
+    up = r["ttft_up"]
+    out.print(f"(b) through `tokenpipe up` over HTTP: cold {up['cold_s'] * 1e3:.0f} ms, warm "
+              + ", ".join(f"{w * 1e3:.0f}" for w in up["warm_s"]) + f" ms ({up['warm_over_cold']:.2f}x)")
     tt = r["ttft"]
     out.print(f"(b) TTFT, {tt['system_tokens']}-token shared system prompt: cold {tt['cold_s'] * 1e3:.0f} ms, warm "
               f"{tt['warm_s'] * 1e3:.0f} ms ({tt['warm_over_cold']:.2f}x; cache off {tt['no_cache_s'] * 1e3:.0f} ms); "
