@@ -41,6 +41,7 @@ bench: install
 	$(PY) -m bench.coalesce
 	$(PY) -m bench.relays
 	$(PY) -m bench.replication
+	$(PY) -m bench.kvcache
 
 # tokenpipe against transformers serve and llama.cpp's server on this machine (see bench/peers.py).
 bench-peers: install

@@ -23,6 +23,7 @@ from tokenpipe.settings import Settings
 from tokenpipe.subjects import ANNOUNCE_PREFIX, DISCOVER_SUBJECT, REQUESTS_STREAM, consumer_name
 from tokenpipe.wire import Announcement
 
+from .kvcache import BLOCK_SIZE, KVCacheMeter
 from .runner import Runner
 
 __all__ = ["Announcer"]
@@ -46,6 +47,7 @@ class Announcer:
         self.runner = runner
         self.streams = streams
         self.metrics = metrics
+        self._kv_meter = KVCacheMeter(metrics)
         self._sub: Subscription | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -68,7 +70,8 @@ class Announcer:
             worker=self.worker_id, model=self.model, ready=ready, max_batch=self.settings.max_batch,
             running=self.runner.running, active=len(self.streams), pid=os.getpid(),
             streams=tuple(sorted(self.streams)), device=self.device,
-            ttl_s=self.settings.announce_interval_s * 3, ts=time.time())
+            ttl_s=self.settings.announce_interval_s * 3, ts=time.time(),
+            free_blocks=self.runner.engine.pool.available, block_size=BLOCK_SIZE)
 
     async def announce(self, ready: bool = True) -> None:
         await self.bus.nc.publish(f"{ANNOUNCE_PREFIX}.{self.worker_id}", self.announcement(ready).encode())
@@ -89,8 +92,7 @@ class Announcer:
     async def _refresh_gauges(self) -> None:
         m, engine = self.metrics, self.runner.engine
         m.labels(m.running).set(self.runner.running)
-        used = sum(s.next_position for s in list(engine.rows))
-        m.labels(m.kv_cache).set(used / (engine.max_batch * engine.max_seq_len))
+        self._kv_meter.update(engine.pool, engine.preemptions)
         try:
             info = await self.bus.js.consumer_info(REQUESTS_STREAM, consumer_name(self.model))
             m.labels(m.waiting).set(int(info.num_pending or 0))

@@ -66,7 +66,8 @@ class GeneratorWorker:
                              max_batch=settings.max_batch, max_seq_len=settings.max_seq_len,
                              prefill_token_budget=settings.prefill_token_budget,
                              max_prompt_tokens=settings.max_prompt_tokens, torch_thread=torch_thread,
-                             admission_hold_s=settings.admission_hold_ms / 1000)
+                             admission_hold_s=settings.admission_hold_ms / 1000,
+                             kv_cache_mb=settings.kv_cache_mb, prefix_caching=settings.prefix_caching)
         self.active: dict[str, StreamWriter] = {}  # the requests this worker holds, by stream id
         self.recent_cancels: OrderedDict[str, None] = OrderedDict()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -152,7 +153,8 @@ class GeneratorWorker:
     # -- intake ----------------------------------------------------------------------
     @property
     def free_slots(self) -> int:
-        return self.settings.max_batch - len(self.active)
+        """Requests to pull: below ``max_batch``, as many as the KV cache's free blocks can take."""
+        return min(self.settings.max_batch - len(self.active), self.runner.memory_room)
 
     async def _fetch_loop(self) -> None:
         while not self._stopping.is_set():

@@ -101,7 +101,15 @@ class Settings:
         metadata=_doc("weight-only quantization of the projections: `auto` (int4 for the default model, whose GGUF "
                       "is 4-bit, on CPUs; with native bf16 the bf16 weight takes matmuls of more than 16 rows; "
                       "else none), `none`, `int8`, `int4`"))
-    max_batch: int = field(default=32, metadata=_doc("concurrent sequences per generator (= requests it pulls)"))
+    max_batch: int = field(
+        default=32, metadata=_doc("most concurrent sequences per generator; free KV-cache blocks decide below it"))
+    kv_cache_mb: float = field(
+        default=0, metadata=_doc("KV-cache budget in MiB, one pool of 16-position blocks, written only as used (0: a "
+                                 "quarter of available RAM on CPU, 60 % of free GPU memory on CUDA, at most "
+                                 "`TOKENPIPE_MAX_BATCH` × `TOKENPIPE_MAX_SEQ_LEN` positions)"))
+    prefix_caching: bool = field(
+        default=True, metadata=_doc("reuse the KV blocks of a prompt's cached prefix (shared system prompts, chat "
+                                    "turns, redelivered requests) instead of prefilling it again"))
     max_seq_len: int = field(
         default=2048, metadata=_doc("prompt + output limit per sequence (at most the model's context)"))
     max_prompt_tokens: int = field(
