@@ -6,7 +6,7 @@ Frames are JSON text. Client → server: ``auth``, ``create`` (the native POST b
 events' data plus ``type`` and ``id``). Every client frame gets a reply or an ``error`` frame;
 a bad frame never closes the socket (README, "WebSocket").
 
-Streams are read through the same :class:`relay.forward.Session` and ``Forwarder.batches`` as
+Streams are read through the same :class:`relay.sessions.Session` and ``Forwarder.batches`` as
 SSE, created through :func:`relay.native.start_stream` from a body validated by the same model
 (:meth:`relay.protocol.Bodies.parse_native`), so tenancy, admission (429), viewer rules
 and cancellation are the HTTP API's. One writer task per socket sends what its streams queue;
@@ -35,9 +35,9 @@ from tokenpipe.wire import TokenBatch
 
 from . import native
 from .auth import Unauthorized, authorization_header
-from .forward import Session
 from .http import RequestTooLarge, parse_json
 from .protocol import Bodies
+from .sessions import Session
 from .state import RelayState
 
 __all__ = ["router", "AUTH_WAIT_S"]
