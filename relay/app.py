@@ -20,7 +20,7 @@ from tokenpipe.errors import TokenpipeError
 from tokenpipe.metrics import render
 from tokenpipe.settings import Settings
 
-from . import native, openai
+from . import inspector, native, openai
 from .auth import TENANT_KEY, AuthMiddleware
 from .http import RAW_SEND, error_body, error_response
 from .observe import ObserveMiddleware
@@ -70,6 +70,7 @@ def create_app(settings: Settings, tracer_provider: TracerProvider | None = None
 
     app = _RelayApp(title="tokenpipe relay", version="0.1.0", lifespan=lifespan)
     app.state.relay = state
+    app.state.inspector = inspector.Inspector(settings.token_max_age_s)
 
     @app.exception_handler(TokenpipeError)
     async def _tp_error(request: Request, exc: TokenpipeError) -> JSONResponse:
@@ -121,6 +122,8 @@ def create_app(settings: Settings, tracer_provider: TracerProvider | None = None
                                            for m in state.registry.models()]}
 
     app.include_router(native.router, dependencies=api)
+    app.include_router(inspector.router, dependencies=api)
+    app.include_router(inspector.page_router)
     app.include_router(openai.router, dependencies=api)
     install_openapi(app, settings)
     app.add_middleware(AuthMiddleware, keys=state.keys, metrics=settings.metrics_auth)

@@ -52,7 +52,7 @@ async def test_every_api_route_needs_a_key(keyed: RelayServer) -> None:
     async with httpx.AsyncClient(base_url=keyed.url) as http:
         for method, path in [("GET", "/v1/models"), ("POST", "/v1/streams"), ("GET", "/v1/streams/x"),
                              ("DELETE", "/v1/streams/x"), ("POST", "/v1/chat/completions"),
-                             ("POST", "/v1/completions")]:
+                             ("POST", "/v1/completions"), ("GET", "/v1/streams"), ("GET", "/v1/streams/x/export")]:
             for headers in ({}, auth("wrong")):
                 r = await http.request(method, path, headers=headers, json={"prompt": "x"})
                 assert r.status_code == 401, (method, path)

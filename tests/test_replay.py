@@ -95,7 +95,7 @@ async def test_sdk_replay_yields_the_live_batches(http: httpx.AsyncClient, setti
 async def test_cli_replay_json_and_streams_listing(http: httpx.AsyncClient, settings: Settings) -> None:
     sid, live = await make_stream(http)
     common = ["--nats-url", settings.nats_url, "--data-dir", settings.data_dir]
-    out = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "tokenpipe_cli", "replay", sid, "--json",
+    out = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "tokenpipe_cli", "replay", sid, "--jsonl",
                                                    "--speed", "0", "--from", "3", *common],
                                   capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr

@@ -20,6 +20,7 @@ import nats.errors
 from nats.js import api as js_api
 from nats.js.errors import KeyNotFoundError, NotFoundError
 
+from . import streamindex
 from .bus import Bus
 from .cluster import through_elections
 from .errors import StreamNotFound, TransportError
@@ -27,7 +28,8 @@ from .reorder import Gap, Reorder
 from .subjects import RELAY_OWNER, TOKENS_STREAM, cancel_subject, check_stream_id, request_subject, token_subject
 from .wire import Request, StreamMeta, TokenBatch
 
-__all__ = ["PING", "Gap", "Ping", "StreamItem", "cancel", "emitted_before", "follow", "get_meta", "history",
+__all__ = ["PING", "Gap", "Ping", "StreamItem", "cancel", "emitted_before", "first_stored", "follow", "get_meta",
+           "history",
            "last_batch", "last_stored", "paced", "stored", "stored_count", "stream_not_found", "submit"]
 
 log = logging.getLogger(__name__)
@@ -76,7 +78,10 @@ async def submit(bus: Bus, request: Request, headers: dict[str, str] | None = No
                 else _nothing())
     queue = through_elections(lambda: bus.js.publish(request_subject(request.model, bus.owner), payload,
                                                      headers=hdrs))
-    queued, owned = await asyncio.gather(queue, register, return_exceptions=True)
+    # ... and its tenant's index, for listings (never fails the submission: tokenpipe.streamindex).
+    index = (streamindex.record(bus, request, hdrs.get("traceparent", "")) if bus.owner == RELAY_OWNER
+             else _nothing())
+    queued, owned, _ = await asyncio.gather(queue, register, index, return_exceptions=True)
     if cancel_orphan and isinstance(owned, BaseException) and not isinstance(queued, BaseException):
         await cancel(bus, request.id)  # enqueued without an owner record: nobody could read it
     failed = next((r for r in (queued, owned) if isinstance(r, BaseException)), None)
@@ -201,6 +206,26 @@ async def history(bus: Bus, stream_id: str, *, owner: str | None = None) -> list
     while len(out) in by_seq and not (out and out[-1].is_final):
         out.append(by_seq[len(out)][0])
     return out
+
+
+async def first_stored(bus: Bus, stream_id: str, *, owner: str | None = None) -> TokenBatch | None:
+    """The oldest batch kept for ``stream_id`` (one message through an ordered consumer; a direct
+    get of the first message of a subject is not confined to an owner's subjects), or None."""
+    try:
+        sub = await asyncio.wait_for(
+            bus.js.subscribe(token_subject(owner or bus.owner, stream_id), stream=TOKENS_STREAM,
+                             ordered_consumer=True, deliver_policy=js_api.DeliverPolicy.ALL,
+                             config=named_consumer()),
+            timeout=_CONSUMER_CREATE_TIMEOUT_S)
+    except Exception as exc:
+        raise TransportError(f"could not read stream history: {exc}") from exc
+    try:
+        msg = await sub.next_msg(timeout=_COUNT_TIMEOUT_S)
+    except nats.errors.TimeoutError:
+        return None  # nothing stored (yet, or any more)
+    finally:
+        await _unsubscribe(sub, stream_id)
+    return TokenBatch.decode(msg.data)
 
 
 def named_consumer() -> js_api.ConsumerConfig:
