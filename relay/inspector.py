@@ -138,8 +138,9 @@ async def list_streams(
     inspector = inspector_of(request)
     found: list[StreamListItem] = []
     examined = 0
-    for start in range(0, len(candidates), limit):
-        chunk = candidates[start:start + limit]
+    step = max(limit, 20)  # read concurrently, a chunk at a time (a filter may skip most)
+    for start in range(0, len(candidates), step):
+        chunk = candidates[start:start + step]
         items = await asyncio.gather(*(inspector.item(bus, e, now) for e in chunk))
         for item in items:
             examined += 1
