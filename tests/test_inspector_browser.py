@@ -16,6 +16,8 @@ from typing import Any
 import httpx
 import pytest
 
+from tokenpipe.streamrecord import build
+from tokenpipe.wire import StreamMeta, TokenBatch
 from tokenpipe_cli.upprocess import UpProcess
 
 from .conftest import read_sse
@@ -186,4 +188,34 @@ async def test_list_replay_timeline_compare_export_import(tab: Tab, api: httpx.A
     await page.click(row.format(one) + " td.sid")
     await page.wait_for_function("() => document.body.dataset.replay === 'done'")
     await page.screenshot(path=str(SCREENSHOT.with_name("tokenpipe-inspect-one.png")), full_page=True)
+    assert tab.errors == []
+
+
+async def test_gaps_and_errors_are_marked_in_an_imported_stream(tab: Tab, tmp_path: Path) -> None:
+    """A stream whose batch 1 is missing and which ended in error, as a bug report's attachment."""
+    ms = 1_000_000
+    t = 1_764_000_000_000_000_000
+    batches = {0: TokenBatch(id="broken", seq=0, index=0, token_ids=(1, 2), text="ab",
+                             timings={"created": t, "received": t + ms, "admitted": t + 2 * ms,
+                                      "first_token": t + 9 * ms, "emitted": t + 10 * ms}),
+               2: TokenBatch(id="broken", seq=2, index=4, token_ids=(5,), text="e",
+                             timings={"first_token": t + 30 * ms, "emitted": t + 31 * ms}),
+               3: TokenBatch(id="broken", seq=3, index=5, finish="error", error="generation failed: boom",
+                             error_code="internal_error", timings={"emitted": t + 40 * ms})}
+    record = build(StreamMeta("broken", "team-a", "tiny-random", t), batches)
+    path = tmp_path / "broken.json"
+    path.write_text(record.model_dump_json())
+    page = tab.page
+    await page.select_option("#mode", "instant")
+    await page.set_input_files("#import", str(path))
+    await page.wait_for_function("() => document.body.dataset.replay === 'done'")
+    assert await page.text_content("#d-id") == "broken"
+    assert await page.text_content("#text") == "abe"
+    assert await page.locator("#timeline .batch-mark").count() == 3
+    assert await page.locator("#timeline .batch-mark.error").count() == 1
+    assert await page.locator("#timeline .gap-missing").count() == 1
+    notes = await page.locator("#notes .note").all_text_contents()
+    assert notes == ["gap: batches 1..1 are missing", "error (internal_error): generation failed: boom"]
+    assert await page.text_content("#s-finish") == "error"
+    assert await page.text_content("#d-request") == "(the request was not kept)"
     assert tab.errors == []
