@@ -15,7 +15,7 @@ import html
 import time
 from collections import OrderedDict
 from importlib import resources
-from typing import Annotated, Literal
+from typing import Annotated, Literal, TypeVar
 
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import HTMLResponse
@@ -41,6 +41,7 @@ _KEPT = 10_000  # finished streams' summaries (and running ones' first batches) 
 _READS = 8  # concurrent history reads per listing
 _NAME = r"^[A-Za-z0-9_-]{1,64}$"  # stream ids and model names (tokenpipe.subjects)
 
+T = TypeVar("T")
 Status = Literal["queued", "running", "finished", "expired"]
 Finish = Literal["stop", "length", "cancelled", "error"]
 
@@ -72,11 +73,6 @@ class Inspector:
         self.firsts: OrderedDict[str, TokenBatch] = OrderedDict()
         self._reads = asyncio.Semaphore(_READS)
 
-    @staticmethod
-    def _keep(cache: OrderedDict[str, object], key: str, value: object) -> None:
-        cache[key] = value
-        while len(cache) > _KEPT:
-            cache.popitem(last=False)
 
     async def item(self, bus: Bus, entry: IndexEntry, now_ns: int) -> StreamListItem:
         summary = self.finished.get(entry.id)
@@ -98,12 +94,18 @@ class Inspector:
         if last is not None and first is None:
             first = last if last.seq == 0 else await first_stored(bus, entry.id)
             if first is not None:
-                self._keep(self.firsts, entry.id, first)  # type: ignore[arg-type]
+                _keep(self.firsts, entry.id, first)
         summary = streamrecord.brief(entry.created_at, first, last)
         if summary.finish is not None:
-            self._keep(self.finished, entry.id, summary)  # type: ignore[arg-type]
+            _keep(self.finished, entry.id, summary)
             self.firsts.pop(entry.id, None)
         return summary
+
+
+def _keep(cache: OrderedDict[str, T], key: str, value: T) -> None:
+    cache[key] = value
+    while len(cache) > _KEPT:
+        cache.popitem(last=False)
 
 
 def inspector_of(request: Request) -> Inspector:
