@@ -6,8 +6,9 @@ On a fresh nats-server: ``--tenants`` tenants each get up to ``size`` indexed st
 entries :func:`tokenpipe.streams.submit` writes, synthetic requests); then, per size,
 
 - listing one tenant from its index (``streamindex.list_entries``: one subject-filtered
-  ``STREAM.INFO``) against reading every key of the bucket as ``tokenpipe streams`` does
-  (``KeyValue.keys()``: a consumer over every tenant's entries, names only), median of 9 each;
+  ``STREAM.INFO``), and a tenant that keeps 100 streams throughout, against reading every key
+  of the bucket as ``tokenpipe streams`` does (``KeyValue.keys()``: a consumer over every
+  tenant's entries, names only), median of 9 each;
 - the submission round trip with and without the index write (``streams.submit`` into the work
   queue, no generator), alternating the two per request, ``--rounds`` each.
 
@@ -85,6 +86,8 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         bus = await connect(settings, name="bench-listing")
         rows: list[dict[str, Any]] = []
         try:
+            small = [Request.create("bench", prompt=PROMPT, tenant="small") for _ in range(100)]
+            await asyncio.gather(*(streamindex.record(bus, r) for r in small))
             have = 0
             for size in sizes:
                 await _fill(bus, args.tenants, have, size)
@@ -92,10 +95,11 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
                 listed = len(await streamindex.list_entries(bus, "tenant-0"))
                 assert listed == size, (listed, size)
                 one = await _median_ms(lambda: streamindex.list_entries(bus, "tenant-0"))
+                few = await _median_ms(lambda: streamindex.list_entries(bus, "small"))
                 scan = await _median_ms(lambda: _all_keys(bus), n=3)
-                rows.append({"streams per tenant": size, "entries in bucket": size * args.tenants,
-                             "list one tenant (ms)": round(one, 2), "read every key (ms)": round(scan, 2),
-                             "ratio": round(scan / one, 1)})
+                rows.append({"streams per tenant": size, "entries in bucket": size * args.tenants + len(small),
+                             "list one tenant (ms)": round(one, 2), "list a 100-stream tenant (ms)": round(few, 2),
+                             "read every key (ms)": round(scan, 2), "ratio": round(scan / one, 1)})
             submit = await _submit_ms(bus, args.rounds)
         finally:
             await bus.close()
