@@ -17,7 +17,7 @@ from collections import OrderedDict
 from importlib import resources
 from typing import Annotated, Literal, TypeVar
 
-from fastapi import APIRouter, Query, Request, Response
+from fastapi import APIRouter, Path, Query, Request, Response
 from fastapi.responses import HTMLResponse
 from pydantic import BaseModel, Field
 
@@ -30,6 +30,7 @@ from tokenpipe.subjects import check_model_name, check_stream_id
 from tokenpipe.wire import TokenBatch
 
 from .native import state_of, tenant_of
+from .protocol import ID_PATTERN
 
 __all__ = ["Inspector", "StreamList", "StreamListItem", "page_router", "router", "SCAN_LIMIT"]
 
@@ -39,7 +40,6 @@ page_router = APIRouter()  # the page itself (it asks for a key when keys are on
 SCAN_LIMIT = 200  # streams a filtered listing examines per call, at most
 _KEPT = 10_000  # finished streams' summaries (and running ones' first batches) kept per relay
 _READS = 8  # concurrent history reads per listing
-_NAME = r"^[A-Za-z0-9_-]{1,64}$"  # stream ids and model names (tokenpipe.subjects)
 
 T = TypeVar("T")
 Status = Literal["queued", "running", "finished", "expired"]
@@ -116,8 +116,8 @@ def inspector_of(request: Request) -> Inspector:
 async def list_streams(
         request: Request,
         limit: Annotated[int, Query(ge=1, le=100)] = 20,
-        before: Annotated[str | None, Query(pattern=_NAME, description="a stream id: older ones")] = None,
-        model: Annotated[str | None, Query(pattern=_NAME, description="only this model's streams")] = None,
+        before: Annotated[str | None, Query(pattern=ID_PATTERN, description="a stream id: older ones")] = None,
+        model: Annotated[str | None, Query(pattern=ID_PATTERN, description="only this model's streams")] = None,
         finish: Annotated[Finish | None, Query(description="only the streams that ended so")] = None) -> StreamList:
     """The caller's tenant's streams within the token retention, newest first."""
     state = state_of(request)
@@ -158,7 +158,8 @@ async def list_streams(
 
 
 @router.get("/v1/streams/{stream_id}/export", response_model=StreamRecord)
-async def export_stream(stream_id: str, request: Request, response: Response) -> StreamRecord:
+async def export_stream(stream_id: Annotated[str, Path(pattern=ID_PATTERN)], request: Request,
+                        response: Response) -> StreamRecord:
     """The stream as one JSON document: request, batches with their timings, summary
     (``format: tokenpipe.stream/1``; ``tokenpipe replay --json`` writes the same)."""
     state = state_of(request)

@@ -147,9 +147,10 @@ async def test_export_is_the_stream_as_read_and_the_request(client: httpx.AsyncC
     # Bob cannot export it: the same 404 as for a stream that never existed.
     theirs = await client.get(f"/v1/streams/{sid}/export", headers=auth(BOB))
     assert theirs.status_code == 404 and theirs.json()["error"]["code"] == "stream_not_found"
-    # `tokenpipe replay --json` writes the same document.
-    out = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "tokenpipe_cli", "replay", sid, "--json",
-                                                   "--nats-url", settings.nats_url, "--data-dir", settings.data_dir],
+    # `tokenpipe replay --json` writes the same document. ("--" first: an id may begin with "-".)
+    out = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "tokenpipe_cli", "replay", "--json",
+                                                   "--nats-url", settings.nats_url, "--data-dir", settings.data_dir,
+                                                   "--", sid],
                                   capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout) == record
