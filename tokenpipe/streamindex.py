@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from nats.js.errors import KeyNotFoundError
 
 from .bus import Bus
-from .cluster import through_elections
 from .errors import TransportError, WireFormatError
+from .retry import through_elections
 from .subjects import META_BUCKET, META_STREAM, check_model_name, check_stream_id
 from .wire import IndexedRequest, Request, StreamMeta
 
