@@ -22,7 +22,7 @@ from tokenpipe.metrics import render
 from tokenpipe.params import invalid_request
 from tokenpipe.settings import Settings
 
-from . import native, openai, ws
+from . import inspector, native, openai, ws
 from .auth import TENANT_KEY, AuthMiddleware, authorization_header
 from .http import RAW_SEND, error_body, error_response
 from .observe import ObserveMiddleware
@@ -85,6 +85,7 @@ def create_app(settings: Settings, tracer_provider: TracerProvider | None = None
 
     app = _RelayApp(title="tokenpipe relay", version="0.1.0", lifespan=lifespan)
     app.state.relay = state
+    app.state.inspector = inspector.Inspector(settings.token_max_age_s)
 
     @app.exception_handler(TokenpipeError)
     async def _tp_error(request: Request, exc: TokenpipeError) -> JSONResponse:
@@ -145,6 +146,8 @@ def create_app(settings: Settings, tracer_provider: TracerProvider | None = None
 
     app.state.bodies = bodies = Bodies(settings)
     app.include_router(native.router(bodies), dependencies=api, responses=guarded)
+    app.include_router(inspector.router, dependencies=api, responses=guarded)
+    app.include_router(inspector.page_router)
     app.include_router(openai.router(bodies), dependencies=api, responses=guarded)
     app.include_router(ws.router)  # authenticates itself: a header, or a first auth frame (browsers)
     app.add_middleware(AuthMiddleware, keys=state.keys, metrics=settings.metrics_auth)

@@ -52,7 +52,7 @@ async def test_every_api_route_needs_a_key(keyed: RelayServer) -> None:
     async with httpx.AsyncClient(base_url=keyed.url) as http:
         for method, path in [("GET", "/v1/models"), ("POST", "/v1/streams"), ("GET", "/v1/streams/x"),
                              ("DELETE", "/v1/streams/x"), ("POST", "/v1/chat/completions"),
-                             ("POST", "/v1/completions")]:
+                             ("POST", "/v1/completions"), ("GET", "/v1/streams"), ("GET", "/v1/streams/x/export")]:
             for headers in ({}, auth("wrong")):
                 r = await http.request(method, path, headers=headers, json={"prompt": "x"})
                 assert r.status_code == 401, (method, path)
@@ -275,9 +275,9 @@ async def test_regression_auth_came_after_routing_and_405_was_a_server_error(key
                 r = await http.request(method, path)
                 assert r.status_code == 401, (method, path, r.status_code)
                 assert r.json()["error"]["type"] == "authentication_error"
-        r = await http.get("/v1/streams", headers=auth("key-alice"))
+        r = await http.put("/v1/streams", headers=auth("key-alice"))  # GET lists, POST creates
         assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error"
-        assert "POST" in r.headers["allow"]
+        assert {"GET", "POST"} <= set(r.headers["allow"].split(", "))
         r = await http.put("/v1/chat/completions", headers=auth("key-alice"))
         assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error"
         r = await http.get("/v1/nope", headers=auth("key-alice"))

@@ -95,8 +95,8 @@ async def test_sdk_replay_yields_the_live_batches(http: httpx.AsyncClient, setti
 async def test_cli_replay_json_and_streams_listing(http: httpx.AsyncClient, settings: Settings) -> None:
     sid, live = await make_stream(http)
     common = ["--nats-url", settings.nats_url, "--data-dir", settings.data_dir]
-    out = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "tokenpipe_cli", "replay", sid, "--json",
-                                                   "--speed", "0", "--from", "3", *common],
+    out = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "tokenpipe_cli", "replay", "--jsonl",
+                                                   "--speed", "0", "--from", "3", *common, "--", sid],
                                   capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     rows = [json.loads(line) for line in out.stdout.splitlines()]
@@ -104,8 +104,9 @@ async def test_cli_replay_json_and_streams_listing(http: httpx.AsyncClient, sett
     assert [r["seq"] for r in rows] == [t["seq"] for t in live_tokens][3:]
     assert [r["token_ids"] for r in rows] == [t["token_ids"] for t in live_tokens][3:]
     assert rows[-1]["finish"] == "length" and "emitted" in rows[-1]["timings"]
-    text = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "tokenpipe_cli", "replay", sid, "--speed",
-                                                    "0", *common], capture_output=True, text=True, timeout=60)
+    text = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "tokenpipe_cli", "replay", "--speed",
+                                                    "0", *common, "--", sid],
+                                   capture_output=True, text=True, timeout=60)
     assert text.stdout.rstrip("\n") == "".join(t["text"] for t in live_tokens).rstrip("\n")
     listing = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "tokenpipe_cli", "streams", "--limit",
                                                        "500", *common], capture_output=True, text=True, timeout=60,

@@ -204,6 +204,11 @@ class Settings:
                       "after this long (it is freed at once when it finishes or is deleted)"))
     metrics_auth: bool = field(
         default=False, metadata=_doc("`/metrics` requires an API key too (when keys are on)"))
+    trace_url: str = field(
+        default="",
+        metadata=_doc("link template for a stream's trace in a tracing UI, `{trace_id}` filled in (Jaeger: "
+                      "`http://localhost:16686/trace/{trace_id}`); the inspector page (`/inspect`) links each "
+                      "stream's trace with it (empty: it shows the trace id only)"))
     # process
     log_level: str = field(default="INFO", metadata=_doc("log level"))
     log_json: bool = field(default=False, metadata=_doc("JSON log lines instead of `key=value`"))

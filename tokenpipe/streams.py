@@ -20,6 +20,7 @@ import nats.errors
 from nats.js import api as js_api
 from nats.js.errors import KeyNotFoundError, NotFoundError
 
+from . import streamindex
 from .bus import Bus
 from .errors import StreamNotFound, TransportError, WireFormatError
 from .reorder import Gap, Reorder
@@ -27,7 +28,8 @@ from .retry import ELECTIONS, Retry, retrying, through_elections
 from .subjects import RELAY_OWNER, TOKENS_STREAM, cancel_subject, check_stream_id, request_subject, token_subject
 from .wire import Request, StreamMeta, TokenBatch
 
-__all__ = ["PING", "Gap", "Ping", "StreamItem", "cancel", "emitted_before", "follow", "get_meta", "history",
+__all__ = ["PING", "Gap", "Ping", "StreamItem", "cancel", "emitted_before", "first_stored", "follow", "get_meta",
+           "history",
            "last_batch", "last_stored", "paced", "stored", "stored_count", "stream_not_found", "submit"]
 
 log = logging.getLogger(__name__)
@@ -78,6 +80,9 @@ async def submit(bus: Bus, request: Request, headers: dict[str, str] | None = No
         writes: list[Awaitable[object]] = [bus.js.publish(subject, payload, headers=hdrs)]
         if bus.owner == RELAY_OWNER:
             writes.append(bus.meta.put(request.id, meta.encode()))
+            # ... and its tenant's index, for listings (it never fails the submission:
+            # tokenpipe.streamindex logs its own failure).
+            writes.append(streamindex.record(bus, request, hdrs.get("traceparent", "")))
         failed = [r for r in await asyncio.gather(*writes, return_exceptions=True) if isinstance(r, BaseException)]
         if failed:
             raise failed[0]
@@ -209,6 +214,26 @@ async def history(bus: Bus, stream_id: str, *, owner: str | None = None) -> list
     while len(out) in by_seq and not (out and out[-1].is_final):
         out.append(by_seq[len(out)][0])
     return out
+
+
+async def first_stored(bus: Bus, stream_id: str, *, owner: str | None = None) -> TokenBatch | None:
+    """The oldest batch kept for ``stream_id`` (one message through an ordered consumer; a direct
+    get of the first message of a subject is not confined to an owner's subjects), or None."""
+    try:
+        sub = await asyncio.wait_for(
+            bus.js.subscribe(token_subject(owner or bus.owner, stream_id), stream=TOKENS_STREAM,
+                             ordered_consumer=True, deliver_policy=js_api.DeliverPolicy.ALL,
+                             config=named_consumer()),
+            timeout=_CONSUMER_CREATE_TIMEOUT_S)
+    except Exception as exc:
+        raise TransportError(f"could not read stream history: {exc}") from exc
+    try:
+        msg = await sub.next_msg(timeout=_COUNT_TIMEOUT_S)
+    except nats.errors.TimeoutError:
+        return None  # nothing stored (yet, or any more)
+    finally:
+        await _unsubscribe(sub, stream_id)
+    return TokenBatch.decode(msg.data)
 
 
 def named_consumer() -> js_api.ConsumerConfig:

@@ -45,6 +45,7 @@ __all__ = [
     "TokenBatch",
     "Usage",
     "StreamMeta",
+    "IndexedRequest",
     "Announcement",
     "new_request_id",
     "now_ns",
@@ -179,12 +180,16 @@ class Request:
         kw.setdefault("created_at", now_ns())
         return cls(model=model, **kw)
 
+    def to_map(self) -> dict[str, Any]:
+        """The request as a plain map (JSON- and msgpack-ready), as :meth:`from_map` reads it."""
+        return {"v": WIRE_VERSION, "id": self.id, "model": self.model, "prompt": self.prompt,
+                "messages": [dict(m) for m in self.messages] if self.messages is not None else None,
+                "input_ids": list(self.input_ids) if self.input_ids is not None else None,
+                "params": self.params.to_map(), "coalesce": self.coalesce.to_map(), "tenant": self.tenant,
+                "created_at": self.created_at}
+
     def encode(self) -> bytes:
-        return _pack({"v": WIRE_VERSION, "id": self.id, "model": self.model, "prompt": self.prompt,
-                      "messages": [dict(m) for m in self.messages] if self.messages is not None else None,
-                      "input_ids": list(self.input_ids) if self.input_ids is not None else None,
-                      "params": self.params.to_map(), "coalesce": self.coalesce.to_map(), "tenant": self.tenant,
-                      "created_at": self.created_at})
+        return _pack(self.to_map())
 
     @classmethod
     def decode(cls, data: bytes) -> Request:
@@ -354,6 +359,29 @@ class StreamMeta:
                        created_at=int(obj["created_at"]))
         except (KeyError, TypeError, ValueError) as exc:
             raise WireFormatError(f"stream meta: bad field ({exc})") from exc
+
+
+@dataclass(frozen=True, slots=True)
+class IndexedRequest:
+    """A relay stream's entry in its tenant's index (meta bucket, :mod:`tokenpipe.streamindex`): the
+    request as submitted and the W3C ``traceparent`` of the span that submitted it (JSON)."""
+
+    request: Request
+    traceparent: str = ""
+
+    def encode(self) -> bytes:
+        return _dump_json({"v": WIRE_VERSION, "request": self.request.to_map(), "traceparent": self.traceparent})
+
+    @classmethod
+    def decode(cls, data: bytes) -> IndexedRequest:
+        obj = _load_json(data, "indexed request")
+        request = obj.get("request")
+        if not isinstance(request, dict):
+            raise WireFormatError("indexed request: 'request' must be an object")
+        try:
+            return cls(request=Request.from_map(request), traceparent=str(obj.get("traceparent") or ""))
+        except InvalidRequest as exc:
+            raise WireFormatError(f"indexed request: {exc.message}") from exc
 
 
 @dataclass(frozen=True, slots=True)

@@ -134,7 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     _common(rep)
     rep.add_argument("id")
     rep.add_argument("--speed", type=float, default=1.0, help="pacing factor; 0 = as fast as possible")
-    rep.add_argument("--json", action="store_true", help="one JSON object per batch (timestamps, token ids)")
+    rep.add_argument("--json", action="store_true",
+                     help="the whole stream as one JSON document (request, batches, timings; the inspector's format)")
+    rep.add_argument("--jsonl", action="store_true", help="one JSON object per batch as it is replayed")
     rep.add_argument("--from", dest="from_seq", type=int, default=0, help="start at this batch seq")
 
     streams = sub.add_parser("streams", help="list recent streams")
@@ -301,7 +303,8 @@ async def _view_streams(args: argparse.Namespace, settings: Settings) -> int:
     bus = await connect(settings, name=f"tokenpipe-{args.cmd}", role="admin")
     try:
         if args.cmd == "replay":
-            return await streamview.replay(bus, args.id, speed=args.speed, as_json=args.json, from_seq=args.from_seq)
+            return await streamview.replay(bus, args.id, speed=args.speed, as_json=args.jsonl, from_seq=args.from_seq,
+                                           as_record=args.json)
         if args.cmd == "streams":
             return await streamview.list_streams(bus, limit=args.limit, console=Console())
         return await streamview.tail(bus, model=args.model, console=Console())

@@ -12,8 +12,10 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from tokenpipe import streamrecord
 from tokenpipe.bus import Bus
 from tokenpipe.errors import WireFormatError
+from tokenpipe.streamindex import is_index_key
 from tokenpipe.streams import Gap, Ping, follow, get_meta, last_batch, paced
 from tokenpipe.subjects import TOKEN_WILDCARD
 from tokenpipe.wire import StreamMeta, TokenBatch
@@ -21,9 +23,14 @@ from tokenpipe.wire import StreamMeta, TokenBatch
 __all__ = ["replay", "list_streams", "tail"]
 
 
-async def replay(bus: Bus, stream_id: str, *, speed: float, as_json: bool, from_seq: int) -> int:
-    """Print a stream's text (or one JSON object per batch) with its original pacing / ``speed``."""
-    await get_meta(bus, stream_id)  # a clear 'not found' instead of waiting on an unknown stream
+async def replay(bus: Bus, stream_id: str, *, speed: float, as_json: bool, from_seq: int,
+                 as_record: bool = False) -> int:
+    """Print a stream's text (or one JSON object per batch) with its original pacing / ``speed``;
+    ``as_record``: the whole stream as one :mod:`tokenpipe.streamrecord` document instead."""
+    meta = await get_meta(bus, stream_id)  # a clear 'not found' instead of waiting on an unknown stream
+    if as_record:
+        print((await streamrecord.read(bus, meta)).model_dump_json(indent=1))
+        return 0
     final: TokenBatch | None = None
     async for item in paced(follow(bus, stream_id, after_seq=from_seq - 1), speed):
         if isinstance(item, Ping):
@@ -56,6 +63,8 @@ async def list_streams(bus: Bus, *, limit: int, console: Console) -> int:
             raise
     metas: list[StreamMeta] = []
     for key in keys:
+        if is_index_key(key):
+            continue  # a tenant's index entry (tokenpipe.streamindex), not a stream
         entry = await bus.meta.get(key)
         if entry.value:
             metas.append(StreamMeta.decode(entry.value))
