@@ -22,6 +22,7 @@ from tokenpipe.wire import (
     StreamMeta,
     TokenBatch,
     Usage,
+    new_request_id,
     peek_request_id,
 )
 
@@ -192,3 +193,10 @@ def test_producer_span_carries_messaging_attributes_and_its_own_context() -> Non
     assert dict(span.attributes or {}) == {"messaging.system": "nats", "messaging.operation.type": "publish",
                                            "messaging.destination.name": "tp.req.m", "tokenpipe.stream.id": "s"}
     assert headers["traceparent"].split("-")[2] == format(span.context.span_id, "016x")
+
+
+def test_stream_id_starting_with_a_dash_read_as_a_cli_option() -> None:
+    """`tokenpipe replay <id>` took an id beginning with '-' for an option (1 id in 64): new ids never do."""
+    ids = [new_request_id() for _ in range(5000)]
+    assert not [i for i in ids if i.startswith("-")]
+    assert len(set(ids)) == len(ids) and all(len(i) == 22 for i in ids)
