@@ -64,7 +64,7 @@ async def submit(bus: Bus, request: Request, headers: dict[str, str] | None = No
     caller retries both, idempotently, and cancels itself when it gives up)."""
     meta = StreamMeta(request.id, request.tenant, request.model, request.created_at or time.time_ns())
     hdrs = dict(headers or {})
-    hdrs["Nats-Msg-Id"] = f"{bus.owner}:{request.id}"  # ids are unique per owner, not across owners
+    hdrs["Nats-Msg-Id"] = bus.msg_id(request.id)  # unique per owner, and no other owner can forge it
     payload = request.encode()  # before any write: an unencodable request leaves nothing behind
     # Concurrently (one round trip, not two, before the caller's 201): nothing reads the meta
     # entry before submit returns, and a generator never needs it. The request goes out first:

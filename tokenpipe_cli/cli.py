@@ -180,16 +180,33 @@ def _dispatch(args: argparse.Namespace) -> int:
         server = NatsServer(data, host=args.host, port=args.port, monitor_port=args.monitor_port,
                             config_file=_nats_config(args, data), tls=bool(args.tls_cert), cluster=cluster)
         server.start()
+        provisioner = None
         try:
+            if args.auth and cluster is None and not args.tls_cert:
+                # Only the admin configures streams where there are users: this process is it.
+                from .provisioner import Provisioner
+
+                creds_dir = args.creds_dir or Path(Settings.load().data_dir) / "creds"
+                provisioner = Provisioner(Settings.load(), server.url, Path(creds_dir) / "admin.json").start()
             return server.wait()
         finally:
+            if provisioner is not None:
+                provisioner.stop()
             server.stop()
     if args.cmd == "creds":
         from tokenpipe.natsauth import add_app
+        from tokenpipe.natsconfig import write_accounts
 
-        path = add_app(args.creds_dir or Path(Settings.load().data_dir) / "creds", args.name)
+        from .natsserver import reload_servers
+
+        data_dir = Path(Settings.load().data_dir)
+        creds_dir = Path(args.creds_dir) if args.creds_dir else data_dir / "creds"
+        path = add_app(creds_dir, args.name)
         print(path)
-        print("restart `tokenpipe up` (or `tokenpipe nats --auth`) for nats-server to know the new user",
+        write_accounts(creds_dir)  # the file the running servers' configuration includes
+        pids = reload_servers(data_dir)
+        print(f"nats-server reloaded ({len(pids)} running): the account is live" if pids else
+              "no running nats-server found under the data dir: the account is live at its next start",
               file=sys.stderr)
         return 0
     if args.cmd == "prepare":
@@ -230,7 +247,8 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 def _nats_config(args: argparse.Namespace, data: str) -> Path | None:
     """``tokenpipe nats``'s configuration file: authorization (``--auth``) and TLS, or None."""
-    from tokenpipe.natsauth import TLSFiles, server_config, write_server_config
+    from tokenpipe.natsauth import TLSFiles
+    from tokenpipe.natsconfig import server_config, write_server_config
 
     tls = TLSFiles(args.tls_cert, args.tls_key, args.tls_ca or "", args.tls_verify) if args.tls_cert else None
     path = Path(data) / "nats-server.conf"

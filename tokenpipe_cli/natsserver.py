@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import signal
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -16,7 +17,9 @@ from .launch import Child, LaunchError, free_port, spawn, tcp_listening, wait_re
 if TYPE_CHECKING:
     from .cluster import ClusterArgs
 
-__all__ = ["NatsServer", "find_nats_server"]
+__all__ = ["NatsServer", "find_nats_server", "reload_servers"]
+
+PID_FILE = "nats-server.pid"  # in each server's data dir: `tokenpipe creds add-app` reloads them
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +73,8 @@ class NatsServer:
     def start(self, timeout: float = 15.0) -> NatsServer:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         store = str(self.data_dir / "jetstream")
-        cmd = [find_nats_server(), "-js", "-sd", store, "-a", self.host, "-p", str(self.port)]
+        cmd = [find_nats_server(), "-js", "-sd", store, "-a", self.host, "-p", str(self.port),
+               "-P", str(self.data_dir / PID_FILE)]
         if self.config_file is not None:
             cmd += ["-c", str(self.config_file)]
         if self.monitor_port is not None:
@@ -102,3 +106,25 @@ class NatsServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def reload_servers(data_dir: str | os.PathLike[str]) -> list[int]:
+    """Ask every running nats-server started with a data dir under ``data_dir`` (``tokenpipe up``'s
+    server or cluster nodes, ``tokenpipe nats``) to reload its configuration (SIGHUP: new accounts
+    and users take effect, connections stay); the pids signalled."""
+    done: list[int] = []
+    for pid_file in sorted(Path(data_dir).glob(f"**/{PID_FILE}")):
+        try:
+            pid = int(pid_file.read_text().strip())
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes() if Path("/proc").is_dir() else b"nats-server"
+        except (OSError, ValueError):
+            continue  # a stale file of a server that is gone
+        if b"nats-server" not in cmdline:
+            continue  # the pid was reused by something else
+        try:
+            os.kill(pid, signal.SIGHUP)
+        except OSError as exc:
+            log.warning("could not signal nats-server", extra={"pid": pid, "error": str(exc)})
+            continue
+        done.append(pid)
+    return done
