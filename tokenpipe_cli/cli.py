@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -101,6 +102,11 @@ def build_parser() -> argparse.ArgumentParser:
     creds.add_argument("action", choices=["add-app"], help="add-app NAME: credentials for an application (SDK)")
     creds.add_argument("name")
     creds.add_argument("--creds-dir", help="default: <data dir>/creds")
+
+    prov = sub.add_parser("provision", help="as the admin: create tokenpipe's streams (and, --watch, keep them so)")
+    _common(prov)
+    prov.add_argument("--watch", action="store_true",
+                      help="keep running: re-create what is deleted, restore what is reconfigured (Kubernetes)")
 
     prep = sub.add_parser("prepare", help="convert and cache the default model (one-time, ~20 s)")
     prep.add_argument("--data-dir")
@@ -235,6 +241,20 @@ def _dispatch(args: argparse.Namespace) -> int:
         from relay.main import serve as serve_relay
 
         run(serve_relay(settings))
+        return 0
+    if args.cmd == "provision":
+        from .provisioner import Provisioner
+
+        prov = Provisioner(settings).start()
+        if args.watch:
+            signal.signal(signal.SIGTERM, lambda *_: prov.stop())
+            try:
+                prov.wait()
+            finally:
+                prov.stop()
+        else:
+            prov.stop()
+        print("tokenpipe's streams are provisioned", file=sys.stderr)
         return 0
     if args.cmd == "submit":
         return asyncio.run(_submit(args, settings))

@@ -26,9 +26,12 @@ log = logging.getLogger(__name__)
 class Provisioner:
     """Provision with ``admin_creds`` against ``nats_url`` now, repair in the background."""
 
-    def __init__(self, settings: Settings, nats_url: str, admin_creds: str | Path) -> None:
-        self.settings = settings.replace(nats_url=nats_url, nats_creds=str(admin_creds), nats_user="",
-                                         app_name="")
+    def __init__(self, settings: Settings, nats_url: str | None = None, admin_creds: str | Path | None = None) -> None:
+        """``admin_creds`` None: ``settings``' own credentials (``TOKENPIPE_NATS_USER=admin`` and its
+        password: the Helm chart's provisioner)."""
+        self.settings = settings.replace(nats_url=nats_url or settings.nats_url, app_name="")
+        if admin_creds is not None:
+            self.settings = self.settings.replace(nats_creds=str(admin_creds), nats_user="")
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._error: BaseException | None = None
@@ -47,6 +50,11 @@ class Provisioner:
             self.stop()
             raise TransportError(f"cannot provision tokenpipe's streams: {err}") from err
         return self
+
+    def wait(self) -> None:
+        """Block while it runs (``tokenpipe provision --watch``); returns after :meth:`stop`."""
+        while self._thread is not None and self._thread.is_alive():
+            self._thread.join(1.0)
 
     def stop(self) -> None:
         loop, stop = self._loop, self._stop
