@@ -79,6 +79,7 @@ def test_tokenpipe_nats_serves_the_same_authorization_and_tls(tmp_path: Path) ->
     path = _nats_config(args, str(tmp_path / "nats"))
     assert path is not None
     conf = path.read_text()
-    assert 'include "../creds/accounts.conf"' in conf and '"user": "generator"' in (tmp_path / "creds" / "accounts.conf").read_text()
+    assert 'include "../creds/accounts.conf"' in conf
+    assert '"user": "generator"' in (tmp_path / "creds" / "accounts.conf").read_text()
     assert '"cert_file": "c.pem"' in conf and '"verify": true' in conf
     assert stat.S_IMODE(path.stat().st_mode) == 0o600

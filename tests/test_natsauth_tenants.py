@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import nats
 import pytest
 from nats.aio.client import Client as NATS
 from nats.js import api as js_api
