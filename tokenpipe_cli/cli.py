@@ -194,6 +194,9 @@ def _dispatch(args: argparse.Namespace) -> int:
 
                 creds_dir = args.creds_dir or Path(Settings.load().data_dir) / "creds"
                 provisioner = Provisioner(Settings.load(), server.url, Path(creds_dir) / "admin.json").start()
+            elif args.auth:
+                print("tokenpipe: only the admin creates tokenpipe's streams: run `tokenpipe provision --watch` "
+                      "with admin.json (and the TLS settings) once the cluster is up", file=sys.stderr)
             return server.wait()
         finally:
             if provisioner is not None:
