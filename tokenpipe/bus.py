@@ -133,13 +133,17 @@ async def connect(settings: Settings, *, name: str, provision_streams: bool = Tr
     log.info("nats connected", extra={"server": connected_server(nc), "nats_name": name})
     js = nc.jetstream(timeout=10)
     replicas = _replicas(js, settings)
-    if provision_streams and ident.provisions:
-        await provision(js, settings, registry=ident.registry, replicas=replicas)
-    if ident.own_account:
-        await provision_copy(js, settings, ident.owner, replicas=replicas)
-    # An app may not touch the registry: it gets a handle that was never opened (any use is denied).
-    meta = await js.key_value(META_BUCKET) if ident.registry else KeyValue(
-        name=META_BUCKET, stream=META_STREAM, pre=f"$KV.{META_BUCKET}.", js=js, direct=False)
+    try:
+        if provision_streams and ident.provisions:
+            await provision(js, settings, registry=ident.registry, replicas=replicas)
+        if ident.own_account:
+            await provision_copy(js, settings, ident.owner, replicas=replicas)
+        # An app may not touch the registry: it gets a handle that was never opened (any use is denied).
+        meta = await js.key_value(META_BUCKET) if ident.registry else KeyValue(
+            name=META_BUCKET, stream=META_STREAM, pre=f"$KV.{META_BUCKET}.", js=js, direct=False)
+    except BaseException:
+        await nc.close()  # a caller that retries must not leave a reconnecting connection behind
+        raise
     bus = Bus(nc=nc, js=js, meta=meta, owner=ident.owner, registry=ident.registry, replicas=replicas,
               provisions=ident.provisions, secret=ident.secret)
     return bus

@@ -98,9 +98,10 @@ def inbox_prefix(user: str) -> str:
 
 
 def _look(*streams: str) -> tuple[str, ...]:
-    # Stream creation and configuration are the admin's (tokenpipe up's supervisor, a Kubernetes
-    # Job): a role may only look. A relay that could update TP_TOKENS set max_age to 1 s and wiped
-    # every owner's history; a generator that could seal it stopped all storage for good.
+    # Stream creation and configuration are the admin's (tokenpipe up's provisioner, the Helm
+    # chart's provisioner Deployment): a role may only look. A relay that could update TP_TOKENS
+    # set max_age to 1 s and wiped every owner's history; a generator that could seal it stopped
+    # all storage for good.
     return tuple(f"{_JS}.STREAM.INFO.{s}" for s in streams)
 
 

@@ -10,8 +10,10 @@ or reconfigured (a sealed stream cannot be restored: it logs what the admin must
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
+import time
 from pathlib import Path
 
 from tokenpipe.bus import REPAIR_INTERVAL_S, Bus, connect, repair
@@ -37,12 +39,15 @@ class Provisioner:
         self._error: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
+        self._timeout = 60.0
 
     def start(self, timeout: float = 60.0) -> Provisioner:
-        """Returns once the streams are provisioned; raises :class:`TransportError` if they could not be."""
+        """Returns once the streams are provisioned; raises :class:`TransportError` if they could not be
+        within ``timeout`` seconds."""
+        self._timeout = timeout
         self._thread = threading.Thread(target=self._main, name="provisioner", daemon=True)
         self._thread.start()
-        if not self._ready.wait(timeout):
+        if not self._ready.wait(timeout + 15):
             self.stop()
             raise TransportError(f"tokenpipe's streams were not provisioned within {timeout:g} s")
         if self._error is not None:
@@ -70,13 +75,10 @@ class Provisioner:
     async def _run(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
-        try:
-            bus = await connect(self.settings, name="tokenpipe-admin", role="admin")  # provisions
-        except BaseException as exc:  # reported to start()'s caller, in the other thread
-            self._error = exc
-            self._ready.set()
-            return
+        bus = await self._provision()
         self._ready.set()
+        if bus is None:
+            return
         try:
             while not self._stop.is_set():
                 try:
@@ -85,6 +87,25 @@ class Provisioner:
                     await self._repair(bus)
         finally:
             await bus.close()
+
+    async def _provision(self) -> Bus | None:
+        """Connect and provision (``connect`` does, as the admin), retrying while a cluster is still
+        forming (no meta leader yet, fewer peers than the replicas asked for); None after an error
+        that ``start`` reports."""
+        deadline = time.monotonic() + self._timeout
+        while True:
+            try:
+                return await connect(self.settings, name="tokenpipe-admin", role="admin")
+            except TokenpipeError as exc:
+                if time.monotonic() > deadline or self._stop is None or self._stop.is_set():
+                    self._error = exc
+                    return None
+                log.info("provisioning not possible yet; retrying", extra={"error": exc.message})
+            except BaseException as exc:  # reported to start()'s caller, in the other thread
+                self._error = exc
+                return None
+            with contextlib.suppress(TimeoutError):  # the cluster forming: no event to wait for
+                await asyncio.wait_for(self._stop.wait(), 0.5)
 
     async def _repair(self, bus: Bus) -> None:
         if not bus.nc.is_connected:

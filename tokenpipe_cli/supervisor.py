@@ -32,6 +32,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from tokenpipe.cluster import parse_replicas
 from tokenpipe.errors import TokenpipeError, TransportError
 from tokenpipe.natsconfig import write_server_config
 from tokenpipe.settings import Settings
@@ -205,6 +206,14 @@ class Supervisor:
             http_ok(f"{url}/healthz", timeout=1.0),
             env={**os.environ, "TOKENPIPE_EXPECTED_GENERATORS": str(self.generators)}))
 
+    def _admin_settings(self) -> Settings:
+        """The provisioner's settings. ``auto`` replicas are resolved from the connected server's view
+        of its cluster, which a local cluster that is still forming does not show yet: the
+        supervisor knows its size."""
+        if self.nats_cluster > 1 and parse_replicas(self.settings.replicas) is None:
+            return self.settings.replace(replicas="3" if self.nats_cluster >= 3 else "1")
+        return self.settings
+
     def _ready_file_check(self, name: str, path: Path) -> Callable[[], bool]:
         def check() -> bool:
             try:
@@ -233,7 +242,7 @@ class Supervisor:
             if not self.external_nats:
                 # Only the admin configures streams; the roles start once they exist.
                 try:
-                    self.provisioner = Provisioner(self.settings, self._ports["nats_url"],
+                    self.provisioner = Provisioner(self._admin_settings(), self._ports["nats_url"],
                                                    Path(self.settings.data_dir) / "creds" / "admin.json").start()
                 except TokenpipeError as exc:
                     print(f"tokenpipe: error: {exc.message}", flush=True)
