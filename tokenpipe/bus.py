@@ -276,11 +276,14 @@ async def _scale_bucket(js: JetStreamContext, replicas: int, settings: Settings)
         await _update_stream(js, dataclasses.replace(info.config, num_replicas=want), had)
 
 
-async def missing(js: JetStreamContext, *, registry: bool = True, settings: Settings | None = None) -> list[str]:
+async def missing(js: JetStreamContext, *, registry: bool = True, settings: Settings | None = None,
+                  limits: bool = False) -> list[str]:
     """The streams (and, with ``registry``, the meta bucket's stream) that tokenpipe provisions and
-    that do not exist now; with ``settings``, also each one whose configuration drifted from what
-    tokenpipe provisions (sealed, retention, subjects, age or size limits), as a sentence that says
-    what is wrong. Raises :class:`TransportError` when JetStream cannot be asked."""
+    that do not exist now; with ``settings``, also each one that is broken (sealed; retention
+    policy, storage or subjects changed) and, with ``limits``, each whose age or size limit
+    differs from ``settings`` (only the admin judges those: another process may run with other
+    settings), as a sentence that says what is wrong. Raises :class:`TransportError` when
+    JetStream cannot be asked."""
     gone: list[str] = []
     wanted = ({REQUESTS_STREAM: _requests_config(settings, 1),
                TOKENS_STREAM: _tokens_config(settings, [TOKEN_WILDCARD], 1)} if settings is not None else {})
@@ -293,17 +296,17 @@ async def missing(js: JetStreamContext, *, registry: bool = True, settings: Sett
         except Exception as exc:  # timeouts, no responders while JetStream recovers
             raise TransportError(f"cannot check JetStream streams: {exc}") from exc
         if name in wanted:
-            gone.extend(_drift(info.config, wanted[name]))
+            gone.extend(_drift(info.config, wanted[name], limits))
     return gone
 
 
-def _drift(have: js_api.StreamConfig, want: js_api.StreamConfig) -> list[str]:
+def _drift(have: js_api.StreamConfig, want: js_api.StreamConfig, limits: bool) -> list[str]:
     """What is wrong with stream ``have`` against ``want``, one sentence each."""
     name = want.name or ""
     if have.sealed:
         return [f"{name} is sealed. {_SEALED_ACTION.format(name)}"]
     out = []
-    for key in ("retention", "storage", "subjects", "max_age", "max_bytes"):
+    for key in ("retention", "storage", "subjects", *(("max_age", "max_bytes") if limits else ())):
         h, w = getattr(have, key), getattr(want, key)
         if w is not None and h != w and not (key == "max_bytes" and w in (-1, None) and h in (-1, None)):
             out.append(f"{name}: {key} is {h!r}, tokenpipe provisions {w!r} (the admin restores it)")
@@ -311,11 +314,13 @@ def _drift(have: js_api.StreamConfig, want: js_api.StreamConfig) -> list[str]:
 
 
 async def repair(js: JetStreamContext, settings: Settings, *, registry: bool = True,
-                 provision_streams: bool = True) -> list[str]:
-    """Re-provision whatever :func:`missing` reports (deleted, or configured otherwise); what was
-    wrong. ``registry``: whether this role may touch the meta bucket (``Bus.registry``);
-    ``provision_streams``: whether it may configure streams (``Bus.provisions``), else it only reports."""
-    gone = await missing(js, registry=registry, settings=settings)
+                 provision_streams: bool = True, restore_limits: bool = False) -> list[str]:
+    """Re-provision whatever :func:`missing` reports (deleted, or broken); what was wrong.
+    ``registry``: whether this role may touch the meta bucket (``Bus.registry``);
+    ``provision_streams``: whether it may configure streams (``Bus.provisions``), else it only
+    reports; ``restore_limits``: also put back age and size limits that differ from ``settings``
+    (the admin's provisioner: one process's settings, not every role's)."""
+    gone = await missing(js, registry=registry, settings=settings, limits=restore_limits)
     if gone and provision_streams:
         log.warning("JetStream state tokenpipe owns is missing or changed; re-provisioning",
                     extra={"missing": "; ".join(gone)})

@@ -111,6 +111,6 @@ class Provisioner:
         if not bus.nc.is_connected:
             return  # nats-server restarting: the next round asks again
         try:
-            await repair(bus.js, self.settings)
+            await repair(bus.js, self.settings, restore_limits=True)
         except TokenpipeError as exc:  # JetStream recovering, or a change NATS refuses: said, retried
             log.warning("JetStream repair failed", extra={"error": exc.message})
