@@ -5,11 +5,12 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator
 from importlib import resources
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import Depends, FastAPI, Request, Security
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
+from fastapi.security import HTTPBearer
 from opentelemetry.trace import TracerProvider
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -18,19 +19,23 @@ from starlette.types import Receive, Scope, Send
 
 from tokenpipe.errors import TokenpipeError
 from tokenpipe.metrics import render
+from tokenpipe.params import invalid_request
 from tokenpipe.settings import Settings
 
 from . import native, openai
 from .auth import TENANT_KEY, AuthMiddleware
 from .http import RAW_SEND, error_body, error_response
 from .observe import ObserveMiddleware
-from .schema import install_openapi
+from .protocol import ERROR_STATUSES, Bodies, ErrorResponse, ModelCard, ModelList
 from .state import RelayState
 
 __all__ = ["create_app"]
 
+# Declares the scheme in the OpenAPI document; AuthMiddleware checks the key before routing.
+_BEARER = HTTPBearer(scheme_name="apiKey", auto_error=False)
 
-async def authenticate(request: Request) -> None:
+
+async def authenticate(request: Request, _: Annotated[Any, Security(_BEARER)] = None) -> None:
     """The caller's tenant, as :class:`relay.auth.AuthMiddleware` resolved it before routing
     (resolved here when the app runs without it, as a bare ASGI app in a test might)."""
     if getattr(request.state, TENANT_KEY, None) is None:
@@ -38,6 +43,16 @@ async def authenticate(request: Request) -> None:
         request.state.tenant = state.keys.tenant_for(request.headers.get("authorization"))
 
 
+def _errors(statuses: dict[int, str], *, plain: bool = False) -> dict[int | str, dict[str, Any]]:
+    """Error responses with the OpenAI error body. A route whose success is not JSON (``plain``)
+    names the body's schema itself: FastAPI would file ``model`` under the route's media type."""
+    if plain:
+        schema = {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}  # registered by the API routes
+        return {code: {"description": why, "content": {"application/json": schema}} for code, why in statuses.items()}
+    return {code: {"model": ErrorResponse, "description": why} for code, why in statuses.items()}
+
+
+_NOT_ALLOWED = _errors({405: ERROR_STATUSES[405]}, plain=True)
 _METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
 
 
@@ -78,11 +93,7 @@ def create_app(settings: Settings, tracer_provider: TracerProvider | None = None
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {}
-        loc = [str(p) for p in first.get("loc", ())]
-        message = f"{'.'.join(loc) or 'request'}: {first.get('msg', 'invalid')}"
-        return JSONResponse(error_body(message, status=400, code="invalid_request", param=loc[-1] if loc else None),
-                            status_code=400)
+        return error_response(invalid_request(exc.errors(), skip=1))  # a 400 naming the field, not FastAPI's 422
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -94,35 +105,39 @@ def create_app(settings: Settings, tracer_provider: TracerProvider | None = None
         return JSONResponse(error_body(str(exc.detail), status=exc.status_code), status_code=exc.status_code,
                             headers=headers or None)
 
-    @app.get("/healthz")
-    @app.get("/health")  # the liveness path of vLLM, TGI and transformers serve; guidellm checks it
+    @app.get("/healthz", responses=_NOT_ALLOWED)
+    @app.get("/health", responses=_NOT_ALLOWED)  # the liveness path of vLLM, TGI and transformers serve
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.get("/readyz")
+    not_ready = {"description": "not ready (no NATS connection or no generator)",
+                 "content": {"application/json": {"schema": {}}}}
+
+    @app.get("/readyz", responses={**_NOT_ALLOWED, 503: not_ready})
     async def readyz() -> JSONResponse:
         body, status = await state.readiness()
         return JSONResponse(body, status_code=status)
 
-    @app.get("/", response_class=HTMLResponse)
+    @app.get("/", response_class=HTMLResponse, responses=_NOT_ALLOWED)
     async def index() -> HTMLResponse:
         page = resources.files("relay").joinpath("static/index.html").read_text(encoding="utf-8")
         return HTMLResponse(page)
 
-    @app.get("/metrics")
+    api = [Depends(authenticate)]
+    guarded = _errors(ERROR_STATUSES)
+
+    @app.get("/metrics", response_class=PlainTextResponse, dependencies=api if settings.metrics_auth else [],
+             responses=_errors(ERROR_STATUSES, plain=True) if settings.metrics_auth else _NOT_ALLOWED)
     async def metrics() -> Response:
         return Response(render(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    api = [Depends(authenticate)]
+    @app.get("/v1/models", dependencies=api, response_model=ModelList, responses=guarded)
+    async def list_models() -> ModelList:
+        return ModelList(data=[ModelCard(id=m) for m in state.registry.models()])
 
-    @app.get("/v1/models", dependencies=api)
-    async def list_models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": m, "object": "model", "owned_by": "tokenpipe", "created": 0}
-                                           for m in state.registry.models()]}
-
-    app.include_router(native.router, dependencies=api)
-    app.include_router(openai.router, dependencies=api)
-    install_openapi(app, settings)
+    app.state.bodies = bodies = Bodies(settings)
+    app.include_router(native.router(bodies), dependencies=api, responses=guarded)
+    app.include_router(openai.router(bodies), dependencies=api, responses=guarded)
     app.add_middleware(AuthMiddleware, keys=state.keys, metrics=settings.metrics_auth)
     app.add_middleware(ObserveMiddleware, tracer=state.tracer, metrics=state.metrics)
     return app

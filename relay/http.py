@@ -7,13 +7,16 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import time
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any, TypeVar
 
 import anyio
-from fastapi import Request
+from fastapi import Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.routing import APIRoute
+from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
 from tokenpipe.errors import GenerationError, InvalidRequest, TokenpipeError
@@ -22,14 +25,15 @@ from tokenpipe.wire import TokenBatch
 from .sse import SSE_HEADERS
 
 __all__ = ["RAW_SEND", "error_body", "error_response", "read_json", "parse_json", "check_strings", "RequestTooLarge",
-           "SSEResponse", "WriteWatchdog", "error_type", "stream_error"]
+           "JSONBodyRoute", "takes", "SSEResponse", "WriteWatchdog", "error_type", "stream_error"]
 
 # Scope key under which the relay app leaves the server's own ``send``: an SSE body chunk then
-# skips three middleware wrappers that only ever look at the response start (4% of the relay's
-# samples in a py-spy profile at 20k batches/s).
+# skips three middleware wrappers that only ever look at the response start (their cost per
+# event: bench/RESULTS.md, "Relay per-event costs").
 RAW_SEND = "tokenpipe.raw_send"
 
 log = logging.getLogger(__name__)
+E = TypeVar("E", bound=Callable[..., Any])
 
 
 # The OpenAI error ``type`` of each status the relay answers with; any other is a server error.
@@ -72,6 +76,42 @@ class RequestTooLarge(InvalidRequest):
         super().__init__(f"request body exceeds {limit} bytes")
 
 
+class JSONBodyRoute(APIRoute):
+    """A route whose JSON body passes :func:`parse_json`'s checks, within the relay's size
+    limit, before FastAPI validates it against the route's model: FastAPI's own parser would
+    pass lone surrogates on (msgpack and the tokenizer fail on them later) and answer too
+    many digits or too deep a nesting without saying which."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+        if self.body_field is None:
+            return handler
+
+        async def checked(request: Request) -> Response:
+            # As FastAPI's strict default: a page on another site cannot send this without CORS'
+            # consent, as it could a text/plain body or one without a type (the relay on loopback
+            # has no key by default).
+            if not _JSON_TYPE.match(request.headers.get("content-type", "")):
+                raise InvalidRequest("the request body must be JSON, sent with content-type: application/json",
+                                     param="content-type")
+            request._json = await read_json(request, request.app.state.relay.settings.max_body_bytes)
+            return await handler(request)  # FastAPI's request.json() returns the checked value
+
+        return checked
+
+
+def takes(model: type[BaseModel]) -> Callable[[E], E]:
+    """Give an endpoint's ``body`` parameter this app's model (built per app: it carries the
+    relay's own limits, see :class:`relay.protocol.Bodies`), for FastAPI to validate and document."""
+    def declare(endpoint: E) -> E:
+        endpoint.__annotations__["body"] = model
+        return endpoint
+    return declare
+
+
+_JSON_TYPE = re.compile(r"\s*application/([\w.+-]*\+)?json\s*(;|$)", re.IGNORECASE)
+
+
 async def read_json(request: Request, limit: int) -> dict[str, Any]:
     """The body as a JSON object, refusing more than ``limit`` bytes before reading them all."""
     declared = request.headers.get("content-length")
@@ -82,7 +122,8 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
         body += chunk
         if len(body) > limit:
             raise RequestTooLarge(limit)
-    return parse_json(bytes(body))
+    request._body = bytes(body)  # read once: Starlette's body() and json() serve it from here
+    return parse_json(request._body)
 
 
 def parse_json(body: bytes) -> dict[str, Any]:
@@ -136,8 +177,8 @@ class WriteWatchdog:
     """Ends SSE responses whose write has been blocked longer than ``timeout`` seconds.
 
     A client that stops reading fills the socket buffers and then blocks our write. One task
-    checks every response mid-write, instead of a cancel scope around every write: at 20k
-    events/s those scopes alone cost a tenth of the relay's CPU. A write that does not block
+    checks every response mid-write, instead of a cancel scope around every write, which costs
+    on every event (bench/RESULTS.md, "Relay per-event costs"). A write that does not block
     never yields to this task, so for it the bookkeeping is one dict insert and one delete.
     """
 

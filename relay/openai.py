@@ -12,145 +12,75 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from tokenpipe.errors import InvalidRequest, TokenpipeError
+from tokenpipe.errors import TokenpipeError
 from tokenpipe.streams import Gap, Ping
 from tokenpipe.wire import Request as TpRequest
 from tokenpipe.wire import TokenBatch
 
 from .forward import Session
-from .http import SSEResponse, error_body, read_json, stream_error
-from .native import build_request, check_max_tokens, state_of, tenant_of
+from .http import JSONBodyRoute, SSEResponse, error_body, stream_error, takes
+from .native import state_of, tenant_of
+from .protocol import (
+    AssistantMessage,
+    Bodies,
+    ChatChoice,
+    ChatCompletion,
+    ChatCompletionRequest,
+    Completion,
+    CompletionChoice,
+    CompletionRequest,
+    OpenAIEvent,
+    Usage,
+)
 from .sse import sse_comment, sse_event
 from .state import RelayState
 
 __all__ = ["router"]
 
-router = APIRouter()
 log = logging.getLogger(__name__)
 
-# Accepted and meaningful here, or accepted because their value changes nothing.
-_NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "logprobs": False, "parallel_tool_calls": None,
-            "logit_bias": None, "tools": None, "tool_choice": None, "response_format": None, "echo": False,
-            "best_of": 1, "suffix": None, "top_logprobs": None, "service_tier": None, "store": None,
-            "metadata": None, "prediction": None, "modalities": None, "reasoning_effort": None}
-_UNCHANGED = object()
+_STREAMED: dict[int | str, dict[str, Any]] = {200: {"description": "a completion, or chunks as SSE with `stream: true`",
+                   "content": {"text/event-stream": {"schema": OpenAIEvent.model_json_schema()}}}}
+Body = ChatCompletionRequest | CompletionRequest
 
 
-def _finish_reason(finish: str | None) -> str:
+def _finish_reason(finish: str | None) -> Literal["stop", "length"]:
     return "length" if finish == "length" else "stop"  # OpenAI has no "cancelled"; the stream simply stopped
 
 
-def _params(body: dict[str, Any]) -> dict[str, Any]:
-    for key, neutral in _NEUTRAL.items():
-        value = body.get(key, _UNCHANGED)
-        if value is _UNCHANGED or value is None or value == neutral:
-            continue
-        if key == "response_format" and isinstance(value, dict) and value.get("type") == "text":
-            continue
-        raise InvalidRequest(f"'{key}' is not supported by this server", param=key)
-    n = body.get("n", 1)
-    if n is not None and (isinstance(n, bool) or n != 1):
-        raise InvalidRequest("only n=1 is supported", param="n")
-    if "stream" in body and body["stream"] is not None and not isinstance(body["stream"], bool):
-        raise InvalidRequest("'stream' must be a boolean", param="stream")
-    user = body.get("user")
-    if user is not None and not isinstance(user, str):
-        raise InvalidRequest("'user' must be a string", param="user")
-    params: dict[str, Any] = {}
-    max_tokens = body.get("max_completion_tokens")
-    if max_tokens is None:
-        max_tokens = body.get("max_tokens")
-    if max_tokens is not None:
-        params["max_tokens"] = max_tokens
-    for key in ("temperature", "top_p", "stop", "seed", "top_k", "ignore_eos"):
-        if body.get(key) is not None:
-            params[key] = body[key]
-    return params
+def router(bodies: Bodies) -> APIRouter:
+    """The OpenAI-compatible routes, taking this app's :class:`~relay.protocol.Bodies` models."""
+    api = APIRouter(route_class=JSONBodyRoute)
+
+    @api.post("/v1/chat/completions", response_model=ChatCompletion, responses=_STREAMED)
+    @takes(bodies.chat)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await _complete(request, body, chat=True)
+
+    @api.post("/v1/completions", response_model=Completion, responses=_STREAMED)
+    @takes(bodies.completion)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await _complete(request, body, chat=False)
+
+    return api
 
 
-def _include_usage(body: dict[str, Any]) -> bool:
-    opts = body.get("stream_options")
-    if opts is None:
-        return False
-    if not isinstance(opts, dict) or not isinstance(opts.get("include_usage", False), bool):
-        raise InvalidRequest("'stream_options' must be an object like {\"include_usage\": true}",
-                             param="stream_options")
-    if not body.get("stream"):
-        raise InvalidRequest("'stream_options' is only allowed when 'stream' is true", param="stream_options")
-    return bool(opts.get("include_usage", False))
-
-
-def _chat_messages(messages: Any) -> list[dict[str, Any]]:
-    if not isinstance(messages, list) or not messages:
-        raise InvalidRequest("'messages' must be a non-empty array", param="messages")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise InvalidRequest(f"messages[{i}] must be an object", param="messages")
-        content = m.get("content")
-        if isinstance(content, list):  # content parts: text only
-            texts = []
-            for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise InvalidRequest(f"messages[{i}]: only text content parts are supported", param="messages")
-                texts.append(part["text"])
-            content = "".join(texts)
-        elif content is None and m.get("role") == "assistant":
-            content = ""
-        out.append({"role": m.get("role"), "content": content})
-    return out
-
-
-def _prompt(prompt: Any) -> dict[str, Any]:
-    if isinstance(prompt, str):
-        return {"prompt": prompt}
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        return {"prompt": prompt[0]}
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return {"input_ids": prompt}
-    raise InvalidRequest("'prompt' must be a string, a list with one string, or a list of token ids",
-                         param="prompt")
-
-
-async def _start(request: Request, chat: bool) -> tuple[RelayState, TpRequest, dict[str, Any], Session]:
+async def _complete(request: Request, body: Body, chat: bool) -> Response:
     state = state_of(request)
-    body = await read_json(request, state.settings.max_body_bytes)
-    params = _params(body)
-    for key in ("max_completion_tokens", "max_tokens"):  # both are checked, whichever is used
-        if body.get(key) is not None:
-            check_max_tokens(body[key], state.settings, key)
-    if body.get("model") is not None and not isinstance(body.get("model"), str):
-        raise InvalidRequest("'model' must be a string", param="model")
-    content = {"messages": _chat_messages(body.get("messages"))} if chat else _prompt(body.get("prompt"))
-    _include_usage(body)
-    model = await state.registry.resolve(body.get("model"))
     tenant = tenant_of(request)
-    req = build_request(model=model, tenant=tenant, settings=state.settings, params=params, **content)
+    model = await state.registry.resolve(body.model)
+    req = body.to_request(model, tenant)
     await state.admission.admit(tenant, model, req.id)
     live = await state.forwarder.submit(req, follow=True)
-    return state, req, body, Session(req.id, req.tenant, live=live)
-
-
-@router.post("/v1/chat/completions")
-async def chat_completions(request: Request) -> Response:
-    return await _complete(request, chat=True)
-
-
-@router.post("/v1/completions")
-async def completions(request: Request) -> Response:
-    return await _complete(request, chat=False)
-
-
-async def _complete(request: Request, chat: bool) -> Response:
-    state, req, body, session = await _start(request, chat)
+    session = Session(req.id, req.tenant, live=live)
     created = int(time.time())
-    if body.get("stream"):
-        return SSEResponse(_chunks(state, session, req, created, chat, _include_usage(body)),
+    if body.stream:
+        return SSEResponse(_chunks(state, session, req, created, chat, body.include_usage),
                            watchdog=state.watchdog, stream_id=req.id,
                            on_close=session.close)
     try:
@@ -188,16 +118,17 @@ async def _complete_blocking(request: Request, state: RelayState, session: Sessi
     if final.finish == "error":
         status, body = stream_error(final)
         return JSONResponse(body, status_code=status, headers={"X-Request-Id": req.id})
-    usage = final.usage.to_map() if final.usage else None
+    usage = Usage(**final.usage.to_map()) if final.usage else None
     full = "".join(text)
-    choice: dict[str, Any] = {"index": 0, "finish_reason": _finish_reason(final.finish), "logprobs": None}
+    finish = _finish_reason(final.finish)
+    reply: ChatCompletion | Completion
     if chat:
-        choice["message"] = {"role": "assistant", "content": full}
+        reply = ChatCompletion(id=_object_id(req.id, chat), created=created, model=req.model, usage=usage,
+                               choices=[ChatChoice(finish_reason=finish, message=AssistantMessage(content=full))])
     else:
-        choice["text"] = full
-    return JSONResponse({"id": _object_id(req.id, chat), "object": "chat.completion" if chat else "text_completion",
-                         "created": created, "model": req.model, "choices": [choice], "usage": usage},
-                        headers={"X-Request-Id": req.id})
+        reply = Completion(id=_object_id(req.id, chat), created=created, model=req.model, usage=usage,
+                           choices=[CompletionChoice(finish_reason=finish, text=full)])
+    return JSONResponse(reply.model_dump(), headers={"X-Request-Id": req.id})
 
 
 async def _disconnected(request: Request) -> None:

@@ -14,14 +14,21 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import (
+    Annotated,
+    Any,
+    Literal,
+    Required,  # pydantic needs this TypedDict before Python 3.12
+)
 
 import msgpack
+from pydantic import AfterValidator, ConfigDict, Field, StringConstraints, TypeAdapter, with_config
+from typing_extensions import TypedDict
 
 from .errors import InvalidRequest, WireFormatError
-from .params import CoalesceParams, SamplingParams
+from .params import CoalesceParams, SamplingParams, validated
 from .subjects import check_stream_id
 
 __all__ = [
@@ -31,6 +38,10 @@ __all__ = [
     "SamplingParams",
     "CoalesceParams",
     "Request",
+    "Role",
+    "Message",
+    "chat_message",
+    "TokenId",
     "TokenBatch",
     "Usage",
     "StreamMeta",
@@ -45,6 +56,39 @@ FinishReason = Literal["stop", "length", "cancelled", "error"]
 FINISH_REASONS: frozenset[str] = frozenset({"stop", "length", "cancelled", "error"})
 
 MAX_TOKEN_ID = 1 << 31  # no vocabulary is larger; keeps every id encodable
+TokenId = Annotated[int, Field(strict=True, ge=0, lt=MAX_TOKEN_ID)]
+Role = Literal["system", "user", "assistant", "developer", "tool"]
+_Text = Annotated[str, StringConstraints(strict=True)]
+_Name = Annotated[str, StringConstraints(strict=True, min_length=1)]
+
+
+@with_config(ConfigDict(extra="ignore"))
+class MessageDict(TypedDict):
+    role: Role
+    content: _Text
+
+
+def chat_message(role: Role, content: str) -> MessageDict:
+    """One chat message as the wire carries it: OpenAI's newer "developer" role is the system role."""
+    return {"role": "system" if role == "developer" else role, "content": content}
+
+
+Message = Annotated[MessageDict, AfterValidator(lambda m: chat_message(m["role"], m["content"]))]  # other keys dropped
+
+
+class _RequestFields(TypedDict, total=False):
+    """A :class:`Request`'s own fields as a map carries them (a null is an absent field)."""
+
+    id: Required[_Name]
+    model: Required[_Name]
+    prompt: _Text
+    messages: Annotated[tuple[Message, ...], Field(min_length=1)]
+    input_ids: tuple[TokenId, ...]
+    tenant: _Text
+    created_at: Annotated[int, Field(strict=True)]
+
+
+_REQUEST_FIELDS = TypeAdapter(_RequestFields)
 
 
 def new_request_id() -> str:
@@ -104,7 +148,7 @@ class Request:
     id: str
     model: str
     prompt: str | None = None
-    messages: tuple[Mapping[str, str], ...] | None = None
+    messages: tuple[MessageDict, ...] | None = None
     input_ids: tuple[int, ...] | None = None
     params: SamplingParams = field(default_factory=SamplingParams)
     coalesce: CoalesceParams = field(default_factory=CoalesceParams)
@@ -136,63 +180,22 @@ class Request:
         return cls(model=model, **kw)
 
     def encode(self) -> bytes:
-        return _pack(
-            {
-                "v": WIRE_VERSION,
-                "id": self.id,
-                "model": self.model,
-                "prompt": self.prompt,
-                "messages": [dict(m) for m in self.messages] if self.messages is not None else None,
-                "input_ids": list(self.input_ids) if self.input_ids is not None else None,
-                "params": self.params.to_map(),
-                "coalesce": self.coalesce.to_map(),
-                "tenant": self.tenant,
-                "created_at": self.created_at,
-            }
-        )
+        return _pack({"v": WIRE_VERSION, "id": self.id, "model": self.model, "prompt": self.prompt,
+                      "messages": [dict(m) for m in self.messages] if self.messages is not None else None,
+                      "input_ids": list(self.input_ids) if self.input_ids is not None else None,
+                      "params": self.params.to_map(), "coalesce": self.coalesce.to_map(), "tenant": self.tenant,
+                      "created_at": self.created_at})
 
     @classmethod
     def decode(cls, data: bytes) -> Request:
-        obj = _unpack(data, "request")
-        return cls.from_map(obj)
+        return cls.from_map(_unpack(data, "request"))
 
     @classmethod
     def from_map(cls, obj: Mapping[str, Any]) -> Request:
         """Validate an untrusted map. Raises :class:`InvalidRequest` with the offending param."""
-        rid, model = obj.get("id"), obj.get("model")
-        if not isinstance(rid, str) or not rid:
-            raise InvalidRequest("'id' must be a non-empty string", param="id")
-        if not isinstance(model, str) or not model:
-            raise InvalidRequest("'model' must be a non-empty string", param="model")
-        prompt = obj.get("prompt")
-        if prompt is not None and not isinstance(prompt, str):
-            raise InvalidRequest("'prompt' must be a string", param="prompt")
-        messages = _validate_messages(obj.get("messages"))
-        input_ids = obj.get("input_ids")
-        if input_ids is not None:
-            if not isinstance(input_ids, Sequence) or isinstance(input_ids, (str, bytes)) or not all(
-                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < MAX_TOKEN_ID for t in input_ids
-            ):
-                raise InvalidRequest(f"'input_ids' must be a list of integers in [0, {MAX_TOKEN_ID})",
-                                     param="input_ids")
-            input_ids = tuple(input_ids)
-        tenant = obj.get("tenant", "default")
-        if not isinstance(tenant, str):
-            raise InvalidRequest("'tenant' must be a string", param="tenant")
-        created = obj.get("created_at") or 0
-        if not isinstance(created, int) or isinstance(created, bool):
-            raise InvalidRequest("'created_at' must be an integer (ns)", param="created_at")
-        return cls(
-            id=rid,
-            model=model,
-            prompt=prompt,
-            messages=messages,
-            input_ids=input_ids,
-            params=SamplingParams.from_map(obj.get("params")),
-            coalesce=CoalesceParams.from_map(obj.get("coalesce")),
-            tenant=tenant,
-            created_at=created,
-        )
+        fields = validated(_REQUEST_FIELDS, {k: obj.get(k) for k in _RequestFields.__annotations__}, "request")
+        return cls(**fields, params=SamplingParams.from_map(obj.get("params")),
+                   coalesce=CoalesceParams.from_map(obj.get("coalesce")))
 
 
 def _listed(value: Any) -> Any:
@@ -214,24 +217,6 @@ def peek_request_id(data: bytes) -> str | None:
         return check_stream_id(rid) if isinstance(rid, str) else None
     except InvalidRequest:
         return None
-
-
-def _validate_messages(messages: Any) -> tuple[Mapping[str, str], ...] | None:
-    if messages is None:
-        return None
-    if not isinstance(messages, (list, tuple)) or not messages:
-        raise InvalidRequest("'messages' must be a non-empty list", param="messages")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, Mapping):
-            raise InvalidRequest(f"messages[{i}] must be an object", param="messages")
-        role, content = m.get("role"), m.get("content")
-        if role not in ("system", "user", "assistant", "developer", "tool"):
-            raise InvalidRequest(f"messages[{i}].role must be system, user, assistant or tool", param="messages")
-        if not isinstance(content, str):
-            raise InvalidRequest(f"messages[{i}].content must be a string", param="messages")
-        out.append({"role": "system" if role == "developer" else role, "content": content})
-    return tuple(out)
 
 
 @dataclass(frozen=True, slots=True)
