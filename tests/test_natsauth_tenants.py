@@ -308,6 +308,15 @@ async def test_a_reconfigured_token_store_is_restored_by_the_admin(up: UpProcess
     await assert_still_stored(up, admin)
 
 
+async def test_the_servers_configuration_holds_hashes_not_passwords(up: UpProcess, mallory: Client) -> None:
+    """`tokenpipe up`'s nats-server configuration (and the accounts file it includes) never
+    holds a password; the credential files do, for the clients (mallory just logged in with hers)."""
+    conf = (up.data / "nats" / "nats-server.conf").read_text() + (up.data / "creds" / "accounts.conf").read_text()
+    for path in (up.data / "creds").glob("*.json"):
+        assert load_credential(path).password not in conf, path.name
+    assert conf.count('"password": "$2') == len(list((up.data / "creds").glob("*.json")))
+
+
 async def test_a_sealed_token_store_is_reported_and_the_relay_survives_a_restart(up: UpProcess, admin: Bus) -> None:
     """Last in this module: a sealed stream cannot be unsealed (the stack stays degraded)."""
     cfg = (await admin.js.stream_info(TOKENS_STREAM)).config
@@ -328,3 +337,4 @@ async def test_a_sealed_token_store_is_reported_and_the_relay_survives_a_restart
         await wait_until(back, 60, "the relay to come back")  # it no longer crash-loops on the seal
         await wait_until(reported, 30, "/readyz to report it again")
     assert up.proc.poll() is None
+
