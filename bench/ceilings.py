@@ -113,21 +113,20 @@ def raw_forward_tok_s(lm: LoadedModel, batch: int, context: int, steps: int = 12
 
 @torch.inference_mode()
 def own_forward_tok_s(lm: LoadedModel, batch: int, context: int, steps: int = 12) -> float:
-    """The same measurement with tokenpipe's own decode step (slot cache, grouped-query attention)."""
-    from generator.forward import SlotKVCache, decode_step, prefill
+    """The same measurement with tokenpipe's own decode step (paged cache, grouped-query attention)."""
+    from .kvstep import RawSteps
 
     attend = -(-(context + steps + 4) // 32) * 32
-    cache = SlotKVCache(lm.model, batch, attend, lm.device, lm.dtype)
-    cache.ensure(attend)
+    raw = RawSteps(lm, batch, attend)
     ids = torch.randint(100, 40_000, (batch, context), device=lm.device)
-    tok = prefill(lm.model, cache, ids, torch.full((batch,), context, device=lm.device), 0).argmax(-1)
+    tok = raw.prefill(ids).argmax(-1)
     pos = torch.full((batch,), context, device=lm.device)
     for i in range(3):
-        decode_step(lm.model, cache, tok, pos + i, attend)
+        raw.decode(tok, pos + i, attend)
     _sync(lm)
     t0 = time.perf_counter()
     for i in range(steps):
-        decode_step(lm.model, cache, tok, pos + 3 + i, attend)
+        raw.decode(tok, pos + 3 + i, attend)
     _sync(lm)
     return batch * steps / (time.perf_counter() - t0)
 

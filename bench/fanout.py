@@ -1,9 +1,9 @@
 """Relay fan-out with a SYNTHETIC token source: no model, just batches published to NATS.
 
     python -m bench.fanout                      # the three default scenarios (about 2 minutes)
-    python -m bench.fanout --scenario shared:10000:20:500
+    python -m bench.fanout --scenario 10000:20:500
 
-Each scenario (``fanout-mode:streams:batches:interval-ms``) starts its own nats-server and one
+Each scenario (``streams:batches:interval-ms``) starts its own nats-server and one
 ``tokenpipe relay`` process, opens the SSE connections (raw asyncio clients: httpx would cost
 more CPU than the relay), then a :class:`SyntheticSource` publishes every stream's batches
 spread evenly over each interval. Reported: batches/s forwarded, the added latency (batch
@@ -11,9 +11,9 @@ spread evenly over each interval. Reported: batches/s forwarded, the added laten
 relay's CPU per forwarded batch, and its RSS per open stream. The synthetic source starts and
 ends every stream within the same interval, so each stream's first and last batch also time
 the set-up or tear-down of all the others; "steady" latency leaves those two batches out.
-The default scenarios compare the relay's two fan-out modes at the same load (``consumer``:
-one JetStream consumer per SSE stream; ``shared``: one wildcard subscription), then offer
-22,222 batches/s over 2,000 streams, then 20,000/s over 10,000 streams.
+The default scenarios offer 10,000 batches/s over 1,000 streams, 22,222/s over 2,000 streams,
+then 20,000/s over 10,000 streams. (The consumer-per-stream and shared-subscription readers
+this once compared were removed; their last figures are in ``bench/RESULTS.md``.)
 """
 
 from __future__ import annotations
@@ -44,29 +44,26 @@ from tokenpipe_cli.stats import latency_stats
 from .procstat import cpu_seconds, rss_kib
 from .rawhttp import SSEResponse, get_request
 
-DEFAULT_SCENARIOS = ("consumer:1000:20:100", "shared:1000:20:100", "shared:2000:60:90", "shared:10000:20:500")
+DEFAULT_SCENARIOS = ("1000:20:100", "2000:60:90", "10000:20:500")
 
 
 @dataclass(frozen=True)
 class Scenario:
-    mode: str
     streams: int
     batches: int
     interval_ms: float
 
     @classmethod
     def parse(cls, text: str) -> Scenario:
-        mode, streams, batches, interval = text.split(":")
-        if mode not in ("shared", "consumer"):
-            raise argparse.ArgumentTypeError(f"fan-out mode must be shared or consumer, not {mode!r}")
-        return cls(mode, int(streams), int(batches), float(interval))
+        streams, batches, interval = text.split(":")
+        return cls(int(streams), int(batches), float(interval))
 
     @property
     def offered(self) -> float:
         return self.streams / (self.interval_ms / 1000)
 
     def __str__(self) -> str:
-        return f"{self.mode} · {self.streams:,} streams × {self.batches} batches every {self.interval_ms:g} ms"
+        return f"{self.streams:,} streams × {self.batches} batches every {self.interval_ms:g} ms"
 
 
 class SyntheticSource:
@@ -218,7 +215,7 @@ def run_scenario(sc: Scenario, console: Console) -> dict[str, Any]:
         port = free_port()
         settings = Settings.load(env={}, nats_url=nats.url, data_dir=tmp)
         relay = spawn_role("relay", "--nats-url", nats.url, "--data-dir", tmp, "--port", str(port),
-                           "--log-level", "WARNING", "--fanout", sc.mode)
+                           "--log-level", "WARNING")
         try:
             wait_ready(http_ok(f"http://127.0.0.1:{port}/healthz"), timeout=60, what="the relay", children=[relay])
 
@@ -242,12 +239,12 @@ def run_scenario(sc: Scenario, console: Console) -> dict[str, Any]:
 
 def results_table(results: list[dict[str, Any]]) -> Table:
     table = Table(title="relay fan-out, SYNTHETIC token source")
-    for col in ("fan-out", "streams", "offered/s", "forwarded/s", "steady /s", "added p50 / p99 ms",
+    for col in ("streams", "offered/s", "forwarded/s", "steady /s", "added p50 / p99 ms",
                 "steady p50 / p99 ms", "relay CPU", "CPU µs/batch", "RSS/stream KiB", "open s", "nats / bench CPU"):
         table.add_column(col, justify="right")
     for r in results:
         lat, st = r["added_latency_ms"], r["added_latency_steady_ms"]
-        table.add_row(r["mode"], f"{r['streams']:,}", f"{r['offered_batches_s']:,.0f}", f"{r['batches_s']:,.0f}",
+        table.add_row(f"{r['streams']:,}", f"{r['offered_batches_s']:,.0f}", f"{r['batches_s']:,.0f}",
                       f"{r['steady_batches_s']:,.0f}",
                       f"{lat['p50']:.1f} / {lat['p99']:.1f}", f"{st['p50']:.1f} / {st['p99']:.1f}",
                       f"{r['relay_cpu_pct']:.0f}%",
@@ -278,7 +275,7 @@ def fanout_goals(results: list[dict[str, Any]]) -> dict[str, tuple[bool, str]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scenario", action="append", type=Scenario.parse,
-                        help="mode:streams:batches:interval_ms (repeatable); default: " + " ".join(DEFAULT_SCENARIOS))
+                        help="streams:batches:interval_ms (repeatable); default: " + " ".join(DEFAULT_SCENARIOS))
     parser.add_argument("--out", default="bench/out/fanout.json")
     args = parser.parse_args(argv)
     scenarios = args.scenario or [Scenario.parse(s) for s in DEFAULT_SCENARIOS]

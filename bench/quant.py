@@ -36,12 +36,12 @@ from rich.console import Console
 from rich.table import Table
 
 from generator.engine import Engine
-from generator.forward import SlotKVCache, decode_step, prefill
 from generator.models import LoadedModel, load_model
 from tokenpipe.settings import Settings
 from tokenpipe.wire import SamplingParams
 
 from .ceilings import cpu_summary, decode_step_flops, gemm_peak_gflops, prefill_flops
+from .kvstep import RawSteps
 
 console = Console(width=190)
 
@@ -84,18 +84,17 @@ def _sync(lm: LoadedModel) -> None:
 
 def _decode(lm: LoadedModel, batch: int, steps: int) -> Callable[[], float]:
     attend = -(-(CONTEXT + steps + 8) // 32) * 32
-    cache = SlotKVCache(lm.model, batch, attend, lm.device, lm.dtype)
-    cache.ensure(attend)
+    raw = RawSteps(lm, batch, attend)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(100, 40_000, (batch, CONTEXT), generator=gen).to(lm.device)
-    tok = prefill(lm.model, cache, ids, torch.full((batch,), CONTEXT, device=lm.device), 0).argmax(-1)
+    tok = raw.prefill(ids).argmax(-1)
     pos = torch.full((batch,), CONTEXT, device=lm.device)
 
     def run() -> float:
         _sync(lm)
         t0 = time.perf_counter()
         for i in range(steps):
-            decode_step(lm.model, cache, tok, pos + i, attend)
+            raw.decode(tok, pos + i, attend)
         _sync(lm)
         return batch * steps / (time.perf_counter() - t0)
 
@@ -104,14 +103,13 @@ def _decode(lm: LoadedModel, batch: int, steps: int) -> Callable[[], float]:
 
 
 def _prefill_ms(lm: LoadedModel, length: int) -> Callable[[], float]:
-    cache = SlotKVCache(lm.model, 1, 256, lm.device, lm.dtype)
+    raw = RawSteps(lm, 1, max(length, 256))
     ids = torch.randint(100, 40_000, (1, length), generator=torch.Generator().manual_seed(1)).to(lm.device)
-    lengths = torch.tensor([length], device=lm.device)
 
     def run() -> float:
         _sync(lm)
         t0 = time.perf_counter()
-        prefill(lm.model, cache, ids, lengths, 0)
+        raw.prefill(ids)
         _sync(lm)
         return (time.perf_counter() - t0) * 1e3
 
@@ -143,15 +141,13 @@ def _loglik(lm: LoadedModel) -> float:
     """Mean log-probability per token of :data:`TEXT`, teacher-forced one token per decode step
     (the path that reads the quantized weights; a prefill of many rows reads the float ones)."""
     ids = lm.tokenizer.encode(TEXT)
-    cache = SlotKVCache(lm.model, 1, len(ids) + 1, lm.device, lm.dtype)
+    raw = RawSteps(lm, 1, len(ids) + 1)
     dev = lm.device
-    logits = prefill(lm.model, cache, torch.tensor([ids[:1]], device=dev), torch.tensor([1], device=dev), 0)
+    logits = raw.prefill(torch.tensor([ids[:1]], device=dev))
     total = 0.0
     for pos in range(1, len(ids)):
         total += float(logits[0].float().log_softmax(-1)[ids[pos]])
-        attend = min(cache.max_len, -(-(pos + 1) // 32) * 32)
-        logits = decode_step(lm.model, cache, torch.tensor([ids[pos]], device=dev), torch.tensor([pos], device=dev),
-                             attend)
+        logits = raw.decode(torch.tensor([ids[pos]], device=dev), torch.tensor([pos], device=dev), pos + 1)
     return total / (len(ids) - 1)
 
 

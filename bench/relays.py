@@ -1,19 +1,18 @@
-"""Relays scaling out: K relays, each serving 1/K of the streams, shared vs per-stream fan-out.
+"""Relays scaling out: K relays, each serving 1/K of the streams.
 
-    python -m bench.relays                              # 1,000 streams at 5,000 batches/s, K = 1, 2, 4 (~2 min)
-    python -m bench.relays --streams 2000 --rate 8000 --relays 1,2,4,8 --modes shared,stream
+    python -m bench.relays                              # 1,000 streams at 5,000 batches/s, K = 1, 2, 4 (~1 min)
+    python -m bench.relays --streams 2000 --rate 8000 --relays 1,2,4,8
 
-Per run: one nats-server, K ``tokenpipe relay`` processes with the given fan-out mode, and a
-SYNTHETIC token source (``bench.fanout.SyntheticSource``: meta entries, then 4-token batches
-for every stream spread evenly over each interval). Stream ``i``'s SSE client connects to
-relay ``i % K``, as a load balancer would spread them. The question is whether adding relays
-adds capacity: with the shared fan-out every relay receives every stream's batches, so its CPU
-per *delivered* batch grows with K; with the per-stream subscription mode (``--fanout
-stream``) a relay receives only the batches of the streams it serves.
+Per run: one nats-server, K ``tokenpipe relay`` processes, and a SYNTHETIC token source
+(``bench.fanout.SyntheticSource``: meta entries, then 4-token batches for every stream spread
+evenly over each interval). Stream ``i``'s SSE client connects to relay ``i % K``, as a load
+balancer would spread them. The question is whether adding relays adds capacity: a relay
+subscribes per stream it serves, so it receives only those streams' batches.
 
 Each run also starts a bystander: one more relay that serves no stream. Its CPU per batch
-published anywhere is what a relay pays for traffic that is not its own (the shared fan-out's
-price per extra relay; next to nothing with per-stream subscriptions).
+published anywhere is what a relay pays for traffic that is not its own (next to nothing with
+per-stream subscriptions; the removed shared subscription paid for every batch, see
+``bench/RESULTS.md``).
 
 Reported per run: batches delivered per second, every relay's CPU, their sum per delivered
 batch, the busiest relay, what one relay core would deliver at that cost, the bystander's
@@ -121,12 +120,12 @@ async def _drive(nats: NatsServer, ports: list[int], pids: list[int], bystander:
     }
 
 
-def run_one(mode: str, relays: int, streams: int, rate: float, batches: int) -> dict[str, Any]:
-    """One run: a fresh nats-server and ``relays`` relay processes in fan-out ``mode``."""
+def run_one(relays: int, streams: int, rate: float, batches: int) -> dict[str, Any]:
+    """One run: a fresh nats-server and ``relays`` relay processes."""
     with tempfile.TemporaryDirectory() as tmp, NatsServer(Path(tmp) / "nats") as nats:
         ports = [free_port() for _ in range(relays + 1)]  # the last one is the bystander
         procs = [subprocess.Popen([sys.executable, "-m", "tokenpipe_cli", "relay", "--nats-url", nats.url, "--data-dir",
-                                   tmp, "--port", str(p), "--log-level", "WARNING", "--fanout", mode]) for p in ports]
+                                   tmp, "--port", str(p), "--log-level", "WARNING"]) for p in ports]
         try:
             result = eventloop.run(_drive(nats, ports[:-1], [p.pid for p in procs[:-1]], procs[-1].pid, streams,
                                           rate, batches))
@@ -135,20 +134,20 @@ def run_one(mode: str, relays: int, streams: int, rate: float, batches: int) -> 
                 p.terminate()
             for p in procs:
                 p.wait(30)
-    return {"mode": mode, **result}
+    return result
 
 
 def table(results: list[dict[str, Any]]) -> Table:
     t = Table(title="relays scaling out, SYNTHETIC token source (each relay serves 1/K of the streams)")
-    for col in ("fan-out", "relays", "streams/relay", "offered/s", "delivered/s", "relay CPU (each)",
+    for col in ("relays", "streams/relay", "offered/s", "delivered/s", "relay CPU (each)",
                 "busiest relay", "relay CPU µs / delivered batch", "× K=1", "batches/s per relay core",
                 "bystander µs / batch", "nats CPU", "RSS/stream KiB", "steady p50 / p99 ms"):
         t.add_column(col, justify="right")
-    base = {r["mode"]: r["relay_cpu_us_per_delivered_batch"] for r in results if r["relays"] == 1}
+    base = next((r["relay_cpu_us_per_delivered_batch"] for r in results if r["relays"] == 1), float("nan"))
     for r in results:
         lat = r["steady_latency_ms"]
-        ratio = r["relay_cpu_us_per_delivered_batch"] / base[r["mode"]] if r["mode"] in base else float("nan")
-        t.add_row(r["mode"], str(r["relays"]), f"{r['streams'] // r['relays']:,}", f"{r['offered_batches_s']:,.0f}",
+        ratio = r["relay_cpu_us_per_delivered_batch"] / base
+        t.add_row(str(r["relays"]), f"{r['streams'] // r['relays']:,}", f"{r['offered_batches_s']:,.0f}",
                   f"{r['delivered_batches_s']:,.0f}", " ".join(f"{c:.0f}%" for c in r["relay_cpu_pct"]),
                   f"{r['busiest_relay_cpu_pct']:.0f}%", f"{r['relay_cpu_us_per_delivered_batch']:.0f}",
                   f"{ratio:.2f}", f"{r['batches_s_per_relay_core']:,.0f}",
@@ -163,24 +162,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", type=float, default=5000.0, help="batches/s offered, over all streams")
     parser.add_argument("--batches", type=int, default=50, help="batches per stream")
     parser.add_argument("--relays", default="1,2,4", help="relay counts to run, e.g. 1,2,4")
-    parser.add_argument("--modes", default="shared,stream", help="fan-out modes to compare")
     parser.add_argument("--out", default="bench/out/relays.json")
     args = parser.parse_args(argv)
     console = Console(width=180)
     results = []
     for k in (int(x) for x in args.relays.split(",")):
-        for mode in args.modes.split(","):  # alternating modes within each K: drift hits both alike
-            console.print(f"[bold]{mode}[/bold] fan-out, {k} relay(s), {args.streams:,} streams at {args.rate:,.0f}/s")
-            results.append(run_one(mode, k, args.streams, args.rate, args.batches))
-    results.sort(key=lambda r: (r["mode"], r["relays"]))
+        console.print(f"[bold]{k} relay(s)[/bold], {args.streams:,} streams at {args.rate:,.0f}/s")
+        results.append(run_one(k, args.streams, args.rate, args.batches))
     console.print(table(results))
-    by = {(r["mode"], r["relays"]): r for r in results}
-    top = max(r["relays"] for r in results)
-    if ("shared", top) in by and ("stream", top) in by:
-        s, p = by[("shared", top)], by[("stream", top)]
-        console.print(f"at {top} relays: per-stream ÷ shared relay CPU per delivered batch = "
-                      f"{p['relay_cpu_us_per_delivered_batch'] / s['relay_cpu_us_per_delivered_batch']:.2f}; "
-                      f"nats-server CPU {p['nats_cpu_pct']:.0f}% vs {s['nats_cpu_pct']:.0f}%")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"runs": results}, indent=1))

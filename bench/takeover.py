@@ -161,7 +161,7 @@ async def ack_cost(rounds: int = 300, streams: int = 32) -> dict[str, Any]:
                                      headers={"Nats-Msg-Id": f"ack-cost-{i}"})
             held: list[Any] = []
             while len(held) < streams:
-                held += await intake._psub.fetch(streams - len(held), timeout=5)
+                held += await intake.pull.fetch(streams - len(held), timeout=5)
             assert server.pid is not None
             cpu0, srv0, wall0 = time.process_time(), cpu_seconds(server.pid), time.perf_counter()
             for _ in range(rounds):

@@ -12,8 +12,10 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Callable, Collection
-from typing import Any
+from collections.abc import Collection
+
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 
 from tokenpipe.bus import Bus
 from tokenpipe.metrics import GeneratorMetrics
@@ -21,20 +23,12 @@ from tokenpipe.settings import Settings
 from tokenpipe.subjects import ANNOUNCE_PREFIX, DISCOVER_SUBJECT, REQUESTS_STREAM, consumer_name
 from tokenpipe.wire import Announcement
 
+from .kvcache import BLOCK_SIZE, KVCacheMeter
 from .runner import Runner
 
-__all__ = ["Announcer", "step_observer"]
+__all__ = ["Announcer"]
 
 log = logging.getLogger(__name__)
-
-
-def step_observer(metrics: GeneratorMetrics) -> Callable[[int], None]:
-    """The engine thread's once-per-step callback: the batch-size histogram
-    (prometheus_client is thread-safe)."""
-    def observe(batch_size: int) -> None:
-        metrics.labels(metrics.batch_size).observe(batch_size)
-
-    return observe
 
 
 class Announcer:
@@ -53,7 +47,8 @@ class Announcer:
         self.runner = runner
         self.streams = streams
         self.metrics = metrics
-        self._sub: Any = None
+        self._kv_meter = KVCacheMeter(metrics)
+        self._sub: Subscription | None = None
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -75,12 +70,13 @@ class Announcer:
             worker=self.worker_id, model=self.model, ready=ready, max_batch=self.settings.max_batch,
             running=self.runner.running, active=len(self.streams), pid=os.getpid(),
             streams=tuple(sorted(self.streams)), device=self.device,
-            ttl_s=self.settings.announce_interval_s * 3, ts=time.time())
+            ttl_s=self.settings.announce_interval_s * 3, ts=time.time(),
+            free_blocks=self.runner.engine.pool.available, block_size=BLOCK_SIZE)
 
     async def announce(self, ready: bool = True) -> None:
         await self.bus.nc.publish(f"{ANNOUNCE_PREFIX}.{self.worker_id}", self.announcement(ready).encode())
 
-    async def _on_discover(self, msg: Any) -> None:
+    async def _on_discover(self, msg: Msg) -> None:
         if msg.reply:
             await self.bus.nc.publish(msg.reply, self.announcement().encode())
 
@@ -96,8 +92,7 @@ class Announcer:
     async def _refresh_gauges(self) -> None:
         m, engine = self.metrics, self.runner.engine
         m.labels(m.running).set(self.runner.running)
-        used = sum(s.next_position for s in list(engine.rows))
-        m.labels(m.kv_cache).set(used / (engine.max_batch * engine.max_seq_len))
+        self._kv_meter.update(engine.pool, engine.preemptions)
         try:
             info = await self.bus.js.consumer_info(REQUESTS_STREAM, consumer_name(self.model))
             m.labels(m.waiting).set(int(info.num_pending or 0))

@@ -1,9 +1,10 @@
-"""Continuous batching: a batch of sequences in cache slots, admitted and retired between steps.
+"""Continuous batching: sequences holding KV blocks, admitted and retired between steps.
 
-The engine is single-threaded and transport-free. Each :meth:`Engine.step` admits
-waiting sequences into free slots (one batched prefill, bounded by a token budget),
-runs one decode step for the sequences already running, samples, and retires
-finished sequences, compacting the batch so the cache rows stay ``0..B-1``.
+The engine is single-threaded and transport-free. Each :meth:`Engine.step` gives the
+running sequences the blocks their next position needs (preempting the youngest when
+the pool is short), admits waiting sequences whose blocks fit (one batched prefill of
+what the prefix cache does not already hold, bounded by a token budget), runs one decode
+step for the sequences already running, samples, and retires finished sequences.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import torch
 from tokenpipe.errors import InvalidRequest
 from tokenpipe.wire import FinishReason, SamplingParams
 
-from .forward import SlotKVCache, decode_step, prefill
+from .forward import decode_step, prefill
+from .kvcache import BLOCK_SIZE, ROOT_KEY, SCRATCH, PagedKVCache, auto_budget_bytes, bytes_per_position, prefix_keys
 from .models import LoadedModel
 from .sampling import RowSampler, sample
 
@@ -26,7 +28,7 @@ __all__ = ["Engine", "Sequence", "StepOutput"]
 
 log = logging.getLogger(__name__)
 
-_ATTEND_ROUND = 32  # attended cache length is rounded up to this (fewer distinct shapes)
+_ATTEND_ROUND = 32  # attended length is rounded up to this (fewer distinct shapes, little padding)
 
 
 @dataclass(eq=False)
@@ -39,10 +41,18 @@ class Sequence:
     max_new: int
     sampler: RowSampler
     generated: list[int] = field(default_factory=list)
-    row: int = -1
+    row: int = -1  # 0 while running, -1 while waiting
     finish: FinishReason | None = None
     cancelled: bool = False
     admitted_ns: int = 0
+    blocks: list[int] = field(default_factory=list)  # its block table
+    keys: list[bytes] = field(default_factory=list)  # prefix keys of its full blocks, as far as computed
+    computed: int = 0  # positions whose K/V its blocks hold
+    order: int = 0  # admission count: the highest is the youngest, preempted first
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.generated
 
     @property
     def next_position(self) -> int:
@@ -58,10 +68,17 @@ class StepOutput:
 
 
 class Engine:
-    """Slot-based continuous batching over a :class:`LoadedModel`."""
+    """Continuous batching over a :class:`LoadedModel` and a paged KV cache.
+
+    ``max_batch`` caps the running sequences; the KV budget decides how many fit: a waiting
+    sequence is admitted when its blocks (less those the prefix cache already holds) plus one
+    per running row are free, and a decode step short of blocks preempts the youngest row (its
+    blocks freed, its tokens recomputed when it is admitted again, as vLLM's recompute).
+    """
 
     def __init__(self, loaded: LoadedModel, *, max_batch: int = 32, max_seq_len: int = 2048,
-                 prefill_token_budget: int = 4096, max_prompt_tokens: int = 0) -> None:
+                 prefill_token_budget: int = 4096, max_prompt_tokens: int = 0, kv_cache_mb: float = 0,
+                 prefix_caching: bool = True, admit_reserve_tokens: int = 256) -> None:
         self.loaded = loaded
         self.model = loaded.model
         self.device = loaded.device
@@ -69,10 +86,19 @@ class Engine:
         self.max_seq_len = min(max_seq_len, loaded.max_context)
         self.prefill_token_budget = max(prefill_token_budget, 1)
         self.max_prompt_tokens = max_prompt_tokens or self.max_seq_len - 1
-        self.cache = SlotKVCache(self.model, max_batch, self.max_seq_len, loaded.device, loaded.dtype)
-        self.rows: list[Sequence] = []  # running, index == cache row
+        per_position = bytes_per_position(self.model, loaded.dtype)
+        budget = int(kv_cache_mb * 2**20) if kv_cache_mb > 0 else auto_budget_bytes(
+            loaded.device, (max_batch * self.max_seq_len + 2 * BLOCK_SIZE) * per_position)
+        self.cache = PagedKVCache(self.model, budget, loaded.device, loaded.dtype, min_positions=self.max_seq_len,
+                                  caching=prefix_caching)
+        self.pool = self.cache.pool
+        self.reserve_blocks = -(-min(admit_reserve_tokens, self.max_seq_len) // BLOCK_SIZE)
+        self.rows: list[Sequence] = []  # running, oldest admission first
         self.waiting: deque[Sequence] = deque()
         self.last_step_batch = 0
+        self.preemptions = 0
+        self.room = self._room()  # read by the worker's thread: an int, replaced whole
+        self._admissions = 0
 
     # -- admission -------------------------------------------------------------------
     def new_sequence(self, seq_id: str, prompt: list[int], params: SamplingParams, carried: int = 0) -> Sequence:
@@ -98,9 +124,10 @@ class Engine:
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+        self.room = self._room()
 
     def cancel(self, seq_id: str) -> bool:
-        """Mark a sequence; it leaves the batch (and frees its slot) at the next step."""
+        """Mark a sequence; it leaves the batch (and frees its blocks) at the next step."""
         for seq in (*self.rows, *self.waiting):
             if seq.id == seq_id:
                 seq.cancelled = True
@@ -108,14 +135,30 @@ class Engine:
         return False
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
-        """Retire ``seq`` now (e.g. a stop string matched): its slot is reused next step."""
+        """Retire ``seq`` now (e.g. a stop string matched): its blocks are free for the next step."""
         if seq.finish is None:
             seq.finish = reason
             self._retire()
 
+    def abort_all(self) -> list[Sequence]:
+        """Drop every sequence (an engine fault), freeing their blocks; returns them."""
+        dropped = [*self.rows, *self.waiting]
+        for seq in self.rows:
+            self._free(seq)
+        self.rows.clear()
+        self.waiting.clear()
+        self.room = self._room()
+        return dropped
+
     @property
     def idle(self) -> bool:
         return not self.rows and not self.waiting
+
+    def _room(self) -> int:
+        """More requests the free blocks can take now, at ``reserve_blocks`` each, after what the
+        waiting ones need and one block per running row."""
+        waiting = sum(-(-len(s.tokens) // BLOCK_SIZE) for s in self.waiting)
+        return max(0, (self.pool.available - waiting - len(self.rows)) // self.reserve_blocks)
 
     # -- one step --------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
@@ -130,49 +173,128 @@ class Engine:
                 out.append(StepOutput(seq, None, "cancelled"))
         self._retire()
 
-        decoding = len(self.rows)  # rows admitted below get their first token from prefill
+        self._grow()  # may preempt: the rows left all have a block for their next position
+        decoding = list(self.rows)  # rows admitted below get their first token from prefill
         admitted = self._admit()
         if admitted:
             out += self._prefill(admitted)
         if decoding:
             out += self._decode(decoding)
         self._retire()
-        self.last_step_batch = decoding + len(admitted)
+        self.last_step_batch = len(decoding) + len(admitted)
+        self.room = self._room()
         return out
+
+    def _grow(self) -> None:
+        """Give every running row a block for its next position; preempt the youngest when short."""
+        for seq in list(self.rows):
+            while seq.row >= 0 and seq.next_position // BLOCK_SIZE >= len(seq.blocks):
+                if self.pool.available:
+                    seq.blocks.append(self.pool.allocate())
+                else:
+                    self._preempt(max(self.rows, key=lambda s: s.order))
+
+    def _preempt(self, seq: Sequence) -> None:
+        log.info("preempting a sequence: KV blocks ran out", extra={"request_id": seq.id,
+                                                                    "tokens": len(seq.tokens)})
+        self._free(seq)
+        self.rows.remove(seq)
+        self.waiting.appendleft(seq)  # first in line again; its tokens are recomputed then
+        self.preemptions += 1
 
     def _admit(self) -> list[Sequence]:
         batch: list[Sequence] = []
-        longest = 0
+        widest = 0
+        reserve = len(self.rows)  # a block each for the running rows' next steps
         while self.waiting and len(self.rows) + len(batch) < self.max_batch:
-            nxt = self.waiting[0]
-            longest_if = max(longest, len(nxt.prompt))
-            if batch and longest_if * (len(batch) + 1) > self.prefill_token_budget:
+            seq = self.waiting[0]
+            tokens = seq.tokens
+            held = self.pool.match(self._keys(seq, len(tokens) - 1))  # at least one token left to compute
+            fresh = -(-len(tokens) // BLOCK_SIZE) - len(held)
+            widest_if = max(widest, len(tokens) - len(held) * BLOCK_SIZE)
+            if (batch and widest_if * (len(batch) + 1) > self.prefill_token_budget) or \
+                    fresh + reserve > self.pool.available:
+                self.pool.release(held)
                 break
-            batch.append(self.waiting.popleft())
-            longest = longest_if
+            self.waiting.popleft()
+            seq.blocks = held + [self.pool.allocate() for _ in range(fresh)]
+            seq.computed = len(held) * BLOCK_SIZE
+            if not seq.order:  # a prompt's first admission (a preempted one's recompute is not a query)
+                self.pool.query_tokens += len(tokens)
+                self.pool.hit_tokens += seq.computed
+            self._admissions += 1
+            seq.order = self._admissions
+            batch.append(seq)
+            widest, reserve = widest_if, reserve + 1
         return batch
 
+    def _keys(self, seq: Sequence, upto: int) -> list[bytes]:
+        """Prefix keys of ``seq``'s full blocks within its first ``upto`` tokens (kept on the sequence:
+        its tokens only grow)."""
+        full = upto // BLOCK_SIZE
+        if len(seq.keys) < full:
+            tokens = seq.tokens
+            parent = seq.keys[-1] if seq.keys else ROOT_KEY
+            seq.keys += prefix_keys(tokens[: full * BLOCK_SIZE], parent, start=len(seq.keys) * BLOCK_SIZE)
+        return seq.keys[:full]
+
+    def _register(self, seq: Sequence) -> None:
+        """Offer ``seq``'s full computed blocks to the prefix cache."""
+        keys = self._keys(seq, seq.computed)
+        for block, key in zip(seq.blocks, keys, strict=False):
+            self.pool.register(block, key)
+
     def _prefill(self, seqs: list[Sequence]) -> list[StepOutput]:
-        first = len(self.rows)
-        width = max(len(s.prompt) for s in seqs)
-        ids = torch.zeros((len(seqs), width), dtype=torch.long)
+        width = max(len(s.tokens) - s.computed for s in seqs)
+        N = len(seqs)
+        ids = torch.zeros((N, width), dtype=torch.long)
+        positions = torch.empty((N, width), dtype=torch.long)
+        slots = torch.full((N, width), SCRATCH * BLOCK_SIZE, dtype=torch.long)
+        lengths = torch.empty(N, dtype=torch.long)
+        span = torch.arange(width)
         for i, s in enumerate(seqs):
-            ids[i, : len(s.prompt)] = torch.tensor(s.prompt)
-            s.row = first + i
-            s.admitted_ns = time.time_ns()
-        lengths = torch.tensor([len(s.prompt) for s in seqs])
-        logits = prefill(self.model, self.cache, ids.to(self.device), lengths.to(self.device), first)  # [N, V]
+            tokens = s.tokens
+            n = len(tokens) - s.computed
+            ids[i, :n] = torch.tensor(tokens[s.computed:])
+            positions[i] = span + s.computed
+            table = torch.tensor(s.blocks)
+            real = positions[i, :n]
+            slots[i, :n] = table[real // BLOCK_SIZE] * BLOCK_SIZE + real % BLOCK_SIZE
+            lengths[i] = n
+            s.row = 0
+            s.admitted_ns = s.admitted_ns or time.time_ns()
+        tables = self._tables(seqs, max(len(s.tokens) for s in seqs)) if any(s.computed for s in seqs) else None
+        dev = self.device
+        logits = prefill(self.model, self.cache, ids.to(dev), positions.to(dev), slots.to(dev), lengths.to(dev),
+                         None if tables is None else tables.to(dev))  # [N, V]
+        for s in seqs:
+            s.computed = len(s.tokens)
+            self._register(s)
         self.rows.extend(seqs)
         return self._accept(seqs, logits)
 
-    def _decode(self, count: int) -> list[StepOutput]:
-        seqs = self.rows[:count]
+    def _tables(self, seqs: list[Sequence], length: int) -> torch.Tensor:
+        """Block tables ``[B, n]`` covering ``length`` positions (rounded up to ``_ATTEND_ROUND``,
+        fewer distinct shapes), padded with the scratch block."""
+        span = min(-(-length // _ATTEND_ROUND) * _ATTEND_ROUND, -(-self.max_seq_len // BLOCK_SIZE) * BLOCK_SIZE)
+        n = -(-span // BLOCK_SIZE)
+        tables = torch.full((len(seqs), n), SCRATCH, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            tables[i, : len(s.blocks)] = torch.tensor(s.blocks)
+        return tables
+
+    def _decode(self, seqs: list[Sequence]) -> list[StepOutput]:
         positions = [s.next_position for s in seqs]
-        attend = min(self.cache.max_len, -(-(max(positions) + 1) // _ATTEND_ROUND) * _ATTEND_ROUND)
-        self.cache.ensure(attend)
-        tokens = torch.tensor([s.generated[-1] for s in seqs], device=self.device)
-        pos = torch.tensor(positions, device=self.device)
-        logits = decode_step(self.model, self.cache, tokens, pos, attend)  # [B, V]
+        slots = [s.blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for s, p in zip(seqs, positions, strict=True)]
+        tables = self._tables(seqs, max(positions) + 1)
+        dev = self.device
+        tokens = torch.tensor([s.generated[-1] for s in seqs], device=dev)
+        logits = decode_step(self.model, self.cache, tokens, torch.tensor(positions, device=dev),
+                             torch.tensor(slots, device=dev), tables.to(dev))  # [B, V]
+        for s in seqs:
+            s.computed += 1
+            if s.computed % BLOCK_SIZE == 0:
+                self._register(s)
         return self._accept(seqs, logits)
 
     def _accept(self, seqs: list[Sequence], logits: torch.Tensor) -> list[StepOutput]:
@@ -188,21 +310,17 @@ class Engine:
             out.append(StepOutput(seq, tok, seq.finish))
         return out
 
+    def _free(self, seq: Sequence) -> None:
+        self.pool.release(seq.blocks)
+        seq.blocks, seq.computed, seq.row = [], 0, -1
+
     def _retire(self) -> None:
-        """Drop finished rows, moving the last row into each hole (rows stay 0..B-1)."""
-        i = 0
-        while i < len(self.rows):
-            if self.rows[i].finish is None:
-                i += 1
-                continue
-            last = self.rows.pop()
-            if i == len(self.rows):
-                break  # the finished row was the last one
-            if last.finish is None:
-                # positions 0..next_position-1 are cached; the last sampled token is not yet
-                self.cache.move(last.row, i, min(self.cache.cap, last.next_position))
-            last.row = i
-            self.rows[i] = last  # not advancing i: the moved row may be finished too
+        """Drop finished rows and give their blocks back (no K/V moves)."""
+        if any(s.finish is not None for s in self.rows):
+            for seq in self.rows:
+                if seq.finish is not None:
+                    self._free(seq)
+            self.rows = [s for s in self.rows if s.finish is None]
 
     # -- convenience -----------------------------------------------------------------
     def run_to_completion(self) -> list[StepOutput]:

@@ -1,13 +1,13 @@
-"""A compact Llama-family forward pass over a slot-indexed KV cache (gpt-fast style).
+"""A compact Llama-family forward pass over the paged KV cache (gpt-fast style).
 
 The weights and the norm/MLP/rotary modules are the transformers model's own; only
 attention is ours, so that every sequence in a batch keeps its own position and a
 sequence can join or leave the batch between steps without touching the others.
 
-Rows of the batch are cache slots ``0..B-1``: the engine keeps running sequences
-compacted so the active cache is a contiguous view (no gather per step).
-Shape legend: B rows, S prompt length, T attended length, D model dim, H heads,
-G kv heads, hd head dim, V vocabulary.
+K/V live in :class:`~generator.kvcache.PagedKVCache` blocks: each step writes the new
+positions through a flat slot index and reads each row's blocks through its block table.
+Shape legend: B rows, S prompt length, T attended length (table width × block size),
+D model dim, H heads, G kv heads, hd head dim, V vocabulary.
 """
 
 from __future__ import annotations
@@ -20,49 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .kvcache import BLOCK_SIZE, PagedKVCache
 from .quant import DENSE_ROWS, QuantMode, quantize_weight
 
-__all__ = ["SlotKVCache", "Plan", "build_plan", "plan_for", "prefill", "decode_step"]
-
-_GROW = 256  # cache length grows in these steps, so shapes stay few and copies rare
-
-
-class SlotKVCache:
-    """Per-layer K/V tensors ``[slots, G, cap, hd]``; ``cap`` grows on demand up to ``max_len``."""
-
-    def __init__(self, model: Any, slots: int, max_len: int, device: torch.device, dtype: torch.dtype) -> None:
-        cfg = model.config
-        self.layers = int(cfg.num_hidden_layers)
-        self.kv_heads = int(cfg.num_key_value_heads)
-        self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
-        self.slots = slots
-        self.max_len = max_len
-        self.device, self.dtype = device, dtype
-        self.cap = 0
-        self.k: list[Tensor] = []
-        self.v: list[Tensor] = []
-        self.ensure(min(_GROW, max_len))
-
-    def ensure(self, length: int) -> None:
-        """Make room for positions ``< length`` (copying what is cached)."""
-        if length <= self.cap:
-            return
-        new_cap = min(self.max_len, -(-length // _GROW) * _GROW)
-        if new_cap < length:
-            raise ValueError(f"sequence length {length} exceeds the cache's max_len {self.max_len}")
-        shape = (self.slots, self.kv_heads, new_cap, self.head_dim)
-        k_new = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(self.layers)]
-        v_new = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(self.layers)]
-        for old, new in zip(self.k + self.v, k_new + v_new, strict=False):
-            new[:, :, : self.cap].copy_(old)
-        self.k, self.v, self.cap = k_new, v_new, new_cap
-
-    @torch.inference_mode()  # a cache grown inside the forward holds inference tensors: in-place needs the mode
-    def move(self, src: int, dst: int, length: int) -> None:
-        """Copy slot ``src``'s first ``length`` positions into slot ``dst`` (compaction)."""
-        for t in self.k + self.v:
-            t[dst, :, :length].copy_(t[src, :, :length])
-
+__all__ = ["Plan", "build_plan", "plan_for", "prefill", "decode_step"]
 
 @dataclass
 class _LayerPlan:
@@ -168,26 +129,37 @@ def _mlp_block(layer: Any, lp: _LayerPlan, x: Tensor) -> Tensor:
 
 
 @torch.inference_mode()
-def prefill(model: Any, cache: SlotKVCache, input_ids: Tensor, lengths: Tensor, first_slot: int) -> Tensor:
-    """Run right-padded prompts ``input_ids [N, S]`` into slots ``first_slot..first_slot+N-1``.
+def prefill(model: Any, cache: PagedKVCache, input_ids: Tensor, positions: Tensor, slots: Tensor, lengths: Tensor,
+            tables: Tensor | None) -> Tensor:
+    """Run right-padded prompt tails ``input_ids [N, S]`` at ``positions [N, S]`` into the cache.
 
-    Returns the logits of each row's last real token, ``[N, V]``. Padding sits after the
-    real tokens, so causal attention never lets a real token see it; its K/V land in
-    cache positions that stay masked until overwritten by real tokens.
+    ``slots [N, S]`` are the flat cache positions each token's K/V is written to (padding goes
+    to the scratch block); ``lengths [N]`` the real tokens per row. ``tables [N, n]`` is given
+    when some row continues a cached prefix: attention then reads the row's blocks; without it
+    every row starts at position 0 and attends causally over its own fresh K/V. Returns the
+    logits of each row's last real token, ``[N, V]``. Padding sits after the real tokens, so a
+    real token never sees it.
     """
     inner, plan = model.model, plan_for(model)
     N, S = input_ids.shape
-    cache.ensure(S)
-    pos = torch.arange(S, device=input_ids.device).expand(N, S)  # [N, S]
     x = inner.embed_tokens(input_ids)  # [N, S, D]
-    cos, sin = inner.rotary_emb(x, pos)  # [N, S, hd]
-    rows = slice(first_slot, first_slot + N)
+    cos, sin = inner.rotary_emb(x, positions)  # [N, S, hd]
+    where = cache.locate(slots.reshape(-1))
+    mask = None
+    if tables is not None:
+        cols = torch.arange(tables.shape[1] * BLOCK_SIZE, device=input_ids.device)
+        mask = (cols[None, None, :] <= positions[:, :, None])[:, None]  # [N, 1, S, T]
     for li, (layer, lp) in enumerate(zip(inner.layers, plan.layers, strict=True)):
         attn = layer.self_attn
-        q, k, v = _qkv(attn, lp, layer.input_layernorm(x), cos, sin, cache.head_dim)
-        cache.k[li][rows, :, :S] = k
-        cache.v[li][rows, :, :S] = v
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling, enable_gqa=True)
+        q, k, v = _qkv(attn, lp, layer.input_layernorm(x), cos, sin, cache.head_dim)  # k, v [N, G, S, hd]
+        cache.write(li, k.permute(1, 0, 2, 3).reshape(k.shape[1], N * S, -1),
+                    v.permute(1, 0, 2, 3).reshape(v.shape[1], N * S, -1), where)
+        if tables is None:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling, enable_gqa=True)
+        else:
+            kc, vc = cache.gather(li, tables)  # [G, N, T, hd]
+            o = F.scaled_dot_product_attention(q, kc.transpose(0, 1), vc.transpose(0, 1), attn_mask=mask,
+                                               scale=attn.scaling, enable_gqa=True)
         x = x + lp.o(o.transpose(1, 2).reshape(N, S, -1))  # [N, S, D]
         x = _mlp_block(layer, lp, x)
     last = x[torch.arange(N, device=x.device), lengths - 1]  # [N, D]: only these rows need logits
@@ -206,40 +178,63 @@ def _decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: floa
     than the cast (SmolLM2's shapes, 2 threads, AVX512-BF16: per layer 50 → 36 µs at one row,
     53 → 42 at two, even at four, 77 → 94 at eight; the whole decode step 1.11x at one and two
     rows, bf16 + int4, 8 alternating rounds).
-    q [B, H, 1, hd]; k, v [B, G, T, hd]; mask [B, 1, 1, T] (True = attend) -> [B, H, 1, hd]
+    q [B, H, 1, hd]; k, v [G, B, T, hd] (as gathered from the blocks); mask [B, T] (True = attend)
+    -> [B, H, 1, hd]
     """
     B, H, _, hd = q.shape
-    G = k.shape[1]
+    G = k.shape[0]
     out_dtype = q.dtype
     if B <= FP32_ATTENTION_ROWS and q.device.type == "cpu" and q.dtype != torch.float32:
         q, k, v = q.float(), k.float(), v.float()
-    qg = q.view(B, G, H // G, hd)  # query heads h = g * (H/G) + r share kv head g
-    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [B, G, H/G, T]
-    scores = scores.masked_fill(~mask, float("-inf"))
+    qg = q.view(B, G, H // G, hd).transpose(0, 1)  # [G, B, H/G, hd]: query head g * (H/G) + r reads kv head g
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [G, B, H/G, T]
+    scores = scores.masked_fill(~mask[None, :, None, :], float("-inf"))
     probs = scores.softmax(-1).to(v.dtype)
-    return torch.matmul(probs, v).view(B, H, 1, hd).to(out_dtype)
+    return torch.matmul(probs, v).transpose(0, 1).reshape(B, H, 1, hd).to(out_dtype)
+
+
+def _bagged_attention(q: Tensor, cache: PagedKVCache, layer: int, tables: Tensor, bags: tuple[Tensor, Tensor],
+                      mask: Tensor, scale: float) -> Tensor:
+    """Decode attention that gathers only K: ``probs @ V`` is an ``embedding_bag`` (weighted sum)
+    over the pool's V rows in place. Gathering V as well cost a third of a 32-row step at 512
+    positions (its copy is as large as the matmul's read). q [B, H, 1, hd] -> [B, H, 1, hd]"""
+    B, H, _, hd = q.shape
+    G = cache.kv_heads
+    kc = cache.gather_k(layer, tables)  # [G, B, T, hd]
+    qg = q.view(B, G, H // G, hd).transpose(0, 1)  # [G, B, H/G, hd]
+    scores = torch.matmul(qg, kc.transpose(-1, -2)).float() * scale  # [G, B, H/G, T]
+    probs = scores.masked_fill(~mask[None, :, None, :], float("-inf")).softmax(-1)
+    values = cache.v[layer].reshape(-1, hd)  # [G * blocks * BLOCK_SIZE, hd]: a view of the pool
+    index, offsets = bags
+    o = F.embedding_bag(index, values, offsets, mode="sum", per_sample_weights=probs.to(values.dtype).reshape(-1))
+    return o.view(G, B, H // G, hd).transpose(0, 1).reshape(B, H, 1, hd).to(q.dtype)
 
 
 @torch.inference_mode()
-def decode_step(model: Any, cache: SlotKVCache, tokens: Tensor, positions: Tensor, attend_len: int) -> Tensor:
-    """One token for each of rows ``0..B-1``: ``tokens [B]`` at ``positions [B]``; returns ``[B, V]``.
-
-    ``attend_len`` (T) bounds the cache window read this step (>= max(positions)+1).
+def decode_step(model: Any, cache: PagedKVCache, tokens: Tensor, positions: Tensor, slots: Tensor,
+                tables: Tensor) -> Tensor:
+    """One token for each row: ``tokens [B]`` at ``positions [B]``, K/V written at the flat cache
+    positions ``slots [B]``; attention reads the blocks of ``tables [B, n]`` (padded with the
+    scratch block; a fixed ``n`` keeps every shape static). Returns ``[B, V]``.
     """
     inner, plan = model.model, plan_for(model)
     B = tokens.shape[0]
-    rows = torch.arange(B, device=tokens.device)
     x = inner.embed_tokens(tokens[:, None])  # [B, 1, D]
     cos, sin = inner.rotary_emb(x, positions[:, None])  # [B, 1, hd]
-    cols = torch.arange(attend_len, device=tokens.device)
-    mask = (cols[None, :] <= positions[:, None])[:, None, None, :]  # [B, 1, 1, T]
+    cols = torch.arange(tables.shape[1] * BLOCK_SIZE, device=tokens.device)
+    mask = cols[None, :] <= positions[:, None]  # [B, T]
+    where = cache.locate(slots)
+    bags = None if B <= FP32_ATTENTION_ROWS else cache.value_bags(
+        tables, int(model.config.num_attention_heads) // cache.kv_heads)
     for li, (layer, lp) in enumerate(zip(inner.layers, plan.layers, strict=True)):
         attn = layer.self_attn
         q, k, v = _qkv(attn, lp, layer.input_layernorm(x), cos, sin, cache.head_dim)  # q [B,H,1,hd] k,v [B,G,1,hd]
-        kc, vc = cache.k[li], cache.v[li]
-        kc[rows, :, positions] = k[:, :, 0]
-        vc[rows, :, positions] = v[:, :, 0]
-        o = _decode_attention(q, kc[:B, :, :attend_len], vc[:B, :, :attend_len], mask, attn.scaling)  # [B, H, 1, hd]
+        cache.write(li, k[:, :, 0].transpose(0, 1), v[:, :, 0].transpose(0, 1), where)
+        if bags is None:
+            kc, vc = cache.gather(li, tables)  # [G, B, T, hd]
+            o = _decode_attention(q, kc, vc, mask, attn.scaling)  # [B, H, 1, hd]
+        else:
+            o = _bagged_attention(q, cache, li, tables, bags, mask, attn.scaling)
         x = x + lp.o(o.transpose(1, 2).reshape(B, 1, -1))
         x = _mlp_block(layer, lp, x)
     return plan.lm_head(inner.norm(x[:, 0]))  # [B, V]

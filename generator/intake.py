@@ -10,33 +10,32 @@ on its stream, so its client is told instead of waiting.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
-import time
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.js import JetStreamContext
 from nats.js import api as js_api
 from nats.js.errors import NotFoundError
 
 from tokenpipe.bus import Bus
-from tokenpipe.cluster import ack_wait_for, through_elections
-from tokenpipe.errors import GenerationError, TokenpipeError
+from tokenpipe.cluster import ack_wait_for
+from tokenpipe.errors import GenerationError, TokenpipeError, TransportError
+from tokenpipe.retry import PATIENCE, retrying, through_elections
 from tokenpipe.settings import Settings
 from tokenpipe.streams import history
 from tokenpipe.subjects import REQUESTS_STREAM, consumer_name, model_request_filter, owner_of_request, token_subject
 from tokenpipe.wire import Request, TokenBatch, peek_request_id
 
-__all__ = ["PATIENCE_S", "RequestIntake", "keep", "patiently"]
+__all__ = ["RequestIntake", "keep", "patiently"]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-# How long a generator waits out JetStream being unavailable (a stream between leaders takes
-# 4-9 s after a node dies) for a read a delivery needs, before giving the delivery back.
-PATIENCE_S = 30.0
 
 
 class RequestIntake:
@@ -46,8 +45,8 @@ class RequestIntake:
         self.bus = bus
         self.model = model
         self.settings = settings
-        self._psub: Any = None
-        self._advisories: Any = None
+        self._psub: JetStreamContext.PullSubscription | None = None
+        self._advisories: Subscription | None = None
 
     @property
     def ack_wait_s(self) -> float:
@@ -108,16 +107,23 @@ class RequestIntake:
         self._psub = self._advisories = None
         await self.subscribe()
 
+    @property
+    def pull(self) -> JetStreamContext.PullSubscription:
+        """The pull subscription (after :meth:`subscribe`)."""
+        if self._psub is None:
+            raise TransportError("the request intake is not subscribed")
+        return self._psub
+
     async def next_burst(self, free_slots: Callable[[], int], stopping: asyncio.Event) -> list[Msg]:
         """The next request, and whatever else the queue already holds that fits in
         ``free_slots()``. Raises ``TimeoutError`` when nothing arrived within a second."""
         # One at a time: nats-py's fetch(n) lingers for all n once the first arrives, which
         # would hold a lone request back; fetch(1) returns as soon as one is available.
-        msgs: list[Msg] = await self._psub.fetch(1, timeout=1.0)
+        msgs: list[Msg] = await self.pull.fetch(1, timeout=1.0)
         pending = msgs[-1].metadata.num_pending if msgs else 0
         while pending > 0 and free_slots() > len(msgs) and not stopping.is_set():
             try:
-                more = await self._psub.fetch(min(pending, free_slots() - len(msgs)), timeout=0.02)
+                more = await self.pull.fetch(min(pending, free_slots() - len(msgs)), timeout=0.02)
             except TimeoutError:
                 break  # another worker took them
             except Exception as exc:  # keep what was fetched; the caller's next round retries the rest
@@ -154,7 +160,7 @@ class RequestIntake:
             log.warning("unusable max-deliveries advisory", extra={"error": str(exc)})
             return
         try:
-            raw = await through_elections(lambda: self.bus.js.get_msg(REQUESTS_STREAM, seq), window_s=PATIENCE_S)
+            raw = await through_elections(lambda: self.bus.js.get_msg(REQUESTS_STREAM, seq), window_s=PATIENCE.budget_s)
         except NotFoundError:
             return  # already gone (another generator's copy of this advisory handled it)
         except Exception as exc:
@@ -178,33 +184,22 @@ class RequestIntake:
                 headers = {"Nats-Msg-Id": f"{owner}:{batch.id}:{batch.seq}"}
                 await through_elections(lambda: self.bus.js.publish(token_subject(owner, request.id),
                                                                      batch.encode(), headers=headers),
-                                        window_s=PATIENCE_S)
+                                        window_s=PATIENCE.budget_s)
                 log.error("request exhausted its deliveries", extra={"request_id": request.id, "attempts": attempts})
-            await through_elections(lambda: self.bus.js.delete_msg(REQUESTS_STREAM, seq), window_s=PATIENCE_S)
-        except Exception as exc:  # JetStream stayed unavailable for PATIENCE_S
+            await through_elections(lambda: self.bus.js.delete_msg(REQUESTS_STREAM, seq), window_s=PATIENCE.budget_s)
+        except Exception as exc:  # JetStream stayed unavailable for PATIENCE.budget_s, or refused
             log.error("cannot end a request that exhausted its deliveries",
                       extra={"request_id": request.id, "error": repr(exc)})
 
 
 async def patiently(op: Callable[[], Awaitable[T]], *, what: str, request_id: str | None,
-                    msg: Msg | None = None, patience_s: float = PATIENCE_S) -> T:
-    """``op()``, tried again while it fails with a :class:`TokenpipeError` (JetStream unavailable:
-    a stream between leaders), for up to ``patience_s``; then its error is raised. ``msg``, the
-    delivery this read is for, is kept meanwhile (progress acks): handing it back would spend one
-    of the request's few delivery attempts on an outage that is not the request's fault."""
-    deadline = time.monotonic() + patience_s
-    delay = 0.25
-    while True:
-        try:
-            return await op()
-        except TokenpipeError as exc:
-            if time.monotonic() + delay >= deadline:
-                raise
-            log.warning("%s failed; retrying", what, extra={"request_id": request_id, "error": exc.message})
-        if msg is not None:
-            await keep(msg, request_id)
-        await asyncio.sleep(delay)  # waiting out a leader election: there is no event to wait on
-        delay = min(delay * 2, 2.0)
+                    msg: Msg | None = None, patience_s: float = PATIENCE.budget_s) -> T:
+    """``op()`` under :data:`~tokenpipe.retry.PATIENCE` (JetStream unavailable: a stream between
+    leaders), for up to ``patience_s``. ``msg``, the delivery this read is for, is kept meanwhile
+    (progress acks): handing it back would spend one of the request's few delivery attempts on an
+    outage that is not the request's fault."""
+    between = None if msg is None else functools.partial(keep, msg, request_id)
+    return await retrying(op, PATIENCE.within(patience_s), what=what, request_id=request_id, between=between)
 
 
 async def keep(msg: Msg, request_id: str | None) -> None:

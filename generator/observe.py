@@ -1,4 +1,5 @@
-"""Per-request timeline → Prometheus observations and the generator's child spans.
+"""The generator's observers: the per-request timeline → Prometheus observations and child
+spans, and the engine thread's once-per-step observer.
 
 The engine serves many requests per step, so per-request phases cannot be live spans on the
 engine thread; instead the timeline is recorded as it happens and turned into spans with
@@ -7,6 +8,7 @@ explicit start/end times when the request finishes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +18,16 @@ from opentelemetry.trace import Tracer
 from tokenpipe.metrics import GeneratorMetrics
 from tokenpipe.wire import TokenBatch
 
-__all__ = ["Timeline"]
+__all__ = ["Timeline", "step_observer"]
+
+
+def step_observer(metrics: GeneratorMetrics) -> Callable[[int], None]:
+    """The engine thread's once-per-step callback: the batch-size histogram
+    (prometheus_client is thread-safe)."""
+    def observe(batch_size: int) -> None:
+        metrics.labels(metrics.batch_size).observe(batch_size)
+
+    return observe
 
 
 @dataclass

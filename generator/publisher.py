@@ -11,11 +11,13 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.js.api import PubAck
 
 from tokenpipe.bus import Bus
+from tokenpipe.retry import ELECTIONS, Backoff, transient
 
 __all__ = ["BatchPublisher"]
 
@@ -24,13 +26,19 @@ log = logging.getLogger(__name__)
 _PUBACK_TIMEOUT_S = 5.0
 
 
+@dataclass(frozen=True)
+class _Ack:
+    """Ack this delivery once every batch queued before it is stored."""
+
+    msg: Msg
+
+
 @dataclass
 class _Pending:
     subject: str
     data: bytes
-    headers: Any
-    fut: asyncio.Future[Any] | None
-    ack: Msg | None = None
+    headers: dict[str, str] | None
+    fut: asyncio.Future[PubAck] | None
     # When the PubAck is given up on: counted from the (re)publish, not from when the confirm
     # loop reaches the item, so batches lost together (a NATS node died) time out together.
     deadline: float = field(default_factory=lambda: time.monotonic() + _PUBACK_TIMEOUT_S)
@@ -39,18 +47,18 @@ class _Pending:
 class BatchPublisher:
     def __init__(self, bus: Bus) -> None:
         self.bus = bus
-        # (subject, payload, headers) to publish, or ("", b"", msg) to ack once what precedes is stored
-        self._outbox: asyncio.Queue[tuple[str, bytes, Any]] = asyncio.Queue()
-        self._unconfirmed: asyncio.Queue[_Pending] = asyncio.Queue()
+        # batches to publish, and acks to send once what precedes them is stored, in one order
+        self._outbox: asyncio.Queue[_Pending | _Ack] = asyncio.Queue()
+        self._unconfirmed: asyncio.Queue[_Pending | _Ack] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
-        self._inflight: dict[asyncio.Future[Any], _Pending] = {}  # PubAcks not yet answered
+        self._inflight: dict[asyncio.Future[PubAck], _Pending] = {}  # PubAcks not yet answered
 
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._publish_loop(), name="publish"),
                        asyncio.create_task(self._confirm_loop(), name="confirm")]
         self.bus.on_possible_loss.append(self._on_possible_loss)
 
-    def _on_possible_loss(self, sub: Any) -> None:
+    def _on_possible_loss(self, sub: Subscription | None) -> None:
         """After a reconnect (``sub`` None): what was in flight on the old connection may never have
         reached a server (its server may be dead), so it goes out again now, not after a PubAck
         timeout — live readers then get it within the reconnect, even before JetStream stores it."""
@@ -71,19 +79,19 @@ class BatchPublisher:
                 old.set_exception(ConnectionResetError("sent again after a reconnect"))
                 old.exception()  # retrieved: the confirm loop may never look at this future
 
-    def _sent(self, item: _Pending, fut: asyncio.Future[Any]) -> None:
+    def _sent(self, item: _Pending, fut: asyncio.Future[PubAck]) -> None:
         item.fut, item.deadline = fut, time.monotonic() + _PUBACK_TIMEOUT_S
         self._inflight[fut] = item
         fut.add_done_callback(self._forget)
 
-    def _forget(self, fut: asyncio.Future[Any]) -> None:
+    def _forget(self, fut: asyncio.Future[PubAck]) -> None:
         self._inflight.pop(fut, None)
 
     def publish(self, subject: str, data: bytes, headers: dict[str, str]) -> None:
-        self._outbox.put_nowait((subject, data, headers))
+        self._outbox.put_nowait(_Pending(subject, data, headers, None))
 
     def ack_after_published(self, msg: Msg) -> None:
-        self._outbox.put_nowait(("", b"", msg))
+        self._outbox.put_nowait(_Ack(msg))
 
     async def flush(self) -> None:
         """Until everything queued so far is stored (or has waited out its retries' budget)."""
@@ -106,18 +114,16 @@ class BatchPublisher:
         acked only after its final batch is stored."""
         js = self.bus.js
         while True:
-            subject, data, extra = await self._outbox.get()
+            item = await self._outbox.get()
             try:
-                if subject:
-                    item = _Pending(subject, data, extra, None)
-                    self._sent(item, await js.publish_async(subject, data, headers=extra or None))
-                    await self._unconfirmed.put(item)
-                else:
-                    await self._unconfirmed.put(_Pending("", b"", None, None, ack=extra))
-            except Exception as exc:  # a lost connection must not kill the publisher
-                log.warning("publish failed; retrying in the confirm loop", extra={"subject": subject,
-                                                                                    "error": repr(exc)})
-                await self._unconfirmed.put(_Pending(subject, data, extra, None))
+                if isinstance(item, _Pending):
+                    try:
+                        self._sent(item, await js.publish_async(item.subject, item.data,
+                                                                headers=item.headers or None))
+                    except Exception as exc:  # a lost connection must not kill the publisher
+                        log.warning("publish failed; retrying in the confirm loop",
+                                    extra={"subject": item.subject, "error": repr(exc)})
+                await self._unconfirmed.put(item)
             finally:
                 self._outbox.task_done()
 
@@ -126,44 +132,50 @@ class BatchPublisher:
 
         ``Nats-Msg-Id`` makes a republish of a batch that did arrive a no-op. A republished batch
         can land after later ones; readers restore the order by ``seq`` (see ``streams.follow``).
+        A batch is tried until stored while the failure is :func:`~tokenpipe.retry.transient`
+        (its request's ack waits behind it; :meth:`flush` bounds shutdown); one JetStream refuses
+        is dropped, and its readers see a gap.
         """
-        js, nc = self.bus.js, self.bus.nc
-        backoff = 0.0
+        # No tight loop while JetStream is unavailable (a stream between leaders refuses at once);
+        # shared across batches and immediate after a success, so the ones that failed during an
+        # outage are not each delayed once it is over (a pause each held hundreds of batches back
+        # for tens of seconds after a TP_TOKENS leader kill: the fault tests' readers saw gaps).
+        backoff = Backoff(ELECTIONS.first_delay_s, ELECTIONS.max_delay_s, immediate=True)
         while True:
             item = await self._unconfirmed.get()
             try:
-                if item.ack is not None:
-                    await item.ack.ack()
-                    continue
-                while True:
-                    fut = item.fut
-                    try:
-                        if fut is None:
-                            raise ConnectionError("never sent")
-                        await asyncio.wait_for(fut, timeout=max(0.0, item.deadline - time.monotonic()))
-                        backoff = 0.0  # JetStream answers again: what failed meanwhile goes out at once
-                        break
-                    except Exception as exc:  # lost in an outage, timed out, or refused: send it again
-                        if item.fut is not fut:
-                            continue  # already sent again after a reconnect: wait for that one
-                        if fut is not None and not fut.done():
-                            fut.cancel()
-                        log.warning("batch not confirmed; republishing", extra={"subject": item.subject,
-                                                                                 "error": repr(exc)})
-                        # No tight loop while JetStream is unavailable (a stream between leaders
-                        # refuses at once); shared across batches, so the ones that failed during
-                        # an outage are not each delayed once it is over.
-                        await asyncio.sleep(backoff)
-                        backoff = min(max(backoff * 2, 0.05), 1.0)
-                        while not nc.is_connected:
-                            await asyncio.sleep(0.1)  # waiting out a reconnect
-                        try:
-                            self._sent(item, await js.publish_async(item.subject, item.data,
-                                                                    headers=item.headers or None))
-                        except Exception as again:
-                            log.warning("republish failed", extra={"error": repr(again)})
-                            item.fut = None
+                if isinstance(item, _Ack):
+                    await item.msg.ack()
+                elif await self._confirm(item, backoff):
+                    backoff.reset()  # JetStream answers again: what failed meanwhile goes out at once
             except Exception as exc:  # an ack on a dead connection: the request is redelivered and resumed
                 log.warning("ack failed", extra={"error": repr(exc)})
             finally:
                 self._unconfirmed.task_done()
+
+    async def _confirm(self, item: _Pending, backoff: Backoff) -> bool:
+        """Until ``item`` is stored (True) or refused (False)."""
+        while True:
+            fut = item.fut
+            try:
+                if fut is None:
+                    raise ConnectionError("never sent")
+                await asyncio.wait_for(fut, timeout=max(0.0, item.deadline - time.monotonic()))
+                return True
+            except Exception as exc:  # lost in an outage, timed out, or refused
+                if item.fut is not fut:
+                    continue  # already sent again after a reconnect: wait for that one
+                if fut is not None and not fut.done():
+                    fut.cancel()
+                if not transient(exc):
+                    log.error("batch refused; dropped", extra={"subject": item.subject, "error": repr(exc)})
+                    return False
+                log.warning("batch not confirmed; republishing", extra={"subject": item.subject, "error": repr(exc)})
+            await asyncio.sleep(backoff.next())
+            while not self.bus.nc.is_connected:
+                await asyncio.sleep(0.1)  # waiting out a reconnect
+            try:
+                self._sent(item, await self.bus.js.publish_async(item.subject, item.data, headers=item.headers or None))
+            except Exception as again:
+                log.warning("republish failed", extra={"error": repr(again)})
+                item.fut = None

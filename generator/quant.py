@@ -22,13 +22,14 @@ de-quantizes on the fly) and a warning says so.
 from __future__ import annotations
 
 import logging
-from typing import Literal, cast
+from typing import Literal, cast, get_args
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tokenpipe.errors import InvalidRequest
+from tokenpipe.settings import Quant
 
 __all__ = ["BF16_DENSE_ROWS", "DENSE_ROWS", "QUANT_MODES", "QuantLinear", "QuantMode", "check_quant", "dense_rows_for",
            "quantize_weight", "resolve_quant"]
@@ -36,7 +37,7 @@ __all__ = ["BF16_DENSE_ROWS", "DENSE_ROWS", "QUANT_MODES", "QuantLinear", "Quant
 log = logging.getLogger(__name__)
 
 QuantMode = Literal["none", "int8", "int4"]
-QUANT_MODES: tuple[str, ...] = ("auto", "none", "int8", "int4")
+QUANT_MODES: tuple[str, ...] = get_args(Quant)  # defined once, with the setting
 GROUP = 32  # int4 group size along K (GGUF Q4_0/Q4_1 use 32 too)
 # Matmuls of more rows than this (a prefill) use the float weight the model keeps: the
 # quantized kernels pay off where a matmul reads more weight than it computes (decode), and

@@ -99,24 +99,36 @@ class Runner:
     def __init__(self, loaded: LoadedModel, on_emit: Callable[[list[Emission]], None], *,
                  on_step: Callable[[int], None] | None = None, max_batch: int = 32,
                  max_seq_len: int = 2048, prefill_token_budget: int = 4096, max_prompt_tokens: int = 0,
-                 torch_thread: Executor | None = None, admission_hold_s: float = 0.01) -> None:
+                 torch_thread: Executor | None = None, admission_hold_s: float = 0.01, kv_cache_mb: float = 0,
+                 prefix_caching: bool = True) -> None:
         self.loaded = loaded
         self.admission_hold_s = admission_hold_s
         self.torch_thread = torch_thread
         make = partial(Engine, loaded, max_batch=max_batch, max_seq_len=max_seq_len,
-                       prefill_token_budget=prefill_token_budget, max_prompt_tokens=max_prompt_tokens)
+                       prefill_token_budget=prefill_token_budget, max_prompt_tokens=max_prompt_tokens,
+                       kv_cache_mb=kv_cache_mb, prefix_caching=prefix_caching)
         # The KV cache is allocated where the steps will run (see :func:`torch_thread`).
         self.engine = make() if torch_thread is None else torch_thread.submit(make).result()
         self.on_emit = on_emit
         self.on_step = on_step
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._states: dict[str, _State] = {}
+        self._handed = 0  # jobs submitted and not yet handled (the engine's room does not count them yet)
+        self._handed_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._running: Future[None] | None = None
 
     # -- thread-safe API -------------------------------------------------------------
     def submit(self, job: Job) -> None:
+        with self._handed_lock:
+            self._handed += 1
         self._inbox.put(job)
+
+    @property
+    def memory_room(self) -> int:
+        """More requests the KV cache can take now (see :meth:`Engine._room`), less those handed
+        over and not yet queued in the engine."""
+        return self.engine.room - self._handed
 
     def cancel(self, request_id: str) -> None:
         self._inbox.put(("cancel", request_id))
@@ -193,6 +205,8 @@ class Runner:
     def _handle(self, item: Any) -> None:
         if isinstance(item, Job):
             self._admit(item)
+            with self._handed_lock:
+                self._handed -= 1
         elif isinstance(item, tuple) and item[0] == "cancel":
             self.engine.cancel(item[1])
 
@@ -256,13 +270,11 @@ class Runner:
 
     def _fail_all(self, message: str) -> None:
         emissions = []
-        for seq in [*self.engine.rows, *self.engine.waiting]:
+        for seq in self.engine.abort_all():
             st = self._states.pop(seq.id, None)
             carried = len(st.job.resume_ids) if st else 0
             emissions.append(Emission(seq.id, (), "", time.time_ns(), finish="error", error=message,
                                       usage=Usage(len(seq.prompt) - carried, len(seq.generated) + carried),
                                       error_code="generation_error"))
-        self.engine.rows.clear()
-        self.engine.waiting.clear()
         if emissions:
             self.on_emit(emissions)

@@ -4,7 +4,7 @@ With :mod:`generator.intake` and :mod:`generator.publisher`, the only generator 
 that import nats. It takes the requests :class:`RequestIntake` pulls for the free slots
 (continuing redelivered ones from their published history), hands them to the
 :class:`Runner` thread, and routes what comes back to each request's
-:class:`~generator.output.RequestOutput` (coalescing, publishing, the ack).
+:class:`~generator.writer.StreamWriter` (coalescing, publishing, the ack).
 :class:`~generator.announce.Announcer` makes the worker known to the relays.
 """
 
@@ -18,9 +18,9 @@ import socket
 import time
 from collections import OrderedDict
 from concurrent.futures import Executor
-from typing import Any
 
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, TracerProvider
 
@@ -33,12 +33,13 @@ from tokenpipe.subjects import CANCEL_WILDCARD, REQUESTS_STREAM, owner_of_reques
 from tokenpipe.telemetry import extract_context, get_tracer
 from tokenpipe.wire import Request, TokenBatch, Usage
 
-from .announce import Announcer, step_observer
+from .announce import Announcer
 from .intake import RequestIntake, keep, patiently
 from .models import LoadedModel
-from .output import OutputContext, RequestOutput
+from .observe import step_observer
 from .publisher import BatchPublisher
 from .runner import Emission, Job, Runner
+from .writer import OutputContext, StreamWriter
 
 __all__ = ["GeneratorWorker"]
 
@@ -65,8 +66,9 @@ class GeneratorWorker:
                              max_batch=settings.max_batch, max_seq_len=settings.max_seq_len,
                              prefill_token_budget=settings.prefill_token_budget,
                              max_prompt_tokens=settings.max_prompt_tokens, torch_thread=torch_thread,
-                             admission_hold_s=settings.admission_hold_ms / 1000)
-        self.active: dict[str, RequestOutput] = {}  # the requests this worker holds, by stream id
+                             admission_hold_s=settings.admission_hold_ms / 1000,
+                             kv_cache_mb=settings.kv_cache_mb, prefix_caching=settings.prefix_caching)
+        self.active: dict[str, StreamWriter] = {}  # the requests this worker holds, by stream id
         self.recent_cancels: OrderedDict[str, None] = OrderedDict()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._slot_freed = asyncio.Event()
@@ -79,7 +81,7 @@ class GeneratorWorker:
         self._output = OutputContext(settings, self.publisher, self.metrics, self.tracer, self._finished)
         self._tasks: list[asyncio.Task[None]] = []
         self._checks: set[asyncio.Task[None]] = set()  # stream-id checks of first deliveries still running
-        self._cancels: Any = None
+        self._cancels: Subscription | None = None
 
     # -- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
@@ -151,7 +153,8 @@ class GeneratorWorker:
     # -- intake ----------------------------------------------------------------------
     @property
     def free_slots(self) -> int:
-        return self.settings.max_batch - len(self.active)
+        """Requests to pull: below ``max_batch``, as many as the KV cache's free blocks can take."""
+        return min(self.settings.max_batch - len(self.active), self.runner.memory_room)
 
     async def _fetch_loop(self) -> None:
         while not self._stopping.is_set():
@@ -178,7 +181,7 @@ class GeneratorWorker:
                 else:
                     await self._accept(msg, more_coming=i < len(msgs) - 1)
 
-    async def _check_id(self, out: RequestOutput, msg: Msg) -> None:
+    async def _check_id(self, out: StreamWriter, msg: Msg) -> None:
         """A first delivery starts a new stream: unless its id already has token history (then it
         is refused: nobody appends to a running or finished stream by reusing its id). This runs
         while the engine already works on the request (the lookup is a round trip off the first
@@ -206,7 +209,7 @@ class GeneratorWorker:
         self._refuse(out)
         await msg.term()  # no error batch: that stream belongs to its first request
 
-    def _refuse(self, out: RequestOutput) -> None:
+    def _refuse(self, out: StreamWriter) -> None:
         """Nothing of ``out`` is published; its slot is free once the engine has let it go."""
         out.refuse()
         self.runner.cancel(out.request.id)
@@ -263,7 +266,7 @@ class GeneratorWorker:
         span.set_attribute("tokenpipe.delivery", msg.metadata.num_delivered)
         span.set_attribute("tokenpipe.resumed_tokens", len(resume))
         first = msg.metadata.num_delivered == 1
-        out = self.active[request.id] = RequestOutput(self._output, request, msg, span, past=past, received=received,
+        out = self.active[request.id] = StreamWriter(self._output, request, msg, span, past=past, received=received,
                                                       owner=owner, cleared=not first)
         if past:
             log.info("continuing redelivered request", extra={"request_id": request.id, "resumed_tokens": len(resume),
@@ -340,7 +343,7 @@ class GeneratorWorker:
             except Exception:  # one stream's failure must not drop the others' tokens of this step
                 log.exception("emission failed", extra={"request_id": em.request_id})
 
-    def _finished(self, out: RequestOutput, batch: TokenBatch) -> None:
+    def _finished(self, out: StreamWriter, batch: TokenBatch) -> None:
         rid = out.request.id
         self.active.pop(rid, None)
         self._slot_freed.set()

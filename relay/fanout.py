@@ -1,18 +1,19 @@
-"""Live token batches for many readers from one wildcard subscription per process.
+"""Live token batches for the SSE readers of one relay: one core subscription per stream read here.
 
-One core-NATS subscription on ``tp.tok.relay.>``; each message is matched to the readers of its
-stream by one dict lookup and decoded once, and only if someone is reading that stream. This
-replaces one JetStream consumer per reader (a consumer-create round trip per SSE connection,
-flow control and heartbeats per stream on the server) — ``python -m bench.fanout`` measures
-both. The price: every process holding a :class:`Fanout` receives all token traffic.
+A relay subscribes to ``tp.tok.relay.<id>`` (the owner-scoped token subject) while it has a
+reader of that stream and unsubscribes after the last one, so NATS delivers a batch only to the
+relays that read its stream: adding relays adds capacity. Each message is decoded once and
+handed to that stream's readers. (A shared ``tp.tok.relay.>`` subscription and one JetStream
+consumer per reader were measured against this and removed: ``bench/RESULTS.md``, "Relay
+fan-out" and "Relays scaling out".)
 
-Core delivery is at-most-once, so JetStream stays the source of truth. A reader catches up
-from it when it opens (unless the stream is known to be fresh: registered before the request
-was submitted) and once more ``settle_s`` later (a batch delivered just before the reader was
-registered may be stored just after the first look), as soon as a batch arrives out of order
-(a hole), within ``loss_spread_s`` of a reconnect or a slow-consumer drop (spread out, one
-second per 2,000 readers beyond that, so 10,000 readers do not ask JetStream at once), once
-more before a missing batch is declared a gap, and when nothing arrived for ``resync_s``
+Core delivery is at-most-once, so JetStream stays the source of truth. A new subscription
+reaches the other servers of a cluster a moment after it is made, so a reader always catches up
+from JetStream when it opens, and once more ``settle_s`` later (a batch delivered just before
+the reader was registered may be stored just after the first look), as soon as a batch arrives
+out of order (a hole), within ``loss_spread_s`` of a reconnect or a slow-consumer drop (spread
+out, one second per 2,000 readers beyond that, so 10,000 readers do not ask JetStream at once),
+once more before a missing batch is declared a gap, and when nothing arrived for ``resync_s``
 (jittered). A look reads everything when messages may have been lost or nothing arrived for
 ``resync_s``: the stream leader counts what is stored, so a replica that is behind cannot hide
 it; otherwise one direct get of the last batch decides. A look that fails (JetStream still
@@ -29,14 +30,17 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Coroutine
 from typing import Any
+
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 
 from tokenpipe.bus import Bus
 from tokenpipe.errors import TransportError, WireFormatError
 from tokenpipe.reorder import Reorder
 from tokenpipe.streams import PING, StreamItem, emitted_before, last_stored, stored
-from tokenpipe.subjects import owner_tokens, token_subject
+from tokenpipe.subjects import token_subject
 from tokenpipe.wire import TokenBatch
 
 __all__ = ["Fanout", "LiveStream"]
@@ -62,31 +66,35 @@ class Fanout:
         self.loss_spread_s = loss_spread_s
         self._loss_pending = False
         self._readers: dict[str, list[LiveStream]] = {}  # subject -> readers
-        self._sub: Any = None
+        self._subs: dict[str, Subscription | None] = {}  # subject -> nats subscription (None while being made)
+        self._pending: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
-        # Generous pending limits: a burst is better queued here than dropped (and re-read).
-        # Only the streams made through relays (owner "relay"): apps' streams are not ours to serve.
-        self._sub = await self.bus.nc.subscribe(owner_tokens(self.bus.owner), cb=self._on_msg,
-                                                pending_msgs_limit=1 << 20, pending_bytes_limit=512 << 20)
         self.bus.on_possible_loss.append(self._on_possible_loss)
 
     async def stop(self) -> None:
         if self._on_possible_loss in self.bus.on_possible_loss:
             self.bus.on_possible_loss.remove(self._on_possible_loss)
-        if self._sub is not None and not self.bus.nc.is_closed:
-            await self._sub.unsubscribe()
-        self._sub = None
+        await asyncio.gather(*self._pending, return_exceptions=True)
+        subs, self._subs = [s for s in self._subs.values() if s is not None], {}
+        if not self.bus.nc.is_closed:
+            for sub in subs:
+                await sub.unsubscribe()
 
     @property
     def readers(self) -> int:
         return sum(len(v) for v in self._readers.values())
 
-    def open(self, stream_id: str, *, after_seq: int = -1, fresh: bool = False) -> LiveStream:
-        """Register a reader now: every batch published from here on reaches it. ``fresh``
-        promises that nothing was published before (the request is not submitted yet)."""
-        reader = LiveStream(self, stream_id, after_seq=after_seq, fresh=fresh)
-        self._readers.setdefault(token_subject(self.bus.owner, stream_id), []).append(reader)
+    def open(self, stream_id: str, *, after_seq: int = -1) -> LiveStream:
+        """Register a reader now: every batch published from here on reaches it, and what was
+        published before comes from JetStream."""
+        reader = LiveStream(self, stream_id, after_seq=after_seq)
+        self._readers.setdefault(reader.subject, []).append(reader)
+        if reader.subject not in self._subs:
+            self._subs[reader.subject] = None
+            # nats-py's subscribe only queues the SUB (no round trip); as a task it still goes out
+            # before anything the caller publishes next on this connection (the request).
+            self._spawn(self._subscribe(reader.subject))
         return reader
 
     def _close(self, reader: LiveStream) -> None:
@@ -95,8 +103,37 @@ class Fanout:
             readers.remove(reader)
             if not readers:
                 del self._readers[reader.subject]
+        if reader.subject not in self._readers and reader.subject in self._subs:
+            self._spawn(self._unsubscribe(reader.subject, self._subs.pop(reader.subject)))
 
-    async def _on_msg(self, msg: Any) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def _subscribe(self, subject: str) -> None:
+        try:
+            # Generous pending limits: a burst is better queued here than dropped (and re-read).
+            sub = await self.bus.nc.subscribe(subject, cb=self._on_msg, pending_msgs_limit=1 << 16,
+                                              pending_bytes_limit=64 << 20)
+        except Exception as exc:  # connection closing; readers still catch up from JetStream
+            log.warning("stream subscription failed", extra={"subject": subject, "error": repr(exc)})
+            self._subs.pop(subject, None)
+            return
+        if subject in self._subs and self._subs[subject] is None:
+            self._subs[subject] = sub
+        else:  # the last reader left while the SUB was being made
+            await self._unsubscribe(subject, sub)
+
+    async def _unsubscribe(self, subject: str, sub: Subscription | None) -> None:
+        if sub is None or self.bus.nc.is_closed:
+            return
+        try:
+            await sub.unsubscribe()
+        except Exception as exc:  # reconnecting or closing: the server drops it with the connection
+            log.debug("stream unsubscribe failed", extra={"subject": subject, "error": repr(exc)})
+
+    async def _on_msg(self, msg: Msg) -> None:
         readers = self._readers.get(msg.subject)
         if not readers:
             return  # nobody here reads this stream: not even decoded
@@ -108,11 +145,11 @@ class Fanout:
         for reader in readers:
             reader._push(batch, msg.headers)
 
-    def _on_possible_loss(self, sub: Any) -> None:
+    def _on_possible_loss(self, sub: Subscription | None) -> None:
         """After a reconnect (``sub`` None) or a slow-consumer drop on our subscription: every
         reader reads JetStream in full within ``loss_spread_s``. nats-py reports a drop per
         message, so one pass per event-loop turn is scheduled, not one per report."""
-        if sub is not None and sub is not self._sub:
+        if sub is not None and sub not in self._subs.values():
             return
         if not self._loss_pending:
             self._loss_pending = True
@@ -133,15 +170,14 @@ class LiveStream:
     """One reader of one stream, registered with its :class:`Fanout` from creation until
     :meth:`items` ends (or :meth:`close`)."""
 
-    __slots__ = ("_fanout", "_fresh", "_inbox", "_next_sync", "_thorough", "_timer", "_timer_at", "_waiter",
+    __slots__ = ("_fanout", "_inbox", "_next_sync", "_thorough", "_timer", "_timer_at", "_waiter",
                  "after_seq", "stream_id", "subject")
 
-    def __init__(self, fanout: Fanout, stream_id: str, *, after_seq: int, fresh: bool) -> None:
+    def __init__(self, fanout: Fanout, stream_id: str, *, after_seq: int) -> None:
         self._fanout = fanout
         self.stream_id = stream_id
         self.subject = token_subject(fanout.bus.owner, stream_id)
         self.after_seq = after_seq
-        self._fresh = fresh
         self._inbox: list[tuple[TokenBatch, dict[str, str] | None]] = []
         self._waiter: asyncio.Future[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
@@ -194,14 +230,19 @@ class LiveStream:
         bus = self._fanout.bus
         self._next_sync = time.monotonic() + self._fanout.resync_s * (1 + 0.25 * random.random())
         if not thorough:
-            entry = await last_stored(bus, self.stream_id)  # one direct get, no consumer
-            if entry is None:
-                return
-            last, headers = entry
-            if last.seq == buf.expected or (last.seq == buf.expected - 1 and not last.is_final):
-                # Nothing else to read; fed even when old: its headers carry the generation's trace context.
-                buf.feed(last, headers, now=time.monotonic())
-                return
+            try:
+                entry = await last_stored(bus, self.stream_id)  # one direct get, no consumer
+            except WireFormatError:  # the last stored message is no batch: the full read skips it
+                entry = None
+            else:
+                if entry is None:
+                    return
+            if entry is not None:
+                last, headers = entry
+                if last.seq == buf.expected or (last.seq == buf.expected - 1 and not last.is_final):
+                    # Nothing else to read; fed even when old: its headers carry the generation's trace context.
+                    buf.feed(last, headers, now=time.monotonic())
+                    return
         by_seq = await stored(bus, self.stream_id)
         now = time.monotonic()
         for batch, headers in by_seq.values():
@@ -218,8 +259,7 @@ class LiveStream:
         after ``idle`` quiet seconds. ``trace_headers`` receives the first batch's trace context."""
         fanout = self._fanout
         buf = Reorder(self.after_seq, wait=fanout.reorder_wait, trace_headers=trace_headers)
-        sync = not self._fresh
-        settled = self._fresh  # a fresh stream has no "published before I registered" race
+        sync, settled = True, False
         looked_for: float | None = None  # the hole clock (``buf.hole_since``) already looked for
         last_out = time.monotonic()
         delivered = last_out  # when a batch (not a ping) last went out

@@ -16,9 +16,9 @@ from tokenpipe.streams import Gap, Ping
 from tokenpipe.wire import Request as TpRequest
 from tokenpipe.wire import TokenBatch
 
-from .forward import Session
 from .http import JSONBodyRoute, SSEResponse, takes
 from .protocol import ID_PATTERN, Bodies, NativeCreate, NativeEvent, StreamCancelled, StreamCreated
+from .sessions import Session
 from .sse import sse_comment, sse_event
 from .state import RelayState
 

@@ -22,7 +22,6 @@ from tokenpipe.streams import Gap, Ping
 from tokenpipe.wire import Request as TpRequest
 from tokenpipe.wire import TokenBatch
 
-from .forward import Session
 from .http import JSONBodyRoute, SSEResponse, error_body, stream_error, takes
 from .native import state_of, tenant_of
 from .protocol import (
@@ -37,6 +36,7 @@ from .protocol import (
     OpenAIEvent,
     Usage,
 )
+from .sessions import Session
 from .sse import sse_comment, sse_event
 from .state import RelayState
 

@@ -1,6 +1,6 @@
 """What one relay process holds, from start-up to shutdown: the NATS connection, the fan-out,
 the generator registry, admission and stream forwarding (see :mod:`relay.admission`,
-:mod:`relay.forward`, :mod:`relay.registry`)."""
+:mod:`relay.sessions`, :mod:`relay.registry`)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,12 @@ import asyncio
 import logging
 from typing import Any
 
+from nats.aio.msg import Msg
 from opentelemetry import trace
 from opentelemetry.trace import TracerProvider
 
 from tokenpipe.bus import REPAIR_INTERVAL_S, Bus, connect, missing, repair
-from tokenpipe.errors import InvalidRequest, NoGenerator, TokenpipeError
+from tokenpipe.errors import NoGenerator, TokenpipeError
 from tokenpipe.metrics import RelayMetrics
 from tokenpipe.settings import Settings
 from tokenpipe.subjects import ANNOUNCE_PREFIX, DISCOVER_SUBJECT
@@ -21,10 +22,9 @@ from tokenpipe.telemetry import get_tracer
 from .admission import Admission
 from .auth import KeyRing
 from .fanout import Fanout
-from .forward import Forwarder
 from .http import WriteWatchdog
 from .registry import GeneratorRegistry
-from .streamfanout import StreamFanout
+from .sessions import Forwarder
 
 __all__ = ["RelayState"]
 
@@ -43,9 +43,6 @@ class RelayState:
         self.bus: Bus | None = None
         self.fanout: Fanout | None = None
         self.watchdog = WriteWatchdog(settings.slow_client_timeout_s)
-        if settings.relay_fanout not in ("shared", "stream", "consumer"):
-            raise InvalidRequest("relay_fanout must be 'shared', 'stream' or 'consumer', "
-                                 f"not {settings.relay_fanout!r}", param="relay_fanout")
         self.metrics = RelayMetrics()
         self.admission = Admission(settings, self.require_bus)
         self.forwarder = Forwarder(settings, self.tracer, self.metrics, self.admission, self.require_bus)
@@ -59,10 +56,9 @@ class RelayState:
             log.warning("relay listens beyond loopback without API keys: set TOKENPIPE_API_KEYS",
                         extra={"host": self.settings.host})
         self.bus = await connect(self.settings, name="tokenpipe-relay")
-        if self.settings.relay_fanout in ("shared", "stream"):
-            self.fanout = Fanout(self.bus) if self.settings.relay_fanout == "shared" else StreamFanout(self.bus)
-            await self.fanout.start()
-            self.forwarder.fanout = self.fanout
+        self.fanout = Fanout(self.bus)
+        await self.fanout.start()
+        self.forwarder.fanout = self.fanout
         await self.forwarder.start()
         nc = self.bus.nc
         await nc.subscribe(f"{ANNOUNCE_PREFIX}.>", cb=self._on_announce)
@@ -134,7 +130,7 @@ class RelayState:
         if self.bus is not None:
             await self.bus.close()
 
-    async def _on_announce(self, msg: Any) -> None:
+    async def _on_announce(self, msg: Msg) -> None:
         self.registry.update(msg.data)
 
     def require_bus(self) -> Bus:

@@ -49,14 +49,12 @@ MAX_TOKENS = 160
 class Stack:
     """The cluster and the role processes; ``restore()`` makes it whole again between tests."""
 
-    def __init__(self, tmp: Path, data_dir: Path, *, generators: int = 2, relays: int = 2,
-                 relay_fanouts: tuple[str, ...] = (), **env: Any) -> None:
+    def __init__(self, tmp: Path, data_dir: Path, *, generators: int = 2, relays: int = 2, **env: Any) -> None:
         self.tmp = tmp
         self.data_dir = data_dir
         self.cluster = LocalCluster(tmp / "nats", 3)
         self.n_generators = generators
         self.n_relays = relays
-        self.relay_fanouts = relay_fanouts  # per relay; the default mode where none is given
         self.env = {**os.environ, "TOKENPIPE_ANNOUNCE_INTERVAL_S": "0.3", "TOKENPIPE_THREADS": "1",
                     "TOKENPIPE_DTYPE": "float32", "TOKENPIPE_LOG_LEVEL": "INFO", "TOKENPIPE_METRICS_PORT": "0",
                     "TOKENPIPE_MAX_BATCH": "16",
@@ -105,8 +103,7 @@ class Stack:
         return self
 
     def start_relay(self, i: int) -> subprocess.Popen[bytes]:
-        fanout = ["--fanout", self.relay_fanouts[i]] if i < len(self.relay_fanouts) else []
-        proc = self._spawn("relay", "--port", str(self.relay_ports[i]), "--model", "tiny-random", *fanout)
+        proc = self._spawn("relay", "--port", str(self.relay_ports[i]), "--model", "tiny-random")
         self.relays[i] = proc
         return proc
 

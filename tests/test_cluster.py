@@ -30,10 +30,10 @@ from tokenpipe.cluster import (
     replicas_to_keep,
     resolve_replicas,
     server_list,
-    through_elections,
 )
-from tokenpipe.errors import InvalidRequest, TransportError
+from tokenpipe.errors import ConfigError, TransportError
 from tokenpipe.natsconfig import write_server_config
+from tokenpipe.retry import through_elections
 from tokenpipe.settings import Settings
 from tokenpipe.streams import Gap, follow
 from tokenpipe.subjects import META_BUCKET, REQUESTS_STREAM, TOKENS_STREAM, consumer_name, token_subject
@@ -54,7 +54,7 @@ CLUSTER_INFO = {"jetstream": True, "cluster": "c", "connect_urls": ["10.0.0.1:42
 def test_server_list_splits_a_seed_list() -> None:
     assert server_list("nats://a:4222") == ["nats://a:4222"]
     assert server_list(" nats://a:4222, nats://b:4222 ,,") == ["nats://a:4222", "nats://b:4222"]
-    with pytest.raises(InvalidRequest):
+    with pytest.raises(ConfigError):
         server_list(" , ")
 
 
@@ -62,7 +62,7 @@ def test_replicas_setting_is_auto_or_one_to_five() -> None:
     assert parse_replicas("auto") is None and parse_replicas(" AUTO ") is None
     assert parse_replicas("3") == 3
     for bad in ("0", "6", "three", ""):
-        with pytest.raises(InvalidRequest):
+        with pytest.raises(ConfigError):
             parse_replicas(bad)
     assert Settings.load(env={"TOKENPIPE_REPLICAS": "3"}).replicas == "3"
     assert Settings.load(env={}).replicas == "auto"
@@ -88,9 +88,9 @@ def test_clustered_node_needs_a_server_name_and_route_urls() -> None:
     assert args.routes == ("nats-route://10.0.0.2:6222", "nats-route://10.0.0.3:6222")
     assert args.argv("0.0.0.0") == ["--cluster_name", "tp", "--cluster", "nats://0.0.0.0:6222", "--server_name",
                                     "n1", "--routes", "nats-route://10.0.0.2:6222,nats-route://10.0.0.3:6222"]
-    with pytest.raises(InvalidRequest):
+    with pytest.raises(ConfigError):
         node_args("tp", 6222, "", None)
-    with pytest.raises(InvalidRequest):
+    with pytest.raises(ConfigError):
         node_args("tp", 6222, "http://10.0.0.2:6222", "n1")
 
 
@@ -298,7 +298,7 @@ async def test_regression_a_hole_was_looked_up_again_only_when_traffic_stopped(b
     fanout = _DropLive(bus, reorder_wait=15.0)
     await fanout.start()
     try:
-        live = fanout.open(sid, fresh=True)
+        live = fanout.open(sid)
         got: list[Any] = []
 
         async def read() -> None:
@@ -379,7 +379,7 @@ def test_relay_and_replication_benchmarks_run(tmp_path: Path) -> None:
                     "--out", str(tmp_path / "relays.json"))
     assert relays.returncode == 0, relays.stdout[-2000:] + relays.stderr[-2000:]
     runs = json.loads((tmp_path / "relays.json").read_text())["runs"]
-    assert {(r["mode"], r["relays"]) for r in runs} == {(m, k) for m in ("shared", "stream") for k in (1, 2)}
+    assert [r["relays"] for r in runs] == [1, 2]
     assert all(r["batches_delivered"] == 80 for r in runs)
     repl = _bench("bench.replication", "--rate", "200", "--seconds", "1", "--rounds", "1", "--tokens", "1",
                   "--out", str(tmp_path / "replication.json"))

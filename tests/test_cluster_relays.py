@@ -1,9 +1,7 @@
 """Many relays on one 3-node cluster: any relay serves any stream.
 
-Relay A runs the shared fan-out and relay B the per-stream subscription fan-out, so the two
-modes are also checked against each other: a stream created through A is read, resumed with
-``Last-Event-ID`` and cancelled through B; a client that loses A mid-stream reconnects to B
-and gets exactly the remainder.
+A stream created through relay A is read, resumed with ``Last-Event-ID`` and cancelled through
+relay B; a client that loses A mid-stream reconnects to B and gets exactly the remainder.
 """
 
 from __future__ import annotations
@@ -31,7 +29,7 @@ LONG = 300
 
 @pytest.fixture(scope="module")
 async def stack(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> AsyncIterator[Stack]:
-    s = Stack(tmp_path_factory.mktemp("relays"), data_dir, generators=1, relays=2, relay_fanouts=("shared", "stream"))
+    s = Stack(tmp_path_factory.mktemp("relays"), data_dir, generators=1, relays=2)
     try:
         yield await s.start()
     finally:

@@ -337,11 +337,12 @@ def test_regression_denormal_temperature_or_top_p_made_the_engine_fail_the_batch
 
 
 def test_regression_kv_compaction_after_a_grow_failed_outside_inference_mode() -> None:
-    """A cache grown inside the (inference-mode) forward holds inference tensors; compacting it
+    """(The slot cache, now bench.slotcache's A/B reference.) A cache grown inside the (inference-mode)
+    forward holds inference tensors; compacting it
     when an earlier row retired raised and failed the running batch."""
     import torch
 
-    from generator.forward import SlotKVCache
+    from bench.slotcache import SlotKVCache
 
     cache = SlotKVCache.__new__(SlotKVCache)
     with torch.inference_mode():  # as ``grow`` inside the forward makes them

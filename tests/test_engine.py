@@ -215,16 +215,22 @@ def test_chat_template_is_applied(tiny_model: LoadedModel) -> None:
 @pytest.mark.smollm2
 def test_bf16_decode_step_tracks_hf_forward(data_dir) -> None:  # type: ignore[no-untyped-def]
     """The CPU default is bf16 where the CPU has it: our attention must agree with transformers'."""
-    from generator.forward import SlotKVCache, decode_step, prefill
+    from generator.forward import decode_step, prefill
+    from generator.kvcache import BLOCK_SIZE, PagedKVCache, bytes_per_position
     from generator.models import load_model
 
     lm = load_model("smollm2-135m", device="cpu", dtype="bfloat16", data_dir=data_dir)
     ids = torch.tensor([lm.tokenizer.encode("The history of the printing press")])
-    cache = SlotKVCache(lm.model, 2, 256, lm.device, torch.bfloat16)
+    n = ids.shape[1]
+    cache = PagedKVCache(lm.model, 8 * BLOCK_SIZE * bytes_per_position(lm.model, torch.bfloat16), lm.device,
+                         torch.bfloat16, min_positions=64)
+    table = torch.tensor([[5, 3, 6, 1]])  # blocks out of order: positions go through the table
+    slot = lambda p: int(table[0, p // BLOCK_SIZE]) * BLOCK_SIZE + p % BLOCK_SIZE  # noqa: E731
     with torch.inference_mode():
-        logits = prefill(lm.model, cache, ids, torch.tensor([ids.shape[1]]), 0)
+        logits = prefill(lm.model, cache, ids, torch.arange(n)[None], torch.tensor([[slot(p) for p in range(n)]]),
+                         torch.tensor([n]), None)
         nxt = logits.float().argmax(-1)
-        step = decode_step(lm.model, cache, nxt, torch.tensor([ids.shape[1]]), 64).float()
+        step = decode_step(lm.model, cache, nxt, torch.tensor([n]), torch.tensor([slot(n)]), table).float()
         ref = lm.model(torch.cat([ids, nxt[:, None]], 1)).logits[0, -1].float()
     assert torch.nn.functional.cosine_similarity(step[0], ref, dim=0) > 0.999
     assert step[0].argmax() == ref.argmax()
@@ -250,10 +256,10 @@ def test_decode_attention_in_fp32_for_few_rows_agrees_with_bf16(rows: int) -> No
     g = torch.Generator().manual_seed(rows)
     q, k, v = (torch.randn(rows, *shape, generator=g).to(torch.bfloat16) for shape in ((9, 1, 64), (3, 40, 64),
                                                                                         (3, 40, 64)))
-    mask = torch.ones(rows, 1, 1, 40, dtype=torch.bool)
-    mask[0, ..., 30:] = False
-    got = _decode_attention(q, k, v, mask, 0.125)
+    mask = torch.ones(rows, 40, dtype=torch.bool)
+    mask[0, 30:] = False
+    got = _decode_attention(q, k.transpose(0, 1), v.transpose(0, 1), mask, 0.125)  # K/V as gathered: [G, B, T, hd]
     qf, kf, vf = (t.float().repeat_interleave(3, 1) if t is not q else t.float() for t in (q, k, v))
-    ref = torch.nn.functional.scaled_dot_product_attention(qf, kf, vf, attn_mask=mask, scale=0.125)
+    ref = torch.nn.functional.scaled_dot_product_attention(qf, kf, vf, attn_mask=mask[:, None, None, :], scale=0.125)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, 9, 1, 64)
     assert torch.allclose(got.float(), ref, atol=0.03), (rows, FP32_ATTENTION_ROWS)

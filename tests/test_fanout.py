@@ -1,9 +1,9 @@
-"""The relay's shared fan-out: one wildcard subscription, readers in seq order, JetStream catch-up."""
+"""The relay's live reader: one subscription per stream read, readers in seq order, JetStream catch-up."""
 
 from __future__ import annotations
 
 import asyncio
-import json
+import contextlib
 from collections.abc import AsyncIterator
 
 import httpx
@@ -13,12 +13,11 @@ from relay.fanout import Fanout, LiveStream
 from tokenpipe.bus import Bus
 from tokenpipe.errors import TransportError
 from tokenpipe.reorder import Gap
-from tokenpipe.settings import Settings
 from tokenpipe.streams import StreamItem
 from tokenpipe.subjects import token_subject
 from tokenpipe.wire import TokenBatch, new_request_id
 
-from .conftest import RelayServer, read_sse, start_relay, wait_until
+from .conftest import RelayServer, wait_until
 
 
 def batch(sid: str, seq: int, final: bool = False) -> TokenBatch:
@@ -57,7 +56,7 @@ def loss_reported(bus: Bus) -> None:
 async def test_reader_gets_live_batches_in_seq_order_even_when_published_out_of_order(
         bus: Bus, fanout: Fanout) -> None:
     sid = new_request_id()
-    reader = fanout.open(sid, fresh=True)
+    reader = fanout.open(sid)
     task = asyncio.create_task(collect(reader))
     for seq in (0, 2, 1, 1, 3):  # a hole, then the missing batch, then a duplicate
         await publish(bus, batch(sid, seq, final=seq == 3))
@@ -98,7 +97,7 @@ async def test_batch_that_never_arrives_becomes_an_explicit_gap(bus: Bus) -> Non
     await fanout.start()
     try:
         sid = new_request_id()
-        reader = fanout.open(sid, fresh=True)
+        reader = fanout.open(sid)
         task = asyncio.create_task(collect(reader))
         await publish(bus, batch(sid, 0))
         await publish(bus, batch(sid, 3, final=True))  # 1 and 2 are never published (nor stored)
@@ -111,18 +110,58 @@ async def test_batch_that_never_arrives_becomes_an_explicit_gap(bus: Bus) -> Non
     assert isinstance(gap, Gap) and (gap.from_seq, gap.to_seq) == (1, 2)
 
 
-async def test_final_batch_missed_by_the_live_path_is_found_by_resync(bus: Bus, fanout: Fanout) -> None:
-    """Core delivery is at-most-once: a batch stored while nobody was registered must still arrive."""
-    sid = new_request_id()
-    await publish(bus, batch(sid, 0, final=True))  # stored before the reader exists: no live copy reaches it
-    reader = fanout.open(sid, fresh=True)  # a (wrong) promise of freshness: no initial catch-up
-    items = await asyncio.wait_for(collect(reader), 30)
+class _Deaf(Fanout):
+    """Loses every batch on the live path, as a disconnect would."""
+
+    async def _on_msg(self, msg: object) -> None:
+        return None
+
+
+def count_looks(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Counts the readers' looks at JetStream (each one starts with a direct get or a full read)."""
+    import relay.fanout as fanout_module
+
+    looks: list[str] = []
+    for name in ("last_stored", "stored"):
+        real = getattr(fanout_module, name)
+
+        async def counted(b: Bus, sid: str, _real: object = real, _name: str = name) -> object:
+            looks.append(_name)
+            return await _real(b, sid)  # type: ignore[operator]
+
+        monkeypatch.setattr(fanout_module, name, counted)
+    return looks
+
+
+@contextlib.asynccontextmanager
+async def deaf_reader(bus: Bus, monkeypatch: pytest.MonkeyPatch,
+                      **kw: float) -> AsyncIterator[tuple[str, asyncio.Task[list[StreamItem]]]]:
+    """A reader of a new stream that hears nothing live, once its opening looks are done."""
+    looks = count_looks(monkeypatch)
+    fan = _Deaf(bus, settle_s=0.05, **kw)
+    await fan.start()
+    try:
+        sid = new_request_id()
+        task = asyncio.create_task(collect(fan.open(sid)))
+        await wait_until(lambda: len(looks) >= 2, 10, "the opening look and the settling one")
+        yield sid, task
+    finally:
+        await fan.stop()
+
+
+async def test_final_batch_missed_by_the_live_path_is_found_by_resync(bus: Bus,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Core delivery is at-most-once: a batch stored after the reader's first looks, whose live
+    copy never reached it, must still arrive."""
+    async with deaf_reader(bus, monkeypatch, resync_s=0.5, reorder_wait=30.0) as (sid, task):
+        await publish(bus, batch(sid, 0, final=True))
+        items = await asyncio.wait_for(task, 30)
     assert [b.seq for b in items if isinstance(b, TokenBatch)] == [0]
 
 
 async def test_undecodable_message_on_a_token_subject_is_skipped(bus: Bus, fanout: Fanout) -> None:
     sid = new_request_id()
-    reader = fanout.open(sid, fresh=True)
+    reader = fanout.open(sid)
     task = asyncio.create_task(collect(reader))
     await bus.nc.publish(token_subject(bus.owner, sid), b"\xc1 not msgpack")
     await publish(bus, batch(sid, 0, final=True))
@@ -145,29 +184,6 @@ async def test_regression_openai_client_gone_before_reading_leaves_no_registered
                 assert resp.status_code == 200
             # leaving the block closes the connection without reading a byte
         await wait_until(lambda: fan.readers == before, 30, "readers to be unregistered")
-
-
-async def test_consumer_fanout_mode_streams_the_same_tokens(settings: Settings, relay: RelayServer) -> None:
-    """Compares tokens and text, not batches: where a run's batch boundaries fall depends on
-    timing (this used to fail on a busy machine, [970, 970, 970, 970] vs [970, 970, 970])."""
-    body = {"prompt": "same either way", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
-    other = await start_relay(settings.replace(relay_fanout="consumer"))
-    try:
-        runs = []
-        for server in (relay, other):
-            async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
-                sid = (await client.post("/v1/streams", json=body)).json()["id"]
-                async with client.stream("GET", f"/v1/streams/{sid}") as resp:
-                    events = await read_sse(resp)
-            assert events[-1][0] == "done"
-            batches = [json.loads(data) for event, _, data in events if event == "tokens"]
-            assert [b["seq"] for b in batches] == list(range(len(batches)))  # in order, each once
-            runs.append(([t for b in batches for t in b["token_ids"]], "".join(b["text"] for b in batches)))
-        assert other.app.state.relay.fanout is None
-        assert len(runs[0][0]) == 24
-        assert runs[0] == runs[1]
-    finally:
-        await other.stop()
 
 
 async def test_regression_reader_that_catches_up_the_first_batch_still_gets_its_trace_context(
@@ -218,15 +234,10 @@ async def test_failed_catch_up_is_retried_and_the_stream_goes_on(bus: Bus, fanou
     assert [b.seq for b in items if isinstance(b, TokenBatch)] == [0, 1]
 
 
-async def test_reconnect_makes_readers_look_again_without_waiting_for_the_idle_resync(bus: Bus) -> None:
-    fan = Fanout(bus, resync_s=3600, loss_spread_s=0.2)
-    await fan.start()
-    try:
-        sid = new_request_id()
+async def test_reconnect_makes_readers_look_again_without_waiting_for_the_idle_resync(
+        bus: Bus, monkeypatch: pytest.MonkeyPatch) -> None:
+    async with deaf_reader(bus, monkeypatch, resync_s=3600, loss_spread_s=0.2) as (sid, task):
         await publish(bus, batch(sid, 0, final=True))  # its live copy never reaches the reader, as in a disconnect
-        task = asyncio.create_task(collect(fan.open(sid, fresh=True)))  # fresh: no initial catch-up
         loss_reported(bus)
         items = await asyncio.wait_for(task, 10)  # not the hour-long idle resync
-        assert [b.seq for b in items if isinstance(b, TokenBatch)] == [0]
-    finally:
-        await fan.stop()
+    assert [b.seq for b in items if isinstance(b, TokenBatch)] == [0]

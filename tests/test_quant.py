@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench.kvstep import RawSteps
 from generator.engine import Engine
-from generator.forward import SlotKVCache, plan_for, prefill
+from generator.forward import plan_for
 from generator.models import LoadedModel, load_model
 from generator.quant import BF16_DENSE_ROWS, DENSE_ROWS, QuantLinear, check_quant, dense_rows_for, resolve_quant
 from generator.runner import Emission, Job, Runner
@@ -23,8 +24,7 @@ BOUND = {"int8": 0.03, "int4": 0.25}
 
 
 def _last_logits(lm: LoadedModel, prompt: list[int]) -> torch.Tensor:
-    cache = SlotKVCache(lm.model, 1, 256, lm.device, lm.dtype)
-    return prefill(lm.model, cache, torch.tensor([prompt]), torch.tensor([len(prompt)]), 0)[0].float()
+    return RawSteps(lm, 1, 256).prefill(torch.tensor([prompt]))[0].float()
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])

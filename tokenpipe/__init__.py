@@ -1,6 +1,7 @@
 """tokenpipe: a streaming token pipeline over NATS JetStream (shared core)."""
 
 from .errors import (
+    ConfigError,
     GenerationError,
     InvalidRequest,
     ModelNotFound,
@@ -19,5 +20,5 @@ __version__ = "0.1.0"
 __all__ = [
     "Settings", "Request", "TokenBatch", "SamplingParams", "CoalesceParams", "Usage",
     "TokenpipeError", "InvalidRequest", "WireFormatError", "ModelNotFound", "NoGenerator",
-    "StreamNotFound", "Overloaded", "TransportError", "GenerationError", "__version__",
+    "StreamNotFound", "Overloaded", "TransportError", "GenerationError", "ConfigError", "__version__",
 ]

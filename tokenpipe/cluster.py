@@ -8,41 +8,29 @@ module is the one place that knows about clusters:
 - :func:`resolve_replicas` turns ``TOKENPIPE_REPLICAS`` (``auto`` or 1..5) into the replica
   count the streams and the KV bucket are provisioned with: ``auto`` is 3 when the connected
   server belongs to a cluster of at least three JetStream servers, else 1;
-- :func:`through_elections` retries an idempotent JetStream call while its stream is between
-  leaders (a node died).
+- :func:`ack_wait_for`: the request consumer's ``ack_wait``, longer where streams are replicated.
+
+Retrying through leader elections is :mod:`tokenpipe.retry`'s.
 
 Running clustered nats-server processes is the launcher's job: :mod:`tokenpipe_cli.cluster`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import time
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
-import nats.errors
-import nats.js.errors
-
-from .errors import InvalidRequest
+from .errors import ConfigError
 
 if TYPE_CHECKING:
     from .settings import Settings
 
-__all__ = ["ELECTION_WINDOW_S", "MAX_REPLICAS", "ack_wait_for", "cluster_size", "connected_server", "parse_replicas",
-           "replicas_to_keep", "resolve_replicas", "server_list", "through_elections"]
+__all__ = ["MAX_REPLICAS", "ack_wait_for", "cluster_size", "connected_server", "parse_replicas",
+           "replicas_to_keep", "resolve_replicas", "server_list"]
 
 log = logging.getLogger(__name__)
 
 MAX_REPLICAS = 5  # JetStream's own limit on a stream's replicas
-# How long a JetStream call is retried while its stream has no leader: nats-server's Raft
-# elects a new one 4-9 s after the old leader vanished (measured here: 4.5-5.5 s), and a
-# client whose server died needs a moment to reconnect to another.
-ELECTION_WINDOW_S = 15.0
-_ATTEMPT_TIMEOUT_S = 2.0  # per try: an answer from a live leader takes milliseconds
-
-T = TypeVar("T")
 
 
 def server_list(nats_url: str) -> list[str]:
@@ -50,7 +38,7 @@ def server_list(nats_url: str) -> list[str]:
     A client needs only one reachable seed: the servers tell it about the rest of the cluster."""
     servers = [u.strip() for u in nats_url.split(",") if u.strip()]
     if not servers:
-        raise InvalidRequest("TOKENPIPE_NATS_URL names no server", param="nats_url")
+        raise ConfigError("TOKENPIPE_NATS_URL names no server", param="nats_url")
     return servers
 
 
@@ -70,7 +58,7 @@ def parse_replicas(value: str) -> int | None:
     except ValueError:
         n = 0
     if not 1 <= n <= MAX_REPLICAS:
-        raise InvalidRequest(f"TOKENPIPE_REPLICAS must be 'auto' or 1..{MAX_REPLICAS}, not {value!r}",
+        raise ConfigError(f"TOKENPIPE_REPLICAS must be 'auto' or 1..{MAX_REPLICAS}, not {value!r}",
                              param="replicas")
     return n
 
@@ -100,42 +88,6 @@ def replicas_to_keep(have: int, wanted: int, setting: str) -> int:
     if parse_replicas(setting) is None:
         return max(have, wanted)
     return wanted
-
-
-def _transient(exc: BaseException) -> bool:
-    """Errors that mean "no leader right now" rather than "no": nobody answered (the stream's
-    leader is being elected; the stream's subjects have no responder), the answer timed out (the
-    request went to a server that died), or JetStream said it is temporarily unavailable."""
-    if isinstance(exc, nats.js.errors.NoStreamResponseError | nats.errors.NoRespondersError
-                  | nats.errors.TimeoutError | asyncio.TimeoutError | nats.errors.ConnectionReconnectingError
-                  | nats.js.errors.ServiceUnavailableError):
-        return True
-    if not isinstance(exc, nats.js.errors.APIError):
-        return False
-    # 409 "duplicate message id is in process": the previous try is still being replicated.
-    # (Some subclasses, KeyNotFoundError among them, never set code or description.)
-    code, description = getattr(exc, "code", None), getattr(exc, "description", None) or ""
-    return code == 503 or (code == 409 and "in process" in description)
-
-
-async def through_elections(op: Callable[[], Awaitable[T]], *, window_s: float = ELECTION_WINDOW_S) -> T:
-    """Run a JetStream call, trying again while the stream it needs is between leaders.
-
-    Only for idempotent calls (a publish with ``Nats-Msg-Id``, a KV put of the same value, a
-    get). Each try gets :data:`_ATTEMPT_TIMEOUT_S`; the last error is raised after ``window_s``.
-    On a single server this costs nothing: the first try answers.
-    """
-    deadline = time.monotonic() + window_s
-    delay = 0.05
-    while True:
-        try:
-            return await asyncio.wait_for(op(), timeout=_ATTEMPT_TIMEOUT_S)
-        except Exception as exc:
-            if not _transient(exc) or time.monotonic() + delay >= deadline:
-                raise
-            log.info("jetstream unavailable; retrying", extra={"error": repr(exc)})
-        await asyncio.sleep(delay)  # backing off while a leader is elected; nothing to wait on
-        delay = min(delay * 2, 1.0)
 
 
 def ack_wait_for(settings: Settings, replicas: int) -> float:

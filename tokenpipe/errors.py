@@ -16,6 +16,7 @@ __all__ = [
     "Overloaded",
     "TransportError",
     "GenerationError",
+    "ConfigError",
     "error_class",
 ]
 
@@ -82,6 +83,13 @@ class GenerationError(TokenpipeError):
     """The engine failed while running a request."""
 
     code = "generation_error"
+    status = 500
+
+
+class ConfigError(TokenpipeError):
+    """A setting, environment variable or command-line option is unusable (found at start-up)."""
+
+    code = "config_error"
     status = 500
 
 

@@ -48,7 +48,17 @@ class GeneratorMetrics:
         self.batch_size = hist("tokenpipe_batch_size", "Sequences per engine step", _COUNT_BUCKETS)
         self.tokens_per_batch = hist("tokenpipe_tokens_per_published_batch", "Tokens in each published batch",
                                      _COUNT_BUCKETS)
-        self.kv_cache = Gauge("tokenpipe_kv_cache_usage_perc", "Fraction of KV-cache positions in use", m, registry=r)
+        self.kv_cache = Gauge("tokenpipe_kv_cache_usage_perc", "Fraction of KV-cache blocks held by sequences", m,
+                              registry=r)
+        self.kv_blocks = Gauge("tokenpipe_kv_cache_blocks", "KV-cache blocks by state (used: held by a sequence; "
+                               "cached: unheld, reusable prefix; free: never used or unkeyed)", [*m, "state"],
+                               registry=r)
+        self.prefix_queries = Counter("tokenpipe_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                      m, registry=r)
+        self.prefix_hits = Counter("tokenpipe_prefix_cache_hits", "Prompt tokens found in the prefix cache "
+                                   "(hits / queries = the prefix-cache hit rate)", m, registry=r)
+        self.preemptions = Counter("tokenpipe_num_preemptions", "Sequences preempted when KV blocks ran out", m,
+                                   registry=r)
         self.model = model
         self._children: dict[int, Any] = {}
 

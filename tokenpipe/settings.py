@@ -12,13 +12,17 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, get_type_hints
+from typing import Any, Literal, get_args, get_origin, get_type_hints
 
-from .errors import InvalidRequest
+from .cluster import parse_replicas, server_list
+from .errors import ConfigError
 
-__all__ = ["Settings", "default_data_dir"]
+__all__ = ["Dtype", "Quant", "Settings", "default_data_dir"]
 
 ENV_PREFIX = "TOKENPIPE_"
+
+Dtype = Literal["auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"]
+Quant = Literal["auto", "none", "int8", "int4"]
 
 
 def default_data_dir() -> str:
@@ -77,24 +81,35 @@ class Settings:
     request_max_age_s: float = field(
         default=24 * 3600.0, metadata=_doc("how long a queued request waits for a generator before JetStream drops it"))
     # generator
-    model: str = field(default="smollm2-135m", metadata=_doc("model served (generator) / default model (relay)"))
+    model: str = field(
+        default="smollm2-135m",
+        metadata=_doc("model served (generator) / default model (relay): `smollm2-135m`, `tiny-random`, "
+                      "`llama-1b-random` (random weights, for benchmarks), or the name for `TOKENPIPE_MODEL_PATH`"))
     model_path: str = field(
         default="",
         metadata=_doc("a local Llama-family transformers directory served under the name `TOKENPIPE_MODEL`"),
     )
     device: str = field(
         default="auto", metadata=_doc("`auto` (CUDA when present, else CPU), `cpu`, `cuda`, `cuda:1`, …"))
-    dtype: str = field(
+    dtype: Dtype = field(
         default="auto",
         metadata=_doc("`auto`: bf16 on CUDA and on CPUs with native bf16 (AVX512-BF16/AMX), else fp32; "
-                      "or `float32`, `bfloat16`"),
+                      "or `float32`, `bfloat16`, `float16`"),
     )
-    quant: str = field(
+    quant: Quant = field(
         default="auto",
         metadata=_doc("weight-only quantization of the projections: `auto` (int4 for the default model, whose GGUF "
                       "is 4-bit, on CPUs; with native bf16 the bf16 weight takes matmuls of more than 16 rows; "
                       "else none), `none`, `int8`, `int4`"))
-    max_batch: int = field(default=32, metadata=_doc("concurrent sequences per generator (= requests it pulls)"))
+    max_batch: int = field(
+        default=32, metadata=_doc("most concurrent sequences per generator; free KV-cache blocks decide below it"))
+    kv_cache_mb: float = field(
+        default=0, metadata=_doc("KV-cache budget in MiB, one pool of 16-position blocks, written only as used (0: a "
+                                 "quarter of available RAM on CPU, 60 % of free GPU memory on CUDA, at most "
+                                 "`TOKENPIPE_MAX_BATCH` × `TOKENPIPE_MAX_SEQ_LEN` positions)"))
+    prefix_caching: bool = field(
+        default=True, metadata=_doc("reuse the KV blocks of a prompt's cached prefix (shared system prompts, chat "
+                                    "turns, redelivered requests) instead of prefilling it again"))
     max_seq_len: int = field(
         default=2048, metadata=_doc("prompt + output limit per sequence (at most the model's context)"))
     max_prompt_tokens: int = field(
@@ -185,13 +200,6 @@ class Settings:
                       "after this long (it is freed at once when it finishes or is deleted)"))
     metrics_auth: bool = field(
         default=False, metadata=_doc("`/metrics` requires an API key too (when keys are on)"))
-    relay_fanout: str = field(
-        default="stream",
-        metadata=_doc("`stream`: one core subscription per stream read here (a relay receives only its streams' "
-                      "traffic, so relays scale out; JetStream to catch up); `shared`: one `tp.tok.relay.>` "
-                      "subscription for all SSE streams (every relay receives every batch; see docs/scaling.md); "
-                      "`consumer`: one JetStream consumer per SSE stream — `tokenpipe relay --fanout`"),
-    )
     # process
     log_level: str = field(default="INFO", metadata=_doc("log level"))
     log_json: bool = field(default=False, metadata=_doc("JSON log lines instead of `key=value`"))
@@ -213,8 +221,31 @@ class Settings:
                 values[key] = value
         return cls(**values)
 
+    def __post_init__(self) -> None:
+        """Every choice is checked once, here, at start-up: a bad value is a :class:`ConfigError`
+        naming the variable, not a failure later in whichever module reads it first."""
+        for f in fields(self):
+            choices = _choices(f.type)
+            value = getattr(self, f.name)
+            if choices and value not in choices:
+                raise ConfigError(f"{ENV_PREFIX}{f.name.upper()}={value!r}: use one of {', '.join(choices)}",
+                                  param=f.name)
+        parse_replicas(self.replicas)
+        server_list(self.nats_url)
+
     def replace(self, **changes: Any) -> Settings:
         return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def choices(cls, name: str) -> tuple[str, ...]:
+        """The values a ``Literal`` setting accepts (empty for any other)."""
+        return _choices(get_type_hints(cls)[name])
+
+
+def _choices(typ: Any) -> tuple[str, ...]:
+    if isinstance(typ, str):  # postponed annotations: resolve the alias by name
+        typ = {"Dtype": Dtype, "Quant": Quant}.get(typ)
+    return tuple(get_args(typ)) if get_origin(typ) is Literal else ()
 
 
 def _parse(name: str, typ: Any, raw: str) -> Any:
@@ -232,5 +263,5 @@ def _parse(name: str, typ: Any, raw: str) -> Any:
             return float(raw)
         return raw
     except ValueError as exc:
-        raise InvalidRequest(f"{ENV_PREFIX}{name.upper()}={raw!r} is not a valid {typ.__name__}") from exc
+        raise ConfigError(f"{ENV_PREFIX}{name.upper()}={raw!r} is not a valid {typ.__name__}", param=name) from exc
 

@@ -3,7 +3,8 @@
 Each setting is documented once, in its field's ``metadata``; this module only renders it.
 ``python -m tokenpipe.settings_doc`` prints the table, ``--write README.md`` replaces it in
 place, and ``tests/test_settings_doc.py`` fails while README.md's copy differs.
-(Not imported by the package, so that ``python -m`` runs it without a second import.)
+The CLI's ``--help`` shows the same text (:func:`shown_default` included). (Not imported by the
+package's ``__init__``, so that ``python -m`` runs it without a second import.)
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 
 from .settings import ENV_PREFIX, Settings
 
-__all__ = ["TABLE_BEGIN", "TABLE_END", "REGENERATE", "render_table", "replace_table", "main"]
+__all__ = ["TABLE_BEGIN", "TABLE_END", "REGENERATE", "render_table", "replace_table", "shown_default", "main"]
 
 REGENERATE = "python -m tokenpipe.settings_doc --write README.md"
 # README.md's table lies between these two lines; nothing else of the file is generated.
@@ -24,7 +25,7 @@ TABLE_BEGIN = f"<!-- settings table: generated from tokenpipe/settings.py by `{R
 TABLE_END = "<!-- end of settings table -->"
 
 
-def _shown_default(f: dataclasses.Field[Any]) -> str:
+def shown_default(f: dataclasses.Field[Any]) -> str:
     if "shown" in f.metadata:
         return str(f.metadata["shown"])
     value = f.default
@@ -43,7 +44,7 @@ def render_table() -> str:
     """README.md's configuration table: one row per field (variable, default, meaning), in field order."""
     rows = ["| variable | default | meaning |", "|---|---|---|"]
     for f in dataclasses.fields(Settings):
-        cells = (f"`{ENV_PREFIX}{f.name.upper()}`", _shown_default(f), f.metadata["doc"])
+        cells = (f"`{ENV_PREFIX}{f.name.upper()}`", shown_default(f), f.metadata["doc"])
         rows.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
     return "\n".join(rows) + "\n"
 

@@ -13,7 +13,7 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from typing import Any
 
 import nats.errors
@@ -21,9 +21,9 @@ from nats.js import api as js_api
 from nats.js.errors import KeyNotFoundError, NotFoundError
 
 from .bus import Bus
-from .cluster import through_elections
-from .errors import StreamNotFound, TransportError
+from .errors import StreamNotFound, TransportError, WireFormatError
 from .reorder import Gap, Reorder
+from .retry import ELECTIONS, Retry, retrying, through_elections
 from .subjects import RELAY_OWNER, TOKENS_STREAM, cancel_subject, check_stream_id, request_subject, token_subject
 from .wire import Request, StreamMeta, TokenBatch
 
@@ -57,31 +57,39 @@ def emitted_before(batch: TokenBatch, seconds: float) -> bool:
 
 
 async def submit(bus: Bus, request: Request, headers: dict[str, str] | None = None, *,
-                 cancel_orphan: bool = True) -> StreamMeta:
+                 retry: Retry = ELECTIONS) -> StreamMeta:
     """Record ownership (streams made in the relay's namespace) and enqueue as ``bus.owner``;
-    the ownership record is returned. Raises :class:`TransportError` if NATS refuses. A request
-    enqueued whose ownership record failed is cancelled, unless ``cancel_orphan`` is false (the
-    caller retries both, idempotently, and cancels itself when it gives up)."""
+    the ownership record is returned. Both writes are idempotent (same value; same
+    ``Nats-Msg-Id``), so they are tried again together under ``retry`` while NATS is away (a
+    stream between leaders, a server restarting). Raises :class:`TransportError` when it gives
+    up, after cancelling the request (it may be enqueued without an owner record: nobody could
+    read it)."""
     meta = StreamMeta(request.id, request.tenant, request.model, request.created_at or time.time_ns())
     hdrs = dict(headers or {})
     hdrs["Nats-Msg-Id"] = bus.msg_id(request.id)  # unique per owner, and no other owner can forge it
     payload = request.encode()  # before any write: an unencodable request leaves nothing behind
-    # Concurrently (one round trip, not two, before the caller's 201): nothing reads the meta
-    # entry before submit returns, and a generator never needs it. The request goes out first:
-    # the server then stores and delivers it before it writes the meta entry.
-    # The registry is the relay's: an app's streams (its own namespace) are not registered there.
-    # Both writes are idempotent (same value; same Nats-Msg-Id), so they are retried while a stream
-    # is between leaders (a NATS node died): the request waits out the election instead of failing.
-    register = (through_elections(lambda: bus.meta.put(request.id, meta.encode())) if bus.owner == RELAY_OWNER
-                else _nothing())
-    queue = through_elections(lambda: bus.js.publish(request_subject(request.model, bus.owner), payload,
-                                                     headers=hdrs))
-    queued, owned = await asyncio.gather(queue, register, return_exceptions=True)
-    if cancel_orphan and isinstance(owned, BaseException) and not isinstance(queued, BaseException):
-        await cancel(bus, request.id)  # enqueued without an owner record: nobody could read it
-    failed = next((r for r in (queued, owned) if isinstance(r, BaseException)), None)
-    if failed is not None:
-        raise TransportError(f"could not enqueue request: {failed}") from failed
+
+    async def both() -> None:
+        # Concurrently (one round trip, not two, before the caller's 201): nothing reads the meta
+        # entry before submit returns, and a generator never needs it. The request goes out first:
+        # the server then stores and delivers it before it writes the meta entry. The registry is
+        # the relay's: an app's streams (its own namespace) are not registered there.
+        subject = request_subject(request.model, bus.owner)
+        writes: list[Awaitable[object]] = [bus.js.publish(subject, payload, headers=hdrs)]
+        if bus.owner == RELAY_OWNER:
+            writes.append(bus.meta.put(request.id, meta.encode()))
+        failed = [r for r in await asyncio.gather(*writes, return_exceptions=True) if isinstance(r, BaseException)]
+        if failed:
+            raise failed[0]
+
+    try:
+        await retrying(both, retry, what="enqueue", request_id=request.id)
+    except Exception as exc:
+        if bus.nc.is_connected:
+            await cancel(bus, request.id)
+        if isinstance(exc, TimeoutError):
+            raise TransportError("could not enqueue request: NATS did not answer in time") from exc
+        raise TransportError(f"could not enqueue request: {exc or type(exc).__name__}") from exc
     return meta
 
 
@@ -101,10 +109,6 @@ async def get_meta(bus: Bus, stream_id: str) -> StreamMeta:
     if entry.value is None:
         raise stream_not_found(stream_id)
     return StreamMeta.decode(entry.value)
-
-
-async def _nothing() -> None:
-    return None
 
 
 async def cancel(bus: Bus, stream_id: str) -> None:
@@ -180,8 +184,12 @@ async def stored(bus: Bus, stream_id: str, *,
         while True:
             msg = await sub.next_msg(timeout=5.0)
             read += 1
-            batch = TokenBatch.decode(msg.data)
-            by_seq.setdefault(batch.seq, (batch, dict(msg.headers or {})))
+            try:
+                batch = TokenBatch.decode(msg.data)
+            except WireFormatError as exc:  # not a batch (nobody's to fix): skipped, never retried
+                log.warning("undecodable stored token batch", extra={"stream_id": stream_id, "error": exc.message})
+            else:
+                by_seq.setdefault(batch.seq, (batch, dict(msg.headers or {})))
             if msg.metadata.num_pending == 0:
                 break
     except nats.errors.TimeoutError as exc:

@@ -29,7 +29,6 @@ __all__ = [
     "model_request_filter",
     "owner_of_request",
     "token_subject",
-    "owner_tokens",
     "cancel_subject",
     "parse_cancel_subject",
     "consumer_name",
@@ -105,11 +104,6 @@ def owner_of_request(subject: str) -> str:
 
 def token_subject(owner: str, stream_id: str) -> str:
     return f"tp.tok.{check_owner(owner)}.{check_stream_id(stream_id)}"
-
-
-def owner_tokens(owner: str) -> str:
-    """Every token subject of ``owner``'s streams."""
-    return f"tp.tok.{check_owner(owner)}.>"
 
 
 def cancel_subject(owner: str, stream_id: str) -> str:

@@ -375,12 +375,15 @@ class Announcement:
     device: str = ""
     ttl_s: float = 6.0
     ts: float = 0.0  # wall-clock seconds when sent
+    free_blocks: int = 0  # KV-cache blocks a new sequence could get now (free or cached, unheld)
+    block_size: int = 0  # positions per KV block
 
     def encode(self) -> bytes:
         return _dump_json({"v": WIRE_VERSION, "worker": self.worker, "model": self.model, "ready": self.ready,
                            "max_batch": self.max_batch, "running": self.running, "active": self.active,
                            "pid": self.pid, "streams": list(self.streams), "device": self.device,
-                           "ttl_s": self.ttl_s, "ts": self.ts})
+                           "ttl_s": self.ttl_s, "ts": self.ts, "free_blocks": self.free_blocks,
+                           "block_size": self.block_size})
 
     @classmethod
     def decode(cls, data: bytes) -> Announcement:
@@ -390,6 +393,7 @@ class Announcement:
                        max_batch=int(obj.get("max_batch", 0)), running=int(obj.get("running", 0)),
                        active=int(obj.get("active", 0)), pid=int(obj.get("pid", 0)),
                        streams=tuple(str(s) for s in obj.get("streams") or ()), device=str(obj.get("device", "")),
-                       ttl_s=float(obj.get("ttl_s", 6.0)), ts=float(obj.get("ts", 0.0)))
+                       ttl_s=float(obj.get("ttl_s", 6.0)), ts=float(obj.get("ts", 0.0)),
+                       free_blocks=int(obj.get("free_blocks", 0)), block_size=int(obj.get("block_size", 0)))
         except (KeyError, TypeError, ValueError) as exc:
             raise WireFormatError(f"announcement: bad field ({exc})") from exc

@@ -4,49 +4,53 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import importlib.util
 import json
 import os
 import signal
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, get_type_hints
 
-from tokenpipe.errors import TokenpipeError
+from tokenpipe.errors import ConfigError, TokenpipeError
 from tokenpipe.eventloop import run
 from tokenpipe.logs import setup_logging
-from tokenpipe.settings import Settings
+from tokenpipe.settings import ENV_PREFIX, Settings
+from tokenpipe.settings_doc import shown_default
+
+if TYPE_CHECKING:
+    from .cluster import ClusterArgs
 
 __all__ = ["main"]
 
 
+_FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
+_TYPES = get_type_hints(Settings)
+
+
+def _setting(p: argparse.ArgumentParser, name: str) -> None:
+    """``--<name>``: sets ``Settings.<name>``; its help is the field's own documentation (README.md's
+    table is rendered from the same text), so the two cannot drift apart."""
+    f, typ = _FIELDS[name], _TYPES[name]
+    text = f"{f.metadata['doc']} (env {ENV_PREFIX}{name.upper()}; default {shown_default(f)})".replace("`", "")
+    flag = "--" + name.replace("_", "-")
+    if typ is bool:
+        p.add_argument(flag, action="store_true", default=None, help=text.replace("%", "%%"))
+        return
+    choices = Settings.choices(name) or None
+    p.add_argument(flag, type=typ if typ in (int, float) else str, choices=choices, help=text.replace("%", "%%"))
+
+
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--nats-url", help="NATS server URL, or a cluster's URLs separated by commas "
-                                      "(env TOKENPIPE_NATS_URL)")
-    p.add_argument("--data-dir", help="state directory: NATS data, model cache (env TOKENPIPE_DATA_DIR)")
-    p.add_argument("--log-level", help="DEBUG, INFO, WARNING (env TOKENPIPE_LOG_LEVEL)")
-    p.add_argument("--log-json", action="store_true", default=None, help="JSON log lines")
-    _nats_auth(p)
-
-
-def _nats_auth(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--nats-creds",
-                   help="NATS credentials file: tokenpipe's JSON or a JWT .creds (env TOKENPIPE_NATS_CREDS)")
-    p.add_argument("--nats-user", help="NATS user (env TOKENPIPE_NATS_USER; password: TOKENPIPE_NATS_PASSWORD)")
-    p.add_argument("--nats-ca", help="CA file for a tls:// NATS server (env TOKENPIPE_NATS_CA)")
-    p.add_argument("--nats-cert", help="client certificate for NATS TLS (env TOKENPIPE_NATS_CERT)")
-    p.add_argument("--nats-key", help="client certificate key (env TOKENPIPE_NATS_KEY)")
+    for name in ("nats_url", "data_dir", "log_level", "log_json", "nats_creds", "nats_user", "nats_ca", "nats_cert",
+                 "nats_key"):
+        _setting(p, name)
 
 
 def _model_opts(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="smollm2-135m (default), tiny-random, llama-1b-random (random weights, for "
-                                  "benchmarks), or a local transformers directory")
-    p.add_argument("--model-path", help="serve this transformers directory under the name --model")
-    p.add_argument("--device", help="auto (default), cpu, cuda, cuda:1 ...")
-    p.add_argument("--dtype", help="auto (default: bf16 on CUDA and on CPUs with native bf16, else fp32), "
-                                  "float32, bfloat16, float16")
-    p.add_argument("--quant", choices=("auto", "none", "int8", "int4"),
-                   help="weight-only quantization: auto (default: int4 for the default model on CPUs without "
-                        "native bf16), none, int8, int4")
+    for name in ("model", "model_path", "device", "dtype", "quant"):
+        _setting(p, name)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,8 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="start nats-server, generator(s) and the relay on this machine")
     _common(up)
     _model_opts(up)
-    up.add_argument("--host", help="relay bind address (default 127.0.0.1)")
-    up.add_argument("--port", type=int, help="relay port (default 8000)")
+    _setting(up, "host")
+    _setting(up, "port")
     up.add_argument("--generators", type=int, default=1, help="generator processes (default 1)")
     up.add_argument("--nats-port", type=int, default=None,
                     help="embedded nats-server port (default 4222, or a free one when that is taken)")
@@ -68,18 +72,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generator", help="run one generator worker")
     _common(gen)
     _model_opts(gen)
-    gen.add_argument("--max-batch", type=int, help="concurrent sequences (default 32)")
-    gen.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (default 9101; 0 = off)")
+    _setting(gen, "max_batch")
+    _setting(gen, "metrics_port")
 
     relay = sub.add_parser("relay", help="run the HTTP/SSE relay")
     _common(relay)
-    relay.add_argument("--host")
-    relay.add_argument("--port", type=int)
-    relay.add_argument("--model", help="default model for requests that name none")
-    relay.add_argument("--fanout", dest="relay_fanout", choices=("shared", "stream", "consumer"),
-                       help="live batches from one core subscription per stream read here (stream, "
-                            "default: scales out over relays), one wildcard subscription for all streams "
-                            "(shared), or one JetStream consumer per SSE stream")
+    for name in ("host", "port", "model"):
+        _setting(relay, name)
 
     nats = sub.add_parser("nats", help="run nats-server with JetStream in the foreground")
     nats.add_argument("--data-dir")
@@ -155,12 +154,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _settings(args: argparse.Namespace, **extra: Any) -> Settings:
-    keys = ("nats_url", "data_dir", "log_level", "log_json", "model", "model_path", "device", "dtype", "quant", "host",
-            "port", "max_batch", "metrics_port", "relay_fanout", "nats_creds", "nats_user", "nats_ca", "nats_cert",
-            "nats_key")
-    overrides = {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
+    overrides = {k: v for k, v in vars(args).items() if k in _FIELDS and v is not None}
     overrides.update(extra)
     return Settings.load(**overrides)
+
+
+# What each extra brings (pyproject.toml), by import name: a role command checks for its extra
+# before importing the role, so a base install says what to install instead of a traceback.
+_EXTRAS = {"relay": ("fastapi", "uvicorn"), "generator": ("torch", "transformers", "gguf", "safetensors")}
+_NEEDS = {"up": ("relay", "generator"), "relay": ("relay",), "generator": ("generator",), "prepare": ("generator",)}
+
+
+def require_extras(cmd: str) -> None:
+    """Raise :class:`ConfigError` naming the extra to install when ``tokenpipe cmd`` cannot run here."""
+    extras = _NEEDS.get(cmd, ())
+    missing = [m for extra in extras for m in _EXTRAS[extra] if importlib.util.find_spec(m) is None]
+    if missing:
+        extra = "all" if len(extras) > 1 else extras[0]
+        raise ConfigError(f"`tokenpipe {cmd}` needs the {extra!r} extra (missing: {', '.join(missing)}): "
+                          f"pip install 'tokenpipe[{extra}]'")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -175,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _dispatch(args: argparse.Namespace) -> int:
+    require_extras(args.cmd)
     if args.cmd == "nats":
         from .natsserver import NatsServer
 
@@ -284,7 +297,7 @@ def _nats_config(args: argparse.Namespace, data: str) -> Path | None:
     return None
 
 
-def _cluster_args(args: argparse.Namespace) -> Any:
+def _cluster_args(args: argparse.Namespace) -> ClusterArgs | None:
     if args.cluster_name is None:
         return None
     from .cluster import node_args

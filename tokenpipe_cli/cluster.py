@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tokenpipe.errors import InvalidRequest, TransportError
+from tokenpipe.errors import ConfigError, TransportError
 
 from .launch import free_port
 from .natsserver import NatsServer
@@ -67,11 +67,11 @@ def node_args(cluster_name: str, cluster_port: int, routes: str, server_name: st
     """``tokenpipe nats --cluster-name N --cluster-port P --routes URL,URL --server-name S``:
     JetStream clustering needs both names; every node lists the others' ``nats-route://`` URLs."""
     if not server_name:
-        raise InvalidRequest("a clustered node needs --server-name (unique in the cluster)", param="server_name")
+        raise ConfigError("a clustered node needs --server-name (unique in the cluster)", param="server_name")
     urls = tuple(u.strip() for u in routes.split(",") if u.strip())
     for url in urls:
         if not url.startswith(("nats-route://", "nats://")):
-            raise InvalidRequest(f"route {url!r} is not a nats-route://host:port URL", param="routes")
+            raise ConfigError(f"route {url!r} is not a nats-route://host:port URL", param="routes")
     return ClusterArgs(name=cluster_name, port=cluster_port, server_name=server_name, routes=urls)
 
 
@@ -87,7 +87,7 @@ class LocalCluster:
         of a single embedded server, :func:`tokenpipe.natsauth.write_server_config`); each node
         gets it plus an authenticated ``cluster`` block in ``data_dir/<server name>/``."""
         if size < 1:
-            raise InvalidRequest("a cluster needs at least one node", param="nats_cluster")
+            raise ConfigError("a cluster needs at least one node", param="nats_cluster")
         self.data_dir = Path(data_dir)
         self.host = host
         self.name = name

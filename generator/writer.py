@@ -1,6 +1,6 @@
 """One request's way out of the generator: coalescing, its time window, publishing, finishing.
 
-The worker hands every engine emission for a request to that request's :class:`RequestOutput`.
+The worker hands every engine emission for a request to that request's :class:`StreamWriter`.
 It coalesces the tokens (the first at once, then by the count or the time window, the final
 batch immediately), publishes each batch to ``tp.tok.<id>`` through the worker's shared
 :class:`~generator.publisher.BatchPublisher` with the generation's trace context, and finishes
@@ -9,8 +9,8 @@ the final batch is stored. No NATS here: the publisher is the transport.
 
 A first delivery is not yet cleared to publish: the worker checks that its stream id is free
 while the engine already works on it (the check is a NATS round trip, the engine's admission
-and prefill take longer), and its batches wait here until :meth:`RequestOutput.clear` — or are
-never published, after :meth:`RequestOutput.refuse`.
+and prefill take longer), and its batches wait here until :meth:`StreamWriter.clear` — or are
+never published, after :meth:`StreamWriter.refuse`.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from .runner import Emission
 if TYPE_CHECKING:
     from nats.aio.msg import Msg
 
-__all__ = ["OutputContext", "RequestOutput"]
+__all__ = ["OutputContext", "StreamWriter"]
 
 
 @dataclass(frozen=True)
@@ -48,10 +48,10 @@ class OutputContext:
     publisher: BatchPublisher
     metrics: GeneratorMetrics
     tracer: Tracer
-    finished: Callable[[RequestOutput, TokenBatch], None]  # after the final batch is queued and the ack with it
+    finished: Callable[[StreamWriter, TokenBatch], None]  # after the final batch is queued and the ack with it
 
 
-class RequestOutput:
+class StreamWriter:
     """The output path of one running request (see the module docstring)."""
 
     def __init__(self, ctx: OutputContext, request: Request, msg: Msg | None, span: Any, *,

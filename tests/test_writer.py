@@ -1,4 +1,4 @@
-"""A request's output path held until its stream id is checked (generator.output), as pure logic:
+"""A request's output path held until its stream id is checked (generator.writer), as pure logic:
 the publisher here records instead of talking to NATS (the end-to-end refusal is in test_pipeline)."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from typing import Any
 
 from opentelemetry import trace
 
-from generator.output import OutputContext, RequestOutput
 from generator.publisher import BatchPublisher
 from generator.runner import Emission
+from generator.writer import OutputContext, StreamWriter
 from tokenpipe.metrics import GeneratorMetrics
 from tokenpipe.settings import Settings
 from tokenpipe.wire import Request, TokenBatch, Usage
@@ -29,17 +29,17 @@ class Recorder(BatchPublisher):
         self.out.append(("ack", msg))
 
 
-def _output(*, cleared: bool) -> tuple[RequestOutput, Recorder, list[TokenBatch]]:
+def _output(*, cleared: bool) -> tuple[StreamWriter, Recorder, list[TokenBatch]]:
     recorder, finished = Recorder(), []
     ctx = OutputContext(Settings(), recorder, GeneratorMetrics("m"), trace.NoOpTracer(),
                         lambda _out, batch: finished.append(batch))
     request = Request.build("m", prompt="p", params={"max_tokens": 2})
     span = trace.NoOpTracer().start_span("generate")
-    out = RequestOutput(ctx, request, "the-msg", span, received=time.time_ns(), cleared=cleared)  # type: ignore[arg-type]
+    out = StreamWriter(ctx, request, "the-msg", span, received=time.time_ns(), cleared=cleared)  # type: ignore[arg-type]
     return out, recorder, finished
 
 
-def _run(out: RequestOutput) -> None:
+def _run(out: StreamWriter) -> None:
     rid, now = out.request.id, time.time_ns()
     out.emit(Emission(rid, (5,), "a", now, admitted_ns=now))
     out.emit(Emission(rid, (6,), "b", now + 1, finish="length", usage=Usage(1, 2)))

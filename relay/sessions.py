@@ -18,18 +18,20 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
-from typing import Any
 
 import anyio
 import nats.errors
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from opentelemetry import trace
-from opentelemetry.trace import SpanKind, Tracer
+from opentelemetry.trace import Span, SpanKind, Tracer
 
 from tokenpipe.bus import Bus
-from tokenpipe.errors import NoGenerator, StreamNotFound, TokenpipeError, TransportError
+from tokenpipe.errors import NoGenerator, StreamNotFound, TokenpipeError
 from tokenpipe.metrics import RelayMetrics
+from tokenpipe.retry import ELECTIONS
 from tokenpipe.settings import Settings
-from tokenpipe.streams import StreamItem, cancel, follow, get_meta, last_batch, paced, stream_not_found, submit
+from tokenpipe.streams import StreamItem, cancel, get_meta, last_batch, paced, stream_not_found, submit
 from tokenpipe.subjects import READERS_WILDCARD, RELAY_OWNER, readers_subject, request_subject
 from tokenpipe.telemetry import extract_context, producer_span
 from tokenpipe.wire import Request, StreamMeta, TokenBatch
@@ -67,8 +69,8 @@ class Session:
 
 
 class Forwarder:
-    """Stream operations of one relay process. ``fanout`` is set by the relay's start-up when
-    live batches come through the shared fan-out (else each reader follows JetStream itself)."""
+    """Stream operations of one relay process. ``fanout`` (live batches) is set by the relay's
+    start-up, once it is connected."""
 
     def __init__(self, settings: Settings, tracer: Tracer, metrics: RelayMetrics, admission: Admission,
                  bus: Callable[[], Bus]) -> None:
@@ -82,7 +84,7 @@ class Forwarder:
         self.readers: Counter[str] = Counter()  # live (non-replay) readers per stream id, on this relay
         self._grace: dict[str, asyncio.Task[None]] = {}  # stream id -> its grace, while it is pending
         self._tasks: set[asyncio.Task[None]] = set()  # every cancel-after-grace still running
-        self._readers_sub: Any = None
+        self._readers_sub: Subscription | None = None
         # The owner records this relay wrote itself (they never change): a client's GET right after
         # its POST, to this relay, need not read its record back from the meta bucket (a round trip
         # on the first token's path).
@@ -99,7 +101,7 @@ class Forwarder:
                 await task
         self._grace.clear()
 
-    async def _on_readers_query(self, msg: Any) -> None:
+    async def _on_readers_query(self, msg: Msg) -> None:
         """Answer when a live reader of the stream is here, or a reader left here within the grace
         (this relay then decides itself, when its own grace ends)."""
         stream_id = msg.subject.rpartition(".")[2]
@@ -168,11 +170,11 @@ class Forwarder:
     async def submit(self, request: Request, *, follow: bool = False) -> LiveStream | None:
         """Enqueue inside a PRODUCER span, a child of the current (HTTP server) span. With
         ``follow``, a live reader is registered first and returned (for :class:`Session`)."""
-        live = self.fanout.open(request.id, fresh=True) if follow and self.fanout is not None else None
+        live = self._fanout().open(request.id) if follow else None
         try:
             with producer_span(self.tracer, request_subject(request.model, RELAY_OWNER),
                                {"gen_ai.request.model": request.model, "tokenpipe.stream.id": request.id}) as headers:
-                await self._submit_retrying(request, headers)
+                await self._submit(request, headers)
         except BaseException:
             if live is not None:
                 live.close()
@@ -182,38 +184,20 @@ class Forwarder:
                                           "tenant": request.tenant})
         return live
 
-    async def _submit_retrying(self, request: Request, headers: dict[str, str]) -> None:
-        """Enqueue, retrying for up to ``submit_retry_s`` while NATS is away (a nats-server restart
-        takes a second or two). Every attempt carries the same ``Nats-Msg-Id``: a retry of a
-        publish that did arrive is dropped by JetStream's duplicate window."""
-        deadline = time.monotonic() + self.settings.submit_retry_s
-        delay = 0.05
-        while True:
-            try:
-                async with asyncio.timeout(max(deadline - time.monotonic(), 0.5)):
-                    meta = await submit(self._bus(), request, headers, cancel_orphan=False)
-                if self._bus().owner == RELAY_OWNER:  # the record is in the meta bucket (tokenpipe.streams.submit)
-                    self._created[meta.id] = meta
-                    while len(self._created) > _CREATED_HERE:
-                        self._created.popitem(last=False)
-                return
-            except (TransportError, NoGenerator, TimeoutError) as exc:
-                if time.monotonic() + delay >= deadline:
-                    bus = self._bus_if_connected()
-                    if bus is not None:  # it may have been enqueued without its owner record: nobody could read it
-                        await cancel(bus, request.id)
-                    if isinstance(exc, TimeoutError):
-                        raise TransportError("could not enqueue request: NATS did not answer in time") from exc
-                    raise
-                log.warning("enqueue failed; retrying", extra={"request_id": request.id, "error": str(exc)})
-            await asyncio.sleep(delay)  # waiting out a NATS restart; bounded by the deadline
-            delay = min(delay * 2, 0.5)
+    async def _submit(self, request: Request, headers: dict[str, str]) -> None:
+        """Enqueue, retried for up to ``submit_retry_s`` while NATS is away (a nats-server restart
+        takes a second or two; a stream leader's election 4-9 s)."""
+        bus = self._bus()
+        meta = await submit(bus, request, headers, retry=ELECTIONS.within(self.settings.submit_retry_s))
+        if bus.owner == RELAY_OWNER:  # the record is in the meta bucket (tokenpipe.streams.submit)
+            self._created[meta.id] = meta
+            while len(self._created) > _CREATED_HERE:
+                self._created.popitem(last=False)
 
-    def _bus_if_connected(self) -> Bus | None:
-        try:
-            return self._bus()
-        except NoGenerator:
-            return None
+    def _fanout(self) -> Fanout:
+        if self.fanout is None:
+            raise NoGenerator("relay is not connected to NATS")
+        return self.fanout
 
     async def owned_meta(self, stream_id: str, tenant: str) -> StreamMeta:
         """The stream's metadata if ``tenant`` owns it; otherwise 404, exactly as if it did not exist."""
@@ -235,7 +219,7 @@ class Forwarder:
     async def cancel(self, stream_id: str) -> None:
         await cancel(self._bus(), stream_id)
 
-    def _forward_span(self, session: Session, trace_headers: dict[str, str], *, resumed: bool) -> Any:
+    def _forward_span(self, session: Session, trace_headers: dict[str, str], *, resumed: bool) -> Span:
         """Live forwarding continues the generation's trace (the batches carry its context);
         a replay or resume is its own work, linked to the original trace."""
         origin = trace.get_current_span(extract_context(trace_headers)).get_span_context()
@@ -254,14 +238,10 @@ class Forwarder:
                       speed: float | None = None) -> AsyncGenerator[StreamItem, None]:
         """A stream's batches for one client (re-timed when ``speed`` is given); on early exit the
         generation is cancelled unless ``session.cancel_on_exit`` was cleared."""
-        bus = self._bus()
         trace_headers: dict[str, str] = {}
-        if session.live is None and self.fanout is not None:
-            session.live = self.fanout.open(session.stream_id, after_seq=after)
-        if session.live is not None:
-            source = session.live.items(idle=idle, trace_headers=trace_headers)
-        else:
-            source = follow(bus, session.stream_id, after_seq=after, idle=idle, trace_headers=trace_headers)
+        if session.live is None:
+            session.live = self._fanout().open(session.stream_id, after_seq=after)
+        source = session.live.items(idle=idle, trace_headers=trace_headers)
         agen = source if speed is None else paced(source, speed, max_pause=MAX_REPLAY_PAUSE_S)
         if session.reader:
             self._attach(session)
