@@ -135,9 +135,10 @@ def test_tokens_identical_with_prefix_hits_preemption_cancel_and_resume(
     engine.run_to_completion()
     for i, s in enumerate(seqs):
         want = alone(tiny_model, s.prompt, s.max_new)
-        if i in cancel:
-            assert s.finish == "cancelled" and s.generated == want[: len(s.generated)]
+        if i in cancel and s.finish == "cancelled":
+            assert s.generated == want[: len(s.generated)]
             continue
+        # a request whose last token came in the first step had finished before its cancel arrived
         assert s.generated == want, (s.id, engine.preemptions)
         # resumed elsewhere after k tokens: the rest is the same (and hits the blocks it left)
         k = len(want) // 2
