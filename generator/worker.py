@@ -312,14 +312,19 @@ class GeneratorWorker:
     async def _repair_loop(self) -> None:
         """Re-provision the streams and bucket when someone deleted them; a new ``TP_REQUESTS``
         also needs the consumer again."""
+        lost = False
         while True:
             await asyncio.sleep(REPAIR_INTERVAL_S)
             if not self.bus.nc.is_connected:
                 continue  # reconnecting: nothing to ask yet
             try:
-                gone = await repair(self.bus.js, self.settings, registry=self.bus.registry)
-                if REQUESTS_STREAM in gone:
+                gone = await repair(self.bus.js, self.settings, registry=self.bus.registry,
+                                    provision_streams=self.bus.provisions)
+                lost = lost or REQUESTS_STREAM in gone
+                # Re-created by us just now, or (where only the admin provisions) once it is back.
+                if lost and (self.bus.provisions or REQUESTS_STREAM not in gone):
                     await self.intake.resubscribe()
+                    lost = False
             except Exception as exc:  # JetStream recovering or unreachable: the next round tries again
                 log.warning("JetStream check failed", extra={"error": repr(exc)})
 

@@ -84,10 +84,10 @@ class RelayState:
 
     async def _check_and_repair(self) -> None:
         bus = self.require_bus()
-        self.missing = await missing(bus.js)
+        self.missing = await missing(bus.js, settings=self.settings)
         if self.missing:
-            await repair(bus.js, self.settings)
-            self.missing = await missing(bus.js)
+            await repair(bus.js, self.settings, provision_streams=bus.provisions)
+            self.missing = await missing(bus.js, settings=self.settings)
 
     async def readiness(self) -> tuple[dict[str, Any], int]:
         """``/readyz``: 503 unless NATS is connected, tokenpipe's streams exist (looked up now; a
@@ -97,7 +97,7 @@ class RelayState:
         if connected and self.bus is not None:
             try:
                 async with asyncio.timeout(_READY_CHECK_S):
-                    self.missing = await missing(self.bus.js)
+                    self.missing = await missing(self.bus.js, settings=self.settings)
             except TokenpipeError as exc:
                 self.missing = [exc.message]
             except TimeoutError:

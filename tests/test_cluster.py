@@ -32,7 +32,7 @@ from tokenpipe.cluster import (
     server_list,
 )
 from tokenpipe.errors import ConfigError, TransportError
-from tokenpipe.natsauth import write_server_config
+from tokenpipe.natsconfig import write_server_config
 from tokenpipe.retry import through_elections
 from tokenpipe.settings import Settings
 from tokenpipe.streams import Gap, follow
@@ -207,9 +207,10 @@ async def test_local_cluster_nodes_get_the_single_servers_authorization_and_rout
     conf = write_server_config(tmp_path / "nats-server.conf", tmp_path / "creds")
     with LocalCluster(tmp_path / "cluster", 3, config_file=conf) as c:
         node_conf = (tmp_path / "cluster" / c.server_name(0) / "nats-server.conf").read_text()
-        assert conf.read_text() in node_conf and "authorization { user: \"route\"" in node_conf
+        assert 'include "../../nats-server.conf"' in node_conf and "authorization { user: \"route\"" in node_conf
         assert "nats-route://route:" in node_conf  # the other nodes are dialled with the route user
-        bus = await connect(on(c, nats_creds=str(tmp_path / "creds" / "relay.json")), name="test-relay")
+        # The admin provisions (the relay may only look), across the cluster the routes formed.
+        bus = await connect(on(c, nats_creds=str(tmp_path / "creds" / "admin.json")), name="test-admin", role="admin")
         try:
             assert await replicas(bus, TOKENS_STREAM) == 3  # the routes formed one cluster
         finally:

@@ -13,7 +13,8 @@ import yaml
 
 from generator.health import HEALTH_PATHS
 from relay.app import create_app
-from tokenpipe.natsauth import chart_users, password_env
+from tokenpipe.natsauth import Credential, app_user
+from tokenpipe.natsconfig import accounts, chart_accounts, password_env
 from tokenpipe.settings import ENV_PREFIX, Settings
 from tokenpipe.subjects import REQUESTS_STREAM, consumer_name
 
@@ -166,9 +167,32 @@ def test_nats_is_the_official_chart_with_tokenpipes_users_and_permissions() -> N
     nats = yaml.safe_load((CHART / "values.yaml").read_text())["nats"]
     assert nats["config"]["cluster"] == {"enabled": True, "replicas": 3}
     assert nats["config"]["jetstream"]["fileStore"]["pvc"]["enabled"]
-    users = nats["config"]["merge"]["authorization"]["users"]
-    assert users == chart_users(), "regenerate values.yaml's users from tokenpipe.natsauth.chart_users()"
+    layout = nats["config"]["merge"]["accounts"]
+    assert layout == chart_accounts(), "regenerate values.yaml's accounts from tokenpipe.natsconfig.chart_accounts()"
+    # The same layout `tokenpipe up` serves: accounts, imports, exports, users and permissions; only
+    # the passwords differ (the environment here, bcrypt hashes there).
+    creds = {u: Credential(u, "pw", o) for u, o in [("relay", "relay"), ("generator", "relay"), ("admin", "relay"),
+                                                     (app_user("default"), "default")]}
+    served = accounts(creds, passwords={u: "" for u in creds})
+
+    def without_passwords(acc: dict[str, Any]) -> dict[str, Any]:
+        return {name: {**a, "users": [{**u, "password": ""} for u in a["users"]]} for name, a in acc.items()}
+
+    assert without_passwords(layout) == served
+    users = [u for a in layout.values() for u in a["users"]]
     for user in users:
+        assert user["password"] == f"<< ${password_env(user['user'])} >>"
         ref = nats["container"]["env"][password_env(user["user"])]["valueFrom"]["secretKeyRef"]
         assert ref["key"] == user["user"]
     assert not list((CHART / "templates").glob("*statefulset*"))  # NATS is the official chart's
+
+
+def test_only_the_provisioner_runs_as_the_admin() -> None:
+    """Stream creation and configuration are the admin's: one provisioner Deployment, never a role."""
+    docs = manifests({})
+    prov = container(one(docs, "Deployment", "-provisioner"))
+    assert prov["args"] == ["provision", "--watch"]
+    assert env(prov)["TOKENPIPE_NATS_USER"] == "admin"
+    assert env(prov)["TOKENPIPE_NATS_PASSWORD"]["secretKeyRef"]["key"] == "admin"
+    for role in ("-relay", "-generator"):
+        assert env(container(one(docs, "Deployment", role)))["TOKENPIPE_NATS_USER"] != "admin"

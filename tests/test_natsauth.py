@@ -26,12 +26,14 @@ from generator.models import load_model
 from generator.worker import GeneratorWorker
 from producer import Producer, RelayClient
 from tokenpipe.bus import Bus, connect
-from tokenpipe.natsauth import TLSFiles, add_app, load_credential, write_server_config
+from tokenpipe.natsauth import TLSFiles, add_app, load_credential
+from tokenpipe.natsconfig import write_server_config
 from tokenpipe.settings import Settings
 from tokenpipe.streams import last_stored
 from tokenpipe.subjects import META_BUCKET, META_STREAM, REQUESTS_STREAM, TOKENS_STREAM, cancel_subject, token_subject
 from tokenpipe.wire import Request
 from tokenpipe_cli.natsserver import NatsServer
+from tokenpipe_cli.provisioner import Provisioner
 
 from .conftest import RelayServer, start_relay, wait_until
 from .tlsfiles import PKI, make_pki
@@ -65,7 +67,11 @@ def secure(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Secure]:
     add_app(creds, "bob")
     conf = write_server_config(d / "nats.conf", creds, TLSFiles(pki.server_cert, pki.server_key, pki.ca, verify=True))
     server = NatsServer(d / "data", config_file=conf, tls=True).start()
-    yield Secure(server, creds, pki)
+    secure = Secure(server, creds, pki)
+    # Only the admin provisions where there are users (tokenpipe up runs the same Provisioner).
+    admin = Provisioner(secure.settings(Settings.load(env={}), "admin"), server.url, creds / "admin.json").start()
+    yield secure
+    admin.stop()
     server.stop()
 
 

@@ -6,7 +6,10 @@ from __future__ import annotations
 import stat
 from pathlib import Path
 
-from tokenpipe.natsauth import add_app, ensure_credentials, identity, permission_table, server_config
+import bcrypt
+
+from tokenpipe.natsauth import add_app, ensure_credentials, identity
+from tokenpipe.natsconfig import account_table, accounts, permission_table, server_config
 from tokenpipe.settings import Settings
 from tokenpipe_cli.cli import _nats_config, build_parser
 
@@ -16,16 +19,32 @@ DOC = Path(__file__).resolve().parent.parent / "docs" / "architecture.md"
 def test_the_documented_permission_table_is_the_generated_one() -> None:
     text = DOC.read_text()
     documented = text.split("<!-- permissions:begin -->\n", 1)[1].split("<!-- permissions:end -->", 1)[0]
-    assert documented == permission_table(), "regenerate with tokenpipe.natsauth.permission_table()"
+    assert documented == permission_table(), "regenerate with tokenpipe.natsconfig.permission_table()"
+    documented = text.split("<!-- accounts:begin -->\n", 1)[1].split("<!-- accounts:end -->", 1)[0]
+    assert documented == account_table(), "regenerate with tokenpipe.natsconfig.account_table()"
 
 
 def test_the_generated_server_config_has_every_role_and_no_anonymous_user(tmp_path: Path) -> None:
     creds = ensure_credentials(tmp_path / "creds")
     conf = server_config(creds)
     assert set(creds) == {"relay", "generator", "admin", "app-default"}
+    layout = accounts(creds)
+    users = {u["user"]: (name, u["password"]) for name, acc in layout.items() for u in acc["users"]}
     for cred in creds.values():
-        assert f'"user": "{cred.user}"' in conf and cred.password in conf
+        assert f'"user": "{cred.user}"' in conf
+        assert cred.password not in conf  # bcrypt hashes, not the passwords
+        account, hashed = users[cred.user]
+        assert bcrypt.checkpw(cred.password.encode(), hashed.encode())
+        assert account == ("APP_default" if cred.role == "app" else "TOKENPIPE")
     assert "no_auth_user" not in conf
+    # The app's account imports only its own request/cancel services and its own tokens,
+    # each exported to its account alone.
+    exports = layout["TOKENPIPE"]["exports"]
+    assert {e.get("service") or e.get("stream") for e in exports} == {
+        "tp.req.*.default", "tp.cancel.default.>", "tp.tok.default.>"}
+    assert all(e["accounts"] == ["APP_default"] for e in exports)
+    assert {(i.get("service") or i.get("stream"))["subject"] for i in layout["APP_default"]["imports"]} == {
+        "tp.req.*.default", "tp.cancel.default.>", "tp.tok.default.>"}
     again = ensure_credentials(tmp_path / "creds")  # reused, not regenerated
     assert {u: c.password for u, c in again.items()} == {u: c.password for u, c in creds.items()}
 
@@ -34,7 +53,7 @@ def test_a_role_finds_its_identity_in_its_credentials(tmp_path: Path) -> None:
     creds = tmp_path / "creds"
     app = add_app(creds, "billing")
     ident = identity(Settings.load(env={}, nats_creds=str(app), data_dir=str(tmp_path)), "app")
-    assert (ident.owner, ident.provisions, ident.registry) == ("billing", False, False)
+    assert (ident.owner, ident.provisions, ident.registry, ident.own_account) == ("billing", False, False, True)
     assert ident.options["user"] == "app-billing" and ident.options["inbox_prefix"] == "_INBOX.app-billing"
     # No credentials at all (an open bus): the SDK acts in the relay's namespace, as before owners.
     open_bus = identity(Settings.load(env={}, data_dir=str(tmp_path / "empty")), "app")
@@ -42,9 +61,10 @@ def test_a_role_finds_its_identity_in_its_credentials(tmp_path: Path) -> None:
     # Next to `tokenpipe up`: a role finds its own file in the data dir.
     ensure_credentials(creds)
     relay = identity(Settings.load(env={}, data_dir=str(tmp_path)), "relay")
-    assert relay.options["user"] == "relay" and relay.registry
+    assert relay.options["user"] == "relay" and relay.registry and not relay.provisions  # only the admin
+    assert identity(Settings.load(env={}, data_dir=str(tmp_path)), "admin").provisions
     gen = identity(Settings.load(env={}, data_dir=str(tmp_path)), "generator")
-    assert gen.options["user"] == "generator" and gen.provisions and not gen.registry
+    assert gen.options["user"] == "generator" and not gen.provisions and not gen.registry
     jwt = tmp_path / "user.creds"
     jwt.write_text("-----BEGIN NATS USER JWT-----\nxxx\n------END NATS USER JWT------\n")
     assert identity(Settings.load(env={}, nats_creds=str(jwt)), "relay").options["user_credentials"] == str(jwt)
@@ -59,6 +79,7 @@ def test_tokenpipe_nats_serves_the_same_authorization_and_tls(tmp_path: Path) ->
     path = _nats_config(args, str(tmp_path / "nats"))
     assert path is not None
     conf = path.read_text()
-    assert "authorization" in conf and '"user": "generator"' in conf
+    assert 'include "../creds/accounts.conf"' in conf
+    assert '"user": "generator"' in (tmp_path / "creds" / "accounts.conf").read_text()
     assert '"cert_file": "c.pem"' in conf and '"verify": true' in conf
     assert stat.S_IMODE(path.stat().st_mode) == 0o600

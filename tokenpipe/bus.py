@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import hmac
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,9 +31,10 @@ from .subjects import (
     REQUESTS_STREAM,
     TOKEN_WILDCARD,
     TOKENS_STREAM,
+    owner_tokens,
 )
 
-__all__ = ["Bus", "connect", "missing", "provision", "repair", "REPAIR_INTERVAL_S"]
+__all__ = ["Bus", "connect", "missing", "provision", "provision_copy", "repair", "REPAIR_INTERVAL_S"]
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +58,18 @@ class Bus:
     registry: bool = True
     # The replica count TOKENPIPE_REPLICAS resolved to against the connected cluster.
     replicas: int = 1
+    # Whether this connection may create and configure tokenpipe's streams (tokenpipe.natsauth:
+    # the admin, or anyone on an open bus); the others only report what is missing or drifted.
+    provisions: bool = True
+    secret: bytes = b""  # this identity's own secret (natsauth.Identity.secret)
+
+    def msg_id(self, request_id: str) -> str:
+        """The ``Nats-Msg-Id`` of ``request_id``'s request: the same on every retry, and not one
+        another tenant can compute (an id it published first would swallow this one as a duplicate)."""
+        if not self.secret:
+            return f"{self.owner}:{request_id}"
+        tag = hmac.new(hashlib.sha256(self.secret).digest(), request_id.encode(), hashlib.sha256).hexdigest()[:16]
+        return f"{self.owner}:{request_id}:{tag}"
 
     async def close(self) -> None:
         if self.nc.is_closed:
@@ -118,12 +133,19 @@ async def connect(settings: Settings, *, name: str, provision_streams: bool = Tr
     log.info("nats connected", extra={"server": connected_server(nc), "nats_name": name})
     js = nc.jetstream(timeout=10)
     replicas = _replicas(js, settings)
-    if provision_streams and ident.provisions:
-        await provision(js, settings, registry=ident.registry, replicas=replicas)
-    # An app may not touch the registry: it gets a handle that was never opened (any use is denied).
-    meta = await js.key_value(META_BUCKET) if ident.registry else KeyValue(
-        name=META_BUCKET, stream=META_STREAM, pre=f"$KV.{META_BUCKET}.", js=js, direct=False)
-    bus = Bus(nc=nc, js=js, meta=meta, owner=ident.owner, registry=ident.registry, replicas=replicas)
+    try:
+        if provision_streams and ident.provisions:
+            await provision(js, settings, registry=ident.registry, replicas=replicas)
+        if ident.own_account:
+            await provision_copy(js, settings, ident.owner, replicas=replicas)
+        # An app may not touch the registry: it gets a handle that was never opened (any use is denied).
+        meta = await js.key_value(META_BUCKET) if ident.registry else KeyValue(
+            name=META_BUCKET, stream=META_STREAM, pre=f"$KV.{META_BUCKET}.", js=js, direct=False)
+    except BaseException:
+        await nc.close()  # a caller that retries must not leave a reconnecting connection behind
+        raise
+    bus = Bus(nc=nc, js=js, meta=meta, owner=ident.owner, registry=ident.registry, replicas=replicas,
+              provisions=ident.provisions, secret=ident.secret)
     return bus
 
 
@@ -143,6 +165,10 @@ async def _ensure_stream(js: JetStreamContext, config: js_api.StreamConfig, sett
         log.info("stream created", extra={"stream": config.name, "replicas": config.num_replicas})
         return
     have = info.config
+    if have.sealed:
+        # NATS cannot unseal a stream: say what the admin must do (missing() reports it too).
+        log.error("stream is sealed", extra={"stream": config.name, "action": _SEALED_ACTION.format(config.name)})
+        return
     config.num_replicas = replicas_to_keep(have.num_replicas or 1, config.num_replicas or 1, settings.replicas)
     wanted: dict[str, Any] = {
         "subjects": config.subjects,
@@ -170,43 +196,59 @@ async def _update_stream(js: JetStreamContext, config: js_api.StreamConfig, had_
     log.info("stream updated", extra={"stream": config.name, "replicas": config.num_replicas})
 
 
+_SEALED_ACTION = ("NATS cannot unseal a stream: nothing more can be stored in it. Copy what you need "
+                  "(`nats stream backup {0}`), then delete it (`nats stream rm {0}` as the admin); "
+                  "tokenpipe's admin re-creates it within seconds")
+
+
+def _tokens_config(settings: Settings, subjects: list[str], replicas: int) -> js_api.StreamConfig:
+    return js_api.StreamConfig(
+        name=TOKENS_STREAM,
+        subjects=subjects,
+        retention=js_api.RetentionPolicy.LIMITS,
+        storage=js_api.StorageType.FILE,
+        max_age=settings.token_max_age_s,
+        max_bytes=settings.token_max_bytes,
+        # Long enough to cover an outage plus PubAck timeouts, so republished batches dedup;
+        # the server requires it to be <= max_age.
+        duplicate_window=min(120.0, settings.token_max_age_s),
+        # Readers catch up with "last message for subject" direct gets, which any server
+        # answers without a trip through the JetStream API queue.
+        allow_direct=True,
+        num_replicas=replicas,
+    )
+
+
+def _requests_config(settings: Settings, replicas: int) -> js_api.StreamConfig:
+    return js_api.StreamConfig(
+        name=REQUESTS_STREAM,
+        subjects=[REQUEST_WILDCARD],
+        retention=js_api.RetentionPolicy.WORK_QUEUE,
+        storage=js_api.StorageType.FILE,
+        max_age=settings.request_max_age_s,
+        duplicate_window=min(120.0, settings.request_max_age_s),
+        num_replicas=replicas,
+    )
+
+
+async def provision_copy(js: JetStreamContext, settings: Settings, owner: str, *, replicas: int = 1) -> None:
+    """An app in its own account (tokenpipe.natsconfig): its ``TP_TOKENS`` there, which keeps the
+    token batches imported from tokenpipe's account (``tp.tok.<owner>.>``) with the same retention."""
+    try:
+        await _ensure_stream(js, _tokens_config(settings, [owner_tokens(owner)], replicas), settings)
+    except TransportError:
+        raise
+    except Exception as exc:  # nats.js.errors.* and timeouts; one translation point
+        raise TransportError(f"cannot provision the app's token store: {exc}") from exc
+
+
 async def provision(js: JetStreamContext, settings: Settings, *, registry: bool = True, replicas: int = 1) -> None:
     """Create or update the request/token streams and (``registry``: only the roles that may touch
     it, tokenpipe.natsauth) the meta bucket, with ``replicas`` replicas (existing ones are scaled
     up in place). Safe to race."""
     try:
-        await _ensure_stream(
-            js,
-            js_api.StreamConfig(
-                name=REQUESTS_STREAM,
-                subjects=[REQUEST_WILDCARD],
-                retention=js_api.RetentionPolicy.WORK_QUEUE,
-                storage=js_api.StorageType.FILE,
-                max_age=settings.request_max_age_s,
-                duplicate_window=min(120.0, settings.request_max_age_s),
-                num_replicas=replicas,
-            ),
-            settings,
-        )
-        await _ensure_stream(
-            js,
-            js_api.StreamConfig(
-                name=TOKENS_STREAM,
-                subjects=[TOKEN_WILDCARD],
-                retention=js_api.RetentionPolicy.LIMITS,
-                storage=js_api.StorageType.FILE,
-                max_age=settings.token_max_age_s,
-                max_bytes=settings.token_max_bytes,
-                # Long enough to cover an outage plus PubAck timeouts, so republished batches dedup;
-                # the server requires it to be <= max_age.
-                duplicate_window=min(120.0, settings.token_max_age_s),
-                # Readers catch up with "last message for subject" direct gets, which any server
-                # answers without a trip through the JetStream API queue.
-                allow_direct=True,
-                num_replicas=replicas,
-            ),
-            settings,
-        )
+        await _ensure_stream(js, _requests_config(settings, replicas), settings)
+        await _ensure_stream(js, _tokens_config(settings, [TOKEN_WILDCARD], replicas), settings)
         if not registry:
             return
         try:
@@ -234,27 +276,58 @@ async def _scale_bucket(js: JetStreamContext, replicas: int, settings: Settings)
         await _update_stream(js, dataclasses.replace(info.config, num_replicas=want), had)
 
 
-async def missing(js: JetStreamContext, *, registry: bool = True) -> list[str]:
+async def missing(js: JetStreamContext, *, registry: bool = True, settings: Settings | None = None,
+                  limits: bool = False) -> list[str]:
     """The streams (and, with ``registry``, the meta bucket's stream) that tokenpipe provisions and
-    that do not exist now. Raises :class:`TransportError` when JetStream cannot be asked."""
+    that do not exist now; with ``settings``, also each one that is broken (sealed; retention
+    policy, storage or subjects changed) and, with ``limits``, each whose age or size limit
+    differs from ``settings`` (only the admin judges those: another process may run with other
+    settings), as a sentence that says what is wrong. Raises :class:`TransportError` when
+    JetStream cannot be asked."""
     gone: list[str] = []
+    wanted = ({REQUESTS_STREAM: _requests_config(settings, 1),
+               TOKENS_STREAM: _tokens_config(settings, [TOKEN_WILDCARD], 1)} if settings is not None else {})
     for name in (REQUESTS_STREAM, TOKENS_STREAM, *((META_STREAM,) if registry else ())):
         try:
-            await js.stream_info(name)
+            info = await js.stream_info(name)
         except NotFoundError:
             gone.append(name)
+            continue
         except Exception as exc:  # timeouts, no responders while JetStream recovers
             raise TransportError(f"cannot check JetStream streams: {exc}") from exc
+        if name in wanted:
+            gone.extend(_drift(info.config, wanted[name], limits))
     return gone
 
 
-async def repair(js: JetStreamContext, settings: Settings, *, registry: bool = True) -> list[str]:
-    """Re-provision whatever :func:`missing` reports (someone deleted it); what was missing.
-    ``registry``: whether this role may touch the meta bucket (``Bus.registry``, tokenpipe.natsauth)."""
-    gone = await missing(js, registry=registry)
-    if gone:
-        log.warning("JetStream state tokenpipe owns is missing; re-provisioning", extra={"missing": ",".join(gone)})
+def _drift(have: js_api.StreamConfig, want: js_api.StreamConfig, limits: bool) -> list[str]:
+    """What is wrong with stream ``have`` against ``want``, one sentence each."""
+    name = want.name or ""
+    if have.sealed:
+        return [f"{name} is sealed. {_SEALED_ACTION.format(name)}"]
+    out = []
+    for key in ("retention", "storage", "subjects", *(("max_age", "max_bytes") if limits else ())):
+        h, w = getattr(have, key), getattr(want, key)
+        if w is not None and h != w and not (key == "max_bytes" and w in (-1, None) and h in (-1, None)):
+            out.append(f"{name}: {key} is {h!r}, tokenpipe provisions {w!r} (the admin restores it)")
+    return out
+
+
+async def repair(js: JetStreamContext, settings: Settings, *, registry: bool = True,
+                 provision_streams: bool = True, restore_limits: bool = False) -> list[str]:
+    """Re-provision whatever :func:`missing` reports (deleted, or broken); what was wrong.
+    ``registry``: whether this role may touch the meta bucket (``Bus.registry``);
+    ``provision_streams``: whether it may configure streams (``Bus.provisions``), else it only
+    reports; ``restore_limits``: also put back age and size limits that differ from ``settings``
+    (the admin's provisioner: one process's settings, not every role's)."""
+    gone = await missing(js, registry=registry, settings=settings, limits=restore_limits)
+    if gone and provision_streams:
+        log.warning("JetStream state tokenpipe owns is missing or changed; re-provisioning",
+                    extra={"missing": "; ".join(gone)})
         await provision(js, settings, registry=registry, replicas=_replicas(js, settings))
+    elif gone:
+        log.error("JetStream state tokenpipe owns is missing or changed; tokenpipe's admin repairs it",
+                  extra={"missing": "; ".join(gone)})
     return gone
 
 

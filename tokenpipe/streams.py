@@ -68,7 +68,7 @@ async def submit(bus: Bus, request: Request, headers: dict[str, str] | None = No
     read it)."""
     meta = StreamMeta(request.id, request.tenant, request.model, request.created_at or time.time_ns())
     hdrs = dict(headers or {})
-    hdrs["Nats-Msg-Id"] = f"{bus.owner}:{request.id}"  # ids are unique per owner, not across owners
+    hdrs["Nats-Msg-Id"] = bus.msg_id(request.id)  # unique per owner, and no other owner can forge it
     payload = request.encode()  # before any write: an unencodable request leaves nothing behind
 
     async def both() -> None:

@@ -29,6 +29,7 @@ __all__ = [
     "model_request_filter",
     "owner_of_request",
     "token_subject",
+    "owner_tokens",
     "cancel_subject",
     "parse_cancel_subject",
     "consumer_name",
@@ -104,6 +105,11 @@ def owner_of_request(subject: str) -> str:
 
 def token_subject(owner: str, stream_id: str) -> str:
     return f"tp.tok.{check_owner(owner)}.{check_stream_id(stream_id)}"
+
+
+def owner_tokens(owner: str) -> str:
+    """Every token subject of ``owner``'s streams (an app's own copy of them, tokenpipe.natsconfig)."""
+    return f"tp.tok.{check_owner(owner)}.>"
 
 
 def cancel_subject(owner: str, stream_id: str) -> str:

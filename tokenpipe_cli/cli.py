@@ -8,6 +8,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, get_type_hints
@@ -100,6 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
     creds.add_argument("action", choices=["add-app"], help="add-app NAME: credentials for an application (SDK)")
     creds.add_argument("name")
     creds.add_argument("--creds-dir", help="default: <data dir>/creds")
+
+    prov = sub.add_parser("provision", help="as the admin: create tokenpipe's streams (and, --watch, keep them so)")
+    _common(prov)
+    prov.add_argument("--watch", action="store_true",
+                      help="keep running: re-create what is deleted, restore what is reconfigured (Kubernetes)")
 
     prep = sub.add_parser("prepare", help="convert and cache the default model (one-time, ~20 s)")
     prep.add_argument("--data-dir")
@@ -195,16 +201,36 @@ def _dispatch(args: argparse.Namespace) -> int:
         server = NatsServer(data, host=args.host, port=args.port, monitor_port=args.monitor_port,
                             config_file=_nats_config(args, data), tls=bool(args.tls_cert), cluster=cluster)
         server.start()
+        provisioner = None
         try:
+            if args.auth and cluster is None and not args.tls_cert:
+                # Only the admin configures streams where there are users: this process is it.
+                from .provisioner import Provisioner
+
+                creds_dir = args.creds_dir or Path(Settings.load().data_dir) / "creds"
+                provisioner = Provisioner(Settings.load(), server.url, Path(creds_dir) / "admin.json").start()
+            elif args.auth:
+                print("tokenpipe: only the admin creates tokenpipe's streams: run `tokenpipe provision --watch` "
+                      "with admin.json (and the TLS settings) once the cluster is up", file=sys.stderr)
             return server.wait()
         finally:
+            if provisioner is not None:
+                provisioner.stop()
             server.stop()
     if args.cmd == "creds":
         from tokenpipe.natsauth import add_app
+        from tokenpipe.natsconfig import write_accounts
 
-        path = add_app(args.creds_dir or Path(Settings.load().data_dir) / "creds", args.name)
+        from .natsserver import reload_servers
+
+        data_dir = Path(Settings.load().data_dir)
+        creds_dir = Path(args.creds_dir) if args.creds_dir else data_dir / "creds"
+        path = add_app(creds_dir, args.name)
         print(path)
-        print("restart `tokenpipe up` (or `tokenpipe nats --auth`) for nats-server to know the new user",
+        write_accounts(creds_dir)  # the file the running servers' configuration includes
+        pids = reload_servers(data_dir)
+        print(f"nats-server reloaded ({len(pids)} running): the account is live" if pids else
+              "no running nats-server found under the data dir: the account is live at its next start",
               file=sys.stderr)
         return 0
     if args.cmd == "prepare":
@@ -234,6 +260,20 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         run(serve_relay(settings))
         return 0
+    if args.cmd == "provision":
+        from .provisioner import Provisioner
+
+        prov = Provisioner(settings).start()
+        if args.watch:
+            signal.signal(signal.SIGTERM, lambda *_: prov.stop())
+            try:
+                prov.wait()
+            finally:
+                prov.stop()
+        else:
+            prov.stop()
+        print("tokenpipe's streams are provisioned", file=sys.stderr)
+        return 0
     if args.cmd == "submit":
         return asyncio.run(_submit(args, settings))
     if args.cmd == "bench":
@@ -245,7 +285,8 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 def _nats_config(args: argparse.Namespace, data: str) -> Path | None:
     """``tokenpipe nats``'s configuration file: authorization (``--auth``) and TLS, or None."""
-    from tokenpipe.natsauth import TLSFiles, server_config, write_server_config
+    from tokenpipe.natsauth import TLSFiles
+    from tokenpipe.natsconfig import server_config, write_server_config
 
     tls = TLSFiles(args.tls_cert, args.tls_key, args.tls_ca or "", args.tls_verify) if args.tls_cert else None
     path = Path(data) / "nats-server.conf"

@@ -108,8 +108,11 @@ class LocalCluster:
                 node_dir.mkdir(parents=True, exist_ok=True)
                 conf = node_dir / "nats-server.conf"
                 fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it holds passwords
+                # Included, not copied: what it includes in turn (the accounts, which `tokenpipe creds
+                # add-app` rewrites and reloads) resolves against its own directory.
+                shared = os.path.relpath(Path(config_file).resolve(), node_dir.resolve())  # type: ignore[arg-type]
                 with os.fdopen(fd, "w") as f:
-                    f.write(base + "\n" + args.config_block(host))
+                    f.write(f"include {json.dumps(shared)}\n" + args.config_block(host))
             self.nodes.append(NatsServer(node_dir, host=host, port=ports[i], monitor_port=free_port(host),
                                          cluster=args, config_file=conf))
 

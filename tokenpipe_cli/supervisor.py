@@ -32,13 +32,15 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from tokenpipe.cluster import parse_replicas
 from tokenpipe.errors import TokenpipeError, TransportError
-from tokenpipe.natsauth import write_server_config
+from tokenpipe.natsconfig import write_server_config
 from tokenpipe.settings import Settings
 
 from .cluster import LocalCluster
 from .launch import Child, free_port, http_ok, port_free, spawn_role
 from .natsserver import NatsServer
+from .provisioner import Provisioner
 
 __all__ = ["Supervisor", "describe_exit", "read_status", "status_path"]
 
@@ -95,6 +97,7 @@ class Supervisor:
     children: list[Child] = field(default_factory=list)
     nats_cluster: int = 1  # > 1: that many nats-server nodes on loopback, one JetStream cluster
     nats: NatsServer | LocalCluster | None = None
+    provisioner: Provisioner | None = None  # the admin: creates and repairs the streams (embedded NATS)
     roles: list[Role] = field(default_factory=list)
     _stop_signal: int | None = None
     _state: str = "starting"
@@ -203,6 +206,14 @@ class Supervisor:
             http_ok(f"{url}/healthz", timeout=1.0),
             env={**os.environ, "TOKENPIPE_EXPECTED_GENERATORS": str(self.generators)}))
 
+    def _admin_settings(self) -> Settings:
+        """The provisioner's settings. ``auto`` replicas are resolved from the connected server's view
+        of its cluster, which a local cluster that is still forming does not show yet: the
+        supervisor knows its size."""
+        if self.nats_cluster > 1 and parse_replicas(self.settings.replicas) is None:
+            return self.settings.replace(replicas="3" if self.nats_cluster >= 3 else "1")
+        return self.settings
+
     def _ready_file_check(self, name: str, path: Path) -> Callable[[], bool]:
         def check() -> bool:
             try:
@@ -227,6 +238,14 @@ class Supervisor:
             for nats in (r for r in self.roles if r.kind == "nats"):  # one, or a local cluster's nodes
                 self._start(nats)
                 if nats.pid == -1:
+                    return 1
+            if not self.external_nats:
+                # Only the admin configures streams; the roles start once they exist.
+                try:
+                    self.provisioner = Provisioner(self._admin_settings(), self._ports["nats_url"],
+                                                   Path(self.settings.data_dir) / "creds" / "admin.json").start()
+                except TokenpipeError as exc:
+                    print(f"tokenpipe: error: {exc.message}", flush=True)
                     return 1
             self._prepare_model()
             for role in self.roles:
@@ -374,6 +393,8 @@ class Supervisor:
                 child.wait_or_kill(10)
         for child in order:
             child.wait_or_kill(self.settings.drain_timeout_s + 10)
+        if self.provisioner is not None:
+            self.provisioner.stop()
         if self.nats is not None:
             self.nats.stop()
         self.children.clear()

@@ -1,0 +1,340 @@
+"""Tenants isolated on the bus (issue 24), through `tokenpipe up` as a user runs it.
+
+A second application's credential (`tokenpipe creds add-app mallory`, created while the stack
+runs: nats-server reloads its accounts) and the roles' own credentials attack the streams of the
+relay's HTTP clients and of another application (`alice`). Every attack that worked against the
+single-account layout is a test here; each checks that the attack failed and that the victims'
+streams finished, what they saw live is what is stored, the registry still serves them, and new
+streams are still stored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from nats.aio.client import Client as NATS
+from nats.js import api as js_api
+
+from producer import Producer
+from tokenpipe.bus import Bus, connect
+from tokenpipe.natsauth import load_credential
+from tokenpipe.settings import Settings
+from tokenpipe.streams import history
+from tokenpipe.subjects import META_BUCKET, TOKENS_STREAM
+from tokenpipe.wire import Request
+from tokenpipe_cli.upprocess import UpProcess
+
+from .conftest import wait_until
+from .test_heal import Events, read_events, start_stack
+
+pytestmark = pytest.mark.timeout(300)
+
+MODEL = "tiny-random"
+TOKENPIPE = str(Path(sys.executable).parent / "tokenpipe")
+BODY = {"model": MODEL, "prompt": "Tell me", "max_tokens": 48, "temperature": 0, "ignore_eos": True,
+        "coalesce": {"max_tokens": 0}}
+
+
+class Client:
+    """A raw nats-py connection with one of the stack's credentials; records the server's errors."""
+
+    def __init__(self) -> None:
+        self.nc = NATS()
+        self.errors: list[str] = []
+
+    @classmethod
+    async def connect(cls, up: UpProcess, user: str) -> Client:
+        self = cls()
+        cred = load_credential(up.data / "creds" / f"{user}.json")
+
+        async def on_error(exc: Exception) -> None:
+            self.errors.append(str(exc))
+
+        await self.nc.connect(up.status()["nats_url"], user=cred.user, password=cred.password,
+                              inbox_prefix=cred.inbox_prefix, error_cb=on_error, allow_reconnect=False)
+        return self
+
+    async def denied(self, action: Awaitable[Any], what: str) -> None:
+        """``action`` is refused by the server with a permissions violation naming ``what``."""
+        self.errors.clear()
+        task = asyncio.ensure_future(action)
+        try:
+            await wait_until(lambda: any(what.lower() in e.lower() for e in self.errors), 10, f"denial of {what}")
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        assert any("permissions violation" in e.lower() for e in self.errors), self.errors
+
+
+def settings_for(up: UpProcess, user: str) -> Settings:
+    return Settings.load(env={}, nats_url=up.status()["nats_url"], nats_creds=str(up.data / "creds" / f"{user}.json"),
+                         data_dir=str(up.data))
+
+
+def add_app(up: UpProcess, name: str) -> str:
+    """`tokenpipe creds add-app NAME` next to the running stack; what it said."""
+    out = subprocess.run([TOKENPIPE, "creds", "add-app", name], env={**os.environ, "TOKENPIPE_DATA_DIR": str(up.data)},
+                         capture_output=True, text=True, timeout=60, check=True)
+    return out.stdout + out.stderr
+
+
+@pytest.fixture(scope="module")
+async def up(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> AsyncIterator[UpProcess]:
+    data = tmp_path_factory.mktemp("tenants")
+    (data / "models").symlink_to(data_dir / "models", target_is_directory=True)
+    s = start_stack(data, 1)
+    try:
+        await s.wait_up()
+        for app in ("alice", "mallory"):  # made while it runs: no restart
+            assert "reloaded (1 running)" in add_app(s, app)
+        yield s
+        assert await s.stop() == 0, s.output()[-4000:]
+    finally:
+        if s.proc.poll() is None:
+            s.proc.kill()
+
+
+@pytest.fixture(scope="module")
+async def admin(up: UpProcess) -> AsyncIterator[Bus]:
+    bus = await connect(settings_for(up, "admin"), name="test-admin", role="admin")
+    yield bus
+    await bus.close()
+
+
+@pytest.fixture
+async def mallory(up: UpProcess) -> AsyncIterator[Client]:
+    async def connected() -> bool:
+        try:
+            made.append(await Client.connect(up, "app-mallory"))
+        except Exception:  # the reload is asynchronous: the account may be a moment away
+            return False
+        return True
+
+    made: list[Client] = []
+    await wait_until(connected, 30, "mallory's account to be live")
+    yield made[-1]
+    await made[-1].nc.close()
+
+
+async def relay_victim(up: UpProcess, attack: Callable[[str], Awaitable[None]] | None = None) -> tuple[str, Events]:
+    """An HTTP client's stream; ``attack(stream_id)`` runs after its first tokens arrived."""
+    async with httpx.AsyncClient(base_url=up.url, timeout=120) as http:
+        r = await http.post("/v1/streams", json=BODY)
+        assert r.status_code == 201, r.text
+        sid = r.json()["id"]
+        out: Events = []
+        fired: list[bool] = []
+
+        async def on_tokens(n: int) -> None:
+            if attack is not None and not fired:
+                fired.append(True)
+                await attack(sid)
+
+        async with http.stream("GET", f"/v1/streams/{sid}") as resp:
+            await read_events(resp, out, on_tokens)
+    return sid, out
+
+
+async def assert_intact(up: UpProcess, admin: Bus, sid: str, events: Events) -> None:
+    """Finished with every token, live == stored, and the registry still serves it (a replay)."""
+    assert events[-1][0] == "done" and events[-1][2]["finish"] == "length", events[-1]
+    live = [t for e, _, d in events if e == "tokens" for t in d["token_ids"]]
+    seqs = [int(i or -1) for e, i, _ in events if e == "tokens"]
+    assert seqs == list(range(len(seqs)))
+    assert len(live) == BODY["max_tokens"]
+    stored = [t for b in await history(admin, sid, owner="relay") for t in b.token_ids]
+    assert stored == live
+    async with httpx.AsyncClient(base_url=up.url, timeout=60) as http:
+        out: Events = []
+        async with http.stream("GET", f"/v1/streams/{sid}") as resp:
+            assert resp.status_code == 200, await resp.aread()
+            await read_events(resp, out)
+    assert [t for e, _, d in out if e == "tokens" for t in d["token_ids"]] == live
+
+
+async def assert_still_stored(up: UpProcess, admin: Bus) -> None:
+    """A new stream after the attack is served and stored."""
+    sid, events = await relay_victim(up)
+    await assert_intact(up, admin, sid, events)
+
+
+async def alice_stream(up: UpProcess, admin: Bus, request_id: str | None = None) -> str:
+    async with await Producer.connect(settings=settings_for(up, "app-alice")) as p:
+        handle = await p.submit(MODEL, prompt="Hi", max_tokens=12, temperature=0, ignore_eos=True,
+                                request_id=request_id)
+        result = await handle.result()
+        assert result.finish == "length" and len(result.token_ids) == 12
+        # Her own copy (in her account) and tokenpipe's store hold what she saw.
+        own = [t for b in await history(p.bus, handle.id) for t in b.token_ids]
+    assert own == result.token_ids
+    assert [t for b in await history(admin, handle.id, owner="alice") for t in b.token_ids] == result.token_ids
+    return handle.id
+
+
+def nope(reply: str) -> tuple[str, bytes, str, dict[str, str]]:
+    """A request publish on mallory's own subject whose PubAck is an error, sent to ``reply``."""
+    return f"tp.req.{MODEL}.mallory", b"{}", reply, {"Nats-Expected-Stream": "NOPE"}
+
+
+# -- reply-subject injection ------------------------------------------------------------------------
+
+async def test_a_pub_ack_sent_to_a_cancel_subject_cancels_nothing(up: UpProcess, admin: Bus, mallory: Client) -> None:
+    chosen = "alice-chosen-1"
+    subject, data, reply, hdrs = nope(f"tp.cancel.alice.{chosen}")
+    await mallory.nc.publish(subject, data, reply=reply, headers=hdrs)  # before alice's request exists
+    await mallory.nc.flush()
+
+    async def attack(sid: str) -> None:  # mid-stream, on the HTTP client's cancel subject
+        subject, data, reply, hdrs = nope(f"tp.cancel.relay.{sid}")
+        for _ in range(3):
+            await mallory.nc.publish(subject, data, reply=reply, headers=hdrs)
+        await mallory.nc.flush()
+
+    sid, events = await relay_victim(up, attack)
+    assert not mallory.errors, mallory.errors  # the server took the publishes: the attack was made
+    await assert_intact(up, admin, sid, events)
+    assert await alice_stream(up, admin, chosen) == chosen
+    await assert_still_stored(up, admin)
+
+
+async def test_a_direct_get_answered_onto_a_live_stream_shows_its_client_nothing(
+        up: UpProcess, admin: Bus, mallory: Client) -> None:
+    async with await Producer.connect(settings=settings_for(up, "app-mallory")) as p:
+        own = await p.submit(MODEL, prompt="MALLORY WAS HERE", max_tokens=4, temperature=0, ignore_eos=True)
+        await own.result()  # a stored batch of her own to get
+
+    async def attack(sid: str) -> None:
+        for target in (f"tp.tok.relay.{sid}", f"tp.req.{MODEL}.relay"):
+            await mallory.nc.publish(f"$JS.API.DIRECT.GET.{TOKENS_STREAM}.tp.tok.mallory.{own.id}", b"", reply=target)
+        await mallory.nc.flush()
+
+    sid, events = await relay_victim(up, attack)
+    assert not mallory.errors, mallory.errors
+    await assert_intact(up, admin, sid, events)
+    await assert_still_stored(up, admin)
+
+
+async def test_a_jetstream_answer_sent_to_the_registry_overwrites_nothing(
+        up: UpProcess, admin: Bus, mallory: Client) -> None:
+    sid, events = await relay_victim(up)
+    before = await admin.meta.get(sid)
+    for api in ("$JS.API.INFO", f"$JS.API.STREAM.INFO.{TOKENS_STREAM}"):
+        await mallory.nc.publish(api, b"", reply=f"$KV.{META_BUCKET}.{sid}")
+    await mallory.nc.flush()
+    await mallory.nc.request("$JS.API.INFO", b"", timeout=5)  # answered after the ones above: they are done
+    assert (await admin.meta.get(sid)).value == before.value
+    await assert_intact(up, admin, sid, events)
+    await assert_still_stored(up, admin)
+
+
+# -- reconnaissance, dedup, foreign subjects ------------------------------------------------------------
+
+async def test_an_app_lists_only_its_own_stream_ids(up: UpProcess, admin: Bus, mallory: Client) -> None:
+    sid, _ = await relay_victim(up)
+    await alice_stream(up, admin)
+    async with await Producer.connect(settings=settings_for(up, "app-mallory")) as p:
+        await (await p.submit(MODEL, prompt="x", max_tokens=2, temperature=0, ignore_eos=True)).result()
+    info = await mallory.nc.jetstream(timeout=5).stream_info(TOKENS_STREAM, subjects_filter=">")
+    subjects = set(info.state.subjects or {})
+    assert subjects and all(s.startswith("tp.tok.mallory.") for s in subjects), subjects
+    assert f"tp.tok.relay.{sid}" not in subjects
+
+
+async def test_a_request_id_published_first_by_another_app_does_not_swallow_the_owners(
+        up: UpProcess, admin: Bus, mallory: Client) -> None:
+    chosen = "predictable-7"
+    js = mallory.nc.jetstream(timeout=5)
+    payload = Request.build(MODEL, prompt="squat", params={"max_tokens": 2}, request_id=chosen).encode()
+    for msg_id in (f"alice:{chosen}", chosen, f"relay:{chosen}"):
+        ack = await js.publish(f"tp.req.{MODEL}.mallory", payload, headers={"Nats-Msg-Id": msg_id})
+        assert ack.stream == "TP_REQUESTS"
+    assert await alice_stream(up, admin, chosen) == chosen
+
+
+async def test_writing_onto_another_owners_subjects_is_denied(up: UpProcess, admin: Bus, mallory: Client) -> None:
+    forged = Request.build(MODEL, prompt="forged", params={"max_tokens": 2}).encode()
+    await mallory.denied(mallory.nc.publish("tp.tok.relay.anything", b"junk"), '"tp.tok.relay.anything"')
+    await mallory.denied(mallory.nc.publish(f"tp.req.{MODEL}.relay", forged), f'"tp.req.{MODEL}.relay"')
+    await mallory.denied(mallory.nc.publish("tp.cancel.alice.anything", b""), '"tp.cancel.alice.anything"')
+    await mallory.denied(mallory.nc.publish(f"$KV.{META_BUCKET}.anything", b"{}"), f'"$KV.{META_BUCKET}.anything"')
+    await assert_still_stored(up, admin)
+
+
+# -- no role can destroy history ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("user,change", [("relay", {"max_age": 1.0}), ("generator", {"sealed": True}),
+                                         ("app-mallory", {"max_age": 1.0})])
+async def test_no_role_may_reconfigure_the_token_store(up: UpProcess, admin: Bus, user: str,
+                                                        change: dict[str, Any]) -> None:
+    sid, events = await relay_victim(up)
+    attacker = await Client.connect(up, user)
+    before = (await admin.js.stream_info(TOKENS_STREAM)).config
+    try:
+        cfg = before.as_dict()
+        body = json.dumps({**cfg, **{k: (int(v * 1e9) if k == "max_age" else v) for k, v in change.items()}})
+        subject = f"$JS.API.STREAM.UPDATE.{TOKENS_STREAM}"
+        if user == "app-mallory":  # her own account's copy is hers; tokenpipe's store is not reachable
+            await attacker.nc.request(subject, body.encode(), timeout=5)
+        else:
+            await attacker.denied(attacker.nc.request(subject, body.encode(), timeout=5), subject)
+    finally:
+        await attacker.nc.close()
+    have = (await admin.js.stream_info(TOKENS_STREAM)).config
+    assert not have.sealed and have.max_age == before.max_age
+    await assert_intact(up, admin, sid, events)
+    await assert_still_stored(up, admin)
+
+
+async def test_a_reconfigured_token_store_is_restored_by_the_admin(up: UpProcess, admin: Bus) -> None:
+    sid, events = await relay_victim(up)
+    wanted = (await admin.js.stream_info(TOKENS_STREAM)).config
+    await admin.js.update_stream(js_api.StreamConfig.from_response({**wanted.as_dict(), "max_age": 7200 * 10**9}))
+
+    async def restored() -> bool:
+        return (await admin.js.stream_info(TOKENS_STREAM)).config.max_age == wanted.max_age
+
+    await wait_until(restored, 30, "tokenpipe up's admin to restore max_age")
+    await assert_intact(up, admin, sid, events)
+    await assert_still_stored(up, admin)
+
+
+async def test_the_servers_configuration_holds_hashes_not_passwords(up: UpProcess, mallory: Client) -> None:
+    """`tokenpipe up`'s nats-server configuration (and the accounts file it includes) never
+    holds a password; the credential files do, for the clients (mallory just logged in with hers)."""
+    conf = (up.data / "nats" / "nats-server.conf").read_text() + (up.data / "creds" / "accounts.conf").read_text()
+    for path in (up.data / "creds").glob("*.json"):
+        assert load_credential(path).password not in conf, path.name
+    assert conf.count('"password": "$2') == len(list((up.data / "creds").glob("*.json")))
+
+
+async def test_a_sealed_token_store_is_reported_and_the_relay_survives_a_restart(up: UpProcess, admin: Bus) -> None:
+    """Last in this module: a sealed stream cannot be unsealed (the stack stays degraded)."""
+    cfg = (await admin.js.stream_info(TOKENS_STREAM)).config
+    await admin.js.update_stream(js_api.StreamConfig.from_response({**cfg.as_dict(), "sealed": True}))
+    async with httpx.AsyncClient(base_url=up.url, timeout=10) as http:
+        async def reported() -> bool:
+            r = await http.get("/readyz")
+            return r.status_code == 503 and "sealed" in r.text and "nats stream rm TP_TOKENS" in r.text
+
+        await wait_until(reported, 30, "/readyz to report the sealed store")
+        relay = up.role("relay")
+        os.kill(relay["pid"], signal.SIGKILL)
+
+        async def back() -> bool:
+            role = up.role("relay")
+            return role.get("pid") != relay["pid"] and role.get("state") == "ready"
+
+        await wait_until(back, 60, "the relay to come back")  # it no longer crash-loops on the seal
+        await wait_until(reported, 30, "/readyz to report it again")
+    assert up.proc.poll() is None
+

@@ -1,0 +1,197 @@
+"""nats-server's configuration for tokenpipe's users: one account per tenant, bcrypt passwords.
+
+The account layout is data (:func:`accounts`), rendered into nats-server's configuration
+(:func:`server_config`), the Helm chart's values (:func:`chart_accounts`) and docs/architecture.md's
+tables (:func:`permission_table`, :func:`account_table`); the tests check each against it.
+
+Why accounts: inside one account a client may publish an allowed subject with *any* reply
+subject, and the server then publishes its own answer (a PubAck error, a JetStream API reply, a
+direct get's message) onto that reply subject without checking anyone's permissions: an app
+could put those answers onto another owner's cancel, token or registry subjects. Accounts are
+NATS's isolation boundary: a request that crosses a service import gets a reply subject of the
+exporting account mapped back to the importer, so every answer an app provokes lands in the app's
+own account. Layout:
+
+- ``TOKENPIPE``: the relay, the generators and the admin; JetStream with ``TP_REQUESTS``,
+  ``TP_TOKENS`` and the ``tp_streams`` registry. For each app it exports, to that app's account
+  only, the services ``tp.req.*.<app>`` (its requests; JetStream's PubAck is the reply) and
+  ``tp.cancel.<app>.>`` (its cancels), and the stream ``tp.tok.<app>.>`` (its tokens, live).
+- ``APP_<app>``: one per application (``tokenpipe creds add-app``), with JetStream of its own: the
+  imported tokens are kept there in the app's own ``TP_TOKENS`` (same retention), which is where
+  the SDK reads history and live batches from. Nothing the app does with JetStream reaches
+  tokenpipe's account: it has no import of tokenpipe's JetStream API at all (a consumer created
+  across accounts could be given a deliver subject in tokenpipe's account).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import bcrypt
+
+from .natsauth import Credential, TLSFiles, _write_private, app_user, ensure_credentials, permissions
+from .subjects import check_owner
+
+__all__ = [
+    "TOKENPIPE_ACCOUNT",
+    "account_name",
+    "account_table",
+    "accounts",
+    "chart_accounts",
+    "password_env",
+    "permission_table",
+    "server_config",
+    "write_server_config",
+    "ACCOUNTS_FILE",
+]
+
+TOKENPIPE_ACCOUNT = "TOKENPIPE"
+ACCOUNTS_FILE = "accounts.conf"  # in the credentials dir; the server configuration includes it
+_BCRYPT_ROUNDS = 11  # nats-server's own default cost (checked once per connection, not per message)
+
+
+def account_name(app: str) -> str:
+    """The NATS account of application ``app``."""
+    return f"APP_{check_owner(app)}"
+
+
+def _exports(app: str) -> list[dict[str, Any]]:
+    only = [account_name(app)]
+    return [{"service": f"tp.req.*.{app}", "accounts": only},
+            {"service": f"tp.cancel.{app}.>", "accounts": only},
+            {"stream": f"tp.tok.{app}.>", "accounts": only}]
+
+
+def _imports(app: str) -> list[dict[str, Any]]:
+    src = TOKENPIPE_ACCOUNT
+    return [{"service": {"account": src, "subject": f"tp.req.*.{app}"}},
+            {"service": {"account": src, "subject": f"tp.cancel.{app}.>"}},
+            {"stream": {"account": src, "subject": f"tp.tok.{app}.>"}}]
+
+
+def _user(cred: Credential, password: str | None) -> dict[str, Any]:
+    perms = permissions(cred.role, cred.owner if cred.role == "app" else None)
+    pw = password if password is not None else bcrypt.hashpw(cred.password.encode(),
+                                                             bcrypt.gensalt(_BCRYPT_ROUNDS)).decode()
+    return {"user": cred.user, "password": pw, "permissions": perms.as_config()}
+
+
+def accounts(creds: dict[str, Credential], *, passwords: dict[str, str] | None = None) -> dict[str, Any]:
+    """nats-server's ``accounts`` block for ``creds`` (by user): tokenpipe's roles in
+    :data:`TOKENPIPE_ACCOUNT`, each app in its own. Passwords are bcrypt hashes unless
+    ``passwords`` gives a user's value (the Helm chart's environment references)."""
+    pw = passwords or {}
+    roles = [c for c in creds.values() if c.role != "app"]
+    apps = sorted((c for c in creds.values() if c.role == "app"), key=lambda c: c.owner)
+    out: dict[str, Any] = {TOKENPIPE_ACCOUNT: {
+        "jetstream": "enabled",
+        "users": [_user(c, pw.get(c.user)) for c in roles],
+        "exports": [e for c in apps for e in _exports(c.owner)],
+    }}
+    for c in apps:
+        out[account_name(c.owner)] = {
+            # The app's own copy of its tokens (TP_TOKENS, one stream): JetStream for it alone.
+            "jetstream": "enabled",
+            "users": [_user(c, pw.get(c.user))],
+            "imports": _imports(c.owner),
+        }
+    return out
+
+
+def _conf_value(value: Any) -> str:
+    # nats-server's config format accepts JSON values (strings quoted, lists, maps).
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(k)}: {_conf_value(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(_conf_value(v) for v in value) + "]"
+    return json.dumps(value)
+
+
+def server_config(creds: dict[str, Credential] | None, tls: TLSFiles | None = None, *,
+                  include: str | None = None) -> str:
+    """nats-server configuration: the accounts of ``creds`` (None: no authorization), no anonymous
+    user; TLS when ``tls`` is given. ``include``: a file holding the accounts block (reloadable
+    on its own, :func:`write_server_config`) instead of the block itself."""
+    lines = ["# generated by tokenpipe (tokenpipe/natsconfig.py); regenerated at every start", ""]
+    if include is not None:
+        lines.append(f"include {json.dumps(include)}")
+    elif creds is not None:
+        lines.append(f"accounts {_conf_value(accounts(creds))}")
+    if tls is not None:
+        block: dict[str, Any] = {"cert_file": tls.cert, "key_file": tls.key}
+        if tls.ca:
+            block["ca_file"] = tls.ca
+        lines.append("tls " + _conf_value({**block, **({"verify": True} if tls.verify else {})}))
+    return "\n".join(lines) + "\n"
+
+
+def write_server_config(path: str | os.PathLike[str], creds_dir: str | os.PathLike[str],
+                        tls: TLSFiles | None = None) -> Path:
+    """Create the credentials that are missing in ``creds_dir`` (first start), write the accounts
+    (bcrypt hashes) into ``creds_dir``/accounts.conf and nats-server's configuration including
+    it at ``path`` (both 0600): authorization on, no anonymous user. ``tokenpipe creds add-app``
+    rewrites only accounts.conf and asks the running servers to reload it."""
+    accounts_file = write_accounts(creds_dir)
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # nats-server resolves an include against the including file's directory, absolute or not.
+    rel = os.path.relpath(accounts_file.resolve(), out.parent.resolve())
+    _write_private(out, server_config(None, tls, include=rel))
+    return out
+
+
+def write_accounts(creds_dir: str | os.PathLike[str]) -> Path:
+    """(Re)write ``creds_dir``/accounts.conf from the credentials there; its path."""
+    creds = ensure_credentials(creds_dir)
+    path = Path(creds_dir) / ACCOUNTS_FILE
+    _write_private(path, f"accounts {_conf_value(accounts(creds))}\n")
+    return path
+
+
+def password_env(user: str) -> str:
+    """The environment variable nats-server reads ``user``'s password from in the Helm chart."""
+    return "TP_" + user.upper().replace("-", "_") + "_PASSWORD"
+
+
+def chart_accounts(apps: tuple[str, ...] = ("default",)) -> dict[str, Any]:
+    """The ``accounts`` of deploy/helm's NATS values: the same layout, passwords read by
+    nats-server from the environment (``<< $VAR >>`` is the official chart's unquoted form)."""
+    creds = {u: Credential(u, "", o) for u, o in [("relay", "relay"), ("generator", "relay"),
+                                                   ("admin", "relay"), *((app_user(a), a) for a in apps)]}
+    return accounts(creds, passwords={u: f"<< ${password_env(u)} >>" for u in creds})
+
+
+# -- the documented tables -----------------------------------------------------------------------
+
+def permission_table() -> str:
+    """docs/architecture.md's permission table (markdown), rendered from :func:`permissions`."""
+    rows = ["| role (NATS user) | account | publish allow | publish deny | subscribe allow | subscribe deny |",
+            "|---|---|---|---|---|---|"]
+    for role, user, account in (("relay", "relay", TOKENPIPE_ACCOUNT), ("generator", "generator", TOKENPIPE_ACCOUNT),
+                                ("admin", "admin", TOKENPIPE_ACCOUNT), ("app", "app-<name>", "APP_<name>")):
+        p = permissions(role, "NAME" if role == "app" else None)
+
+        def cell(subjects: tuple[str, ...]) -> str:
+            return "<br>".join(f"`{s.replace('NAME', '<name>')}`" for s in subjects) or "—"
+
+        extra = " (+ replies to requests it receives)" if p.allow_responses else ""
+        rows.append(f"| {role} (`{user}`) | `{account}` | {cell(p.publish_allow)}{extra} | {cell(p.publish_deny)} "
+                    f"| {cell(p.subscribe_allow)} | {cell(p.subscribe_deny)} |")
+    return "\n".join(rows) + "\n"
+
+
+def account_table() -> str:
+    """docs/architecture.md's table of what crosses between accounts, rendered from :func:`accounts`."""
+    layout = accounts({"app-NAME": Credential("app-NAME", "x", "NAME")}, passwords={"app-NAME": ""})
+    rows = ["| exported by `TOKENPIPE` | kind | imported by | what it carries |", "|---|---|---|---|"]
+    what = {"tp.req": "the app's requests; JetStream's PubAck comes back as the reply, in the app's account",
+            "tp.cancel": "the app's cancels",
+            "tp.tok": "the app's token batches, live; kept in the app's own `TP_TOKENS` for history"}
+    for e in layout[TOKENPIPE_ACCOUNT]["exports"]:
+        kind = "service" if "service" in e else "stream"
+        subject = str(e[kind]).replace("NAME", "<name>")
+        rows.append(f"| `{subject}` | {kind} | `APP_<name>` only | {what['.'.join(subject.split('.')[:2])]} |")
+    return "\n".join(rows) + "\n"

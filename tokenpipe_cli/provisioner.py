@@ -1,0 +1,116 @@
+"""The admin on the bus: provisions tokenpipe's streams and keeps them as provisioned.
+
+Only the admin identity may create or configure streams (tokenpipe.natsauth): ``tokenpipe up``
+(and ``tokenpipe nats --auth``) run one of these next to nats-server, in a thread with its own
+event loop. It provisions before the roles start, then checks every
+:data:`~tokenpipe.bus.REPAIR_INTERVAL_S` seconds and re-creates or restores whatever was deleted
+or reconfigured (a sealed stream cannot be restored: it logs what the admin must do).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from pathlib import Path
+
+from tokenpipe.bus import REPAIR_INTERVAL_S, Bus, connect, repair
+from tokenpipe.errors import TokenpipeError, TransportError
+from tokenpipe.settings import Settings
+
+__all__ = ["Provisioner"]
+
+log = logging.getLogger(__name__)
+
+
+class Provisioner:
+    """Provision with ``admin_creds`` against ``nats_url`` now, repair in the background."""
+
+    def __init__(self, settings: Settings, nats_url: str | None = None, admin_creds: str | Path | None = None) -> None:
+        """``admin_creds`` None: ``settings``' own credentials (``TOKENPIPE_NATS_USER=admin`` and its
+        password: the Helm chart's provisioner)."""
+        self.settings = settings.replace(nats_url=nats_url or settings.nats_url, app_name="")
+        if admin_creds is not None:
+            self.settings = self.settings.replace(nats_creds=str(admin_creds), nats_user="")
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._timeout = 60.0
+
+    def start(self, timeout: float = 60.0) -> Provisioner:
+        """Returns once the streams are provisioned; raises :class:`TransportError` if they could not be
+        within ``timeout`` seconds."""
+        self._timeout = timeout
+        self._thread = threading.Thread(target=self._main, name="provisioner", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout + 15):
+            self.stop()
+            raise TransportError(f"tokenpipe's streams were not provisioned within {timeout:g} s")
+        if self._error is not None:
+            err = self._error
+            self.stop()
+            raise TransportError(f"cannot provision tokenpipe's streams: {err}") from err
+        return self
+
+    def wait(self) -> None:
+        """Block while it runs (``tokenpipe provision --watch``); returns after :meth:`stop`."""
+        while self._thread is not None and self._thread.is_alive():
+            self._thread.join(1.0)
+
+    def stop(self) -> None:
+        loop, stop = self._loop, self._stop
+        if loop is not None and stop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(stop.set)
+        if self._thread is not None:
+            self._thread.join(10)
+            self._thread = None
+
+    def _main(self) -> None:
+        asyncio.run(self._run())
+
+    async def _run(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        bus = await self._provision()
+        self._ready.set()
+        if bus is None:
+            return
+        try:
+            while not self._stop.is_set():
+                try:
+                    await asyncio.wait_for(self._stop.wait(), REPAIR_INTERVAL_S)
+                except TimeoutError:
+                    await self._repair(bus)
+        finally:
+            await bus.close()
+
+    async def _provision(self) -> Bus | None:
+        """Connect and provision (``connect`` does, as the admin), retrying while a cluster is still
+        forming (no meta leader yet, fewer peers than the replicas asked for); None after an error
+        that ``start`` reports."""
+        deadline = time.monotonic() + self._timeout
+        while True:
+            try:
+                return await connect(self.settings, name="tokenpipe-admin", role="admin")
+            except TokenpipeError as exc:
+                if time.monotonic() > deadline or self._stop is None or self._stop.is_set():
+                    self._error = exc
+                    return None
+                log.info("provisioning not possible yet; retrying", extra={"error": exc.message})
+            except BaseException as exc:  # reported to start()'s caller, in the other thread
+                self._error = exc
+                return None
+            with contextlib.suppress(TimeoutError):  # the cluster forming: no event to wait for
+                await asyncio.wait_for(self._stop.wait(), 0.5)
+
+    async def _repair(self, bus: Bus) -> None:
+        if not bus.nc.is_connected:
+            return  # nats-server restarting: the next round asks again
+        try:
+            await repair(bus.js, self.settings, restore_limits=True)
+        except TokenpipeError as exc:  # JetStream recovering, or a change NATS refuses: said, retried
+            log.warning("JetStream repair failed", extra={"error": exc.message})
