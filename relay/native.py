@@ -111,7 +111,8 @@ def router(bodies: Bodies) -> APIRouter:
         after = last_event_id_header if last_event_id_header is not None else last_event_id
         meta = await state.forwarder.owned_meta(stream_id, tenant)
         await state.forwarder.check_retained(meta)
-        session = Session(stream_id, tenant, cancel_on_exit=cancel_on_disconnect and not replay, reader=not replay)
+        session = Session(stream_id, tenant, cancel_on_exit=cancel_on_disconnect and not replay, reader=not replay,
+                          meta=meta)
 
         def dropped() -> None:
             session.cancel_on_exit = False  # a slow client is cut off, not its generation: it may resume

@@ -27,11 +27,21 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Tracer
 
 from tokenpipe.bus import Bus
-from tokenpipe.errors import NoGenerator, StreamNotFound, TokenpipeError
+from tokenpipe.errors import NoGenerator, StreamExpired, TokenpipeError, TransportError
 from tokenpipe.metrics import RelayMetrics
 from tokenpipe.retry import ELECTIONS
 from tokenpipe.settings import Settings
-from tokenpipe.streams import StreamItem, cancel, get_meta, last_batch, paced, stream_not_found, submit
+from tokenpipe.streams import (
+    Ping,
+    StreamItem,
+    cancel,
+    get_meta,
+    last_batch,
+    paced,
+    pending_requests,
+    stream_not_found,
+    submit,
+)
 from tokenpipe.subjects import READERS_WILDCARD, RELAY_OWNER, readers_subject, request_subject
 from tokenpipe.telemetry import extract_context, producer_span
 from tokenpipe.wire import Request, StreamMeta, TokenBatch
@@ -60,6 +70,7 @@ class Session:
     reader: bool = True
     finished: bool = False
     live: LiveStream | None = None  # registered before submission (nothing published can be missed)
+    meta: StreamMeta | None = None  # an attach: its idle pings ask whether the stream is gone (Forwarder.batches)
 
     def close(self) -> None:
         """Unregister the live reader; safe to call more than once, and needed when the response
@@ -213,11 +224,34 @@ class Forwarder:
         return meta
 
     async def check_retained(self, meta: StreamMeta) -> None:
-        """404 saying so when a stream's tokens have aged out of JetStream."""
+        """404 ``expired`` when the stream's history is gone and nothing more will be stored: its
+        tokens aged out of JetStream, or were removed (a purge) after it ended. A stream younger
+        than ``keepalive_s`` is not asked here (a client's GET right after its POST: no round trip
+        on the first token's path); its reader's first idle ping asks (:meth:`batches`)."""
         age_s = (time.time_ns() - meta.created_at) / 1e9
         if age_s > self.settings.token_max_age_s and await last_batch(self._bus(), meta.id) is None:
-            raise StreamNotFound(f"stream {meta.id!r} expired: token history is kept for "
-                                 f"{self.settings.token_max_age_s:g} s and this stream is {age_s:.0f} s old")
+            raise StreamExpired(f"stream {meta.id!r} expired: token history is kept for "
+                                f"{self.settings.token_max_age_s:g} s and this stream is {age_s:.0f} s old")
+        if age_s > self.settings.keepalive_s:
+            await self._check_gone(meta)
+
+    async def _check_gone(self, meta: StreamMeta) -> None:
+        """Raise :class:`StreamExpired` when nothing is stored for the stream and none of the relay's
+        requests for its model is queued or running. Not yet stored (waiting in the queue, or its
+        first batch still being computed) is not gone: its request is in the work queue until its
+        final batch is stored. The queue is asked first: a stream that ends between the two looks
+        has its final batch stored before its request leaves the queue, so it is seen stored."""
+        bus = self._bus()
+        try:
+            if await pending_requests(bus, meta.model, RELAY_OWNER) or await last_batch(bus, meta.id) is not None:
+                return
+        except TransportError as exc:  # JetStream between leaders: cannot tell, so not gone
+            log.warning("could not tell whether a stream is gone", extra={"request_id": meta.id,
+                                                                          "error": exc.message})
+            return
+        log.warning("stream history gone; answering expired", extra={"request_id": meta.id})
+        raise StreamExpired(f"stream {meta.id!r} expired: its token history is gone (past retention, or "
+                            "removed) and it is neither queued nor running")
 
     async def cancel(self, stream_id: str) -> None:
         await cancel(self._bus(), stream_id)
@@ -273,6 +307,9 @@ class Forwarder:
                         span.set_attribute("gen_ai.response.finish_reasons", [item.finish or ""])
                         if item.usage:
                             span.set_attribute("gen_ai.usage.output_tokens", item.usage.completion_tokens)
+                elif isinstance(item, Ping) and session.meta is not None:
+                    # Idle: a history wiped (or aged out) while nothing more can come would ping forever.
+                    await self._check_gone(session.meta)
                 yield item
         except TokenpipeError:
             self.admission.release(session.tenant, session.stream_id)  # it ended (in error): its slot is free

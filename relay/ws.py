@@ -290,7 +290,8 @@ class Connection:
             raise InvalidRequest(f"stream {sid!r} is already attached on this socket", param="id")
         await forwarder.check_retained(meta)
         await self.outbox.put(_dumps({"type": "attached", "ref": ref, "id": sid}))
-        session = Session(sid, tenant, cancel_on_exit=cancel_on_disconnect and not replay, reader=not replay)
+        session = Session(sid, tenant, cancel_on_exit=cancel_on_disconnect and not replay, reader=not replay,
+                          meta=meta)
         self._follow(session, after=after, speed=speed if replay else None)
 
     async def _cancel(self, frame: dict[str, Any], ref: Any, tenant: str) -> None:
@@ -309,7 +310,10 @@ class Connection:
     async def _forward(self, session: Session, after: int, speed: float | None) -> None:
         sid = session.stream_id
         try:
-            async for item in self.state.forwarder.batches(session, after=after, speed=speed):
+            # Idle pings send no frame (the socket has its own keepalive); they let an attach whose
+            # history is gone end with an error frame (Forwarder.batches).
+            async for item in self.state.forwarder.batches(session, after=after, speed=speed,
+                                                           idle=self.state.settings.keepalive_s):
                 if isinstance(item, TokenBatch):
                     for frame in batch_frames(sid, item):
                         await self.outbox.put(frame)

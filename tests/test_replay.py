@@ -11,14 +11,16 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
+from websockets.asyncio.client import connect as ws_connect
 
 from generator.models import load_model
 from generator.worker import GeneratorWorker
 from producer import Producer
 from tokenpipe.bus import connect
 from tokenpipe.settings import Settings
-from tokenpipe.streams import StreamItem, last_batch, paced
-from tokenpipe.wire import TokenBatch
+from tokenpipe.streams import StreamItem, last_batch, paced, submit
+from tokenpipe.subjects import RELAY_OWNER, REQUESTS_STREAM, TOKENS_STREAM, token_subject
+from tokenpipe.wire import Request, TokenBatch
 from tokenpipe_cli.natsserver import NatsServer
 
 from .conftest import read_sse, start_relay, wait_until
@@ -141,4 +143,66 @@ async def test_expired_stream_is_404_saying_so(tmp_path: Path, data_dir: Path, s
         finally:
             await relay.stop()
             await worker.stop(drain_timeout=0.5)
+            await bus.close()
+
+
+async def _expect_expired(lines: AsyncIterator[str]) -> dict:
+    """Read an SSE body up to its ``error`` event; its data."""
+    event = None
+    async for line in lines:
+        if line.startswith("event: "):
+            event = line.removeprefix("event: ")
+        elif line.startswith("data: ") and event == "error":
+            return json.loads(line.removeprefix("data: "))  # type: ignore[no-any-return]
+    raise AssertionError("the stream ended without an error event")
+
+
+async def test_wiped_history_is_404_expired_and_a_waiting_reader_ends_instead_of_pinging_forever(
+        tmp_path: Path, data_dir: Path, settings: Settings) -> None:
+    with NatsServer(tmp_path / "nats") as nats:
+        quick = settings.replace(nats_url=nats.url, keepalive_s=0.3)
+        bus = await connect(quick, name="wipe-gen")
+        worker = GeneratorWorker(quick, load_model("tiny-random", device="cpu", dtype="float32", data_dir=data_dir),
+                                 bus)
+        await worker.start()
+        running = True
+        relay = await start_relay(quick)
+        try:
+            async with httpx.AsyncClient(base_url=relay.url, timeout=30) as http:
+                # Finished, then its history removed (an admin purge): gone, however young.
+                sid, events = await make_stream(http, {**BODY, "max_tokens": 3})
+                assert events[-1][0] == "done"
+                ended = time.time_ns()
+                await bus.js.purge_stream(TOKENS_STREAM, subject=token_subject(RELAY_OWNER, sid))
+                await wait_until(lambda: time.time_ns() - ended > 0.5e9, 10, "the stream to be older than keepalive")
+                r = await http.get(f"/v1/streams/{sid}")
+                assert r.status_code == 404, r.text
+                assert r.json()["error"]["code"] == "expired" and "gone" in r.json()["error"]["message"]
+                async with ws_connect(relay.url.replace("http://", "ws://") + "/v1/ws") as ws:
+                    await ws.send(json.dumps({"type": "attach", "id": sid, "ref": 1}))
+                    frame = json.loads(await asyncio.wait_for(ws.recv(), 30))
+                    assert frame["type"] == "error" and frame["code"] == "expired" and frame["status"] == 404
+
+                # Not yet stored is not gone: a request waiting in the queue (no generator now) keeps its
+                # reader waiting, through pings, until its request leaves the queue unserved (here
+                # purged, as request_max_age_s would): then the reader gets an error and the stream ends.
+                await worker.stop(drain_timeout=0.5)
+                running = False
+                queued = Request.build("tiny-random", prompt="nobody serves me", params={"max_tokens": 3})
+                await submit(bus, queued)
+                async with http.stream("GET", f"/v1/streams/{queued.id}") as resp:
+                    assert resp.status_code == 200
+                    lines = resp.aiter_lines()
+                    pings = 0
+                    while pings < 4:  # > 1 s of waiting: every ping asked whether it is gone
+                        line = await asyncio.wait_for(anext(lines), 30)
+                        assert not line.startswith("event:"), line
+                        pings += line == ": ping"
+                    await bus.js.purge_stream(REQUESTS_STREAM)
+                    error = await asyncio.wait_for(_expect_expired(lines), 30)
+                    assert error["code"] == "expired", error
+        finally:
+            await relay.stop()
+            if running:
+                await worker.stop(drain_timeout=0.5)
             await bus.close()

@@ -13,6 +13,7 @@ __all__ = [
     "ModelNotFound",
     "NoGenerator",
     "StreamNotFound",
+    "StreamExpired",
     "Overloaded",
     "TransportError",
     "GenerationError",
@@ -54,6 +55,13 @@ class ModelNotFound(TokenpipeError):
 class StreamNotFound(TokenpipeError):
     code = "stream_not_found"
     status = 404
+
+
+class StreamExpired(StreamNotFound):
+    """The stream existed, but its token history is gone (retention, or removed) and nothing more
+    will be stored: it is neither queued nor running."""
+
+    code = "expired"
 
 
 class NoGenerator(TokenpipeError):

@@ -25,12 +25,20 @@ from .bus import Bus
 from .errors import StreamNotFound, TransportError, WireFormatError
 from .reorder import Gap, Reorder
 from .retry import ELECTIONS, Retry, retrying, through_elections
-from .subjects import RELAY_OWNER, TOKENS_STREAM, cancel_subject, check_stream_id, request_subject, token_subject
+from .subjects import (
+    RELAY_OWNER,
+    REQUESTS_STREAM,
+    TOKENS_STREAM,
+    cancel_subject,
+    check_stream_id,
+    request_subject,
+    token_subject,
+)
 from .wire import Request, StreamMeta, TokenBatch
 
 __all__ = ["PING", "Gap", "Ping", "StreamItem", "cancel", "emitted_before", "first_stored", "follow", "get_meta",
-           "history",
-           "last_batch", "last_stored", "paced", "stored", "stored_count", "stream_not_found", "submit"]
+           "history", "last_batch", "last_stored", "paced", "pending_requests", "stored", "stored_count",
+           "stream_not_found", "submit"]
 
 log = logging.getLogger(__name__)
 
@@ -155,6 +163,19 @@ async def stored_count(bus: Bus, stream_id: str, *, owner: str | None = None) ->
                                       timeout=_COUNT_TIMEOUT_S)
     except Exception as exc:
         raise TransportError(f"could not read stream history: {exc}") from exc
+    return int((info.state.subjects or {}).get(subject, 0))
+
+
+async def pending_requests(bus: Bus, model: str, owner: str | None = None) -> int:
+    """How many of ``owner``'s requests for ``model`` the work queue holds: queued, or running (a
+    generator acks a request only after its final batch is stored). 0 means none of them can still
+    store a batch. Asked of the stream's leader, like :func:`stored_count`."""
+    subject = request_subject(model, owner or bus.owner)
+    try:
+        info = await asyncio.wait_for(bus.js.stream_info(REQUESTS_STREAM, subjects_filter=subject),
+                                      timeout=_COUNT_TIMEOUT_S)
+    except Exception as exc:
+        raise TransportError(f"could not read the request queue: {exc}") from exc
     return int((info.state.subjects or {}).get(subject, 0))
 
 
