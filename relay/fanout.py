@@ -39,7 +39,7 @@ from nats.aio.subscription import Subscription
 from tokenpipe.bus import Bus
 from tokenpipe.errors import TransportError, WireFormatError
 from tokenpipe.reorder import Reorder
-from tokenpipe.streams import PING, StreamItem, emitted_before, last_stored, stored
+from tokenpipe.streams import PING, StreamItem, batch_of, emitted_before, last_stored, stored
 from tokenpipe.subjects import token_subject
 from tokenpipe.wire import TokenBatch
 
@@ -137,11 +137,9 @@ class Fanout:
         readers = self._readers.get(msg.subject)
         if not readers:
             return  # nobody here reads this stream: not even decoded
-        try:
-            batch = TokenBatch.decode(msg.data)
-        except WireFormatError as exc:
-            log.warning("undecodable token batch", extra={"subject": msg.subject, "error": str(exc)})
-            return
+        batch = batch_of(self.bus, msg.data, msg.subject.rpartition(".")[2])
+        if batch is None:
+            return  # not a batch of this stream: logged and counted
         for reader in readers:
             reader._push(batch, msg.headers)
 

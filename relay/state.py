@@ -56,6 +56,7 @@ class RelayState:
             log.warning("relay listens beyond loopback without API keys: set TOKENPIPE_API_KEYS",
                         extra={"host": self.settings.host})
         self.bus = await connect(self.settings, name="tokenpipe-relay")
+        self.bus.on_dropped_batch.append(lambda reason: self.metrics.dropped_batches.labels(reason).inc())
         self.fanout = Fanout(self.bus)
         await self.fanout.start()
         self.forwarder.fanout = self.fanout

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator
 
 import httpx
@@ -13,11 +14,11 @@ from relay.fanout import Fanout, LiveStream
 from tokenpipe.bus import Bus
 from tokenpipe.errors import TransportError
 from tokenpipe.reorder import Gap
-from tokenpipe.streams import StreamItem
+from tokenpipe.streams import StreamItem, follow
 from tokenpipe.subjects import token_subject
 from tokenpipe.wire import TokenBatch, new_request_id
 
-from .conftest import RelayServer, wait_until
+from .conftest import RelayServer, read_sse, wait_until
 
 
 def batch(sid: str, seq: int, final: bool = False) -> TokenBatch:
@@ -241,3 +242,33 @@ async def test_reconnect_makes_readers_look_again_without_waiting_for_the_idle_r
         loss_reported(bus)
         items = await asyncio.wait_for(task, 10)  # not the hour-long idle resync
     assert [b.seq for b in items if isinstance(b, TokenBatch)] == [0]
+
+
+async def test_forged_batch_naming_another_stream_and_junk_are_dropped_and_counted_not_shown(
+        bus: Bus, http: httpx.AsyncClient) -> None:
+    """A batch stored on a stream's subject that names another stream (the issue-24 forged text: a
+    stored batch replayed onto ``tp.tok.relay.<id>``), or no batch at all, is dropped by every
+    reader (the relay's, live and catch-up; tokenpipe.streams.follow) and counted, never shown."""
+    created = await http.post("/v1/streams", json={"prompt": "forge me", "max_tokens": 30, "temperature": 0,
+                                                    "ignore_eos": True, "coalesce": {"max_tokens": 1}})
+    assert created.status_code == 201, created.text
+    sid = created.json()["id"]
+    forged = TokenBatch(id=new_request_id(), seq=2, index=2, token_ids=(1,), text="MALLORY WAS HERE",
+                        finish="stop")
+    await bus.js.publish(token_subject(bus.owner, sid), b"\xc1 not msgpack")
+    await bus.js.publish(token_subject(bus.owner, sid), forged.encode())
+    async with http.stream("GET", f"/v1/streams/{sid}") as resp:
+        events = await read_sse(resp)
+    assert "MALLORY" not in "".join(d for _, _, d in events)
+    tokens = [json.loads(d) for e, _, d in events if e == "tokens"]
+    assert [t["seq"] for t in tokens] == list(range(len(tokens)))
+    assert events[-1][0] == "done" and json.loads(events[-1][2])["finish"] == "length"
+    assert sum(len(t["token_ids"]) for t in tokens) == 30
+    followed = [b async for b in follow(bus, sid) if isinstance(b, TokenBatch)]
+    assert [b.seq for b in followed] == list(range(len(followed))) and len(followed) - len(tokens) in (0, 1)
+    assert all(b.id == sid for b in followed) and followed[-1].finish == "length"
+    metrics = (await http.get("/metrics")).text
+    for reason in ("undecodable", "wrong_stream"):
+        line = next(ln for ln in metrics.splitlines()
+                    if ln.startswith(f'tokenpipe_dropped_batches_total{{reason="{reason}"}}'))
+        assert float(line.split()[-1]) >= 1, line

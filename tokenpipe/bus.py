@@ -51,6 +51,9 @@ class Bus:
     # Called after a reconnect (with None: any subscription may have missed messages) or a
     # slow-consumer error (with the subscription that dropped messages).
     on_possible_loss: list[Callable[[Any], None]] = field(default_factory=list)
+    # Called with the reason whenever a reader drops a token message that is no batch of the stream
+    # it was read for (tokenpipe.streams.batch_of): the relay counts them in a metric.
+    on_dropped_batch: list[Callable[[str], None]] = field(default_factory=list)
     closing: bool = False
     # Whose streams this connection makes and reads (the owner in their subjects, tokenpipe.subjects).
     owner: str = RELAY_OWNER

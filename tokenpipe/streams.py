@@ -37,7 +37,7 @@ from .subjects import (
 from .wire import Request, StreamMeta, TokenBatch
 
 __all__ = ["PING", "Gap", "Ping", "StreamItem", "cancel", "emitted_before", "first_stored", "follow", "get_meta",
-           "history", "last_batch", "last_stored", "paced", "pending_requests", "stored", "stored_count",
+           "batch_of", "history", "last_batch", "last_stored", "paced", "pending_requests", "stored", "stored_count",
            "stream_not_found", "submit"]
 
 log = logging.getLogger(__name__)
@@ -106,6 +106,24 @@ async def submit(bus: Bus, request: Request, headers: dict[str, str] | None = No
     return meta
 
 
+def batch_of(bus: Bus, data: bytes, stream_id: str) -> TokenBatch | None:
+    """``data`` as a batch of ``stream_id``, or None (logged, and counted through
+    ``bus.on_dropped_batch``) when it does not decode or names another stream: whoever managed to
+    store or send it there, a reader never shows it as this stream's."""
+    try:
+        batch = TokenBatch.decode(data)
+    except WireFormatError as exc:
+        reason, detail = "undecodable", exc.message
+    else:
+        if batch.id == stream_id:
+            return batch
+        reason, detail = "wrong_stream", f"the batch names stream {batch.id!r}"
+    log.warning("token message dropped", extra={"request_id": stream_id, "reason": reason, "error": detail})
+    for hook in bus.on_dropped_batch:
+        hook(reason)
+    return None
+
+
 def stream_not_found(stream_id: str) -> StreamNotFound:
     """The one 404 for a stream, whether it never existed, expired, or belongs to someone else."""
     return StreamNotFound(f"stream {stream_id!r} not found (unknown, or past retention)")
@@ -139,7 +157,10 @@ async def last_stored(bus: Bus, stream_id: str, *,
         return None
     except Exception as exc:
         raise TransportError(f"could not read stream history: {exc}") from exc
-    return TokenBatch.decode(raw.data or b""), dict(raw.headers or {})
+    batch = batch_of(bus, raw.data or b"", stream_id)
+    if batch is None:
+        raise WireFormatError(f"the last message stored for stream {stream_id!r} is no batch of it")
+    return batch, dict(raw.headers or {})
 
 
 async def last_batch(bus: Bus, stream_id: str, *, owner: str | None = None) -> TokenBatch | None:
@@ -210,11 +231,8 @@ async def stored(bus: Bus, stream_id: str, *,
         while True:
             msg = await sub.next_msg(timeout=5.0)
             read += 1
-            try:
-                batch = TokenBatch.decode(msg.data)
-            except WireFormatError as exc:  # not a batch (nobody's to fix): skipped, never retried
-                log.warning("undecodable stored token batch", extra={"stream_id": stream_id, "error": exc.message})
-            else:
+            batch = batch_of(bus, msg.data, stream_id)  # not a batch of it (nobody's to fix): skipped
+            if batch is not None:
                 by_seq.setdefault(batch.seq, (batch, dict(msg.headers or {})))
             if msg.metadata.num_pending == 0:
                 break
@@ -249,12 +267,15 @@ async def first_stored(bus: Bus, stream_id: str, *, owner: str | None = None) ->
     except Exception as exc:
         raise TransportError(f"could not read stream history: {exc}") from exc
     try:
-        msg = await sub.next_msg(timeout=_COUNT_TIMEOUT_S)
+        while True:
+            msg = await sub.next_msg(timeout=_COUNT_TIMEOUT_S)
+            batch = batch_of(bus, msg.data, stream_id)
+            if batch is not None:
+                return batch
     except nats.errors.TimeoutError:
         return None  # nothing stored (yet, or any more)
     finally:
         await _unsubscribe(sub, stream_id)
-    return TokenBatch.decode(msg.data)
 
 
 def named_consumer() -> js_api.ConsumerConfig:
@@ -331,7 +352,9 @@ async def follow(bus: Bus, stream_id: str, *, after_seq: int = -1, idle: float |
                     yield PING
                     continue
             else:
-                batch = TokenBatch.decode(msg.data)
+                batch = batch_of(bus, msg.data, stream_id)
+                if batch is None:
+                    continue
                 if oldest is None or batch.seq < oldest.seq:
                     oldest = batch  # the lowest seq the stream still holds (read from its start)
                 now = time.monotonic()
