@@ -31,7 +31,7 @@ from tokenpipe.settings import Settings
 from tokenpipe.streams import history, last_stored
 from tokenpipe.subjects import CANCEL_WILDCARD, REQUESTS_STREAM, owner_of_request, parse_cancel_subject
 from tokenpipe.telemetry import extract_context, get_tracer
-from tokenpipe.wire import Request, TokenBatch, Usage
+from tokenpipe.wire import Cancel, Request, TokenBatch, Usage
 
 from .announce import Announcer
 from .intake import RequestIntake, keep, patiently
@@ -282,9 +282,16 @@ class GeneratorWorker:
 
     # -- cancellation ----------------------------------------------------------------
     async def _on_cancel(self, msg: Msg) -> None:
+        """Act only on a well-formed cancel of the subject's stream by the subject's owner (the
+        accounts make the subject the owner's; the payload check drops whatever else lands there)."""
         try:
             owner, rid = parse_cancel_subject(msg.subject)
-        except TokenpipeError:
+            order = Cancel.decode(msg.data)
+            if (order.owner, order.id) != (owner, rid):
+                raise WireFormatError(f"the cancel names {order.owner}.{order.id}")
+        except TokenpipeError as exc:
+            log.warning("cancel dropped", extra={"subject": msg.subject, "error": exc.message})
+            self.metrics.labels(self.metrics.dropped_cancels).inc()
             return
         self.recent_cancels[f"{owner}.{rid}"] = None
         while len(self.recent_cancels) > _RECENT_CANCELS:

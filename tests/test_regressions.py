@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -16,12 +17,13 @@ from generator.detok import IncrementalDetokenizer, StopMatcher
 from generator.models import LoadedModel, load_model
 from generator.runner import Emission, Job, Runner, torch_thread
 from generator.worker import GeneratorWorker
+from producer import aiter_sse
 from relay.registry import GeneratorRegistry
 from tokenpipe.bus import Bus
 from tokenpipe.settings import Settings
-from tokenpipe.streams import Gap, follow, history
-from tokenpipe.subjects import token_subject
-from tokenpipe.wire import Request, TokenBatch, new_request_id
+from tokenpipe.streams import Gap, cancel, follow, history
+from tokenpipe.subjects import cancel_subject, token_subject
+from tokenpipe.wire import Cancel, Request, TokenBatch, new_request_id
 
 from .conftest import RelayServer, start_relay, wait_until
 
@@ -248,3 +250,39 @@ def test_burst_handed_over_one_by_one_is_prefilled_together(tiny_model: LoadedMo
         assert prefills[1:] == [{"d"}, {"e", "f"}]
     finally:
         runner.stop()
+
+
+async def test_malformed_or_misdirected_cancels_cancel_nothing_and_are_counted(
+        http: httpx.AsyncClient, bus: Bus, generator: GeneratorWorker) -> None:
+    """Issue 24: whatever lands on ``tp.cancel.<owner>.<id>`` that is no cancel of that stream by that
+    owner (an empty message, a server's PubAck error provoked there with a forged reply subject, a
+    cancel naming another stream or owner) is dropped and counted; a real cancel still cancels."""
+    metrics = generator.metrics
+    model = metrics.model
+
+    def dropped() -> float:
+        return metrics.registry.get_sample_value("tokenpipe_dropped_cancels_total", {"model_name": model}) or 0.0
+
+    before = dropped()
+    body = {"prompt": "do not stop me", "max_tokens": 60, "temperature": 0, "ignore_eos": True}
+    created = await http.post("/v1/streams", json=body)
+    assert created.status_code == 201, created.text
+    sid = created.json()["id"]
+    subject = cancel_subject(bus.owner, sid)
+    junk = [b"", b'{"error":{"code":503,"description":"expected stream does not match"}}',
+            Cancel(new_request_id(), bus.owner).encode(), Cancel(sid, "mallory").encode(), b"\xc1\x00"]
+    for data in junk:
+        await bus.nc.publish(subject, data)
+    await wait_until(lambda: dropped() - before >= len(junk), 30, "the generator to drop the junk cancels")
+    async with http.stream("GET", f"/v1/streams/{sid}") as resp:
+        events = [(e.event, e.data) async for e in aiter_sse(resp)]
+    assert events[-1][0] == "done" and json.loads(events[-1][1])["finish"] == "length", events[-1]
+    assert dropped() - before == len(junk)
+
+    victim = await http.post("/v1/streams", json={**body, "max_tokens": 4000, "coalesce": {"max_tokens": 1}})
+    vid = victim.json()["id"]
+    await cancel(bus, vid)  # the well-formed cancel, as the relay and the SDK send it
+    async with http.stream("GET", f"/v1/streams/{vid}") as resp:
+        events = [(e.event, e.data) async for e in aiter_sse(resp)]
+    assert json.loads(events[-1][1])["finish"] == "cancelled"
+    assert dropped() - before == len(junk)

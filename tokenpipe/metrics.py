@@ -59,6 +59,8 @@ class GeneratorMetrics:
                                    "(hits / queries = the prefix-cache hit rate)", m, registry=r)
         self.preemptions = Counter("tokenpipe_num_preemptions", "Sequences preempted when KV blocks ran out", m,
                                    registry=r)
+        self.dropped_cancels = Counter("tokenpipe_dropped_cancels", "Messages on a cancel subject that were no "
+                                       "well-formed cancel of that stream by its owner (dropped)", m, registry=r)
         self.model = model
         self._children: dict[int, Any] = {}
 

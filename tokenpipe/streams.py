@@ -34,7 +34,7 @@ from .subjects import (
     request_subject,
     token_subject,
 )
-from .wire import Request, StreamMeta, TokenBatch
+from .wire import Cancel, Request, StreamMeta, TokenBatch
 
 __all__ = ["PING", "Gap", "Ping", "StreamItem", "cancel", "emitted_before", "first_stored", "follow", "get_meta",
            "batch_of", "history", "last_batch", "last_stored", "paced", "pending_requests", "stored", "stored_count",
@@ -143,7 +143,7 @@ async def get_meta(bus: Bus, stream_id: str) -> StreamMeta:
 
 
 async def cancel(bus: Bus, stream_id: str) -> None:
-    await bus.nc.publish(cancel_subject(bus.owner, stream_id), b"")
+    await bus.nc.publish(cancel_subject(bus.owner, stream_id), Cancel(stream_id, bus.owner).encode())
 
 
 async def last_stored(bus: Bus, stream_id: str, *,

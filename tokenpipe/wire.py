@@ -43,6 +43,7 @@ __all__ = [
     "chat_message",
     "TokenId",
     "TokenBatch",
+    "Cancel",
     "Usage",
     "StreamMeta",
     "IndexedRequest",
@@ -364,6 +365,28 @@ class StreamMeta:
                        created_at=int(obj["created_at"]))
         except (KeyError, TypeError, ValueError) as exc:
             raise WireFormatError(f"stream meta: bad field ({exc})") from exc
+
+
+@dataclass(frozen=True, slots=True)
+class Cancel:
+    """Stop generating stream ``id``: published by its ``owner`` on ``tp.cancel.<owner>.<id>``
+    (JSON). A generator acts only on one that names the subject's owner and stream; anything else
+    there (a server's answer provoked onto the subject with a forged reply subject, junk, an empty
+    message) is dropped and counted."""
+
+    id: str
+    owner: str
+
+    def encode(self) -> bytes:
+        return _dump_json({"v": WIRE_VERSION, "type": "cancel", "id": self.id, "owner": self.owner})
+
+    @classmethod
+    def decode(cls, data: bytes) -> Cancel:
+        obj = _load_json(data, "cancel")
+        sid, owner = obj.get("id"), obj.get("owner")
+        if obj.get("type") != "cancel" or not isinstance(sid, str) or not isinstance(owner, str):
+            raise WireFormatError('cancel: expected {"type": "cancel", "id": <stream id>, "owner": <owner>}')
+        return cls(id=sid, owner=owner)
 
 
 @dataclass(frozen=True, slots=True)
