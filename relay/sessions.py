@@ -27,10 +27,11 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Tracer
 
 from tokenpipe.bus import Bus
-from tokenpipe.errors import NoGenerator, StreamExpired, TokenpipeError, TransportError
+from tokenpipe.errors import NoGenerator, StreamExpired, TokenpipeError, TransportError, WireFormatError
 from tokenpipe.metrics import RelayMetrics
 from tokenpipe.retry import ELECTIONS
 from tokenpipe.settings import Settings
+from tokenpipe.streamindex import rebuild_meta
 from tokenpipe.streams import (
     Ping,
     StreamItem,
@@ -218,7 +219,12 @@ class Forwarder:
         # cost the same round trip (a faster 404 would tell which ids exist).
         aged = meta is not None and (time.time_ns() - meta.created_at) / 1e9 > self.settings.token_max_age_s
         if meta is None or meta.tenant != tenant or aged:
-            meta = await get_meta(self._bus(), stream_id)
+            try:
+                meta = await get_meta(self._bus(), stream_id)
+            except WireFormatError as exc:  # junk stored over the record: rebuilt for its owner only
+                meta = await rebuild_meta(self._bus(), stream_id, tenant)
+                if meta is None:
+                    raise stream_not_found(stream_id) from exc
         if meta.tenant != tenant:
             raise stream_not_found(stream_id)
         return meta

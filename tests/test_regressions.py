@@ -20,10 +20,11 @@ from generator.worker import GeneratorWorker
 from producer import aiter_sse
 from relay.registry import GeneratorRegistry
 from tokenpipe.bus import Bus
+from tokenpipe.errors import WireFormatError
 from tokenpipe.settings import Settings
 from tokenpipe.streams import Gap, cancel, follow, history
 from tokenpipe.subjects import cancel_subject, token_subject
-from tokenpipe.wire import Cancel, Request, TokenBatch, new_request_id
+from tokenpipe.wire import Cancel, Request, StreamMeta, TokenBatch, new_request_id
 
 from .conftest import RelayServer, start_relay, wait_until
 
@@ -286,3 +287,39 @@ async def test_malformed_or_misdirected_cancels_cancel_nothing_and_are_counted(
         events = [(e.event, e.data) async for e in aiter_sse(resp)]
     assert json.loads(events[-1][1])["finish"] == "cancelled"
     assert dropped() - before == len(junk)
+
+
+async def test_junk_stored_over_a_stream_record_is_rebuilt_for_its_owner_instead_of_a_400(
+        settings: Settings, bus: Bus, generator: GeneratorWorker) -> None:
+    """Issue 24: a JetStream answer provoked onto ``$KV.tp_streams.<id>`` (reply injection) made the
+    owner's GET a 400 "stream meta: bad field" for good. The record is rebuilt from the tenant's
+    index entry, for the owner only: another tenant still gets the plain 404."""
+    keys = settings.replace(api_keys="key-alice:alice,key-bob:bob")
+    first, second = await start_relay(keys), await start_relay(keys)  # the second has no cached record
+    try:
+        async with httpx.AsyncClient(base_url=first.url, timeout=60,
+                                     headers={"Authorization": "Bearer key-alice"}) as alice:
+            created = await alice.post("/v1/streams", json={"prompt": "keep me", "max_tokens": 5, "temperature": 0,
+                                                             "ignore_eos": True})
+            assert created.status_code == 201, created.text
+            sid = created.json()["id"]
+            async with alice.stream("GET", f"/v1/streams/{sid}") as resp:
+                live = [(e.event, e.data) async for e in aiter_sse(resp)]
+        assert live[-1][0] == "done"
+        await bus.meta.put(sid, b'{"type":"io.nats.jetstream.api.v1.account_info_response","memory":0}')
+
+        async with httpx.AsyncClient(base_url=second.url, timeout=60) as http:
+            bob = await http.get(f"/v1/streams/{sid}", headers={"Authorization": "Bearer key-bob"})
+            assert bob.status_code == 404 and bob.json()["error"]["code"] == "stream_not_found", bob.text
+            with pytest.raises(WireFormatError):  # nothing was rebuilt for bob
+                StreamMeta.decode((await bus.meta.get(sid)).value)
+            async with http.stream("GET", f"/v1/streams/{sid}",
+                                   headers={"Authorization": "Bearer key-alice"}) as resp:
+                assert resp.status_code == 200
+                again = [(e.event, e.data) async for e in aiter_sse(resp)]
+        assert again == live
+        rebuilt = StreamMeta.decode((await bus.meta.get(sid)).value)
+        assert (rebuilt.id, rebuilt.tenant, rebuilt.model) == (sid, "alice", created.json()["model"])
+    finally:
+        await first.stop()
+        await second.stop()

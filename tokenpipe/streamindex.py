@@ -28,7 +28,8 @@ from .retry import through_elections
 from .subjects import META_BUCKET, META_STREAM, check_model_name, check_stream_id
 from .wire import IndexedRequest, Request, StreamMeta
 
-__all__ = ["IndexEntry", "index_key", "is_index_key", "list_entries", "read_request", "record", "tenant_token"]
+__all__ = ["IndexEntry", "index_key", "is_index_key", "list_entries", "read_request", "rebuild_meta", "record",
+           "tenant_token"]
 
 log = logging.getLogger(__name__)
 
@@ -108,3 +109,30 @@ async def read_request(bus: Bus, meta: StreamMeta) -> IndexedRequest | None:
     except WireFormatError as exc:
         log.warning("unreadable index entry", extra={"request_id": meta.id, "error": exc.message})
         return None
+
+
+async def rebuild_meta(bus: Bus, stream_id: str, tenant: str) -> StreamMeta | None:
+    """``tenant``'s ownership record of ``stream_id``, rebuilt from its index entry (written with it
+    by the relay, holding the request as submitted) and stored again; None when ``tenant`` has no
+    such entry (someone else's stream, or none). For an entry that no longer decodes: junk stored
+    over it must not lock its owner out of the stream."""
+    check_stream_id(stream_id)
+    subjects_filter = f"$KV.{META_BUCKET}.{_PREFIX}.{tenant_token(tenant)}.*.*.{stream_id}"
+    try:
+        info = await through_elections(lambda: bus.js.stream_info(META_STREAM, subjects_filter=subjects_filter))
+    except Exception as exc:
+        raise TransportError(f"could not read the stream index: {exc}") from exc
+    found = [e for e in map(_parse, info.state.subjects or {}) if e is not None and e.id == stream_id]
+    if not found:
+        return None
+    entry = found[0]
+    meta = StreamMeta(stream_id, tenant, entry.model, entry.created_at)
+    indexed = await read_request(bus, meta)
+    if indexed is None or indexed.request.id != stream_id or indexed.request.tenant != tenant:
+        return None  # the index entry itself is gone or junk: nothing trustworthy to rebuild from
+    try:
+        await through_elections(lambda: bus.meta.put(stream_id, meta.encode()))
+    except Exception as exc:  # served all the same; the next read rebuilds it again
+        log.warning("could not store the rebuilt stream record", extra={"request_id": stream_id, "error": repr(exc)})
+    log.warning("stream record did not decode; rebuilt from the stream index", extra={"request_id": stream_id})
+    return meta
