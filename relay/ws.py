@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
+from decimal import Decimal
 from typing import Any
 
 import orjson
@@ -119,10 +121,14 @@ def _after_seq(frame: dict[str, Any]) -> int:
 _SPEED = TypeAdapter(native.Speed)  # the SSE route's ``speed`` rule
 
 
-def _speed(frame: dict[str, Any]) -> float:
-    speed = frame.get("speed", 1.0)
+def _speed(frame: dict[str, Any], text: str) -> float:
+    speed: Any = frame.get("speed", 1.0)
     if isinstance(speed, bool) or not isinstance(speed, int | float):
         raise InvalidRequest("'speed' must be a number", param="speed")
+    if isinstance(speed, float) and "speed" in frame:
+        # Judged on the exact decimal, as the query's speed is: the float parse already read 1e-400
+        # as 0.0 ("as fast as possible"). Read again (the frame is small, an attach rare).
+        speed = str(json.loads(text, parse_float=Decimal)["speed"])
     try:
         return float(_SPEED.validate_python(speed))
     except ValidationError as exc:
@@ -248,7 +254,7 @@ class Connection:
             elif kind == "create":
                 await self._create(frame, ref, self.tenant)
             elif kind == "attach":
-                await self._attach(frame, ref, self.tenant)
+                await self._attach(frame, ref, self.tenant, text)
             elif kind == "cancel":
                 await self._cancel(frame, ref, self.tenant)
             elif kind == "ping":
@@ -278,11 +284,11 @@ class Connection:
         await self.outbox.put(_dumps({"type": "created", "ref": ref, "id": sid, "model": req.model}))
         self._follow(Session(sid, tenant), after=-1, speed=None)
 
-    async def _attach(self, frame: dict[str, Any], ref: Any, tenant: str) -> None:
+    async def _attach(self, frame: dict[str, Any], ref: Any, tenant: str, text: str) -> None:
         sid = _stream_id(frame)
         after = _after_seq(frame)
         replay = _flag(frame, "replay", False)
-        speed = _speed(frame)
+        speed = _speed(frame, text)
         cancel_on_disconnect = _flag(frame, "cancel_on_disconnect", True)
         forwarder = self.state.forwarder
         meta = await forwarder.owned_meta(sid, tenant)

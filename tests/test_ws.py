@@ -120,6 +120,25 @@ async def test_attach_resumes_after_seq_and_replays(relay: RelayServer, http: ht
         assert tokens_of(streams[sid]) == tokens_of(whole)
 
 
+async def test_regression_ws_speed_1e_400_underflowed_to_0_and_replayed_as_fast_as_possible(
+        relay: RelayServer, http: httpx.AsyncClient) -> None:
+    """The frame's JSON parse read 1e-400 as 0.0 before any check; it is judged on the exact decimal,
+    as the SSE route's ``speed`` query is (an error frame naming ``speed``)."""
+    sid = (await http.post("/v1/streams", json=SHORT)).json()["id"]
+    async with connect(ws_url(relay)) as ws:
+        streams: dict[str, list[dict[str, Any]]] = {}
+        for n, bad in enumerate(("1e-400", "-1e-400", "0.009999999999999999999999")):
+            await ws.send(f'{{"type": "attach", "id": "{sid}", "replay": true, "speed": {bad}, "ref": {n}}}')
+            err = await reply_to(ws, n, streams)
+            assert err["type"] == "error" and err["code"] == "invalid_request" and err["param"] == "speed", (bad, err)
+        assert not streams
+        for n, zero in enumerate(("0", "0.0", "0e-999"), start=10):  # a zero written as a zero: as fast as possible
+            await ws.send(f'{{"type": "attach", "id": "{sid}", "replay": true, "speed": {zero}, "ref": {n}}}')
+            assert (await reply_to(ws, n, streams))["type"] == "attached", zero
+            await until_final(ws, streams, {sid})
+            streams.clear()
+
+
 async def test_cancel_frame_stops_the_generation(relay: RelayServer, bus: Bus) -> None:
     async with connect(ws_url(relay)) as ws:
         streams: dict[str, list[dict[str, Any]]] = {}
