@@ -235,7 +235,7 @@ class Forwarder:
         than ``keepalive_s`` is not asked here (a client's GET right after its POST: no round trip
         on the first token's path); its reader's first idle ping asks (:meth:`batches`)."""
         age_s = (time.time_ns() - meta.created_at) / 1e9
-        if age_s > self.settings.token_max_age_s and await last_batch(self._bus(), meta.id) is None:
+        if age_s > self.settings.token_max_age_s and not await self._stored_any(meta.id):
             raise StreamExpired(f"stream {meta.id!r} expired: token history is kept for "
                                 f"{self.settings.token_max_age_s:g} s and this stream is {age_s:.0f} s old")
         if age_s > self.settings.keepalive_s:
@@ -249,7 +249,7 @@ class Forwarder:
         has its final batch stored before its request leaves the queue, so it is seen stored."""
         bus = self._bus()
         try:
-            if await pending_requests(bus, meta.model, RELAY_OWNER) or await last_batch(bus, meta.id) is not None:
+            if await pending_requests(bus, meta.model, RELAY_OWNER) or await self._stored_any(meta.id):
                 return
         except TransportError as exc:  # JetStream between leaders: cannot tell, so not gone
             log.warning("could not tell whether a stream is gone", extra={"request_id": meta.id,
@@ -258,6 +258,14 @@ class Forwarder:
         log.warning("stream history gone; answering expired", extra={"request_id": meta.id})
         raise StreamExpired(f"stream {meta.id!r} expired: its token history is gone (past retention, or "
                             "removed) and it is neither queued nor running")
+
+    async def _stored_any(self, stream_id: str) -> bool:
+        """Whether anything is stored for the stream (a last message that is no batch of it, junk
+        that readers drop, still counts: the readers decide what to show)."""
+        try:
+            return await last_batch(self._bus(), stream_id) is not None
+        except WireFormatError:
+            return True
 
     async def cancel(self, stream_id: str) -> None:
         await cancel(self._bus(), stream_id)
