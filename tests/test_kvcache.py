@@ -185,7 +185,7 @@ def test_decode_reads_blocks_in_any_order(tiny_model: LoadedModel) -> None:
     assert seq.generated == alone(tiny_model, prompt, 20)
 
 
-async def test_a_generator_short_of_kv_blocks_pulls_by_memory_and_loses_no_token(settings, data_dir) -> None:  # type: ignore[no-untyped-def]
+async def test_a_generator_short_of_kv_blocks_pulls_by_memory_and_loses_no_token(settings, data_dir, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """A worker whose KV budget holds a few of the requests at a time (max_batch is 16): every
     stream completes with the tokens the engine gives it alone; its metrics count the prompt tokens
     looked up and its announcement the free blocks."""
@@ -194,12 +194,18 @@ async def test_a_generator_short_of_kv_blocks_pulls_by_memory_and_loses_no_token
     from producer import Producer
     from tokenpipe.bus import connect
     from tokenpipe.metrics import render
+    from tokenpipe_cli.natsserver import NatsServer
 
     from .conftest import wait_until
 
     loaded = load_model("tiny-random", device="cpu", dtype="float32", data_dir=data_dir)
-    loaded.name = "tiny-small-kv"  # its own request subject: the session's generator does not take these
+    loaded.name = "tiny-small-kv"
     budget = mb_for(loaded, 160 * BLOCK_SIZE)  # 159 usable blocks; max_seq_len 2048 needs 128
+    # Its own nats-server: on the session's, its announcement outlived the test and other tests'
+    # model lists and readiness counts saw a second generator.
+    server = NatsServer(tmp_path / "nats")
+    server.start()
+    settings = settings.replace(nats_url=server.url)
     bus = await connect(settings, name="kv-generator")
     worker = GeneratorWorker(settings.replace(max_batch=16, kv_cache_mb=budget), loaded, bus)
     await worker.start()
@@ -220,3 +226,4 @@ async def test_a_generator_short_of_kv_blocks_pulls_by_memory_and_loses_no_token
     finally:
         await worker.stop(drain_timeout=1.0)
         await bus.close()
+        server.stop()
