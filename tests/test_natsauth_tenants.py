@@ -238,6 +238,29 @@ async def test_a_jetstream_answer_sent_to_the_registry_overwrites_nothing(
     await assert_still_stored(up, admin)
 
 
+async def test_a_wiped_history_answers_404_expired_not_endless_pings(up: UpProcess, admin: Bus) -> None:
+    """A history removed after the stream ended (here the admin's purge; the wipe of the issue went
+    through a relay credential, which may no longer touch the store) is 'expired': a reader waiting
+    on it gets an error event and ends, and a GET once the stream is older than the keepalive
+    (15 s by default: younger ones are asked at the first ping) is a 404 with code expired."""
+    sid, events = await relay_victim(up)
+    assert events[-1][0] == "done"
+    await admin.js.purge_stream(TOKENS_STREAM, subject=f"tp.tok.relay.{sid}")
+    created = time.monotonic()
+    async with httpx.AsyncClient(base_url=up.url, timeout=120) as http:
+        async with http.stream("GET", f"/v1/streams/{sid}") as resp:
+            if resp.status_code == 200:  # young: the reader is told at its first idle ping
+                out: Events = []
+                await asyncio.wait_for(read_events(resp, out), 60)
+                assert [e for e, _, _ in out] == ["error"] and out[0][2]["code"] == "expired", out
+            else:  # already older than the keepalive on a slow machine
+                assert resp.status_code == 404 and json.loads(await resp.aread())["error"]["code"] == "expired"
+        await wait_until(lambda: time.monotonic() - created > 16, 30, "the stream to be older than the keepalive")
+        r = await http.get(f"/v1/streams/{sid}")
+        assert r.status_code == 404 and r.json()["error"]["code"] == "expired", r.text
+    await assert_still_stored(up, admin)
+
+
 # -- reconnaissance, dedup, foreign subjects ------------------------------------------------------------
 
 async def test_an_app_lists_only_its_own_stream_ids(up: UpProcess, admin: Bus, mallory: Client) -> None:
@@ -340,25 +363,3 @@ async def test_a_sealed_token_store_is_reported_and_the_relay_survives_a_restart
     assert up.proc.poll() is None
 
 
-
-async def test_a_wiped_history_answers_404_expired_not_endless_pings(up: UpProcess, admin: Bus) -> None:
-    """A history removed after the stream ended (here the admin's purge; the wipe of the issue went
-    through a relay credential, which may no longer touch the store) is 'expired': a reader waiting
-    on it gets an error event and ends, and a GET once the stream is older than the keepalive
-    (15 s by default: younger ones are asked at the first ping) is a 404 with code expired."""
-    sid, events = await relay_victim(up)
-    assert events[-1][0] == "done"
-    await admin.js.purge_stream(TOKENS_STREAM, subject=f"tp.tok.relay.{sid}")
-    created = time.monotonic()
-    async with httpx.AsyncClient(base_url=up.url, timeout=120) as http:
-        async with http.stream("GET", f"/v1/streams/{sid}") as resp:
-            if resp.status_code == 200:  # young: the reader is told at its first idle ping
-                out: Events = []
-                await asyncio.wait_for(read_events(resp, out), 60)
-                assert [e for e, _, _ in out] == ["error"] and out[0][2]["code"] == "expired", out
-            else:  # already older than the keepalive on a slow machine
-                assert resp.status_code == 404 and json.loads(await resp.aread())["error"]["code"] == "expired"
-        await wait_until(lambda: time.monotonic() - created > 16, 30, "the stream to be older than the keepalive")
-        r = await http.get(f"/v1/streams/{sid}")
-        assert r.status_code == 404 and r.json()["error"]["code"] == "expired", r.text
-    await assert_still_stored(up, admin)
