@@ -14,6 +14,11 @@ no error with fp32 scales; the kernel's bf16 scales add 0.2 % relative error). I
 layer is 8-bit in the file (Q8_0), and ``lm_head`` is int8 under int4 too (see
 :func:`generator.forward.build_plan`).
 
+Which kernel serves a projection at a given number of rows (the quantized one, the float
+weight, or the float weight pre-packed for oneDNN) is measured at start-up
+(:mod:`generator.kernels`, :mod:`generator.autotune`); :data:`DENSE_ROWS` and
+:data:`BF16_DENSE_ROWS` are the rule that measurement starts from (and the ``rules`` setting).
+
 Where a kernel is missing or fails its start-up check (an old GPU, a torch build
 without it), the projection uses the float weight it keeps (or, built without one,
 de-quantizes on the fly) and a warning says so.

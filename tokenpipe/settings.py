@@ -100,8 +100,8 @@ class Settings:
     quant: Quant = field(
         default="auto",
         metadata=_doc("weight-only quantization of the projections: `auto` (int4 for the default model, whose GGUF "
-                      "is 4-bit, on CPUs; with native bf16 the bf16 weight takes matmuls of more than 16 rows; "
-                      "else none), `none`, `int8`, `int4`"))
+                      "is 4-bit, on CPUs; else none), `none`, `int8`, `int4`; which kernel serves each batch size: "
+                      "`TOKENPIPE_KERNELS`"))
     kernels: Kernels = field(
         default="auto",
         metadata=_doc("which kernel serves a quantized projection at each decode batch size: `auto` times the "
