@@ -157,3 +157,20 @@ def test_measured_table_engine_matches_the_reference_for_the_same_kernels(data_d
     for key, prompt in prompts.items():
         got = run_all(Engine(lm, max_batch=1), {key: prompt}, GREEDY)
         assert got == run_all(Engine(ref, max_batch=1), {key: prompt}, GREEDY), (key, table.summary())
+
+
+def test_kernels_benchmark_runs_end_to_end(data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``python -m bench.kernels`` on the tiny model: a measured table, its start-up cost, both variants timed."""
+    import json
+
+    from bench.kernels import main
+
+    for key, value in {"MODEL": "tiny-random", "QUANT": "int4", "DTYPE": "float32", "MAX_BATCH": "4",
+                       "DATA_DIR": str(data_dir)}.items():
+        monkeypatch.setenv(f"TOKENPIPE_{key}", value)
+    out = tmp_path / "kernels.json"
+    assert main(["--rows", "1,4", "--rounds", "2", "--steps", "1", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["startup_s"] > 0 and set(result["table"]["bands"]) == set(ROLES)
+    assert set(result["decode"]) == {"1", "4"}
+    assert all(len(result["decode"][r]["rounds"][v]) == 2 for r in ("1", "4") for v in ("rules", "measured"))
