@@ -9,10 +9,11 @@ the LM head) at the row counts decode runs, builds a table of row bands per proj
 confirms the changed choices with whole decode steps, and caches the table in the data dir
 under a key of CPU model, flags, cores, threads, torch version and model.
 
-Candidates (what a quantized plan can serve without another copy of the model):
-``quant`` (the plan's int4/int8 kernel), ``dense`` (the float weight the model keeps) and
-``packed`` (that weight pre-packed once for oneDNN, ``torch.ops.mkldnn._reorder_linear_weight``;
-only kept for the projections whose table uses it). The default is today's rule (``quant`` up
+Candidates (what a quantized plan holds anyway, plus one packed copy): ``quant`` (the plan's
+int4/int8 kernel), ``dense`` (the float weight the model keeps) and ``packed`` (that weight
+pre-packed once for oneDNN, ``torch.ops.mkldnn._reorder_linear_weight``; kept only for the roles
+whose bands use it). int8 beside int4 and fp32 beside a bf16 model are not candidates: each would
+keep another copy of the weights. The default is today's rule (``quant`` up
 to :data:`generator.quant.DENSE_ROWS` rows, or :data:`~generator.quant.BF16_DENSE_ROWS` with
 native bf16); a measured kernel replaces it only when it is at least :data:`MARGIN` faster.
 """
