@@ -72,7 +72,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="bench/out/kernels.json")
     args = ap.parse_args(argv)
     s = Settings.load()
-    setup_logging("bench", s.log_level)  # the table's progress and result lines
     torch.set_num_threads(resolve_threads(args.threads or s.threads))
     cpu = cpu_summary()
     console.print(f"[bold]bench.kernels[/]: {cpu['line']}; {torch.get_num_threads()} threads; torch {torch.__version__}"
@@ -139,4 +138,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    setup_logging("bench", Settings.load().log_level)  # the table's progress and result lines
     raise SystemExit(main())
