@@ -42,6 +42,7 @@ bench: install
 	$(PY) -m bench.relays
 	$(PY) -m bench.replication
 	$(PY) -m bench.kvcache
+	$(PY) -m bench.kernels
 
 # tokenpipe against transformers serve and llama.cpp's server on this machine (see bench/peers.py).
 bench-peers: install

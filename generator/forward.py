@@ -23,7 +23,9 @@ from torch import Tensor, nn
 from .kvcache import BLOCK_SIZE, PagedKVCache
 from .quant import DENSE_ROWS, QuantMode, quantize_weight
 
-__all__ = ["Plan", "build_plan", "plan_for", "prefill", "decode_step"]
+__all__ = ["FP32_ATTENTION_ROWS", "Plan", "build_plan", "plan_for", "prefill", "decode_step"]
+
+FP32_ATTENTION_ROWS = 2  # by rule, decode steps of at most this many rows read a 16-bit KV cache in fp32
 
 @dataclass
 class _LayerPlan:
@@ -43,6 +45,14 @@ class Plan:
     layers: list[_LayerPlan]
     lm_head: nn.Module
     quant: QuantMode
+    # decode steps of at most this many rows read a 16-bit KV cache in fp32 (generator.kernels measures it)
+    attention_fp32_rows: int = FP32_ATTENTION_ROWS
+
+    def projections(self, role: str) -> list[nn.Module]:
+        """The plan's modules of one role (``qkv``, ``o``, ``gate_up``, ``down``, ``lm_head``)."""
+        if role == "lm_head":
+            return [self.lm_head]
+        return [getattr(lp, role) for lp in self.layers]
 
 
 _PLANS: WeakKeyDictionary[nn.Module, Plan] = WeakKeyDictionary()
@@ -166,15 +176,15 @@ def prefill(model: Any, cache: PagedKVCache, input_ids: Tensor, positions: Tenso
     return plan.lm_head(inner.norm(last))  # [N, V]
 
 
-FP32_ATTENTION_ROWS = 2  # decode steps of at most this many rows read a 16-bit KV cache in fp32
 
-
-def _decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
+def _decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float,
+                      fp32_rows: int = FP32_ATTENTION_ROWS) -> Tensor:
     """Single-query attention with grouped KV heads, as two small batched matmuls.
 
     For one query token this is several times faster on CPU than SDPA's flash kernel with
     a mask (measured in bf16), and needs no repeat of K/V per query head. A bf16 cache is read
-    in fp32 for up to :data:`FP32_ATTENTION_ROWS` rows: CPU bf16 matmuls this small cost more
+    in fp32 for up to ``fp32_rows`` rows (:data:`FP32_ATTENTION_ROWS` by rule, else the plan's measured
+    figure, :mod:`generator.kernels`): CPU bf16 matmuls this small cost more
     than the cast (SmolLM2's shapes, 2 threads, AVX512-BF16: per layer 50 → 36 µs at one row,
     53 → 42 at two, even at four, 77 → 94 at eight; the whole decode step 1.11x at one and two
     rows, bf16 + int4, 8 alternating rounds).
@@ -184,7 +194,7 @@ def _decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: floa
     B, H, _, hd = q.shape
     G = k.shape[0]
     out_dtype = q.dtype
-    if B <= FP32_ATTENTION_ROWS and q.device.type == "cpu" and q.dtype != torch.float32:
+    if fp32_rows >= B and q.device.type == "cpu" and q.dtype != torch.float32:
         q, k, v = q.float(), k.float(), v.float()
     qg = q.view(B, G, H // G, hd).transpose(0, 1)  # [G, B, H/G, hd]: query head g * (H/G) + r reads kv head g
     scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [G, B, H/G, T]
@@ -224,7 +234,8 @@ def decode_step(model: Any, cache: PagedKVCache, tokens: Tensor, positions: Tens
     cols = torch.arange(tables.shape[1] * BLOCK_SIZE, device=tokens.device)
     mask = cols[None, :] <= positions[:, None]  # [B, T]
     where = cache.locate(slots)
-    bags = None if B <= FP32_ATTENTION_ROWS else cache.value_bags(
+    fp32_rows = plan.attention_fp32_rows
+    bags = None if fp32_rows >= B else cache.value_bags(
         tables, int(model.config.num_attention_heads) // cache.kv_heads)
     for li, (layer, lp) in enumerate(zip(inner.layers, plan.layers, strict=True)):
         attn = layer.self_attn
@@ -232,7 +243,7 @@ def decode_step(model: Any, cache: PagedKVCache, tokens: Tensor, positions: Tens
         cache.write(li, k[:, :, 0].transpose(0, 1), v[:, :, 0].transpose(0, 1), where)
         if bags is None:
             kc, vc = cache.gather(li, tables)  # [G, B, T, hd]
-            o = _decode_attention(q, kc, vc, mask, attn.scaling)  # [B, H, 1, hd]
+            o = _decode_attention(q, kc, vc, mask, attn.scaling, fp32_rows)  # [B, H, 1, hd]
         else:
             o = _bagged_attention(q, cache, li, tables, bags, mask, attn.scaling)
         x = x + lp.o(o.transpose(1, 2).reshape(B, 1, -1))

@@ -29,7 +29,8 @@ log = logging.getLogger(__name__)
 def _load(settings: Settings) -> LoadedModel:
     torch.set_num_threads(resolve_threads(settings.threads))  # OpenMP's thread count is per calling thread
     return load_model(settings.model, path=settings.model_path, device=settings.device, dtype=settings.dtype,
-                      data_dir=settings.data_dir, quant=settings.quant)
+                      data_dir=settings.data_dir, quant=settings.quant, kernels=settings.kernels,
+                      max_batch=settings.max_batch)
 
 
 async def serve(settings: Settings) -> None:

@@ -21,7 +21,9 @@ import torch
 
 from tokenpipe.errors import InvalidRequest, ModelNotFound
 
+from .autotune import tune_plan
 from .forward import build_plan
+from .kernels import KernelTable
 from .quant import QuantMode, dense_rows_for, resolve_quant
 
 __all__ = ["LoadedModel", "load_model", "resolve_device", "resolve_dtype", "resolve_threads", "BUILTIN_MODELS",
@@ -59,6 +61,7 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     quant: QuantMode = "none"
+    kernels: KernelTable | None = None  # the projections' kernel per row band (generator.kernels)
 
     @property
     def max_context(self) -> int:
@@ -206,11 +209,15 @@ def _random_llama(name: str, data_dir: str | os.PathLike[str], dtype: torch.dtyp
 
 
 def load_model(name: str, *, path: str = "", device: str = "auto", dtype: str = "auto",
-               data_dir: str | os.PathLike[str], quant: str = "none") -> LoadedModel:
+               data_dir: str | os.PathLike[str], quant: str = "none", kernels: str = "rules",
+               max_batch: int = 32) -> LoadedModel:
     """Load ``name`` (a built-in) or the transformers directory ``path`` served as ``name``.
 
     ``quant`` (auto, none, int8, int4) stores the projections' weights quantized (see
-    :func:`generator.quant.resolve_quant` for ``auto``)."""
+    :func:`generator.quant.resolve_quant` for ``auto``). ``kernels`` picks each quantized
+    projection's kernel per row band: ``auto`` measures them on this thread for up to
+    ``max_batch`` rows (cached in ``data_dir``; :mod:`generator.autotune`), ``rules`` keeps the
+    hand rules, ``quant``/``dense``/``packed`` force one kernel for decode."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dev = resolve_device(device)
@@ -232,7 +239,7 @@ def load_model(name: str, *, path: str = "", device: str = "auto", dtype: str = 
         model, tok = _random_llama(name, data_dir, dt, dev)
     elif Path(name).is_dir():
         return load_model(model_name_for_path(name), path=name, device=device, dtype=dtype, data_dir=data_dir,
-                          quant=quant)
+                          quant=quant, kernels=kernels, max_batch=max_batch)
     else:
         raise ModelNotFound(f"unknown model {name!r}: use {', '.join(BUILTIN_MODELS)} or a local model directory")
     if getattr(model.config, "model_type", "") not in ("llama", "mistral", "qwen2", "qwen3"):
@@ -240,7 +247,10 @@ def load_model(name: str, *, path: str = "", device: str = "auto", dtype: str = 
     model.to(dev).eval()
     model.requires_grad_(False)
     # Fused projections (and quantized weights) for generator.forward.
-    build_plan(model, mode, dense_rows_for(dt, native_bf16=native_bf16 and dev.type == "cpu"))
+    dense_rows = dense_rows_for(dt, native_bf16=native_bf16 and dev.type == "cpu")
+    plan = build_plan(model, mode, dense_rows)
+    table = tune_plan(model, plan, name=name, dtype=dt, dense_rows=dense_rows, max_batch=max_batch,
+                      data_dir=data_dir, setting=kernels)
     eos: set[int] = set()
     for src_ids in (tok.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
         if isinstance(src_ids, int):
@@ -248,7 +258,7 @@ def load_model(name: str, *, path: str = "", device: str = "auto", dtype: str = 
         elif isinstance(src_ids, (list, tuple)):
             eos.update(int(i) for i in src_ids)
     return LoadedModel(name=name, model=model, tokenizer=tok, eos_ids=frozenset(eos), device=dev, dtype=dt,
-                       quant=mode)
+                       quant=mode, kernels=table)
 
 
 def model_name_for_path(path: str) -> str:

@@ -14,6 +14,11 @@ no error with fp32 scales; the kernel's bf16 scales add 0.2 % relative error). I
 layer is 8-bit in the file (Q8_0), and ``lm_head`` is int8 under int4 too (see
 :func:`generator.forward.build_plan`).
 
+Which kernel serves a projection at a given number of rows (the quantized one, the float
+weight, or the float weight pre-packed for oneDNN) is measured at start-up
+(:mod:`generator.kernels`, :mod:`generator.autotune`); :data:`DENSE_ROWS` and
+:data:`BF16_DENSE_ROWS` are the rule that measurement starts from (and the ``rules`` setting).
+
 Where a kernel is missing or fails its start-up check (an old GPU, a torch build
 without it), the projection uses the float weight it keeps (or, built without one,
 de-quantizes on the fly) and a warning says so.
@@ -30,6 +35,8 @@ from torch import Tensor, nn
 
 from tokenpipe.errors import InvalidRequest
 from tokenpipe.settings import Quant
+
+from .kernels import Band, kernel_for, pack_weight, packed_linear
 
 __all__ = ["BF16_DENSE_ROWS", "DENSE_ROWS", "QUANT_MODES", "QuantLinear", "QuantMode", "check_quant", "dense_rows_for",
            "quantize_weight", "resolve_quant"]
@@ -93,6 +100,10 @@ class QuantLinear(nn.Module):
         # ``dense_rows`` rows, where the quantized kernels are slower (see DENSE_ROWS).
         self.dense = weight.detach() if dense_rows > 0 else None
         self.dense_rows = dense_rows
+        # The kernel per row band (generator.kernels): set by the start-up measurement; until then
+        # the rule above (quantized up to ``dense_rows`` rows, the float weight beyond).
+        self.bands: tuple[Band, ...] = ((dense_rows, "quant"),)
+        self.packed: Tensor | None = None  # the float weight pre-packed for oneDNN, where the table uses it
         self.out_features, self.in_features = weight.shape
         self.act_dtype = torch.bfloat16
         self.bias = None if bias is None else bias.detach().clone()
@@ -143,15 +154,26 @@ class QuantLinear(nn.Module):
         qg = q.float().view(self.out_features, -1, GROUP)
         return ((qg - 8) * scale[..., None] + zero[..., None]).view(self.out_features, self.in_features)
 
+    def pack(self) -> bool:
+        """Pre-pack the float weight for oneDNN (once); False where that is not possible here."""
+        if self.packed is None and self.dense is not None:
+            self.packed = pack_weight(self.dense)
+        return self.packed is not None
+
+    def run(self, x2: Tensor, kernel: str) -> Tensor:
+        """``x2 [M, K] -> [M, N]`` (no bias) on ``kernel`` (``quant``, ``dense`` or ``packed``), where it can."""
+        if kernel == "packed" and self.packed is not None:
+            return packed_linear(x2.to(self.packed.dtype), self.packed, None).to(x2.dtype)
+        if self.dense is not None and (self.fallback or kernel != "quant"):
+            return F.linear(x2, self.dense)
+        if self.fallback:
+            return F.linear(x2.float(), self.dequantize()).to(x2.dtype)
+        return self._kernel(x2.to(self.act_dtype)).to(x2.dtype)
+
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
-        if self.dense is not None and (self.fallback or x2.shape[0] > self.dense_rows):
-            y = F.linear(x2, self.dense)
-        elif self.fallback:
-            y = F.linear(x2.float(), self.dequantize()).to(x.dtype)
-        else:
-            y = self._kernel(x2.to(self.act_dtype)).to(x.dtype)
+        y = self.run(x2, kernel_for(self.bands, x2.shape[0]))
         if self.bias is not None:
             y = y + self.bias
         return y.view(*shape[:-1], self.out_features)

@@ -17,12 +17,13 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 from .cluster import parse_replicas, server_list
 from .errors import ConfigError
 
-__all__ = ["Dtype", "Quant", "Settings", "default_data_dir"]
+__all__ = ["Dtype", "Kernels", "Quant", "Settings", "default_data_dir"]
 
 ENV_PREFIX = "TOKENPIPE_"
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"]
 Quant = Literal["auto", "none", "int8", "int4"]
+Kernels = Literal["auto", "rules", "quant", "dense", "packed"]
 
 
 def default_data_dir() -> str:
@@ -99,8 +100,16 @@ class Settings:
     quant: Quant = field(
         default="auto",
         metadata=_doc("weight-only quantization of the projections: `auto` (int4 for the default model, whose GGUF "
-                      "is 4-bit, on CPUs; with native bf16 the bf16 weight takes matmuls of more than 16 rows; "
-                      "else none), `none`, `int8`, `int4`"))
+                      "is 4-bit, on CPUs; else none), `none`, `int8`, `int4`; which kernel serves each batch size: "
+                      "`TOKENPIPE_KERNELS`"))
+    kernels: Kernels = field(
+        default="auto",
+        metadata=_doc("which kernel serves a quantized projection at each decode batch size: `auto` times the "
+                      "quantized kernel, the float weight and the oneDNN pre-packed float weight at start-up on "
+                      "the engine's threads (a few seconds, once: cached in `<data dir>/kernels/` per CPU, "
+                      "threads, torch and model) and switches from the rule only on a ≥ 10 % win; `rules` (the "
+                      "quantized kernel up to 16 rows with native bf16, else 32); `quant`, `dense`, `packed`: "
+                      "that one for every decode step"))
     max_batch: int = field(
         default=32, metadata=_doc("most concurrent sequences per generator; free KV-cache blocks decide below it"))
     kv_cache_mb: float = field(
@@ -253,7 +262,7 @@ class Settings:
 
 def _choices(typ: Any) -> tuple[str, ...]:
     if isinstance(typ, str):  # postponed annotations: resolve the alias by name
-        typ = {"Dtype": Dtype, "Quant": Quant}.get(typ)
+        typ = {"Dtype": Dtype, "Quant": Quant, "Kernels": Kernels}.get(typ)
     return tuple(get_args(typ)) if get_origin(typ) is Literal else ()
 
 

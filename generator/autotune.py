@@ -1,0 +1,190 @@
+"""The start-up measurement that fills a :class:`~generator.kernels.KernelTable` and applies it to a plan.
+
+Runs on the calling thread (the generator's engine thread, with its torch thread count), once
+per cache key: a second start on the same machine reads ``<data_dir>/kernels/<key>.json``. A
+corrupt cache file is measured again (with a warning); the ``kernels`` setting overrides it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from functools import partial
+from typing import Any
+
+import torch
+
+from .forward import FP32_ATTENTION_ROWS, Plan, decode_step
+from .kernels import (
+    KERNEL_CHOICES,
+    ROLES,
+    KernelTable,
+    bands_from,
+    cache_file,
+    cache_key,
+    choose,
+    kernel_for,
+    row_counts,
+    rule_table,
+    timed,
+)
+from .kvcache import BLOCK_SIZE, PagedKVCache, bytes_per_position
+from .quant import QuantLinear
+
+__all__ = ["apply_table", "measure_table", "tune_plan"]
+
+log = logging.getLogger(__name__)
+
+_CONTEXT = 256  # positions each row attends in the confirming decode steps (a short chat)
+_ATTENTION_MAX_ROWS = 8  # fp32 attention is tried up to this many rows (it lost from 8 rows on, measured)
+
+
+def apply_table(plan: Plan, table: KernelTable, *, keep_packed: bool = False) -> None:
+    """Point every projection at its bands; pack the float weights of the roles that use ``packed``
+    (and, unless ``keep_packed``, drop packed copies no band uses, so they cost no memory)."""
+    for role in ROLES:
+        bands = table.bands[role]
+        uses_packed = any(k == "packed" for _, k in bands)
+        for mod in plan.projections(role):
+            if isinstance(mod, QuantLinear):
+                mod.bands = bands
+                if uses_packed:
+                    mod.pack()
+                elif not keep_packed:
+                    mod.packed = None
+    plan.attention_fp32_rows = table.attention_fp32_rows
+
+
+def tune_plan(model: Any, plan: Plan, *, name: str, dtype: torch.dtype, dense_rows: int, max_batch: int,
+              data_dir: str | os.PathLike[str], setting: str = "auto") -> KernelTable:
+    """The kernel table for ``plan`` (by ``setting``: ``auto`` measured or cached, ``rules``, or one
+    kernel for every decode row count), applied to it. Unquantized and non-CPU plans keep the rules:
+    their projections have no second kernel to choose."""
+    counts = row_counts(max_batch)
+    quantized = plan.quant != "none"
+    rules = rule_table(counts, dense_rows, quantized=quantized, attention_fp32_rows=FP32_ATTENTION_ROWS)
+    cpu = next(model.parameters()).device.type == "cpu"
+    if setting in KERNEL_CHOICES:
+        table = rule_table(counts, dense_rows, quantized=quantized, attention_fp32_rows=FP32_ATTENTION_ROWS,
+                           forced=setting)
+    elif setting != "auto" or not quantized or not cpu:
+        table = rules
+    else:
+        key = cache_key(name, plan.quant, dtype, counts)
+        path = cache_file(data_dir, key)
+        table = _read_cache(path, key) or measure_table(model, plan, rules, counts, dtype=dtype)
+        if table.source == "measured":
+            _write_cache(path, table.to_json(key))
+    apply_table(plan, table)
+    log.info("kernel table (%s): %s", table.source, table.summary(),
+             extra={"kernels": table.source, "seconds": round(table.seconds, 2), "model": name})
+    return table
+
+
+def _read_cache(path: os.PathLike[str], key: dict[str, Any]) -> KernelTable | None:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        log.warning("kernel table cache unreadable; measuring again", extra={"path": str(path), "error": str(exc)})
+        return None
+    try:
+        return KernelTable.from_json(text, key)
+    except ValueError as exc:
+        log.warning("kernel table cache is corrupt; measuring again", extra={"path": str(path), "error": str(exc)})
+        return None
+
+
+def _write_cache(path: Any, text: str) -> None:
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(text, encoding="utf-8")
+        tmp.replace(path)  # atomic: a reader never sees half a table
+    except OSError as exc:  # a read-only data dir: the table is measured again next start
+        log.warning("could not cache the kernel table", extra={"path": str(path), "error": str(exc)})
+
+
+def measure_table(model: Any, plan: Plan, rules: KernelTable, counts: tuple[int, ...], *,
+                  dtype: torch.dtype) -> KernelTable:
+    """Time each candidate kernel on each projection role (layer 0's module: every layer has its shapes)
+    at each row count; keep a non-default kernel only at a clear win (:data:`generator.kernels.MARGIN`),
+    then keep each changed row count only where a whole decode step confirms it."""
+    t0 = time.monotonic()
+    times_us: dict[str, dict[str, dict[str, float]]] = {}
+    choices: dict[str, dict[int, str]] = {}
+    with torch.inference_mode():
+        for i, role in enumerate(ROLES):
+            mod = plan.projections(role)[0]
+            assert isinstance(mod, QuantLinear)
+            kernels = ["quant", "dense"] + (["packed"] if mod.pack() else [])
+            times_us[role], choices[role] = {}, {}
+            for rows in counts:
+                x = torch.randn(rows, mod.in_features, dtype=dtype)
+                got = timed({k: partial(mod.run, x, k) for k in kernels})
+                times_us[role][str(rows)] = {k: round(v * 1e6, 1) for k, v in got.items()}
+                choices[role][rows] = choose(got, kernel_for(rules.bands[role], rows))
+            mod.packed = None  # packed again below for the roles whose table uses it
+            log.info("measuring kernels: %s (%d/%d)", role, i + 1, len(ROLES),
+                     extra={"role": role, "done": i + 1, "of": len(ROLES)})
+    measured = KernelTable({role: bands_from(choices[role]) for role in ROLES}, rules.attention_fp32_rows,
+                           source="measured", times_us=times_us)
+    table = _confirm(model, plan, rules, measured, counts, dtype)
+    table.seconds = time.monotonic() - t0
+    return table
+
+
+def _confirm(model: Any, plan: Plan, rules: KernelTable, measured: KernelTable, counts: tuple[int, ...],
+             dtype: torch.dtype) -> KernelTable:
+    """Whole decode steps, alternating: the measured kernels against the rules' at each row count where
+    they differ (kept only if the step is faster), then fp32 attention against native at few rows."""
+    cache = PagedKVCache(model, (_CONTEXT + 2 * BLOCK_SIZE) * bytes_per_position(model, dtype),
+                         torch.device("cpu"), dtype, min_positions=_CONTEXT)
+    blocks = torch.arange(1, _CONTEXT // BLOCK_SIZE + 1)
+
+    def step(rows: int) -> Any:
+        tokens = torch.zeros(rows, dtype=torch.long)
+        positions = torch.full((rows,), _CONTEXT - 1)
+        slots = torch.full((rows,), int(blocks[-1]) * BLOCK_SIZE + BLOCK_SIZE - 1)
+        tables = blocks.expand(rows, -1)  # every row attends the same blocks: the cost, not the content, counts
+        return lambda: decode_step(model, cache, tokens, positions, slots, tables)
+
+    steps_ms: dict[str, dict[str, float]] = {}
+    final: dict[str, dict[int, str]] = {role: {r: kernel_for(measured.bands[role], r) for r in counts}
+                                        for role in ROLES}
+    for rows in counts:
+        new = KernelTable({role: ((rows, final[role][rows]),) for role in ROLES}, rules.attention_fp32_rows)
+        old = KernelTable({role: ((rows, kernel_for(rules.bands[role], rows)),) for role in ROLES},
+                          rules.attention_fp32_rows)
+        if new.bands == old.bands:
+            continue
+        got = _time_tables(plan, {"rules": old, "measured": new}, step(rows))
+        steps_ms[str(rows)] = {k: round(v * 1e3, 3) for k, v in got.items()}
+        if got["measured"] >= got["rules"]:
+            for role in ROLES:
+                final[role][rows] = kernel_for(rules.bands[role], rows)
+    bands = {role: bands_from(final[role]) for role in ROLES}
+    fp32_rows = rules.attention_fp32_rows
+    if dtype != torch.float32:
+        fp32_rows = 0
+        for rows in (r for r in counts if r <= _ATTENTION_MAX_ROWS):
+            variants = {name: KernelTable(bands, limit) for name, limit in (("fp32", rows), ("native", rows - 1))}
+            got = _time_tables(plan, variants, step(rows))
+            steps_ms.setdefault(str(rows), {}).update({f"attention {k}": round(v * 1e3, 3) for k, v in got.items()})
+            if choose(got, "fp32" if rows <= FP32_ATTENTION_ROWS else "native") != "fp32":
+                break
+            fp32_rows = rows
+    return KernelTable(bands, fp32_rows, source="measured", times_us=measured.times_us, steps_ms=steps_ms)
+
+
+def _time_tables(plan: Plan, tables: dict[str, KernelTable], fn: Any) -> dict[str, float]:
+    """Seconds per call of ``fn`` under each table, alternating (each applied before its calls)."""
+    def under(table: KernelTable) -> Any:
+        def run() -> None:
+            apply_table(plan, table, keep_packed=True)
+            fn()
+        return run
+    return timed({name: under(t) for name, t in tables.items()}, rounds=3, min_s=0.0)

@@ -1,0 +1,176 @@
+"""Projection kernels chosen by measurement (generator.kernels, generator.autotune) on the tiny random model."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from generator.autotune import apply_table, tune_plan
+from generator.engine import Engine
+from generator.forward import plan_for
+from generator.kernels import (
+    MARGIN,
+    ROLES,
+    KernelTable,
+    bands_from,
+    cache_file,
+    cache_key,
+    choose,
+    kernel_for,
+    row_counts,
+    rule_table,
+)
+from generator.models import LoadedModel, load_model
+from generator.quant import QuantLinear
+from tests.test_engine import GREEDY, TEXTS, hf_greedy, prompts_of, run_all
+from tokenpipe.errors import ConfigError
+from tokenpipe.settings import Settings
+
+
+# -- the band logic, as pure functions ------------------------------------------------------
+def test_choose_switches_only_on_a_clear_win() -> None:
+    assert choose({"quant": 1.0, "dense": 0.95}, "quant") == "quant"  # 5 %: noise, keep the default
+    assert choose({"quant": 1.0, "dense": 1 - MARGIN - 0.01}, "quant") == "dense"
+    assert choose({"quant": 1.0, "dense": 0.5, "packed": 0.4}, "quant") == "packed"
+    assert choose({"quant": 1.0, "packed": 2.0}, "dense") == "quant"  # default not measured: the fastest
+
+
+def test_bands_merge_consecutive_choices_and_rows_between_take_the_upper_count() -> None:
+    bands = bands_from({8: "quant", 1: "quant", 12: "packed", 16: "packed", 24: "dense", 32: "dense"})
+    assert bands == ((8, "quant"), (16, "packed"), (32, "dense"))
+    assert [kernel_for(bands, r) for r in (1, 8, 9, 16, 17, 32)] == ["quant", "quant", "packed", "packed",
+                                                                      "dense", "dense"]
+    assert kernel_for(bands, 33) == "dense"  # a prefill: the float weight
+    assert kernel_for((), 1) == "dense"
+
+
+def test_row_counts_cover_the_engine_batch() -> None:
+    assert row_counts(32) == (1, 2, 4, 8, 12, 16, 24, 32)
+    assert row_counts(10) == (1, 2, 4, 8, 10)
+    assert row_counts(64)[-2:] == (32, 64)
+
+
+def test_rule_table_is_todays_hand_rule() -> None:
+    rules = rule_table(row_counts(32), 16, quantized=True, attention_fp32_rows=2)
+    assert rules.bands["qkv"] == ((16, "quant"), (32, "dense")) and rules.attention_fp32_rows == 2
+    assert rule_table(row_counts(32), 32, quantized=False, attention_fp32_rows=2).bands["o"] == ((32, "dense"),)
+    assert rule_table(row_counts(8), 16, quantized=True, attention_fp32_rows=2, forced="packed").bands["down"] == \
+        ((8, "packed"),)
+
+
+def test_cache_key_names_what_the_table_depends_on() -> None:
+    key = cache_key("m", "int4", torch.bfloat16, (1, 2), threads=2, cpu=("AMD EPYC", "abc"))
+    assert {k: key[k] for k in ("cpu", "flags", "threads", "model", "quant", "dtype")} == {
+        "cpu": "AMD EPYC", "flags": "abc", "threads": 2, "model": "m", "quant": "int4", "dtype": "bfloat16"}
+    assert key["torch"] == torch.__version__ and key["cores"] >= 1
+    other = cache_key("m", "int4", torch.bfloat16, (1, 2), threads=1, cpu=("AMD EPYC", "abc"))
+    assert cache_file("/d", key) != cache_file("/d", other)
+
+
+def test_kernels_setting_is_validated() -> None:
+    assert Settings.load(env={}).kernels == "auto"
+    assert Settings.load(env={"TOKENPIPE_KERNELS": "packed"}).kernels == "packed"
+    with pytest.raises(ConfigError, match="TOKENPIPE_KERNELS='fast'"):
+        Settings.load(env={"TOKENPIPE_KERNELS": "fast"})
+
+
+# -- measured, cached, overridden -----------------------------------------------------------
+@pytest.fixture()
+def int4_tiny(data_dir: Path) -> LoadedModel:
+    return load_model("tiny-random", device="cpu", dtype="float32", data_dir=data_dir, quant="int4")
+
+
+def _tune(lm: LoadedModel, where: Path, setting: str = "auto", max_batch: int = 4) -> KernelTable:
+    return tune_plan(lm.model, plan_for(lm.model), name=lm.name, dtype=lm.dtype, dense_rows=32, max_batch=max_batch,
+                     data_dir=where, setting=setting)
+
+
+def test_table_is_measured_then_read_from_the_cache(int4_tiny: LoadedModel, tmp_path: Path) -> None:
+    first = _tune(int4_tiny, tmp_path)
+    assert first.source == "measured" and first.seconds > 0
+    assert set(first.times_us) == set(ROLES) and set(first.times_us["qkv"]) == {"1", "2", "4"}
+    assert all(t > 0 for t in first.times_us["gate_up"]["4"].values())
+    files = list((tmp_path / "kernels").glob("*.json"))
+    assert len(files) == 1
+    second = _tune(int4_tiny, tmp_path)
+    assert second.source == "cache" and second.bands == first.bands
+    assert second.attention_fp32_rows == first.attention_fp32_rows
+    changed = _tune(int4_tiny, tmp_path, max_batch=2)  # another key (rows): measured again, its own file
+    assert changed.source == "measured" and len(list((tmp_path / "kernels").glob("*.json"))) == 2
+    plan = plan_for(int4_tiny.model)
+    assert all(m.bands == changed.bands["qkv"] for m in plan.projections("qkv") if isinstance(m, QuantLinear))
+
+
+def test_corrupt_cache_is_measured_again_with_a_warning(int4_tiny: LoadedModel, tmp_path: Path,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    _tune(int4_tiny, tmp_path)
+    (path,) = (tmp_path / "kernels").glob("*.json")
+    path.write_text('{"version": 1, "key": ')
+    with caplog.at_level(logging.WARNING, logger="generator.autotune"):
+        again = _tune(int4_tiny, tmp_path)
+    assert again.source == "measured"
+    assert any("corrupt" in r.getMessage() for r in caplog.records)
+    assert _tune(int4_tiny, tmp_path).source == "cache"  # rewritten whole
+
+
+def test_override_wins_over_the_cache(int4_tiny: LoadedModel, tmp_path: Path) -> None:
+    _tune(int4_tiny, tmp_path)
+    forced = _tune(int4_tiny, tmp_path, setting="packed")
+    assert forced.source == "override" and all(b == ((4, "packed"),) for b in forced.bands.values())
+    plan = plan_for(int4_tiny.model)
+    assert all(m.packed is not None for m in plan.projections("down") if isinstance(m, QuantLinear))
+    rules = _tune(int4_tiny, tmp_path, setting="rules")
+    assert rules.source == "rules" and rules.bands["o"] == ((4, "quant"),)
+    assert all(m.packed is None for m in plan.projections("down") if isinstance(m, QuantLinear))  # memory back
+
+
+def test_unquantized_plans_keep_the_rules_without_measuring(tiny_model: LoadedModel, tmp_path: Path) -> None:
+    table = _tune(tiny_model, tmp_path)
+    assert table.source == "rules" and not (tmp_path / "kernels").exists()
+
+
+@pytest.mark.parametrize("kernel", ["packed", "dense"])
+def test_float_kernels_give_the_float_models_tokens(data_dir: Path, tmp_path: Path, kernel: str) -> None:
+    """Greedy tokens of an int4 engine whose table puts every decode step on the float weight (plain or
+    pre-packed) are the float model's own (transformers' generate on the same weights)."""
+    lm = load_model("tiny-random", device="cpu", dtype="float32", data_dir=data_dir, quant="int4")
+    _tune(lm, tmp_path, setting=kernel, max_batch=8)
+    prompts = prompts_of(lm, TEXTS)
+    got = run_all(Engine(lm, max_batch=8), prompts, GREEDY)
+    assert got == {k: hf_greedy(lm, p, GREEDY.max_tokens) for k, p in prompts.items()}
+
+
+def test_measured_table_engine_matches_the_reference_for_the_same_kernels(data_dir: Path, tmp_path: Path) -> None:
+    """One stream under the measured (banded) table decodes the tokens of a copy whose every projection
+    is forced onto the kernel that table picks at one row (prompts longer than the measured rows: both
+    prefill on the float weight)."""
+    lm = load_model("tiny-random", device="cpu", dtype="float32", data_dir=data_dir, quant="int4")
+    table = _tune(lm, tmp_path)
+    ref = load_model("tiny-random", device="cpu", dtype="float32", data_dir=data_dir, quant="int4")
+    flat = KernelTable({role: ((1, kernel_for(table.bands[role], 1)),) for role in ROLES}, table.attention_fp32_rows)
+    apply_table(plan_for(ref.model), flat)
+    prompts = prompts_of(lm, [t + " and so on, as before" for t in TEXTS])
+    assert min(len(p) for p in prompts.values()) > 4
+    for key, prompt in prompts.items():
+        got = run_all(Engine(lm, max_batch=1), {key: prompt}, GREEDY)
+        assert got == run_all(Engine(ref, max_batch=1), {key: prompt}, GREEDY), (key, table.summary())
+
+
+def test_kernels_benchmark_runs_end_to_end(data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``python -m bench.kernels`` on the tiny model: a measured table, its start-up cost, both variants timed."""
+    import json
+
+    from bench.kernels import main
+
+    for key, value in {"MODEL": "tiny-random", "QUANT": "int4", "DTYPE": "float32", "MAX_BATCH": "4",
+                       "DATA_DIR": str(data_dir)}.items():
+        monkeypatch.setenv(f"TOKENPIPE_{key}", value)
+    out = tmp_path / "kernels.json"
+    assert main(["--rows", "1,4", "--rounds", "2", "--steps", "1", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["startup_s"] > 0 and set(result["table"]["bands"]) == set(ROLES)
+    assert set(result["decode"]) == {"1", "4"}
+    assert all(len(result["decode"][r]["rounds"][v]) == 2 for r in ("1", "4") for v in ("rules", "measured"))
