@@ -200,6 +200,20 @@ async def pending_requests(bus: Bus, model: str, owner: str | None = None) -> in
     return int((info.state.subjects or {}).get(subject, 0))
 
 
+async def _open_history(bus: Bus, stream_id: str, owner: str | None) -> Any:
+    """An ordered consumer over ``stream_id``'s stored batches, from the first."""
+    try:
+        # Bounded: while TP_TOKENS is between leaders nobody answers the consumer create, and a
+        # caller that retries (a reader filling a hole) should do so well before a 10 s API timeout.
+        return await asyncio.wait_for(
+            bus.js.subscribe(token_subject(owner or bus.owner, stream_id), stream=TOKENS_STREAM,
+                             ordered_consumer=True, deliver_policy=js_api.DeliverPolicy.ALL,
+                             config=named_consumer()),
+            timeout=_CONSUMER_CREATE_TIMEOUT_S)
+    except Exception as exc:
+        raise TransportError(f"could not read stream history: {exc}") from exc
+
+
 async def stored(bus: Bus, stream_id: str, *,
                  owner: str | None = None) -> dict[int, tuple[TokenBatch, dict[str, str]]]:
     """Every batch JetStream holds for ``stream_id``, by ``seq``, with the headers it carried.
@@ -215,16 +229,7 @@ async def stored(bus: Bus, stream_id: str, *,
     count = await stored_count(bus, stream_id, owner=owner)
     if count == 0:
         return {}
-    try:
-        # Bounded: while TP_TOKENS is between leaders nobody answers the consumer create, and a
-        # caller that retries (a reader filling a hole) should do so well before a 10 s API timeout.
-        sub = await asyncio.wait_for(
-            bus.js.subscribe(token_subject(owner or bus.owner, stream_id), stream=TOKENS_STREAM,
-                             ordered_consumer=True, deliver_policy=js_api.DeliverPolicy.ALL,
-                             config=named_consumer()),
-            timeout=_CONSUMER_CREATE_TIMEOUT_S)
-    except Exception as exc:
-        raise TransportError(f"could not read stream history: {exc}") from exc
+    sub = await _open_history(bus, stream_id, owner)
     by_seq: dict[int, tuple[TokenBatch, dict[str, str]]] = {}
     read = 0
     try:
@@ -258,14 +263,7 @@ async def history(bus: Bus, stream_id: str, *, owner: str | None = None) -> list
 async def first_stored(bus: Bus, stream_id: str, *, owner: str | None = None) -> TokenBatch | None:
     """The oldest batch kept for ``stream_id`` (one message through an ordered consumer; a direct
     get of the first message of a subject is not confined to an owner's subjects), or None."""
-    try:
-        sub = await asyncio.wait_for(
-            bus.js.subscribe(token_subject(owner or bus.owner, stream_id), stream=TOKENS_STREAM,
-                             ordered_consumer=True, deliver_policy=js_api.DeliverPolicy.ALL,
-                             config=named_consumer()),
-            timeout=_CONSUMER_CREATE_TIMEOUT_S)
-    except Exception as exc:
-        raise TransportError(f"could not read stream history: {exc}") from exc
+    sub = await _open_history(bus, stream_id, owner)
     try:
         while True:
             msg = await sub.next_msg(timeout=_COUNT_TIMEOUT_S)
