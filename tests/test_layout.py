@@ -58,8 +58,11 @@ def test_the_composition_root_imports_the_roles_but_not_the_bench_scripts() -> N
 
 
 def test_the_distribution_ships_the_packages_and_no_bench() -> None:
+    """Every package and subpackage is listed: setuptools ships only the ones named."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    assert sorted(project["tool"]["setuptools"]["packages"]) == sorted([CORE, *ROLES, ROOT_PACKAGE])
+    packages = {".".join(p.parent.relative_to(ROOT).parts) for top in (CORE, *ROLES, ROOT_PACKAGE)
+                for p in (ROOT / top).rglob("__init__.py")}
+    assert sorted(project["tool"]["setuptools"]["packages"]) == sorted(packages)
     assert project["project"]["scripts"]["tokenpipe"] == "tokenpipe_cli.cli:main"
 
 
