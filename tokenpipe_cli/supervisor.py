@@ -1,31 +1,17 @@
 """``tokenpipe up``: a real nats-server, N generator processes and a relay on one machine, kept running.
 
-One loop polls the children. A role that exits unexpectedly is restarted after an exponential
-backoff (``restart_backoff_s`` doubling up to ``restart_backoff_max_s``); after
-``restart_limit`` restarts within ``restart_window_s`` the role is given up, loudly. Giving up on
-nats-server, the relay or the last generator stops the stack (exit 1); one generator of several
-down only degrades it. Only SIGINT/SIGTERM stops everything, in order: the relay, the generators
-(draining), NATS last.
-
-The state of every role is kept in ``<data_dir>/up.json`` (replaced atomically on each change):
-
-    {"pid": 4242, "state": "up", "relay_url": "http://127.0.0.1:8000", "nats_url": "nats://127.0.0.1:4222",
-     "ports": {"relay": 8000, "nats": 4222, "metrics": [9101, 9102]}, "generators": "2/2",
-     "roles": [{"name": "nats-server", "pid": 4243, "state": "ready", "restarts": 0, "last_exit": null}, ...]}
-
-``state`` of a role is ``starting``, ``ready``, ``restarting`` (waiting out its backoff),
-``failed`` (given up) or ``stopped``; the top-level ``state`` is ``starting``, ``up``,
-``stopping``, ``stopped`` or ``failed``.
+One loop polls the children and restarts a role that exits unexpectedly (the policy and
+``up.json``: :mod:`tokenpipe_cli.uprole`). Giving up on nats-server, the relay or the last
+generator stops the stack (exit 1); one generator of several down only degrades it. Only
+SIGINT/SIGTERM stops everything, in order: the relay, the generators (draining), NATS last.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,45 +27,13 @@ from .cluster import LocalCluster
 from .launch import Child, free_port, http_ok, port_free, spawn_role
 from .natsserver import NatsServer
 from .provisioner import Provisioner
+from .uprole import Role, RoleKind, describe_exit, write_status
 
-__all__ = ["Supervisor", "describe_exit", "read_status", "status_path"]
+__all__ = ["Supervisor"]
 
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.2
-
-
-def describe_exit(code: int | None) -> str:
-    """``exit 2`` or ``SIGKILL`` (a negative Popen status is the signal that ended it)."""
-    if code is None:
-        return "running"
-    if code < 0:
-        try:
-            return signal.Signals(-code).name
-        except ValueError:
-            return f"signal {-code}"
-    return f"exit {code}"
-
-
-@dataclass
-class Role:
-    """One supervised process and its restart bookkeeping."""
-
-    name: str
-    kind: str  # "nats", "generator" or "relay"
-    start: Callable[[], int]  # starts the process; its pid
-    alive: Callable[[], int | None]  # None while running, else its exit status
-    ready_check: Callable[[], bool]
-    pid: int | None = None
-    state: str = "starting"
-    restarts: int = 0
-    last_exit: int | None = None
-    restart_at: float = 0.0
-    recent: deque[float] = field(default_factory=deque)  # when it exited, within the window
-
-    def status(self) -> dict[str, Any]:
-        return {"name": self.name, "pid": self.pid, "state": self.state, "restarts": self.restarts,
-                "last_exit": describe_exit(self.last_exit) if self.last_exit is not None else None}
 
 
 class _GiveUp(Exception):
@@ -104,10 +58,6 @@ class Supervisor:
     _ports: dict[str, Any] = field(default_factory=dict)
     _shown: str = ""
 
-    @property
-    def status_path(self) -> Path:
-        return status_path(self.settings.data_dir)
-
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self._stop_signal = signum
 
@@ -123,7 +73,7 @@ class Supervisor:
         return chosen
 
     # -- roles ------------------------------------------------------------------------
-    def _child_role(self, name: str, kind: str, args: list[str], ready: Callable[[], bool],
+    def _child_role(self, name: str, kind: RoleKind, args: list[str], ready: Callable[[], bool],
                     env: dict[str, str] | None = None) -> Role:
         def start() -> int:
             # Own session: Ctrl-C reaches only us, and we stop roles in order (relay, generators, NATS).
@@ -292,12 +242,8 @@ class Supervisor:
             code = role.alive()
             if code is not None:
                 changed = True
-                role.last_exit = code
-                while role.recent and role.recent[0] < now - s.restart_window_s:
-                    role.recent.popleft()
-                role.recent.append(now)
-                if len(role.recent) > s.restart_limit:
-                    role.state = "failed"
+                delay = role.exited(code, now, s)
+                if delay is None:
                     log.error("role keeps crashing; giving up on it",
                               extra={"role": role.name, "exit": describe_exit(code), "restarts": role.restarts,
                                      "limit": s.restart_limit, "window_s": s.restart_window_s})
@@ -305,9 +251,6 @@ class Supervisor:
                           f"{len(role.recent)} times within {s.restart_window_s:g}s", flush=True)
                     self._check_viable(role)
                     continue
-                delay = min(s.restart_backoff_s * 2 ** (len(role.recent) - 1), s.restart_backoff_max_s)
-                role.state = "restarting"
-                role.restart_at = now + delay
                 log.warning("role exited; restarting", extra={"role": role.name, "exit": describe_exit(code),
                                                               "restarts": role.restarts, "backoff_s": delay})
                 print(f"tokenpipe: {role.name} exited ({describe_exit(code)}); restarting in {delay:g}s "
@@ -367,11 +310,7 @@ class Supervisor:
                 "ports": {k: self._ports.get(k) for k in ("relay", "nats", "metrics")},
                 "generators": f"{sum(r.state == 'ready' for r in gens)}/{len(gens)}",
                 "roles": [r.status() for r in self.roles]}
-        path = self.status_path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(body, indent=1))
-        tmp.replace(path)  # readers never see half a file
+        write_status(self.settings.data_dir, body)
 
     def _prepare_model(self) -> None:
         # Once here, with a progress bar, rather than N times in parallel; only what the model needs.
@@ -400,14 +339,3 @@ class Supervisor:
         self.children.clear()
 
 
-def status_path(data_dir: str | os.PathLike[str]) -> Path:
-    """Where ``tokenpipe up`` keeps its status (``up.json`` in the data dir)."""
-    return Path(data_dir) / "up.json"
-
-
-def read_status(data_dir: str | os.PathLike[str]) -> dict[str, Any]:
-    """``tokenpipe up``'s status as last written, or ``{}`` before the first write."""
-    try:
-        return json.loads(status_path(data_dir).read_text())  # type: ignore[no-any-return]
-    except (OSError, ValueError):
-        return {}

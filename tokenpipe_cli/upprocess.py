@@ -25,7 +25,7 @@ from tokenpipe.subjects import ANNOUNCE_PREFIX
 from tokenpipe.wire import Announcement
 
 from .launch import LaunchError, die_with_parent, free_port
-from .supervisor import read_status
+from .uprole import read_status
 
 __all__ = ["UpProcess"]
 
