@@ -90,7 +90,17 @@ def torch_thread() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenpipe-engine")
 
 
-_STOP = object()
+@dataclass(frozen=True, slots=True)
+class _Cancel:
+    request_id: str
+
+
+class _Stop:
+    """Ends the engine thread's loop."""
+
+
+_STOP = _Stop()
+_Inbox = Job | _Cancel | _Stop  # what the worker hands the engine thread, in order
 
 
 class Runner:
@@ -111,7 +121,7 @@ class Runner:
         self.engine = make() if torch_thread is None else torch_thread.submit(make).result()
         self.on_emit = on_emit
         self.on_step = on_step
-        self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Inbox] = queue.SimpleQueue()
         self._states: dict[str, _State] = {}
         self._handed = 0  # jobs submitted and not yet handled (the engine's room does not count them yet)
         self._handed_lock = threading.Lock()
@@ -131,7 +141,7 @@ class Runner:
         return self.engine.room - self._handed
 
     def cancel(self, request_id: str) -> None:
-        self._inbox.put(("cancel", request_id))
+        self._inbox.put(_Cancel(request_id))
 
     def start(self) -> None:
         if self.torch_thread is not None:
@@ -159,12 +169,13 @@ class Runner:
         hold_until = 0.0
         while True:
             wait = hold_until - time.monotonic()
+            item: _Inbox | None
             try:
                 item = self._inbox.get(timeout=wait) if wait > 0 else self._inbox.get(block=self.engine.idle)
             except queue.Empty:
                 item = None
             while item is not None:
-                if item is _STOP:
+                if isinstance(item, _Stop):
                     return
                 self._handle(item)
                 hold_until = self._hold(item, hold_until)
@@ -190,7 +201,7 @@ class Runner:
             if emissions:
                 self.on_emit(emissions)
 
-    def _hold(self, item: Any, hold_until: float) -> float:
+    def _hold(self, item: Job | _Cancel, hold_until: float) -> float:
         """Until when to wait before the next step: an idle engine holds its first prefill while
         the worker hands over the rest of a burst it fetched (at most ``admission_hold_s``). A
         lone request is never held, and running rows never wait for newcomers."""
@@ -202,13 +213,13 @@ class Runner:
             return hold_until
         return time.monotonic() + self.admission_hold_s
 
-    def _handle(self, item: Any) -> None:
+    def _handle(self, item: Job | _Cancel) -> None:
         if isinstance(item, Job):
             self._admit(item)
             with self._handed_lock:
                 self._handed -= 1
-        elif isinstance(item, tuple) and item[0] == "cancel":
-            self.engine.cancel(item[1])
+        else:
+            self.engine.cancel(item.request_id)
 
     def _admit(self, job: Job) -> None:
         req = job.request
