@@ -5,13 +5,39 @@ existed stay readable."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import MISSING, dataclass, fields
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..errors import InvalidRequest, WireFormatError
 from .codec import WIRE_VERSION, dump_json, load_json
 from .request import Request
 
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
 __all__ = ["Announcement", "Cancel", "IndexedRequest", "StreamMeta"]
+
+T = TypeVar("T", bound="DataclassInstance")
+
+# How a field of each declared type is read from JSON (a field's type is its annotation's text).
+_READ: dict[str, Callable[[Any], Any]] = {"str": str, "int": int, "float": float, "bool": bool,
+                                          "tuple[str, ...]": lambda v: tuple(str(s) for s in v or ())}
+
+
+def _encode_fields(obj: DataclassInstance) -> bytes:
+    """A flat shape (:class:`StreamMeta`, :class:`Announcement`) as its JSON map, field by field."""
+    return dump_json({"v": WIRE_VERSION, **{f.name: getattr(obj, f.name) for f in fields(obj)}})
+
+
+def _decode_fields(cls: type[T], data: bytes, what: str) -> T:
+    """A flat shape from JSON: each field read as its declared type, an absent one its default."""
+    obj = load_json(data, what)
+    try:
+        return cls(**{f.name: _READ[str(f.type)](obj[f.name]) for f in fields(cls)
+                      if f.name in obj or f.default is MISSING})
+    except (KeyError, TypeError, ValueError) as exc:
+        raise WireFormatError(f"{what}: bad field ({exc})") from exc
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,17 +50,11 @@ class StreamMeta:
     created_at: int
 
     def encode(self) -> bytes:
-        return dump_json({"v": WIRE_VERSION, "id": self.id, "tenant": self.tenant, "model": self.model,
-                          "created_at": self.created_at})
+        return _encode_fields(self)
 
     @classmethod
     def decode(cls, data: bytes) -> StreamMeta:
-        obj = load_json(data, "stream meta")
-        try:
-            return cls(id=str(obj["id"]), tenant=str(obj["tenant"]), model=str(obj["model"]),
-                       created_at=int(obj["created_at"]))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise WireFormatError(f"stream meta: bad field ({exc})") from exc
+        return _decode_fields(cls, data, "stream meta")
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,21 +125,8 @@ class Announcement:
     block_size: int = 0  # positions per KV block
 
     def encode(self) -> bytes:
-        return dump_json({"v": WIRE_VERSION, "worker": self.worker, "model": self.model, "ready": self.ready,
-                          "max_batch": self.max_batch, "running": self.running, "active": self.active,
-                          "pid": self.pid, "streams": list(self.streams), "device": self.device,
-                          "ttl_s": self.ttl_s, "ts": self.ts, "free_blocks": self.free_blocks,
-                          "block_size": self.block_size})
+        return _encode_fields(self)
 
     @classmethod
     def decode(cls, data: bytes) -> Announcement:
-        obj = load_json(data, "announcement")
-        try:
-            return cls(worker=str(obj["worker"]), model=str(obj["model"]), ready=bool(obj.get("ready", True)),
-                       max_batch=int(obj.get("max_batch", 0)), running=int(obj.get("running", 0)),
-                       active=int(obj.get("active", 0)), pid=int(obj.get("pid", 0)),
-                       streams=tuple(str(s) for s in obj.get("streams") or ()), device=str(obj.get("device", "")),
-                       ttl_s=float(obj.get("ttl_s", 6.0)), ts=float(obj.get("ts", 0.0)),
-                       free_blocks=int(obj.get("free_blocks", 0)), block_size=int(obj.get("block_size", 0)))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise WireFormatError(f"announcement: bad field ({exc})") from exc
+        return _decode_fields(cls, data, "announcement")
