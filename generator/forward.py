@@ -184,10 +184,8 @@ def _decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: floa
     For one query token this is several times faster on CPU than SDPA's flash kernel with
     a mask (measured in bf16), and needs no repeat of K/V per query head. A bf16 cache is read
     in fp32 for up to ``fp32_rows`` rows (:data:`FP32_ATTENTION_ROWS` by rule, else the plan's measured
-    figure, :mod:`generator.kernels`): CPU bf16 matmuls this small cost more
-    than the cast (SmolLM2's shapes, 2 threads, AVX512-BF16: per layer 50 → 36 µs at one row,
-    53 → 42 at two, even at four, 77 → 94 at eight; the whole decode step 1.11x at one and two
-    rows, bf16 + int4, 8 alternating rounds).
+    figure, :mod:`generator.kernels`): CPU bf16 matmuls this small cost more than the cast
+    (bench/RESULTS.md, "Then one stream against llama.cpp again").
     q [B, H, 1, hd]; k, v [G, B, T, hd] (as gathered from the blocks); mask [B, T] (True = attend)
     -> [B, H, 1, hd]
     """

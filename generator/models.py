@@ -87,10 +87,8 @@ def resolve_threads(threads: int) -> int:
     Every parallel region of an OpenMP team waits for its slowest thread, so a team as wide as
     the machine stalls when a busy, un-niced process (the relay and nats-server of ``tokenpipe
     up`` under load) takes a core. Leaving a core free costs 1/cores of the compute: cheap on 16
-    cores, 38 % on 2 (quiet 2-core machine, 32 streams, bf16: 745 tok/s with 2 threads, 464 with
-    1; with a ``nice 19`` busy neighbour 2 threads kept 0.97x, with a nice-0 one 0.29x while 1
-    thread kept 1.01x — ``python -m bench.neighbour``, bench/RESULTS.md). ``TOKENPIPE_THREADS=1``
-    is the choice on a small machine that shares its cores with busy un-niced work."""
+    cores, much on 2 (bench/RESULTS.md, "Speed with a neighbour"). ``TOKENPIPE_THREADS=1`` is the
+    choice on a small machine that shares its cores with busy un-niced work."""
     if threads > 0:
         return threads
     cores = os.cpu_count() or 1

@@ -3,16 +3,14 @@
 The matmuls run in torch's own kernels: ``_weight_int8pack_mm`` and, for int4,
 ``_weight_int4pack_mm_for_cpu`` on the CPU and ``_weight_int4pack_mm`` (tinygemm) on CUDA.
 These kernels are fast only with 16-bit activations (their fp32 path is a scalar
-fallback, ~50x slower measured here), so a quantized projection casts its input to
-bf16 and its output back to the model's dtype; norms, attention and the KV cache keep
-the model's dtype.
+fallback), so a quantized projection casts its input to bf16 and its output back to the
+model's dtype; norms, attention and the KV cache keep the model's dtype.
 
-int4 uses asymmetric groups of 32 along the input dimension, the layout of the GGUF
-file the default model comes from (Q4_1: ``w = q * d + m`` per block of 32), so
-re-quantizing its de-quantized layers gives back the file's own 4-bit values (measured:
-no error with fp32 scales; the kernel's bf16 scales add 0.2 % relative error). Its output
-layer is 8-bit in the file (Q8_0), and ``lm_head`` is int8 under int4 too (see
-:func:`generator.forward.build_plan`).
+int4 uses asymmetric groups of 32 along the input dimension, the layout of the GGUF file the
+default model comes from (Q4_1: ``w = q * d + m`` per block of 32), so re-quantizing its
+de-quantized layers gives back the file's own 4-bit values. Its output layer is 8-bit in the
+file (Q8_0), and ``lm_head`` is int8 under int4 too (:func:`generator.forward.build_plan`).
+Figures: bench/RESULTS.md, "Weight-only quantization".
 
 Which kernel serves a projection at a given number of rows (the quantized one, the float
 weight, or the float weight pre-packed for oneDNN) is measured at start-up
@@ -48,13 +46,12 @@ QUANT_MODES: tuple[str, ...] = get_args(Quant)  # defined once, with the setting
 GROUP = 32  # int4 group size along K (GGUF Q4_0/Q4_1 use 32 too)
 # Matmuls of more rows than this (a prefill) use the float weight the model keeps: the
 # quantized kernels pay off where a matmul reads more weight than it computes (decode), and
-# lose where it computes (prefill of 64 tokens: int4 1.8x bf16's time with AVX512-BF16, 2.5x
-# fp32's with AVX2 kernels). So quantization here trades memory (+1/7 of fp32 for int4) for speed.
+# lose where it computes (prefill). So quantization here trades memory (+1/7 of fp32 for
+# int4) for speed.
 DENSE_ROWS = 32
 # With native bf16 (AVX512-BF16) the bf16 GEMM overtakes the int4 kernel already at about 20
-# rows (decode step, SmolLM2, 2 threads, int4 ÷ bf16: 2.04x at 1 row, 1.39x at 8, 1.11x at 16,
-# 0.96x at 24, 0.90x at 32): there the float weight serves matmuls of more than 16 rows, so a
-# few streams decode at int4's speed and many at bf16's.
+# rows (bench/RESULTS.md, "Then `auto` changed"): there the float weight serves matmuls of
+# more than 16 rows, so a few streams decode at int4's speed and many at bf16's.
 BF16_DENSE_ROWS = 16
 _INNER_K_TILES = 8  # tinygemm's packing parameter (CUDA); the CPU packer accepts and ignores it
 
@@ -70,13 +67,11 @@ def resolve_quant(mode: str, *, from_4bit: bool, device: torch.device, native_bf
     """``auto``: int4 on a CPU for weights that came from a 4-bit file (the default model's GGUF,
     which int4 gives back exactly); otherwise none.
 
-    Measured with bench.quant (bench/RESULTS.md), SmolLM2: with AVX2 kernels int4 decoded one
-    stream 2.2x faster than fp32 and 32 streams about as fast (1.03x, noisy; 1.1-1.25x in an
-    A/B). On an AVX512-BF16 CPU (``native_bf16``) int4 decodes one stream 2.0x faster than bf16
-    but 32 streams 0.9x as fast: there the bf16 weight takes matmuls of more than
-    :data:`BF16_DENSE_ROWS` rows (:func:`dense_rows_for`). The log-likelihood stays within 0.005
-    nats/token of fp32. Other weights would lose precision. On CUDA neither kernel pays
-    (bench/gpu.sh: a batch-1 step is launch-bound), so ``auto`` keeps it unquantized."""
+    On a CPU int4 decodes one stream about twice as fast as the float weight and many about as
+    fast; with native bf16 the bf16 weight takes matmuls of more than :data:`BF16_DENSE_ROWS`
+    rows (:func:`dense_rows_for`). Other weights would lose precision. On CUDA neither kernel
+    pays (a batch-1 step is launch-bound), so ``auto`` keeps it unquantized. Figures:
+    bench/RESULTS.md, "Weight-only quantization" and "GPU"."""
     mode = check_quant(mode)
     if mode != "auto":
         return cast(QuantMode, mode)

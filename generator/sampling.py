@@ -21,9 +21,9 @@ from tokenpipe.wire import SamplingParams
 
 __all__ = ["RowSampler", "sample"]
 
-# Candidates per row for the common case. Sorting the whole 49k vocabulary per sampled row cost
-# 248 ms per step for 32 rows at temperature 0.7 / top_p 0.9 (SmolLM2, 1 thread), this 16 ms;
-# on SmolLM2-Instruct the 0.9 nucleus was inside 256 candidates in all 384 rows sampled.
+# Candidates per row for the common case: sorting the whole 49k vocabulary per sampled row cost
+# over ten times as much (bench/RESULTS.md, "Engine levers"); on SmolLM2-Instruct the 0.9 nucleus was
+# inside 256 candidates in all 384 rows sampled.
 _CANDIDATES = 256
 
 
