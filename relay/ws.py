@@ -22,23 +22,22 @@ import json
 import logging
 import time
 from decimal import Decimal
-from typing import Any
+from typing import Annotated, Any, TypeVar
 
 import orjson
 from fastapi import APIRouter, WebSocket
-from pydantic import TypeAdapter, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, StringConstraints, ValidationError
 from starlette.websockets import WebSocketDisconnect
 
 from tokenpipe.errors import InvalidRequest, TokenpipeError
 from tokenpipe.params import invalid_request
 from tokenpipe.streams import Gap
-from tokenpipe.subjects import check_stream_id
 from tokenpipe.wire import TokenBatch
 
 from . import native
 from .auth import Unauthorized, authorization_header
 from .http import RequestTooLarge, parse_json
-from .protocol import Bodies
+from .protocol import ID_PATTERN, Bodies
 from .sessions import Session
 from .state import RelayState
 
@@ -94,45 +93,39 @@ def _ref(frame: dict[str, Any]) -> Any:
                          param="ref")
 
 
-def _stream_id(frame: dict[str, Any]) -> str:
-    sid = frame.get("id")
-    if not isinstance(sid, str):
-        raise InvalidRequest("'id' must be a stream id (a string)", param="id")
-    check_stream_id(sid)
-    return sid
-
-
-def _flag(frame: dict[str, Any], name: str, default: bool) -> bool:
-    value = frame.get(name, default)
-    if not isinstance(value, bool):
-        raise InvalidRequest(f"'{name}' must be true or false", param=name)
+def _a_number(value: Any) -> Any:
+    if isinstance(value, bool) or not isinstance(value, int | float | Decimal):
+        raise ValueError("must be a number")
     return value
 
 
-def _after_seq(frame: dict[str, Any]) -> int:
-    after = frame.get("after_seq")
-    if after is None:
-        return -1
-    if isinstance(after, bool) or not isinstance(after, int) or not 0 <= after <= native.MAX_SEQ:
-        raise InvalidRequest(f"'after_seq' must be an integer between 0 and {native.MAX_SEQ}", param="after_seq")
-    return after
+Flag = Annotated[bool, Strict()]
 
 
-_SPEED = TypeAdapter(native.Speed)  # the SSE route's ``speed`` rule
+class _Cancel(BaseModel):
+    """A ``cancel`` frame (and the part of an ``attach`` that names the stream)."""
+
+    model_config = ConfigDict(extra="ignore")
+    id: Annotated[str, StringConstraints(strict=True, pattern=ID_PATTERN)]
 
 
-def _speed(frame: dict[str, Any], text: str) -> float:
-    speed: Any = frame.get("speed", 1.0)
-    if isinstance(speed, bool) or not isinstance(speed, int | float):
-        raise InvalidRequest("'speed' must be a number", param="speed")
-    if isinstance(speed, float) and "speed" in frame:
-        # Judged on the exact decimal, as the query's speed is: the float parse already read 1e-400
-        # as 0.0 ("as fast as possible"). Read again (the frame is small, an attach rare).
-        speed = str(json.loads(text, parse_float=Decimal)["speed"])
+class _Attach(_Cancel):
+    """An ``attach`` frame: the SSE route's query parameters, as strict JSON values."""
+
+    after_seq: Annotated[int, Field(strict=True, ge=0, le=native.MAX_SEQ)] | None = None
+    replay: Flag = False
+    speed: Annotated[native.Speed, BeforeValidator(_a_number)] = 1.0  # the SSE route's ``speed`` rule
+    cancel_on_disconnect: Flag = True
+
+
+F = TypeVar("F", bound=BaseModel)
+
+
+def _parsed(model: type[F], frame: dict[str, Any]) -> F:
     try:
-        return float(_SPEED.validate_python(speed))
+        return model.model_validate(frame)
     except ValidationError as exc:
-        raise invalid_request([{**err, "loc": ("speed",)} for err in exc.errors()]) from exc
+        raise invalid_request(exc.errors()) from exc
 
 
 class Connection:
@@ -285,23 +278,25 @@ class Connection:
         self._follow(Session(sid, tenant), after=-1, speed=None)
 
     async def _attach(self, frame: dict[str, Any], ref: Any, tenant: str, text: str) -> None:
-        sid = _stream_id(frame)
-        after = _after_seq(frame)
-        replay = _flag(frame, "replay", False)
-        speed = _speed(frame, text)
-        cancel_on_disconnect = _flag(frame, "cancel_on_disconnect", True)
+        if isinstance(frame.get("speed"), float):
+            # Judged on the exact decimal, as the query's speed is: the float parse already read 1e-400
+            # as 0.0 ("as fast as possible"). Read again (the frame is small, an attach rare).
+            frame = {**frame, "speed": json.loads(text, parse_float=Decimal)["speed"]}
+        attach = _parsed(_Attach, frame)
+        sid, replay = attach.id, attach.replay
         forwarder = self.state.forwarder
         meta = await forwarder.owned_meta(sid, tenant)
         if sid in self.streams:
             raise InvalidRequest(f"stream {sid!r} is already attached on this socket", param="id")
         await forwarder.check_retained(meta)
         await self.outbox.put(_dumps({"type": "attached", "ref": ref, "id": sid}))
-        session = Session(sid, tenant, cancel_on_exit=cancel_on_disconnect and not replay, reader=not replay,
+        session = Session(sid, tenant, cancel_on_exit=attach.cancel_on_disconnect and not replay, reader=not replay,
                           meta=meta)
-        self._follow(session, after=after, speed=speed if replay else None)
+        after = attach.after_seq if attach.after_seq is not None else -1
+        self._follow(session, after=after, speed=attach.speed if replay else None)
 
     async def _cancel(self, frame: dict[str, Any], ref: Any, tenant: str) -> None:
-        sid = _stream_id(frame)
+        sid = _parsed(_Cancel, frame).id
         await self.state.forwarder.owned_meta(sid, tenant)
         await self.state.forwarder.cancel(sid)
         self.state.admission.release(tenant, sid)
