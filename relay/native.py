@@ -22,7 +22,7 @@ from .sessions import Session
 from .sse import sse_comment, sse_event
 from .state import RelayState
 
-__all__ = ["router", "start_stream", "state_of", "tenant_of"]
+__all__ = ["batch_events", "gap_event", "router", "start_stream", "state_of", "tenant_of"]
 
 MAX_SEQ = 10**18 - 1  # the largest Last-Event-ID / last_event_id (18 digits)
 MIN_SPEED, MAX_SPEED = Decimal("0.01"), Decimal(1000)  # replay pacing factors; 0 = as fast as possible
@@ -140,26 +140,31 @@ async def _native_events(state: RelayState, session: Session, after: int,
             if isinstance(item, Ping):
                 yield sse_comment()
             elif isinstance(item, Gap):
-                # Say exactly what is missing rather than pretend it was never there.
-                yield sse_event({"from_seq": item.from_seq, "to_seq": item.to_seq,
-                                 "message": f"batches {item.from_seq}..{item.to_seq} are missing: {item.reason}"},
-                                event="gap")
+                yield sse_event(gap_event(item), event="gap")
             else:
-                yield _render(item)
+                yield b"".join(sse_event(data, event=name, id=item.seq) for name, data in batch_events(item))
     except TokenpipeError as exc:
         yield sse_event({"message": exc.message, "code": exc.code}, event="error")
 
 
-def _render(batch: TokenBatch) -> bytes:
-    out = b""
+def batch_events(batch: TokenBatch) -> list[tuple[str, dict[str, Any]]]:
+    """A batch as the native API's events, (name, data): ``tokens`` (unless a final batch holds
+    none), then on the final batch ``done`` or ``error``. SSE and WebSocket frames carry this data."""
+    events: list[tuple[str, dict[str, Any]]] = []
     if batch.token_ids or batch.text or not batch.is_final:
-        out += sse_event({"seq": batch.seq, "index": batch.index, "token_ids": list(batch.token_ids),
-                          "text": batch.text, "timings": dict(batch.timings)}, event="tokens", id=batch.seq)
+        events.append(("tokens", {"seq": batch.seq, "index": batch.index, "token_ids": list(batch.token_ids),
+                                  "text": batch.text, "timings": dict(batch.timings)}))
     if batch.is_final:
         usage = batch.usage.to_map() if batch.usage else None
         if batch.finish == "error":
-            out += sse_event({"message": batch.error or "generation failed", "code": batch.error_code,
-                              "finish": "error", "usage": usage}, event="error", id=batch.seq)
+            events.append(("error", {"message": batch.error or "generation failed", "code": batch.error_code,
+                                     "finish": "error", "usage": usage}))
         else:
-            out += sse_event({"finish": batch.finish, "usage": usage}, event="done", id=batch.seq)
-    return out
+            events.append(("done", {"finish": batch.finish, "usage": usage}))
+    return events
+
+
+def gap_event(gap: Gap) -> dict[str, Any]:
+    """A ``gap`` event's data: say exactly what is missing rather than pretend it was never there."""
+    return {"from_seq": gap.from_seq, "to_seq": gap.to_seq,
+            "message": f"batches {gap.from_seq}..{gap.to_seq} are missing: {gap.reason}"}

@@ -141,10 +141,6 @@ def _object_id(stream_id: str, chat: bool) -> str:
     return ("chatcmpl-" if chat else "cmpl-") + stream_id
 
 
-def _data(obj: Any) -> bytes:
-    return sse_event(obj)
-
-
 async def _chunks(state: RelayState, session: Session, req: TpRequest, created: int, chat: bool,
                   include_usage: bool) -> AsyncIterator[bytes]:
     kind = "chat.completion.chunk" if chat else "text_completion"
@@ -163,7 +159,7 @@ async def _chunks(state: RelayState, session: Session, req: TpRequest, created: 
             choice["delta"] = delta
         else:
             choice["text"] = text or ""
-        return _data({**base, "choices": [choice]})
+        return sse_event({**base, "choices": [choice]})
 
     if chat:
         yield chunk("", None, first=True)
@@ -180,13 +176,13 @@ async def _chunks(state: RelayState, session: Session, req: TpRequest, created: 
                 out += chunk(item.text, None)
             if item.is_final:
                 if item.finish == "error":
-                    out += _data(stream_error(item)[1])
+                    out += sse_event(stream_error(item)[1])
                 else:
                     out += chunk(None, _finish_reason(item.finish))
                     if include_usage and item.usage:
-                        out += _data({**base, "choices": [], "usage": item.usage.to_map()})
+                        out += sse_event({**base, "choices": [], "usage": item.usage.to_map()})
             if out:
                 yield out
     except TokenpipeError as exc:
-        yield _data(error_body(exc.message, status=exc.status, code=exc.code))
+        yield sse_event(error_body(exc.message, status=exc.status, code=exc.code))
     yield b"data: [DONE]\n\n"

@@ -51,39 +51,27 @@ AUTH_WAIT_S = 10.0  # a socket without a key (header or auth frame) is closed af
 _OUTBOX = 256  # frames queued per socket before its streams wait for its writer
 _POLICY_VIOLATION = 1008  # WebSocket close code: authentication failed or never came
 _MAX_REF_CHARS = 256
+Ref = str | int | None  # a client frame's "ref", echoed in the reply
 
 
 def _dumps(frame: dict[str, Any]) -> str:
     return orjson.dumps({k: v for k, v in frame.items() if v is not None}).decode()
 
 
-def error_frame(exc: TokenpipeError, *, ref: Any = None, stream_id: str | None = None) -> str:
+def error_frame(exc: TokenpipeError, *, ref: Ref = None, stream_id: str | None = None) -> str:
     """An ``error`` frame: the HTTP error body's fields, plus the status and ``retry_after`` of a 429."""
     return _dumps({"type": "error", "ref": ref, "id": stream_id, "code": exc.code, "message": exc.message,
                    "param": exc.param, "status": exc.status, "retry_after": getattr(exc, "retry_after", None)})
 
 
 def batch_frames(stream_id: str, batch: TokenBatch) -> list[str]:
-    """A batch as frames: exactly the SSE events' data (``relay.native._render``, nulls included)
-    after ``type``, ``id`` and (on the final frame, which has no SSE field for it) ``seq``."""
-    out = []
-    if batch.token_ids or batch.text or not batch.is_final:
-        out.append(orjson.dumps({"type": "tokens", "id": stream_id, "seq": batch.seq, "index": batch.index,
-                                 "token_ids": list(batch.token_ids), "text": batch.text,
-                                 "timings": dict(batch.timings)}).decode())
-    if batch.is_final:
-        usage = batch.usage.to_map() if batch.usage else None
-        if batch.finish == "error":
-            out.append(orjson.dumps({"type": "error", "id": stream_id, "seq": batch.seq,
-                                     "message": batch.error or "generation failed", "code": batch.error_code,
-                                     "finish": "error", "usage": usage}).decode())
-        else:
-            out.append(orjson.dumps({"type": "done", "id": stream_id, "seq": batch.seq, "finish": batch.finish,
-                                     "usage": usage}).decode())
-    return out
+    """A batch as frames: exactly the SSE events' data (:func:`relay.native.batch_events`, nulls
+    included) after ``type``, ``id`` and ``seq`` (which the final SSE events carry as their id)."""
+    return [orjson.dumps({"type": name, "id": stream_id, "seq": batch.seq, **data}).decode()
+            for name, data in native.batch_events(batch)]
 
 
-def _ref(frame: dict[str, Any]) -> Any:
+def _ref(frame: dict[str, Any]) -> Ref:
     ref = frame.get("ref")
     if ref is None or (isinstance(ref, str) and len(ref) <= _MAX_REF_CHARS):
         return ref
@@ -231,7 +219,7 @@ class Connection:
 
     # -- frames ------------------------------------------------------------------------------
     async def _handle(self, text: str) -> None:
-        ref: Any = None
+        ref: Ref = None
         frame: dict[str, Any] = {}
         try:
             if len(text) > self.state.settings.max_body_bytes:
@@ -259,7 +247,7 @@ class Connection:
             sid = frame.get("id") if frame.get("type") in ("attach", "cancel") else None
             await self.outbox.put(error_frame(exc, ref=ref, stream_id=sid if isinstance(sid, str) else None))
 
-    async def _auth(self, frame: dict[str, Any], ref: Any) -> None:
+    async def _auth(self, frame: dict[str, Any], ref: Ref) -> None:
         keys = self.state.keys
         if keys.enabled:
             if self.tenant is not None:
@@ -270,14 +258,14 @@ class Connection:
             self.tenant = keys.tenant_for(f"Bearer {key.strip()}")
         await self.outbox.put(_dumps({"type": "authenticated", "ref": ref}))
 
-    async def _create(self, frame: dict[str, Any], ref: Any, tenant: str) -> None:
+    async def _create(self, frame: dict[str, Any], ref: Ref, tenant: str) -> None:
         body = self.bodies.parse_native({k: v for k, v in frame.items() if k not in ("type", "ref")})
         req = await native.start_stream(self.state, body, tenant)  # exactly POST /v1/streams' path
         sid = req.id
         await self.outbox.put(_dumps({"type": "created", "ref": ref, "id": sid, "model": req.model}))
         self._follow(Session(sid, tenant), after=-1, speed=None)
 
-    async def _attach(self, frame: dict[str, Any], ref: Any, tenant: str, text: str) -> None:
+    async def _attach(self, frame: dict[str, Any], ref: Ref, tenant: str, text: str) -> None:
         if isinstance(frame.get("speed"), float):
             # Judged on the exact decimal, as the query's speed is: the float parse already read 1e-400
             # as 0.0 ("as fast as possible"). Read again (the frame is small, an attach rare).
@@ -295,7 +283,7 @@ class Connection:
         after = attach.after_seq if attach.after_seq is not None else -1
         self._follow(session, after=after, speed=attach.speed if replay else None)
 
-    async def _cancel(self, frame: dict[str, Any], ref: Any, tenant: str) -> None:
+    async def _cancel(self, frame: dict[str, Any], ref: Ref, tenant: str) -> None:
         sid = _parsed(_Cancel, frame).id
         await self.state.forwarder.owned_meta(sid, tenant)
         await self.state.forwarder.cancel(sid)
@@ -319,9 +307,7 @@ class Connection:
                     for frame in batch_frames(sid, item):
                         await self.outbox.put(frame)
                 elif isinstance(item, Gap):
-                    await self.outbox.put(_dumps({
-                        "type": "gap", "id": sid, "from_seq": item.from_seq, "to_seq": item.to_seq,
-                        "message": f"batches {item.from_seq}..{item.to_seq} are missing: {item.reason}"}))
+                    await self.outbox.put(_dumps({"type": "gap", "id": sid, **native.gap_event(item)}))
                 # a Ping (idle stream) needs no frame: the socket has its own keepalive
         except TokenpipeError as exc:
             await self.outbox.put(error_frame(exc, stream_id=sid))

@@ -7,8 +7,8 @@ import asyncio
 import json
 import sys
 import time
-from typing import Any
 
+from nats.aio.msg import Msg
 from rich.console import Console
 from rich.table import Table
 
@@ -86,7 +86,7 @@ async def tail(bus: Bus, *, model: str | None, console: Console) -> int:
     """Follow every live stream (or one model's): one line per batch until Ctrl-C."""
     models: dict[str, str] = {}
 
-    async def on_batch(msg: Any) -> None:
+    async def on_batch(msg: Msg) -> None:
         try:
             batch = TokenBatch.decode(msg.data)
         except WireFormatError as exc:

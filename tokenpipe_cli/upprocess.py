@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import nats
+from nats.aio.msg import Msg
 
 from tokenpipe.natsauth import load_credential
 from tokenpipe.subjects import ANNOUNCE_PREFIX
@@ -44,7 +45,7 @@ class UpProcess:
         self.port = free_port()
         self.log = self.data / "up.log"
         self.announcements: dict[int, Announcement] = {}  # generator pid -> its last announcement
-        self.nc: Any = None
+        self.nc: nats.NATS | None = None
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(
                 [*command, "up", "--port", str(self.port), "--data-dir", str(self.data), *args],
@@ -81,7 +82,7 @@ class UpProcess:
             self.nc = await nats.connect(st["nats_url"], max_reconnect_attempts=-1, reconnect_time_wait=0.2,
                                          user=admin.user, password=admin.password, inbox_prefix=admin.inbox_prefix)
 
-            async def on(msg: Any) -> None:
+            async def on(msg: Msg) -> None:
                 ann = Announcement.decode(msg.data)
                 self.announcements[ann.pid] = ann
 
