@@ -1,12 +1,13 @@
 """The paged KV cache against the slot cache it replaced, in one run (issue 20).
 
-``python -m bench.kvcache [--model smollm2-135m] [--quick]``: (a) KV bytes written and engine RSS
-under a mixed-length load, paged vs slot (each variant in its own process); (b) TTFT with a shared
+``python -m bench.kvcache [--model smollm2-135m] [--quick] [--only up-memory|throughput]``: (a) KV
+bytes written and engine RSS under a mixed-length load, paged vs slot (each variant in its own
+process), and the generator's RSS through ``tokenpipe up`` (the issue's growth and peak goal); (b) TTFT with a shared
 ~1,100-token system prompt, cold vs warm, and a 6-turn conversation turn by turn; (c) decode tok/s
 against context length at 1 and 32 streams; (d) 32-stream throughput, paged vs slot, alternated;
 (e) the most concurrent streams one budget holds for a realistic length mix. Prints tables, writes
-``bench/out/kvcache.json``. Everything runs in-process on the engine (no NATS): these are the cache's
-own numbers.
+``bench/out/kvcache.json``. Apart from the two ``tokenpipe up`` parts, everything runs in-process
+on the engine (no NATS): these are the cache's own numbers.
 """
 
 from __future__ import annotations
