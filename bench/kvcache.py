@@ -1,12 +1,13 @@
 """The paged KV cache against the slot cache it replaced, in one run (issue 20).
 
-``python -m bench.kvcache [--model smollm2-135m] [--quick]``: (a) KV bytes written and engine RSS
-under a mixed-length load, paged vs slot (each variant in its own process); (b) TTFT with a shared
+``python -m bench.kvcache [--model smollm2-135m] [--quick] [--only up-memory|throughput]``: (a) KV
+bytes written and engine RSS under a mixed-length load, paged vs slot (each variant in its own
+process), and the generator's RSS through ``tokenpipe up`` (the issue's growth and peak goal); (b) TTFT with a shared
 ~1,100-token system prompt, cold vs warm, and a 6-turn conversation turn by turn; (c) decode tok/s
 against context length at 1 and 32 streams; (d) 32-stream throughput, paged vs slot, alternated;
 (e) the most concurrent streams one budget holds for a realistic length mix. Prints tables, writes
-``bench/out/kvcache.json``. Everything runs in-process on the engine (no NATS): these are the cache's
-own numbers.
+``bench/out/kvcache.json``. Apart from the two ``tokenpipe up`` parts, everything runs in-process
+on the engine (no NATS): these are the cache's own numbers.
 """
 
 from __future__ import annotations
@@ -181,15 +182,18 @@ def capacity(lm: LoadedModel, budget_mb: float, max_seq_len: int = 2048) -> dict
 def up_ttft(model: str) -> dict[str, Any]:
     """(b) through ``tokenpipe up`` over HTTP: a chat with a ~1,200-token system prompt, then four
     more with the same system prompt and other questions; TTFT is the POST to the first content."""
+    import tempfile
+
     import httpx
 
     from tokenpipe_cli.launch import free_port
 
     port = free_port()
+    tmp = tempfile.TemporaryDirectory()
     proc = subprocess.Popen([sys.executable, "-m", "tokenpipe_cli", "up", "--model", model, "--port", str(port),
-                             "--nats-port", str(free_port())], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
-    system = " ".join(f"Rule {i}: answer politely, cite the source, and keep it short." for i in range(95))
+                             "--nats-port", str(free_port()), "--data-dir", str(_up_data_dir(tmp.name))],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    system = _RULES
     try:
         assert proc.stdout is not None
         for line in proc.stdout:
@@ -208,7 +212,90 @@ def up_ttft(model: str) -> dict[str, Any]:
     finally:
         proc.terminate()
         proc.wait(30)
+        tmp.cleanup()
     return {"cold_s": times[0], "warm_s": times[1:], "warm_over_cold": statistics.median(times[1:]) / times[0]}
+
+
+def _up_data_dir(tmp: str) -> Path:
+    """A fresh data dir for ``tokenpipe up`` that reuses this machine's converted models (never
+    the default data dir: a bench run must not leave state there)."""
+    data = Path(tmp) / "data"
+    data.mkdir()
+    (data / "models").symlink_to(Path(Settings.load().data_dir).resolve() / "models")
+    return data
+
+
+_RULES = " ".join(f"Rule {i}: answer politely, cite the source, and keep it short." for i in range(95))
+
+
+def _chat(model: str, user: str, max_tokens: int, system: str | None = None) -> dict[str, Any]:
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
+    return {"model": model, "stream": True, "max_tokens": max_tokens, "temperature": 0, "messages": messages}
+
+
+def up_memory(model: str, interval_s: float = 0.1) -> dict[str, Any]:
+    """(a) through ``tokenpipe up`` (defaults, one generator): the generator's RSS sampled every
+    ``interval_s`` while three chats with a ~1,200-token system prompt run one after another,
+    then one ~1,600-token prompt and 31 short streams at once; growth is the peak over idle."""
+    import asyncio
+    import tempfile
+    import threading
+
+    import httpx
+
+    from tokenpipe_cli.upprocess import UpProcess
+
+    async def run(up: UpProcess, pid: int) -> dict[str, Any]:
+        samples: list[tuple[float, int]] = []
+        done = threading.Event()
+
+        def sample() -> None:
+            while not done.wait(interval_s):
+                samples.append((time.monotonic(), rss_kib(pid)))
+
+        idle = max(rss_kib(pid) for _ in range(5) if not done.wait(0.2))
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        marks: dict[str, float] = {}
+
+        async def stream(client: httpx.AsyncClient, body: dict[str, Any]) -> int:
+            chunks = 0
+            async with client.stream("POST", f"{up.url}/v1/chat/completions", json=body, timeout=1800) as r:
+                r.raise_for_status()
+                async for line in r.aiter_lines():
+                    chunks += line.startswith("data:") and '"content"' in line
+            return chunks
+
+        try:
+            async with httpx.AsyncClient() as client:
+                for q in ("What is NATS?", "Name a colour.", "How far is the moon?"):
+                    await stream(client, _chat(model, q, 8, _RULES))
+                marks["chats_done"] = time.monotonic()
+                long_text = " ".join(f"Paragraph {i}: the quick brown fox jumps over the lazy dog near the river."
+                                     for i in range(100))  # ~1,600 tokens
+                bodies = [_chat(model, f"Summarise: {long_text}", 16)]
+                bodies += [_chat(model, f"Question {i}: name a city starting with {chr(65 + i % 26)}.", 32)
+                           for i in range(31)]
+                await asyncio.gather(*(stream(client, b) for b in bodies))
+        finally:
+            done.set()
+            sampler.join()
+        peak = max(kib for _, kib in samples)
+        after_chats = max((kib for t, kib in samples if t <= marks.get("chats_done", 0)), default=idle)
+        return {"rss_idle_mb": idle / 1024, "rss_after_chats_mb": after_chats / 1024, "rss_peak_mb": peak / 1024,
+                "growth_mb": (peak - idle) / 1024, "samples": len(samples)}
+
+    async def main() -> dict[str, Any]:
+        with tempfile.TemporaryDirectory() as tmp:
+            up = UpProcess(_up_data_dir(tmp), "--model", model)
+            try:
+                await up.wait_up(900)
+                pid = next(r["pid"] for r in up.status()["roles"] if r["name"].startswith("generator"))
+                return await run(up, pid)
+            finally:
+                await up.stop()
+
+    return asyncio.run(main())
 
 
 def main() -> None:
@@ -216,12 +303,18 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--quick", action="store_true", help="shorter curve (context to 2k) and 2 A/B rounds")
     ap.add_argument("--memory-child", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--only", choices=["up-memory", "throughput"], help="run one part and print it")
     args = ap.parse_args()
     if args.memory_child:
         print(json.dumps(memory_child(args.model, args.memory_child)))
         return
+    if args.only:
+        print(json.dumps(_only(args.only, args.model, args.quick), indent=2))
+        return
     results: dict[str, Any] = {"cpu": cpu_summary(), "model": args.model}
     results["memory"] = memory(args.model)
+    results["memory_up"] = up_memory(args.model)
+    console.print(f"(a) through tokenpipe up: {results['memory_up']}")
     lm = _load(args.model)
     results["dtype"], results["quant"], results["threads"] = str(lm.dtype), lm.quant, torch.get_num_threads()
     results["ttft"] = ttft(lm, 1100)
@@ -240,6 +333,18 @@ def main() -> None:
     report(results)
 
 
+def _only(part: str, model: str, quick: bool) -> dict[str, Any]:
+    """One part of the bench, for iterating on it (``--only``)."""
+    out: dict[str, Any] = {"cpu": cpu_summary(), "model": model}
+    if part == "up-memory":
+        out["memory_up"] = up_memory(model)
+    else:
+        lm = _load(model)
+        out["dtype"], out["threads"] = str(lm.dtype), torch.get_num_threads()
+        out["throughput"] = throughput(lm, 2 if quick else 6, 64)
+    return out
+
+
 def report(r: dict[str, Any]) -> None:
     out = Console()
     out.print(f"CPU: {r['cpu']}; model {r['model']} {r['dtype']} quant={r['quant']}, {r['threads']} threads")
@@ -250,6 +355,9 @@ def report(r: dict[str, Any]) -> None:
         t.add_row(m["variant"], f"{m['kv_written_mb']:.0f}", f"{m['kv_needed_mb']:.0f}", f"{m['kv_over_needed']:.2f}",
                   f"{m['rss_idle_mb']:.0f}", f"{m['rss_after_mb']:.0f}")
     out.print(t)
+    mu = r["memory_up"]
+    out.print(f"(a) through `tokenpipe up`: generator RSS idle {mu['rss_idle_mb']:.0f} MB, after the chats "
+              f"{mu['rss_after_chats_mb']:.0f} MB, peak {mu['rss_peak_mb']:.0f} MB, growth {mu['growth_mb']:.0f} MB")
     up = r["ttft_up"]
     out.print(f"(b) through `tokenpipe up` over HTTP: cold {up['cold_s'] * 1e3:.0f} ms, warm "
               + ", ".join(f"{w * 1e3:.0f}" for w in up["warm_s"]) + f" ms ({up['warm_over_cold']:.2f}x)")

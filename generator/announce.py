@@ -23,6 +23,7 @@ from tokenpipe.settings import Settings
 from tokenpipe.subjects import ANNOUNCE_PREFIX, DISCOVER_SUBJECT, REQUESTS_STREAM, consumer_name
 from tokenpipe.wire import Announcement
 
+from .background import pause, stop_loops
 from .kvcache import BLOCK_SIZE, KVCacheMeter
 from .runner import Runner
 
@@ -50,6 +51,7 @@ class Announcer:
         self._kv_meter = KVCacheMeter(metrics)
         self._sub: Subscription | None = None
         self._task: asyncio.Task[None] | None = None
+        self._stopping = asyncio.Event()
 
     async def start(self) -> None:
         self._sub = await self.bus.nc.subscribe(DISCOVER_SUBJECT, cb=self._on_discover)
@@ -57,11 +59,10 @@ class Announcer:
         await self.announce()
 
     async def stop(self) -> None:
-        """Say this worker is leaving, then stop announcing."""
+        """Stop announcing, then say this worker is leaving (last: no round of the loop can
+        announce it ready again after that)."""
+        await stop_loops(self._stopping, [] if self._task is None else [self._task])
         await self.announce(ready=False)
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
         if self._sub is not None:
             await self._sub.unsubscribe()
 
@@ -81,8 +82,7 @@ class Announcer:
             await self.bus.nc.publish(msg.reply, self.announcement().encode())
 
     async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self.settings.announce_interval_s)
+        while await pause(self._stopping, self.settings.announce_interval_s):
             try:
                 await self.announce()
                 await self._refresh_gauges()

@@ -10,8 +10,9 @@ token ids), so a key names a whole prefix. A new sequence reuses the longest cha
 blocks and prefills only the rest; a block whose last holder leaves stays cached (and
 reusable) until the pool needs it, least recently used first.
 
-On CPU the pool is ``calloc``-ed through numpy: the kernel maps zero pages lazily, so an idle
-generator's RSS does not hold the budget, only the blocks that were ever written.
+On CPU the pool is an anonymous ``mmap`` with transparent huge pages off: the kernel maps
+zero pages lazily, 4 KiB at a time, so an idle generator's RSS does not hold the budget, only
+the blocks that were ever written (see :func:`_lazy_zeros`).
 Block 0 is a scratch block: padding positions write there and block tables are padded with it,
 so every read is of finite values (a masked NaN would still poison ``probs @ V``).
 
@@ -22,6 +23,7 @@ along dim 1 gives ``[G, B, T, hd]`` as a free view, the shape decode attention r
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
 from collections import OrderedDict
 from typing import Any
@@ -201,14 +203,8 @@ class PagedKVCache:
                 "(raise TOKENPIPE_KV_CACHE_MB or lower TOKENPIPE_MAX_SEQ_LEN)")
         self.pool = BlockPool(num_blocks, caching=caching)
         shape = (self.layers, 2, self.kv_heads, num_blocks, BLOCK_SIZE, self.head_dim)
-        if device.type == "cpu":
-            # calloc: zero pages mapped on first write, so untouched blocks cost no RSS
-            item = torch.empty((), dtype=dtype).element_size()
-            raw = torch.from_numpy(np.zeros(int(np.prod(shape)) * item, dtype=np.uint8))
-            data = raw.view(dtype).view(shape)
-        else:
-            data = torch.zeros(shape, dtype=dtype, device=device)
-        self.data = data
+        self.data = data = _lazy_zeros(shape, dtype) if device.type == "cpu" else \
+            torch.zeros(shape, dtype=dtype, device=device)
         self.kv = [data[i] for i in range(self.layers)]  # [2, G, num_blocks, BLOCK_SIZE, hd] each
         self.k = [data[i, 0] for i in range(self.layers)]
         self.v = [data[i, 1] for i in range(self.layers)]
@@ -257,6 +253,20 @@ class PagedKVCache:
         kv = self.kv[layer].index_select(2, tables.reshape(-1))  # [2, G, B * n, BLOCK_SIZE, hd]
         kv = kv.view(2, self.kv_heads, B, n * BLOCK_SIZE, self.head_dim)
         return kv[0], kv[1]
+
+
+def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+    """A zeroed CPU tensor whose pages are mapped on first write, 4 KiB at a time.
+
+    Not ``np.zeros`` (calloc): numpy advises huge pages for arrays over 4 MiB, and the pool is
+    180 separate slabs for SmolLM2 (layer x K/V x kv head), so the first block written faulted in a
+    2 MiB page in each: 360 MiB of RSS (fp32) for a 64-token prompt whose K/V is 3 MiB. With
+    ``MADV_NOHUGEPAGE`` a block costs its own pages only, also where THP is ``always``."""
+    nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # zero until written
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        buf.madvise(mmap.MADV_NOHUGEPAGE)
+    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)  # the tensor keeps buf alive
 
 
 class KVCacheMeter:

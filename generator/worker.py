@@ -34,6 +34,7 @@ from tokenpipe.telemetry import extract_context, get_tracer
 from tokenpipe.wire import Cancel, Request, TokenBatch, Usage
 
 from .announce import Announcer
+from .background import pause, stop_loops
 from .intake import RequestIntake, keep, patiently
 from .models import LoadedModel
 from .observe import step_observer
@@ -72,7 +73,8 @@ class GeneratorWorker:
         self.recent_cancels: OrderedDict[str, None] = OrderedDict()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._slot_freed = asyncio.Event()
-        self._stopping = asyncio.Event()
+        self._stopping = asyncio.Event()  # no more fetching; running requests may still finish
+        self._closing = asyncio.Event()  # the background loops end (after the drain)
         self.publisher = BatchPublisher(bus)
         self.intake = RequestIntake(bus, loaded.name, settings)
         self.announcer = Announcer(bus, settings, worker_id=self.worker_id, model=self.model,
@@ -137,9 +139,7 @@ class GeneratorWorker:
         if handed_back:
             log.info("handed back unfinished requests", extra={"count": len(handed_back)})
         await self.announcer.stop()
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await stop_loops(self._closing, self._tasks)  # not by cancel alone: see generator.background
         await self.publisher.close()
         if self._cancels is not None:
             await self._cancels.unsubscribe()
@@ -310,8 +310,8 @@ class GeneratorWorker:
 
     async def _progress_loop(self) -> None:
         """Tell JetStream that every held request is still in progress (before ``ack_wait`` runs out)."""
-        while True:
-            await asyncio.sleep(self.progress_every)  # a fixed cadence, not an event: the point is the clock
+        # a fixed cadence, not an event: the point is the clock (and on through the drain)
+        while await pause(self._closing, self.progress_every):
             for out in list(self.active.values()):
                 if out.msg is not None:
                     await keep(out.msg, out.request.id)
@@ -320,8 +320,7 @@ class GeneratorWorker:
         """Re-provision the streams and bucket when someone deleted them; a new ``TP_REQUESTS``
         also needs the consumer again."""
         lost = False
-        while True:
-            await asyncio.sleep(REPAIR_INTERVAL_S)
+        while await pause(self._closing, REPAIR_INTERVAL_S):
             if not self.bus.nc.is_connected:
                 continue  # reconnecting: nothing to ask yet
             try:
