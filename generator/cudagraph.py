@@ -54,9 +54,8 @@ def resolve_cuda_graphs(mode: str, device: torch.device) -> bool:
 
 def buckets_for(max_batch: int) -> tuple[int, ...]:
     """The buckets a batch of up to ``max_batch`` rows uses: powers of two up to the first that holds it."""
-    out = tuple(b for b in BUCKETS if b < max_batch)
-    largest = next((b for b in BUCKETS if b >= max_batch), None)
-    return out + ((largest,) if largest is not None else (BUCKETS[-1],))
+    largest = next((b for b in BUCKETS if b >= max_batch), BUCKETS[-1])
+    return tuple(b for b in BUCKETS if b <= largest)
 
 
 def bucket_for(rows: int, buckets: tuple[int, ...]) -> int | None:

@@ -158,6 +158,8 @@ class EngineProcess:
 
     def start(self) -> None:
         """Start draining the child's frames (``on_emit`` is called on the reader thread)."""
+        if self._reader is not None:
+            raise RuntimeError("the engine-core process is already being drained")
         self._reader = threading.Thread(target=self._read, name="tokenpipe-engine-reader", daemon=True)
         self._reader.start()
 

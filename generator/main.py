@@ -65,7 +65,6 @@ async def serve(settings: Settings) -> None:
         # This process holds no weights: its LoadedModel only names the model and its device.
         loaded = LoadedModel(info["name"], None, None, frozenset(), torch.device(info["device"]),
                              getattr(torch, info["dtype"].removeprefix("torch.")))
-        engine.start()
     else:
         loaded = await loop.run_in_executor(engine_thread, partial(load_for, settings))
     provider = setup_tracing("tokenpipe-generator")
