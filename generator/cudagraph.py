@@ -107,10 +107,27 @@ class StaticDecode:
         return decode_step(self.model, self.cache, self.tokens[:bucket], self.positions[:bucket],
                            self.slots[:bucket], self.tables[:bucket])
 
-    def capture(self) -> None:
-        """Capture one graph per bucket, largest first (the smaller ones reuse its memory pool)."""
+    def capture(self, *, strict: bool = False) -> bool:
+        """Capture one graph per bucket, largest first (the smaller ones reuse its memory pool).
+
+        A step that cannot be captured (an operation that syncs with the host) is a
+        :class:`ConfigError` when ``strict`` (``TOKENPIPE_CUDA_GRAPHS=on``); else it is logged and
+        False returned, and the caller runs the plain step."""
         if self.device.type != "cuda":
             raise ConfigError(f"CUDA graphs need a CUDA device (device {self.device})", param="cuda_graphs")
+        try:
+            self._capture_all()
+        except RuntimeError as exc:
+            self.graphs.clear()
+            self.outputs.clear()
+            if strict:
+                raise ConfigError(f"the decode step could not be captured as a CUDA graph: {exc}",
+                                  param="cuda_graphs") from exc
+            log.warning("CUDA graph capture failed; decoding without graphs", extra={"error": str(exc)})
+            return False
+        return True
+
+    def _capture_all(self) -> None:
         pool = torch.cuda.graph_pool_handle()
         started = time.monotonic()
         for bucket in reversed(self.buckets):

@@ -103,9 +103,10 @@ class Engine:
         # Decode over static buffers, captured per batch bucket (generator.cudagraph); None: the plain step.
         self.static: StaticDecode | None = None
         if resolve_cuda_graphs(cuda_graphs, self.device):
-            self.static = StaticDecode(self.model, self.cache, max_batch=max_batch, max_seq_len=self.max_seq_len,
-                                       device=self.device)
-            self.static.capture()
+            static = StaticDecode(self.model, self.cache, max_batch=max_batch, max_seq_len=self.max_seq_len,
+                                  device=self.device)
+            if static.capture(strict=cuda_graphs == "on"):
+                self.static = static
 
     # -- admission -------------------------------------------------------------------
     def new_sequence(self, seq_id: str, prompt: list[int], params: SamplingParams, carried: int = 0) -> Sequence:
