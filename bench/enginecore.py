@@ -22,6 +22,7 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -78,21 +79,24 @@ async def _measure(url: str, args: argparse.Namespace) -> dict[str, float]:
     return out
 
 
-def measure(args: argparse.Namespace, console: Console) -> dict[str, Any]:
-    results: dict[str, Any] = {}
+def measure(args: argparse.Namespace, console: Console, results: dict[str, Any],
+            save: Callable[[], None]) -> None:
+    """Into ``results`` by model, saved after each model (a later model's failure keeps the rest)."""
     for model in args.models:
         samples: dict[str, list[dict[str, float]]] = {m: [] for m in MODES}
         for r in range(args.rounds):
             for mode in MODES if r % 2 == 0 else reversed(MODES):
                 console.print(f"{model}: engine process {mode} (round {r + 1}/{args.rounds})")
-                env = {"TOKENPIPE_ENGINE_PROCESS": mode}
-                with Pipeline(model, args.data_dir, extra_env=env, device=args.device, dtype=args.dtype) as p:
+                # The kernel rules: both arms the same kernels, and no start-up measuring on a busy machine.
+                env = {"TOKENPIPE_ENGINE_PROCESS": mode, "TOKENPIPE_KERNELS": "rules"}
+                with Pipeline(model, args.data_dir, extra_env=env, device=args.device, dtype=args.dtype,
+                              ready_timeout=900) as p:
                     samples[mode].append(asyncio.run(_measure(p.url, args)))
         per_mode = {m: {k: statistics.mean(s[k] for s in samples[m]) for k in samples[m][0]} for m in MODES}
         ratio = {k: per_mode["on"][k] / per_mode["off"][k] for k in per_mode["off"]}
         results[model] = {"thread": per_mode["off"], "process": per_mode["on"], "process_over_thread": ratio,
                           "samples": samples}
-    return results
+        save()
 
 
 def render(results: dict[str, Any], console: Console) -> None:
@@ -114,12 +118,16 @@ def main(argv: list[str] | None = None) -> int:
         "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "load_before": load},
         "config": {k: v for k, v in vars(args).items() if k != "out"},
     }
-    results["models"] = measure(args, console)
-    results["machine"]["load_after"] = os.getloadavg()
-    render(results, console)
+    results["models"] = {}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
+
+    def save() -> None:
+        results["machine"]["load_after"] = os.getloadavg()
+        out.write_text(json.dumps(results, indent=2))
+
+    measure(args, console, results["models"], save)
+    render(results, console)
     console.print(f"wrote {out}  (load before {load[0]:.2f}, after {results['machine']['load_after'][0]:.2f})")
     return 0
 
