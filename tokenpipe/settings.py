@@ -116,8 +116,8 @@ class Settings:
         default="auto",
         metadata=_doc("run the engine (steps, sampling, detokenizing) in its own engine-core process, fed and "
                       "drained over a local pipe, so the generator's NATS I/O cannot stall a step through the GIL: "
-                      "`auto` (on with CUDA, off on CPU, where the second process measured slower: "
-                      "`python -m bench.enginecore`), `on`, `off` (the engine thread in the generator's process)"))
+                      "`auto` (on with CUDA; off on CPU, where the thread stays the default: `python -m bench.enginecore`, "
+                      "bench/RESULTS.md), `on`, `off` (the engine thread in the generator's process)"))
     cuda_graphs: CudaGraphs = field(
         default="auto",
         metadata=_doc("capture the decode step as CUDA graphs, one per batch-size bucket (1, 2, 4, … 64), "
