@@ -92,6 +92,7 @@ def measure(args: argparse.Namespace, console: Console, results: dict[str, Any],
                 with Pipeline(model, args.data_dir, extra_env=env, device=args.device, dtype=args.dtype,
                               ready_timeout=900) as p:
                     samples[mode].append(asyncio.run(_measure(p.url, args)))
+                console.print(f"  {', '.join(f'{k} {v:.1f}' for k, v in samples[mode][-1].items())}")
         per_mode = {m: {k: statistics.mean(s[k] for s in samples[m]) for k in samples[m][0]} for m in MODES}
         ratio = {k: per_mode["on"][k] / per_mode["off"][k] for k in per_mode["off"]}
         results[model] = {"thread": per_mode["off"], "process": per_mode["on"], "process_over_thread": ratio,
