@@ -43,6 +43,7 @@ bench: install
 	$(PY) -m bench.replication
 	$(PY) -m bench.kvcache
 	$(PY) -m bench.kernels
+	$(PY) -m bench.enginecore
 
 # tokenpipe against transformers serve and llama.cpp's server on this machine (see bench/peers.py).
 bench-peers: install

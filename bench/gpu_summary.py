@@ -40,13 +40,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     present = [Path(f) for f in args.files if Path(f).exists()]
     rows = summarize([json.loads(p.read_text()) for p in present])
+    for row, p in zip(rows, present, strict=True):
+        row["run"] = p.stem.removeprefix("gpu-")  # gpu.sh's before/after runs of one model
     table = Table(title="GPU: engine and full pipeline vs the raw batched forward ceiling")
-    for col in ("model", "streams", "ceiling tok/s", "engine tok/s", "pipeline tok/s", "engine ×", "pipeline ×",
+    for col in ("run", "streams", "ceiling tok/s", "engine tok/s", "pipeline tok/s", "engine ×", "pipeline ×",
                 "pipeline/engine", "engine/raw step at " + "/".join(rows[0]["sweep"]) if rows else "sweep",
                 "TTFT p50 engine / pipeline ms", "added p50 ms"):
         table.add_column(col, justify="right")
     for r in rows:
-        table.add_row(r["model"], str(r["streams"]), f"{r['ceiling_tok_s']:,.0f}", f"{r['engine_tok_s']:,.0f}",
+        table.add_row(r["run"], str(r["streams"]), f"{r['ceiling_tok_s']:,.0f}", f"{r['engine_tok_s']:,.0f}",
                       f"{r['pipeline_tok_s']:,.0f}", f"{r['engine_vs_ceiling']:.2f}", f"{r['pipeline_vs_ceiling']:.2f}",
                       f"{r['pipeline_vs_engine']:.2f}", " / ".join(f"{v:.2f}" for v in r["sweep"].values()),
                       f"{r['engine_ttft_p50_ms']:.1f} / {r['ttft_p50_ms']:.1f}", f"{r['added_ttft_p50_ms']:.1f}")

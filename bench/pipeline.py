@@ -55,6 +55,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="stream counts for the engine-vs-ceiling sweep (comma-separated)")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--ttft-requests", type=int, default=20)
+    parser.add_argument("--cuda-graphs", default=Settings.load().cuda_graphs, choices=["auto", "on", "off"],
+                        help="the in-process engine's decode step captured as CUDA graphs (default: "
+                             "TOKENPIPE_CUDA_GRAPHS, which the generator reads too)")
     parser.add_argument("--repeats", type=int, default=2, help="rounds of the concurrent-streams phase (mean)")
     parser.add_argument("--baseline-tokens", type=int, default=32)
     parser.add_argument("--data-dir", default=Settings.load().data_dir)

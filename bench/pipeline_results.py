@@ -14,7 +14,7 @@ from tokenpipe_cli.stats import percentile
 
 from .drive import Round, Runs
 
-__all__ = ["goals", "pipeline_figures", "ratios", "stage_breakdown", "ttft_figures"]
+__all__ = ["added_ms", "goals", "pct", "pipeline_figures", "ratios", "stage_breakdown", "ttft_figures"]
 
 # Where the first batch's time goes: (from, to) timestamps, the batch's own stamps plus the
 # client's wall clock at the POST ("start") and at the first event ("arrival"), same host clock.
@@ -26,12 +26,12 @@ STAGES = {"client → relay (POST → request built)": ("start", "created"),
           "generator → client (emitted → first SSE event)": ("emitted", "arrival")}
 
 
-def _pct(values: list[float], q: float) -> float:
+def pct(values: list[float], q: float) -> float:
     """The ``q``-th percentile (0-100) of unsorted ``values``."""
     return percentile(sorted(values), q / 100)
 
 
-def _added_ms(recs: list[Record]) -> list[float]:
+def added_ms(recs: list[Record]) -> list[float]:
     """Per request: client TTFT minus the engine's own part (prefill: admitted -> first token)."""
     return [s.ttft * 1e3 - (s.first_timings["first_token"] - s.first_timings["admitted"]) / 1e6
             for s in recs if "admitted" in s.first_timings]
@@ -44,14 +44,14 @@ def _tok_s(rounds: list[Round]) -> list[float]:
 def ttft_figures(singles: list[Record], singles_httpx: list[Record]) -> dict[str, float]:
     """TTFT at one stream: client-measured, and pipeline-added (minus each request's own prefill)."""
     client_ttft = [s.ttft * 1e3 for s in singles]
-    added, added_httpx = _added_ms(singles), _added_ms(singles_httpx)
+    added, added_httpx = added_ms(singles), added_ms(singles_httpx)
     return {
-        "ttft_1_stream_p50_ms": _pct(client_ttft, 50),
-        "ttft_1_stream_p99_ms": _pct(client_ttft, 99),
-        "added_ttft_p50_ms": _pct(added, 50),
-        "added_ttft_p99_ms": _pct(added, 99),
-        "added_ttft_httpx_p50_ms": _pct(added_httpx, 50),
-        "added_ttft_httpx_p99_ms": _pct(added_httpx, 99),
+        "ttft_1_stream_p50_ms": pct(client_ttft, 50),
+        "ttft_1_stream_p99_ms": pct(client_ttft, 99),
+        "added_ttft_p50_ms": pct(added, 50),
+        "added_ttft_p99_ms": pct(added, 99),
+        "added_ttft_httpx_p50_ms": pct(added_httpx, 50),
+        "added_ttft_httpx_p99_ms": pct(added_httpx, 99),
     }
 
 
@@ -61,8 +61,8 @@ def pipeline_figures(runs: Runs, eng: dict[str, Any], streams: int, max_tokens: 
     round_tok_s, round_tok_s_httpx = _tok_s(runs.rounds), _tok_s(runs.rounds_httpx)
     return {
         **ttft_figures(runs.singles, runs.singles_httpx),
-        "added_ttft_vs_engine_p50_ms": _pct(client_ttft, 50) - eng["engine_ttft_p50_ms"],
-        "added_ttft_vs_engine_p99_ms": _pct(client_ttft, 99) - eng["engine_ttft_p99_ms"],
+        "added_ttft_vs_engine_p50_ms": pct(client_ttft, 50) - eng["engine_ttft_p50_ms"],
+        "added_ttft_vs_engine_p99_ms": pct(client_ttft, 99) - eng["engine_ttft_p99_ms"],
         "streams": streams,
         "tokens": sum(r.tokens for r in runs.rounds[0][0]),
         "wall_s": statistics.fmean(wall for _, wall in runs.rounds),
@@ -71,7 +71,7 @@ def pipeline_figures(runs: Runs, eng: dict[str, Any], streams: int, max_tokens: 
         "rounds_tok_s_httpx": round_tok_s_httpx,
         "tok_s_httpx": statistics.fmean(round_tok_s_httpx),
         "batches": sum(len(r.batch_tokens) for r in runs.rounds[0][0]),
-        "ttft_many_p50_ms": _pct([r.ttft * 1e3 for r in many], 50),
+        "ttft_many_p50_ms": pct([r.ttft * 1e3 for r in many], 50),
         "all_finished": all(r.finish == "length" and r.tokens == max_tokens
                             for batch, _ in runs.rounds + runs.rounds_httpx for r in batch),
     }
@@ -87,7 +87,7 @@ def stage_breakdown(recs: list[Record], q: float = 50) -> dict[str, float]:
             stamps = {**r.first_timings, "start": r.start_ns, "arrival": r.first_arrival_ns}
             if stamps.get(a) and stamps.get(b):
                 vals.append((stamps[b] - stamps[a]) / 1e6)
-        out[name] = _pct(vals, q) if vals else float("nan")
+        out[name] = pct(vals, q) if vals else float("nan")
     return out
 
 

@@ -52,7 +52,7 @@ def measure_engine(lm: LoadedModel, args: argparse.Namespace, progress: Progress
     for n in args.engine_batches:
         # Engine goal of the benchmark issue: aggregate decode tok/s at n streams vs the raw step at batch n.
         ceiling = max(ceilings.raw_forward_tok_s(m, n, context) for m in by_dtype.values())
-        run = ceilings.engine_tok_s(lm, prompts[:n], args.max_tokens, max_batch=n)
+        run = ceilings.engine_tok_s(lm, prompts[:n], args.max_tokens, max_batch=n, cuda_graphs=args.cuda_graphs)
         out["engine_sweep"][str(n)] = {"ceiling_tok_s": ceiling, "engine_tok_s": run.tok_s,
                                        "ratio": run.tok_s / ceiling}
         progress.advance(task)
@@ -60,12 +60,13 @@ def measure_engine(lm: LoadedModel, args: argparse.Namespace, progress: Progress
     gc.collect()
     progress.advance(task)
     out["ceiling_tok_s"] = max(out["raw_forward_fp32_tok_s"], out["raw_forward_bf16_tok_s"])
-    run = ceilings.engine_tok_s(lm, prompts[: args.streams], args.max_tokens, max_batch=args.streams)
+    run = ceilings.engine_tok_s(lm, prompts[: args.streams], args.max_tokens, max_batch=args.streams,
+                                 cuda_graphs=args.cuda_graphs)
     out["engine_tok_s_before"] = run.tok_s
     out["engine_wall_s"] = run.wall_s
     progress.advance(task)
-    ttfts = sorted(ceilings.engine_tok_s(lm, [prompts[i % len(prompts)]], 1, max_batch=1).ttft_s
-                   for i in range(args.ttft_requests))
+    ttfts = sorted(ceilings.engine_tok_s(lm, [prompts[i % len(prompts)]], 1, max_batch=1,
+                                         cuda_graphs=args.cuda_graphs).ttft_s for i in range(args.ttft_requests))
     out["engine_ttft_p50_ms"] = percentile(ttfts, 0.50) * 1e3
     out["engine_ttft_p99_ms"] = percentile(ttfts, 0.99) * 1e3
     progress.advance(task)
@@ -79,6 +80,7 @@ def measure_engine(lm: LoadedModel, args: argparse.Namespace, progress: Progress
 def engine_again(lm: LoadedModel, eng: dict[str, Any], args: argparse.Namespace) -> None:
     """The engine once more, after the pipeline: this machine's speed drifts (shared cores), so
     the pipeline is compared with the mean of the engine measured before and after it."""
-    after = ceilings.engine_tok_s(lm, prompt_ids(lm, args.streams), args.max_tokens, max_batch=args.streams)
+    after = ceilings.engine_tok_s(lm, prompt_ids(lm, args.streams), args.max_tokens, max_batch=args.streams,
+                                 cuda_graphs=args.cuda_graphs)
     eng["engine_tok_s_after"] = after.tok_s
     eng["engine_tok_s"] = (eng["engine_tok_s_before"] + after.tok_s) / 2

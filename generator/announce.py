@@ -24,6 +24,7 @@ from tokenpipe.subjects import ANNOUNCE_PREFIX, DISCOVER_SUBJECT, REQUESTS_STREA
 from tokenpipe.wire import Announcement
 
 from .background import pause, stop_loops
+from .engineproc import EngineProcess
 from .kvcache import BLOCK_SIZE, KVCacheMeter
 from .runner import Runner
 
@@ -39,7 +40,7 @@ class Announcer:
     """
 
     def __init__(self, bus: Bus, settings: Settings, *, worker_id: str, model: str, device: str,
-                 runner: Runner, streams: Collection[str], metrics: GeneratorMetrics) -> None:
+                 runner: Runner | EngineProcess, streams: Collection[str], metrics: GeneratorMetrics) -> None:
         self.bus = bus
         self.settings = settings
         self.worker_id = worker_id

@@ -19,6 +19,7 @@ import torch
 from tokenpipe.errors import InvalidRequest
 from tokenpipe.wire import FinishReason, SamplingParams
 
+from .cudagraph import StaticDecode, resolve_cuda_graphs, sample_on_device
 from .forward import decode_step, prefill
 from .kvcache import BLOCK_SIZE, ROOT_KEY, SCRATCH, PagedKVCache, auto_budget_bytes, bytes_per_position, prefix_keys
 from .models import LoadedModel
@@ -78,7 +79,7 @@ class Engine:
 
     def __init__(self, loaded: LoadedModel, *, max_batch: int = 32, max_seq_len: int = 2048,
                  prefill_token_budget: int = 4096, max_prompt_tokens: int = 0, kv_cache_mb: float = 0,
-                 prefix_caching: bool = True, admit_reserve_tokens: int = 256) -> None:
+                 prefix_caching: bool = True, admit_reserve_tokens: int = 256, cuda_graphs: str = "off") -> None:
         self.loaded = loaded
         self.model = loaded.model
         self.device = loaded.device
@@ -99,6 +100,13 @@ class Engine:
         self.preemptions = 0
         self.room = self._room()  # read by the worker's thread: an int, replaced whole
         self._admissions = 0
+        # Decode over static buffers, captured per batch bucket (generator.cudagraph); None: the plain step.
+        self.static: StaticDecode | None = None
+        if resolve_cuda_graphs(cuda_graphs, self.device):
+            static = StaticDecode(self.model, self.cache, max_batch=max_batch, max_seq_len=self.max_seq_len,
+                                  device=self.device)
+            if static.capture(strict=cuda_graphs == "on"):
+                self.static = static
 
     # -- admission -------------------------------------------------------------------
     def new_sequence(self, seq_id: str, prompt: list[int], params: SamplingParams, carried: int = 0) -> Sequence:
@@ -286,11 +294,15 @@ class Engine:
     def _decode(self, seqs: list[Sequence]) -> list[StepOutput]:
         positions = [s.next_position for s in seqs]
         slots = [s.blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for s, p in zip(seqs, positions, strict=True)]
-        tables = self._tables(seqs, max(positions) + 1)
-        dev = self.device
-        tokens = torch.tensor([s.generated[-1] for s in seqs], device=dev)
-        logits = decode_step(self.model, self.cache, tokens, torch.tensor(positions, device=dev),
-                             torch.tensor(slots, device=dev), tables.to(dev))  # [B, V]
+        last = [s.generated[-1] for s in seqs]
+        if self.static is not None:
+            logits = self.static.decode(last, positions, slots, [s.blocks for s in seqs])  # [B, V]
+        else:
+            tables = self._tables(seqs, max(positions) + 1)
+            dev = self.device
+            logits = decode_step(self.model, self.cache, torch.tensor(last, device=dev),
+                                 torch.tensor(positions, device=dev), torch.tensor(slots, device=dev),
+                                 tables.to(dev))  # [B, V]
         for s in seqs:
             s.computed += 1
             if s.computed % BLOCK_SIZE == 0:
@@ -298,7 +310,8 @@ class Engine:
         return self._accept(seqs, logits)
 
     def _accept(self, seqs: list[Sequence], logits: torch.Tensor) -> list[StepOutput]:
-        tokens = sample(logits, [s.sampler for s in seqs])
+        draw = sample if self.static is None else sample_on_device  # one device -> host copy per step
+        tokens = draw(logits, [s.sampler for s in seqs])
         eos = self.loaded.eos_ids
         out = []
         for seq, tok in zip(seqs, tokens, strict=False):

@@ -12,21 +12,25 @@ from pathlib import Path
 import torch
 
 from tokenpipe.bus import connect
+from tokenpipe.errors import GenerationError
 from tokenpipe.metrics import GeneratorMetrics
 from tokenpipe.settings import Settings
 from tokenpipe.telemetry import setup_tracing
 
+from .cudagraph import resolve_cuda_graphs
+from .engineproc import EngineProcess, use_engine_process
 from .health import StatusServer
-from .models import LoadedModel, load_model, resolve_threads
+from .models import LoadedModel, load_model, resolve_device, resolve_threads
 from .runner import torch_thread
 from .worker import GeneratorWorker
 
-__all__ = ["serve"]
+__all__ = ["load_for", "serve"]
 
 log = logging.getLogger(__name__)
 
 
-def _load(settings: Settings) -> LoadedModel:
+def load_for(settings: Settings) -> LoadedModel:
+    """Load the settings' model; call it on the thread that will step the engine (:func:`torch_thread`)."""
     torch.set_num_threads(resolve_threads(settings.threads))  # OpenMP's thread count is per calling thread
     return load_model(settings.model, path=settings.model_path, device=settings.device, dtype=settings.dtype,
                       data_dir=settings.data_dir, quant=settings.quant, kernels=settings.kernels,
@@ -35,6 +39,7 @@ def _load(settings: Settings) -> LoadedModel:
 
 async def serve(settings: Settings) -> None:
     """Load the model, connect, serve until SIGINT/SIGTERM, then drain."""
+    resolve_cuda_graphs(settings.cuda_graphs, resolve_device(settings.device))  # refused before anything loads
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -48,12 +53,25 @@ async def serve(settings: Settings) -> None:
             log.warning("metrics port unavailable; metrics and probes disabled",
                         extra={"port": settings.metrics_port, "error": str(exc)})
     engine_thread = torch_thread()
-    loaded = await loop.run_in_executor(engine_thread, partial(_load, settings))
+    engine: EngineProcess | None = None
+    engine_died: list[int | None] = []
+    if use_engine_process(settings.engine_process, settings.device):
+        def died(code: int | None) -> None:  # on the engine reader thread
+            engine_died.append(code)
+            loop.call_soon_threadsafe(stop.set)
+
+        engine = EngineProcess(settings, on_exit=died)
+        info = await asyncio.to_thread(engine.load)
+        # This process holds no weights: its LoadedModel only names the model and its device.
+        loaded = LoadedModel(info["name"], None, None, frozenset(), torch.device(info["device"]),
+                             getattr(torch, info["dtype"].removeprefix("torch.")))
+    else:
+        loaded = await loop.run_in_executor(engine_thread, partial(load_for, settings))
     provider = setup_tracing("tokenpipe-generator")
     bus = await connect(settings, name=f"tokenpipe-generator-{loaded.name}", role="generator")
     metrics = GeneratorMetrics(loaded.name)
     worker = GeneratorWorker(settings, loaded, bus, tracer_provider=provider, metrics=metrics,
-                             torch_thread=engine_thread)
+                             torch_thread=engine_thread, engine_process=engine)
     if status is not None:
         status.registry, status.worker = metrics.registry, worker
     await worker.start()
@@ -66,7 +84,8 @@ async def serve(settings: Settings) -> None:
     if ready is not None:
         ready.unlink(missing_ok=True)
     log.info("shutting down: draining", extra={"active": len(worker.active)})
-    await worker.stop(drain_timeout=settings.drain_timeout_s)
+    # A dead engine finishes nothing: its requests go back to JetStream at once, for another worker.
+    await worker.stop(drain_timeout=0 if engine_died else settings.drain_timeout_s)
     await bus.close()
     if status is not None:
         status.stop()
@@ -74,3 +93,5 @@ async def serve(settings: Settings) -> None:
     shutdown = getattr(provider, "shutdown", None)
     if shutdown is not None:
         shutdown()
+    if engine_died:  # the supervisor restarts this generator, and with it the engine
+        raise GenerationError(f"the engine-core process died (exit {engine_died[0]}); its requests were handed back")

@@ -3,7 +3,7 @@
 Each sampled sequence owns a ``torch.Generator`` and draws exactly one uniform number
 from it per token, so a seeded request gives the same tokens whatever else shares its
 batch. The sampled rows are filtered (temperature, top-k, top-p) and sampled as one
-batch by inverse CDF over their most likely ``_CANDIDATES`` tokens; a row whose nucleus
+batch by inverse CDF over their most likely ``CANDIDATES`` tokens; a row whose nucleus
 is not inside those (a flat distribution) is sampled over the whole sorted vocabulary
 instead, so the result is exact either way. Rows with neither top-k nor top-p are
 sampled over the vocabulary in its own order (no ranking needed).
@@ -19,12 +19,12 @@ from torch import Tensor
 
 from tokenpipe.wire import SamplingParams
 
-__all__ = ["RowSampler", "sample"]
+__all__ = ["CANDIDATES", "RowSampler", "draw", "sample"]
 
 # Candidates per row for the common case: sorting the whole 49k vocabulary per sampled row cost
 # over ten times as much (bench/RESULTS.md, "Engine levers"); on SmolLM2-Instruct the 0.9 nucleus was
 # inside 256 candidates in all 384 rows sampled.
-_CANDIDATES = 256
+CANDIDATES = 256
 
 
 @dataclass
@@ -49,7 +49,7 @@ class RowSampler:
         return self.generator is None
 
 
-def _draw(logits: Tensor, top_k: Tensor, top_p: Tensor, u: Tensor, width: int) -> tuple[Tensor, Tensor]:
+def draw(logits: Tensor, top_k: Tensor, top_p: Tensor, u: Tensor, width: int) -> tuple[Tensor, Tensor]:
     """Sample rows of ``logits [R, V]`` (already divided by temperature) over their ``width``
     most likely tokens. Returns ``(tokens [R], exact [R])``: ``exact`` is False where the
     row's kept set may reach beyond ``width`` (the caller redraws those with the whole vocabulary)."""
@@ -97,7 +97,7 @@ def sample(logits: Tensor, samplers: list[RowSampler]) -> list[int]:
     idx = torch.tensor(rows, device=dev)
     scaled = logits.index_select(0, idx) / temp[:, None]
     plain = (top_k >= V) & (top_p >= 1.0)  # temperature only: no ranking needed
-    tokens, exact = _draw(scaled, top_k, top_p, u, min(_CANDIDATES, V))
+    tokens, exact = draw(scaled, top_k, top_p, u, min(CANDIDATES, V))
     if bool(plain.any()):
         where = plain.nonzero()[:, 0]
         cdf = scaled[where].softmax(-1).cumsum(-1)
@@ -105,6 +105,6 @@ def sample(logits: Tensor, samplers: list[RowSampler]) -> list[int]:
         exact |= plain
     if not bool(exact.all()):
         redo = (~exact).nonzero()[:, 0]
-        tokens[redo] = _draw(scaled[redo], top_k[redo], top_p[redo], u[redo], V)[0]
+        tokens[redo] = draw(scaled[redo], top_k[redo], top_p[redo], u[redo], V)[0]
     out[idx] = tokens
     return out.tolist()

@@ -35,6 +35,7 @@ from tokenpipe.wire import Cancel, Request, TokenBatch, Usage
 
 from .announce import Announcer
 from .background import pause, stop_loops
+from .engineproc import EngineProcess
 from .intake import RequestIntake, keep, patiently
 from .models import LoadedModel
 from .observe import step_observer
@@ -55,7 +56,8 @@ class GeneratorWorker:
 
     def __init__(self, settings: Settings, loaded: LoadedModel, bus: Bus,
                  tracer_provider: TracerProvider | None = None, worker_id: str | None = None,
-                 metrics: GeneratorMetrics | None = None, torch_thread: Executor | None = None) -> None:
+                 metrics: GeneratorMetrics | None = None, torch_thread: Executor | None = None,
+                 engine_process: EngineProcess | None = None) -> None:
         self.settings = settings
         self.loaded = loaded
         self.model = loaded.name
@@ -63,12 +65,18 @@ class GeneratorWorker:
         self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
         self.tracer = get_tracer(tracer_provider or trace.NoOpTracerProvider())
         self.metrics = metrics or GeneratorMetrics(loaded.name)
-        self.runner = Runner(loaded, self._from_engine_thread, on_step=step_observer(self.metrics),
-                             max_batch=settings.max_batch, max_seq_len=settings.max_seq_len,
-                             prefill_token_budget=settings.prefill_token_budget,
-                             max_prompt_tokens=settings.max_prompt_tokens, torch_thread=torch_thread,
-                             admission_hold_s=settings.admission_hold_ms / 1000,
-                             kv_cache_mb=settings.kv_cache_mb, prefix_caching=settings.prefix_caching)
+        self.runner: Runner | EngineProcess
+        if engine_process is None:
+            self.runner = Runner(loaded, self._from_engine_thread, on_step=step_observer(self.metrics),
+                                 max_batch=settings.max_batch, max_seq_len=settings.max_seq_len,
+                                 prefill_token_budget=settings.prefill_token_budget,
+                                 max_prompt_tokens=settings.max_prompt_tokens, torch_thread=torch_thread,
+                                 admission_hold_s=settings.admission_hold_ms / 1000,
+                                 kv_cache_mb=settings.kv_cache_mb, prefix_caching=settings.prefix_caching,
+                                 cuda_graphs=settings.cuda_graphs)
+        else:  # the engine runs in its own process (generator.engineproc), already loaded
+            engine_process.on_emit, engine_process.on_step = self._from_engine_thread, step_observer(self.metrics)
+            self.runner = engine_process
         self.active: dict[str, StreamWriter] = {}  # the requests this worker holds, by stream id
         self.recent_cancels: OrderedDict[str, None] = OrderedDict()
         self._loop: asyncio.AbstractEventLoop | None = None

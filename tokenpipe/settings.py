@@ -17,13 +17,15 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 from .cluster import parse_replicas, server_list
 from .errors import ConfigError
 
-__all__ = ["Dtype", "Kernels", "Quant", "Settings", "default_data_dir"]
+__all__ = ["CudaGraphs", "Dtype", "EngineProcess", "Kernels", "Quant", "Settings", "default_data_dir"]
 
 ENV_PREFIX = "TOKENPIPE_"
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"]
 Quant = Literal["auto", "none", "int8", "int4"]
 Kernels = Literal["auto", "rules", "quant", "dense", "packed"]
+EngineProcess = Literal["auto", "on", "off"]
+CudaGraphs = Literal["auto", "on", "off"]
 
 
 def default_data_dir() -> str:
@@ -110,6 +112,18 @@ class Settings:
                       "threads, torch and model) and switches from the rule only on a ≥ 10 % win; `rules` (the "
                       "quantized kernel up to 16 rows with native bf16, else 32); `quant`, `dense`, `packed`: "
                       "that one for every decode step"))
+    engine_process: EngineProcess = field(
+        default="auto",
+        metadata=_doc("run the engine (steps, sampling, detokenizing) in its own engine-core process, fed and "
+                      "drained over a local pipe, so the generator's NATS I/O cannot stall a step through the GIL: "
+                      "`auto` (on with CUDA; off on CPU, where the thread stays the default: "
+                      "`python -m bench.enginecore`, bench/RESULTS.md), `on`, `off` (the engine thread in the "
+                      "generator's process)"))
+    cuda_graphs: CudaGraphs = field(
+        default="auto",
+        metadata=_doc("capture the decode step as CUDA graphs, one per batch-size bucket (1, 2, 4, … 64), "
+                      "replayed each step: `auto` (on with CUDA, off on CPU), `on` (refused without a CUDA "
+                      "device), `off`"))
     max_batch: int = field(
         default=32, metadata=_doc("most concurrent sequences per generator; free KV-cache blocks decide below it"))
     kv_cache_mb: float = field(

@@ -73,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     _common(gen)
     _model_opts(gen)
     _setting(gen, "max_batch")
+    _setting(gen, "engine_process")
+    _setting(gen, "cuda_graphs")
     _setting(gen, "metrics_port")
 
     relay = sub.add_parser("relay", help="run the HTTP/SSE relay")
