@@ -24,7 +24,6 @@ from nats.js.errors import NotFoundError
 
 from tokenpipe.append import StreamLost, append_once
 from tokenpipe.bus import Bus
-from tokenpipe.cluster import ack_wait_for
 from tokenpipe.errors import GenerationError, TokenpipeError, TransportError
 from tokenpipe.retry import PATIENCE, retrying, through_elections
 from tokenpipe.settings import Settings
@@ -51,8 +50,10 @@ class RequestIntake:
 
     @property
     def ack_wait_s(self) -> float:
-        """The consumer's ``ack_wait`` (longer where streams are replicated: :func:`ack_wait_for`)."""
-        return ack_wait_for(self.settings, self.bus.replicas)
+        """The consumer's ``ack_wait``, the same on one node and a cluster: a request redelivered while
+        its holder still runs it (a leader election delayed its progress acks, a freeze) is safe,
+        because the store takes appends from one writer only (tokenpipe.append)."""
+        return self.settings.ack_wait_s
 
     def _consumer_config(self) -> js_api.ConsumerConfig:
         return js_api.ConsumerConfig(

@@ -17,11 +17,13 @@ writer by the stored message's ``Nats-Msg-Id`` (:func:`~tokenpipe.append.stored_
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import nats.js.errors
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.api import PubAck
@@ -76,17 +78,71 @@ class AppendChain:
         self.subject = token_subject(self.owner, self.stream_id)
 
 
+class _PubAcks:
+    """One inbox for every append's PubAck, each resolved by its token; a refusal fails its future
+    with the :class:`nats.js.errors.APIError` it carries. (nats-py's ``publish_async`` raises that
+    error inside its reply callback instead, so its future only ever times out; ``js.publish``
+    costs a task, a timer and a waiter per append, which at 32 streams was measurable CPU.)"""
+
+    def __init__(self, bus: Bus) -> None:
+        self.bus = bus
+        self.prefix = ""
+        self.waiting: dict[str, asyncio.Future[PubAck]] = {}
+        self._sub: Subscription | None = None
+        self._n = 0
+
+    async def start(self) -> None:
+        self.prefix = self.bus.nc.new_inbox()
+        self._sub = await self.bus.nc.subscribe(f"{self.prefix}.*", cb=self._on_reply)
+
+    async def close(self) -> None:
+        if self._sub is not None and not self.bus.nc.is_closed:
+            try:
+                await self._sub.unsubscribe()
+            except Exception as exc:  # reconnecting or closing: the server drops it with the connection
+                log.debug("PubAck inbox unsubscribe failed", extra={"error": repr(exc)})
+
+    def expect(self) -> tuple[str, asyncio.Future[PubAck]]:
+        self._n += 1
+        token = str(self._n)
+        fut: asyncio.Future[PubAck] = asyncio.get_running_loop().create_future()
+        self.waiting[token] = fut
+        return f"{self.prefix}.{token}", fut
+
+    def forget(self, reply: str) -> None:
+        self.waiting.pop(reply.rpartition(".")[2], None)
+
+    def fail_all(self, exc: BaseException) -> None:
+        for fut in self.waiting.values():
+            if not fut.done():
+                fut.set_exception(exc)
+
+    async def _on_reply(self, msg: Msg) -> None:
+        fut = self.waiting.pop(msg.subject.rpartition(".")[2], None)
+        if fut is None or fut.done():
+            return
+        if msg.headers and msg.headers.get("Status") == "503":  # no responders: the stream has no leader
+            fut.set_exception(nats.js.errors.NoStreamResponseError())
+            return
+        try:
+            resp = json.loads(msg.data)
+            if "error" in resp:
+                nats.js.errors.APIError.from_error(resp["error"])  # raises the matching subclass
+            fut.set_result(PubAck.from_response(resp))
+        except Exception as exc:  # the refusal, or an answer that is no PubAck
+            fut.set_exception(exc)
+
+
 class BatchPublisher:
     """The appends of every stream one worker writes (see the module docstring)."""
 
     def __init__(self, bus: Bus) -> None:
         self.bus = bus
         self._busy: set[asyncio.Task[None]] = set()  # chains with something queued or in flight
-        self._inflight: set[asyncio.Future[PubAck]] = set()  # appends whose PubAck is not yet answered
-        self._started = False
+        self._acks = _PubAcks(bus)
 
-    def start(self) -> None:
-        self._started = True
+    async def start(self) -> None:
+        await self._acks.start()
         self.bus.on_possible_loss.append(self._on_possible_loss)
 
     def chain(self, owner: str, stream_id: str, *, last: int, on_lost: Callable[[StreamLost], None]) -> AppendChain:
@@ -98,8 +154,7 @@ class BatchPublisher:
         reached a server (its server may be dead), so it goes out again now, not after a PubAck
         timeout (a retry that was stored after all is recognised as this writer's own)."""
         if sub is None:
-            for fut in list(self._inflight):
-                fut.cancel()
+            self._acks.fail_all(ConnectionResetError("sent again after a reconnect"))
 
     def publish(self, chain: AppendChain, data: bytes, headers: dict[str, str]) -> None:
         """Append ``data`` to ``chain``'s stream after whatever it holds (nothing, once it is lost)."""
@@ -134,6 +189,7 @@ class BatchPublisher:
         for task in busy:
             task.cancel()
         await asyncio.gather(*busy, return_exceptions=True)
+        await self._acks.close()
 
     async def _drain(self, chain: AppendChain) -> None:
         try:
@@ -163,28 +219,19 @@ class BatchPublisher:
         # No tight loop while JetStream is unavailable (a stream between leaders refuses at once);
         # the first retry is immediate (a reconnect already waited).
         backoff = Backoff(ELECTIONS.first_delay_s, ELECTIONS.max_delay_s, immediate=True)
-        js, tries = self.bus.js, 0
+        tries = 0
         while True:
             if tries:
                 await asyncio.sleep(backoff.next())
                 while not self.bus.nc.is_connected:
                     await asyncio.sleep(0.1)  # waiting out a reconnect
             tries += 1
-            # js.publish, not publish_async: nats-py's async PubAck handler raises a JetStream error
-            # inside its callback instead of failing the future (the refusal would look like a
-            # timeout), and one append per stream is in flight anyway.
-            fut = asyncio.ensure_future(js.publish(chain.subject, item.data, timeout=_PUBACK_TIMEOUT_S,
-                                                   headers=conditional(item.headers, chain.last)))
-            self._inflight.add(fut)
+            reply, fut = self._acks.expect()
+            timer = asyncio.get_running_loop().call_later(_PUBACK_TIMEOUT_S, _time_out, fut)
             try:
-                try:
-                    await asyncio.wait({fut})
-                finally:
-                    self._inflight.discard(fut)
-                    fut.cancel()  # only if we are cancelled ourselves: it is done otherwise
-                if fut.cancelled():  # a reconnect: what was in flight on the old connection goes out again
-                    raise ConnectionResetError("sent again after a reconnect")
-                ack = fut.result()
+                await self.bus.nc.publish(chain.subject, item.data, reply=reply,
+                                          headers=conditional(item.headers, chain.last))
+                ack = await fut
             except Exception as exc:  # refused, lost in an outage, or timed out
                 last = refused_at(exc)
                 if last is not None:
@@ -199,6 +246,9 @@ class BatchPublisher:
                 log.warning("batch not confirmed; appending again", extra={"subject": chain.subject,
                                                                             "error": repr(exc)})
                 continue
+            finally:
+                timer.cancel()
+                self._acks.forget(reply)
             chain.last = ack.seq
             break
         try:
@@ -214,3 +264,8 @@ class BatchPublisher:
                 log.warning("cannot check the last stored batch; retrying",
                             extra={"subject": chain.subject, "error": exc.message})
                 await asyncio.sleep(0.5)
+
+
+def _time_out(fut: asyncio.Future[PubAck]) -> None:
+    if not fut.done():
+        fut.set_exception(TimeoutError("no PubAck in time"))

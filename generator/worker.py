@@ -88,7 +88,7 @@ class GeneratorWorker:
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self.runner.start()
-        self.publisher.start()
+        await self.publisher.start()
         await self.intake.subscribe()
         self._cancels = await self.bus.nc.subscribe(CANCEL_WILDCARD, cb=self._on_cancel)
         self._tasks = [

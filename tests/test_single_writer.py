@@ -46,8 +46,8 @@ async def test_a_second_writer_is_refused_stops_and_never_reaches_the_store_or_l
     sid = f"sw-{secrets.token_hex(4)}"
     live, sub = await _live(bus, sid)
     a, b = BatchPublisher(bus), BatchPublisher(bus)
-    a.start()
-    b.start()
+    await a.start()
+    await b.start()
     lost_a: list[StreamLost] = []
     try:
         chain_a = a.chain(RELAY_OWNER, sid, last=0, on_lost=lost_a.append)
@@ -87,7 +87,7 @@ async def test_a_retry_of_an_append_that_was_stored_after_all_is_recognised_as_i
     PubAck is refused like a second writer's. The publisher must tell its own append apart."""
     sid = f"sw-{secrets.token_hex(4)}"
     pub = BatchPublisher(bus)
-    pub.start()
+    await pub.start()
     try:
         chain = pub.chain(RELAY_OWNER, sid, last=0, on_lost=lambda exc: pytest.fail(f"lost: {exc}"))
         data, headers = _batch(sid, 0, 7).encode(), _headers(sid, 0, "me")
