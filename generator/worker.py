@@ -88,8 +88,15 @@ class GeneratorWorker:
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self.runner.start()
-        await self.publisher.start()
-        await self.intake.subscribe()
+        try:
+            await self.publisher.start()
+            await self.intake.subscribe()
+        except BaseException:
+            # The engine runs on a non-daemon thread: a start that failed here (JetStream not
+            # answering yet, a cluster still forming) kept the process alive, never ready and
+            # never restarted by `tokenpipe up` (seen in the chaos run).
+            await asyncio.to_thread(self.runner.stop)
+            raise
         self._cancels = await self.bus.nc.subscribe(CANCEL_WILDCARD, cb=self._on_cancel)
         self._tasks = [
             asyncio.create_task(self._fetch_loop(), name="fetch"),
