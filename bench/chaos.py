@@ -255,11 +255,16 @@ class Chaos:
         tasks = await loader
         await asyncio.gather(*tasks)
         await self.whole()
-        for run in self.runs:
+        gate = asyncio.Semaphore(16)
+
+        async def verify(run: StreamRun) -> None:
             if run.sid and run.end:
-                run.violation = check(run, await _replay(self.urls, run.sid))
+                async with gate:
+                    run.violation = check(run, await _replay(self.urls, run.sid))
             elif not run.end:
                 run.violation = f"never ended ({run.error or 'no done/error event'})"
+
+        await asyncio.gather(*(verify(r) for r in self.runs))
         return self.report()
 
     def stalls(self) -> dict[str, list[float]]:
