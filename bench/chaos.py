@@ -164,6 +164,7 @@ class Chaos:
         self.relay2: subprocess.Popen[bytes] | None = None
         self.faults: list[Fault] = []
         self.runs: list[StreamRun] = []
+        self.killed: set[int] = set()  # pids killed: the stack is whole once none of them is listed
 
     @property
     def urls(self) -> list[str]:
@@ -181,6 +182,11 @@ class Chaos:
     async def whole(self, timeout: float = 120.0) -> None:
         """Until every role of the stack and the second relay are up and answering."""
         deadline = time.monotonic() + timeout
+        # up.json lists a killed role as ready until the supervisor notices: wait for its new pid.
+        while {r.get("pid") for r in self.up.status().get("roles", [])} & self.killed:
+            if time.monotonic() > deadline:
+                raise TimeoutError("a killed role was not restarted")
+            await asyncio.sleep(0.2)
         await self.up.wait_up(timeout)
         async with httpx.AsyncClient(timeout=2) as http:
             while time.monotonic() < deadline:
@@ -209,6 +215,7 @@ class Chaos:
         now = time.monotonic()
         if how == "kill -9":
             os.kill(pid, signal.SIGKILL)
+            self.killed.add(pid)
             self.faults.append(Fault(kind, name, pid, now, now))
             return
         stop = random.uniform(2.0, self.args.max_stop)
@@ -244,11 +251,11 @@ class Chaos:
         t_end = time.monotonic() + self.args.duration
         await asyncio.sleep(3)  # the load first, so the first fault meets streams in flight
         while time.monotonic() < t_end and len(self.faults) < self.args.faults:
+            await asyncio.sleep(random.uniform(1.0, 4.0))
             try:
-                await self.whole()
+                await self.whole()  # one fault at a time: the last one's role is back first
             except TimeoutError as exc:
                 print(f"stack not whole: {exc}")
-            await asyncio.sleep(random.uniform(1.0, 4.0))
             await self.inject()
             print(f"fault {len(self.faults)}: {self.faults[-1].kind} of {self.faults[-1].target}", flush=True)
         stop.set()
