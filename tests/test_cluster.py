@@ -23,6 +23,7 @@ import httpx
 import pytest
 
 from relay.fanout import Fanout
+from tokenpipe.append import send_live
 from tokenpipe.bus import Bus, connect
 from tokenpipe.cluster import (
     cluster_size,
@@ -252,7 +253,9 @@ async def store(bus: Bus, sid: str, seqs: list[int], final: int) -> None:
     for seq in seqs:
         batch = TokenBatch(id=sid, seq=seq, index=seq, token_ids=(100 + seq,),
                            finish="length" if seq == final else None, timings={"emitted": time.time_ns()})
-        await bus.js.publish(token_subject(bus.owner, sid), batch.encode())
+        data = batch.encode()
+        await bus.js.publish(token_subject(bus.owner, sid), data)
+        await send_live(bus, bus.owner, sid, data, {})  # as a writer does, once stored
 
 
 async def test_regression_first_batches_stored_late_were_reported_expired(bus: Bus) -> None:
