@@ -44,6 +44,8 @@ bench: install
 	$(PY) -m bench.kvcache
 	$(PY) -m bench.kernels
 	$(PY) -m bench.enginecore
+	$(PY) -m bench.appends
+	$(PY) -m bench.chaos
 
 # tokenpipe against transformers serve and llama.cpp's server on this machine (see bench/peers.py).
 bench-peers: install

@@ -22,13 +22,13 @@ from nats.js import JetStreamContext
 from nats.js import api as js_api
 from nats.js.errors import NotFoundError
 
+from tokenpipe.append import StreamLost, append_once
 from tokenpipe.bus import Bus
-from tokenpipe.cluster import ack_wait_for
 from tokenpipe.errors import GenerationError, TokenpipeError, TransportError
 from tokenpipe.retry import PATIENCE, retrying, through_elections
 from tokenpipe.settings import Settings
-from tokenpipe.streams import history
-from tokenpipe.subjects import REQUESTS_STREAM, consumer_name, model_request_filter, owner_of_request, token_subject
+from tokenpipe.streams import history_at
+from tokenpipe.subjects import REQUESTS_STREAM, consumer_name, model_request_filter, owner_of_request
 from tokenpipe.wire import Request, TokenBatch, peek_request_id
 
 __all__ = ["RequestIntake", "keep", "patiently"]
@@ -50,8 +50,10 @@ class RequestIntake:
 
     @property
     def ack_wait_s(self) -> float:
-        """The consumer's ``ack_wait`` (longer where streams are replicated: :func:`ack_wait_for`)."""
-        return ack_wait_for(self.settings, self.bus.replicas)
+        """The consumer's ``ack_wait``, the same on one node and a cluster: a request redelivered while
+        its holder still runs it (a leader election delayed its progress acks, a freeze) is safe,
+        because the store takes appends from one writer only (tokenpipe.append)."""
+        return self.settings.ack_wait_s
 
     def _consumer_config(self) -> js_api.ConsumerConfig:
         return js_api.ConsumerConfig(
@@ -144,7 +146,13 @@ class RequestIntake:
         owner = _owner(msg.subject)
         if rid is not None and owner is not None:
             batch = TokenBatch.error_for(rid, exc.message, exc.code)
-            await self.bus.nc.publish(token_subject(owner, rid), batch.encode())
+            try:  # only as the stream's first batch: an id with history belongs to its first request
+                await append_once(self.bus, owner, batch, expected_last=0)
+            except StreamLost:
+                log.warning("not ending a stream that has history", extra={"request_id": rid})
+            except Exception as exc2:  # JetStream away: the client's reader ends on its own timeout
+                log.warning("cannot end the rejected request's stream", extra={"request_id": rid,
+                                                                              "error": repr(exc2)})
         await msg.term()
 
     async def _on_max_deliveries(self, msg: Msg) -> None:
@@ -169,8 +177,8 @@ class RequestIntake:
         try:
             request = Request.decode(raw.data or b"")
             owner = owner_of_request(raw.subject or "")
-            past = await patiently(lambda: history(self.bus, request.id, owner=owner), what="reading history",
-                                   request_id=request.id)
+            past, stored_last = await patiently(lambda: history_at(self.bus, request.id, owner=owner),
+                                                what="reading history", request_id=request.id)
         except TokenpipeError as exc:
             log.error("cannot end a request that exhausted its deliveries", extra={"seq": seq, "error": exc.message})
             return
@@ -181,9 +189,8 @@ class RequestIntake:
                     request.id,
                     f"generation failed: the request was attempted {attempts} times and every worker stopped",
                     GenerationError.code, seq=len(past), index=produced)
-                headers = {"Nats-Msg-Id": f"{owner}:{batch.id}:{batch.seq}"}
-                await through_elections(lambda: self.bus.js.publish(token_subject(owner, request.id),
-                                                                     batch.encode(), headers=headers),
+                # Conditional on what was read: a writer that still appends keeps the stream.
+                await through_elections(lambda: append_once(self.bus, owner, batch, expected_last=stored_last),
                                         window_s=PATIENCE.budget_s)
                 log.error("request exhausted its deliveries", extra={"request_id": request.id, "attempts": attempts})
             await through_elections(lambda: self.bus.js.delete_msg(REQUESTS_STREAM, seq), window_s=PATIENCE.budget_s)

@@ -1,25 +1,40 @@
-"""Ordered, confirmed publishing of token batches and request acks (the generator's NATS output).
+"""Ordered, conditional, confirmed appends of token batches, and request acks (the generator's NATS output).
 
-Batches go out with ``js.publish_async`` (no wait per batch on the hot path); a confirm task
-checks each PubAck in publish order and republishes what a NATS outage lost. A request's
-ack rides the same ordered queue, so it is sent only after its final batch is stored.
+Each stream a worker writes has an :class:`AppendChain`: its batches and, last, its request's
+ack, in order. A chain has one append in flight at a time, and each append is conditional on the
+stream's previous stored batch (``Nats-Expected-Last-Subject-Sequence``, :mod:`tokenpipe.append`):
+the sequence comes from the previous PubAck, so a batch waits for its predecessor's PubAck, while
+different streams' appends run concurrently. A stored batch then goes to the stream's live
+subject, so live readers see only what the store accepted.
+
+A refused append (error 10071: someone else appended since) means this worker lost the stream:
+the chain drops what it still holds (its request's ack included: the delivery is the new
+holder's now) and calls its ``on_lost``. Failures that mean "NATS is away" are retried until the
+batch is stored; a retry whose earlier try was stored after all is told apart from a second
+writer by the stored message's ``Nats-Msg-Id`` (:func:`~tokenpipe.append.stored_as`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
-import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import nats.js.errors
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.api import PubAck
 
+from tokenpipe.append import StreamLost, conditional, refused_at, send_live, stored_as
 from tokenpipe.bus import Bus
+from tokenpipe.errors import TokenpipeError
 from tokenpipe.retry import ELECTIONS, Backoff, transient
+from tokenpipe.subjects import token_subject
 
-__all__ = ["BatchPublisher"]
+__all__ = ["AppendChain", "BatchPublisher"]
 
 log = logging.getLogger(__name__)
 
@@ -33,149 +48,224 @@ class _Ack:
     msg: Msg
 
 
-@dataclass
-class _Pending:
-    subject: str
+@dataclass(frozen=True)
+class _Batch:
     data: bytes
-    headers: dict[str, str] | None
-    fut: asyncio.Future[PubAck] | None
-    # When the PubAck is given up on: counted from the (re)publish, not from when the confirm
-    # loop reaches the item, so batches lost together (a NATS node died) time out together.
-    deadline: float = field(default_factory=lambda: time.monotonic() + _PUBACK_TIMEOUT_S)
+    headers: dict[str, str]
+
+    @property
+    def msg_id(self) -> str:
+        return self.headers.get("Nats-Msg-Id", "")
+
+
+@dataclass(eq=False)
+class AppendChain:
+    """One stream's way into the store: in order, one append in flight, each conditional on the last.
+
+    ``last`` is the stream sequence of the stream's last stored message (0: nothing stored yet);
+    a redelivered request's writer starts from what it read with the history it continues."""
+
+    owner: str
+    stream_id: str
+    last: int
+    on_lost: Callable[[StreamLost], None]
+    subject: str = field(init=False)
+    lost: bool = False
+    queue: deque[_Batch | _Ack] = field(default_factory=deque)
+    task: asyncio.Task[None] | None = None
+
+    def __post_init__(self) -> None:
+        self.subject = token_subject(self.owner, self.stream_id)
+
+
+class _PubAcks:
+    """One inbox for every append's PubAck, each resolved by its token; a refusal fails its future
+    with the :class:`nats.js.errors.APIError` it carries. (nats-py's ``publish_async`` raises that
+    error inside its reply callback instead, so its future only ever times out; ``js.publish``
+    costs a task, a timer and a waiter per append, which at 32 streams was measurable CPU.)"""
+
+    def __init__(self, bus: Bus) -> None:
+        self.bus = bus
+        self.prefix = ""
+        self.waiting: dict[str, asyncio.Future[PubAck]] = {}
+        self._sub: Subscription | None = None
+        self._n = 0
+
+    async def start(self) -> None:
+        self.prefix = self.bus.nc.new_inbox()
+        self._sub = await self.bus.nc.subscribe(f"{self.prefix}.*", cb=self._on_reply)
+
+    async def close(self) -> None:
+        if self._sub is not None and not self.bus.nc.is_closed:
+            try:
+                await self._sub.unsubscribe()
+            except Exception as exc:  # reconnecting or closing: the server drops it with the connection
+                log.debug("PubAck inbox unsubscribe failed", extra={"error": repr(exc)})
+
+    def expect(self) -> tuple[str, asyncio.Future[PubAck]]:
+        self._n += 1
+        token = str(self._n)
+        fut: asyncio.Future[PubAck] = asyncio.get_running_loop().create_future()
+        self.waiting[token] = fut
+        return f"{self.prefix}.{token}", fut
+
+    def forget(self, reply: str) -> None:
+        self.waiting.pop(reply.rpartition(".")[2], None)
+
+    def fail_all(self, exc: BaseException) -> None:
+        for fut in self.waiting.values():
+            if not fut.done():
+                fut.set_exception(exc)
+
+    async def _on_reply(self, msg: Msg) -> None:
+        fut = self.waiting.pop(msg.subject.rpartition(".")[2], None)
+        if fut is None or fut.done():
+            return
+        if msg.headers and msg.headers.get("Status") == "503":  # no responders: the stream has no leader
+            fut.set_exception(nats.js.errors.NoStreamResponseError())
+            return
+        try:
+            resp = json.loads(msg.data)
+            if "error" in resp:
+                nats.js.errors.APIError.from_error(resp["error"])  # raises the matching subclass
+            fut.set_result(PubAck.from_response(resp))
+        except Exception as exc:  # the refusal, or an answer that is no PubAck
+            fut.set_exception(exc)
 
 
 class BatchPublisher:
+    """The appends of every stream one worker writes (see the module docstring)."""
+
     def __init__(self, bus: Bus) -> None:
         self.bus = bus
-        # batches to publish, and acks to send once what precedes them is stored, in one order
-        self._outbox: asyncio.Queue[_Pending | _Ack] = asyncio.Queue()
-        self._unconfirmed: asyncio.Queue[_Pending | _Ack] = asyncio.Queue()
-        self._tasks: list[asyncio.Task[None]] = []
-        self._inflight: dict[asyncio.Future[PubAck], _Pending] = {}  # PubAcks not yet answered
+        self._busy: set[asyncio.Task[None]] = set()  # chains with something queued or in flight
+        self._acks = _PubAcks(bus)
 
-    def start(self) -> None:
-        self._tasks = [asyncio.create_task(self._publish_loop(), name="publish"),
-                       asyncio.create_task(self._confirm_loop(), name="confirm")]
+    async def start(self) -> None:
+        await self._acks.start()
         self.bus.on_possible_loss.append(self._on_possible_loss)
+
+    def chain(self, owner: str, stream_id: str, *, last: int, on_lost: Callable[[StreamLost], None]) -> AppendChain:
+        """A chain for one stream whose last stored sequence is ``last``."""
+        return AppendChain(owner, stream_id, last, on_lost)
 
     def _on_possible_loss(self, sub: Subscription | None) -> None:
         """After a reconnect (``sub`` None): what was in flight on the old connection may never have
         reached a server (its server may be dead), so it goes out again now, not after a PubAck
-        timeout — live readers then get it within the reconnect, even before JetStream stores it."""
-        if sub is None and self._inflight:
-            task = asyncio.get_running_loop().create_task(self._resend(list(self._inflight.values())))
-            self._tasks.append(task)
-            task.add_done_callback(self._tasks.remove)
+        timeout (a retry that was stored after all is recognised as this writer's own)."""
+        if sub is None:
+            self._acks.fail_all(ConnectionResetError("sent again after a reconnect"))
 
-    async def _resend(self, items: list[_Pending]) -> None:
-        for item in items:
-            old = item.fut
-            try:
-                self._sent(item, await self.bus.js.publish_async(item.subject, item.data,
-                                                                 headers=item.headers or None))
-            except Exception as exc:  # the confirm loop retries it
-                log.warning("republish after reconnect failed", extra={"subject": item.subject, "error": repr(exc)})
-            if old is not None and not old.done():
-                old.set_exception(ConnectionResetError("sent again after a reconnect"))
-                old.exception()  # retrieved: the confirm loop may never look at this future
+    def publish(self, chain: AppendChain, data: bytes, headers: dict[str, str]) -> None:
+        """Append ``data`` to ``chain``'s stream after whatever it holds (nothing, once it is lost)."""
+        self._put(chain, _Batch(data, headers))
 
-    def _sent(self, item: _Pending, fut: asyncio.Future[PubAck]) -> None:
-        item.fut, item.deadline = fut, time.monotonic() + _PUBACK_TIMEOUT_S
-        self._inflight[fut] = item
-        fut.add_done_callback(self._forget)
+    def ack_after_published(self, chain: AppendChain, msg: Msg) -> None:
+        """Ack ``msg`` once every batch queued on ``chain`` before it is stored (never, if it is lost)."""
+        self._put(chain, _Ack(msg))
 
-    def _forget(self, fut: asyncio.Future[PubAck]) -> None:
-        self._inflight.pop(fut, None)
-
-    def publish(self, subject: str, data: bytes, headers: dict[str, str]) -> None:
-        self._outbox.put_nowait(_Pending(subject, data, headers, None))
-
-    def ack_after_published(self, msg: Msg) -> None:
-        self._outbox.put_nowait(_Ack(msg))
+    def _put(self, chain: AppendChain, item: _Batch | _Ack) -> None:
+        if chain.lost:
+            return
+        chain.queue.append(item)
+        if chain.task is None:
+            task = asyncio.get_running_loop().create_task(self._drain(chain), name=f"append-{chain.stream_id}")
+            chain.task = task
+            self._busy.add(task)
+            task.add_done_callback(self._busy.discard)
 
     async def flush(self) -> None:
         """Until everything queued so far is stored (or has waited out its retries' budget)."""
-        await self._outbox.join()
-        try:
-            await asyncio.wait_for(self._unconfirmed.join(), timeout=3 * _PUBACK_TIMEOUT_S)
-        except TimeoutError:
+        if not self._busy:
+            return
+        _, pending = await asyncio.wait(list(self._busy), timeout=3 * _PUBACK_TIMEOUT_S)
+        if pending:
             log.warning("some batches were not confirmed in time")
 
     async def close(self) -> None:
         if self._on_possible_loss in self.bus.on_possible_loss:
             self.bus.on_possible_loss.remove(self._on_possible_loss)
-        for task in self._tasks:
+        busy = list(self._busy)
+        for task in busy:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*busy, return_exceptions=True)
+        await self._acks.close()
 
-    async def _publish_loop(self) -> None:
-        """One publisher keeps every stream's batches in order. Publishes are JetStream-async
-        (no wait per batch); the confirm loop checks each PubAck in order, so a request is
-        acked only after its final batch is stored."""
-        js = self.bus.js
-        while True:
-            item = await self._outbox.get()
-            try:
-                if isinstance(item, _Pending):
-                    try:
-                        self._sent(item, await js.publish_async(item.subject, item.data,
-                                                                headers=item.headers or None))
-                    except Exception as exc:  # a lost connection must not kill the publisher
-                        log.warning("publish failed; retrying in the confirm loop",
-                                    extra={"subject": item.subject, "error": repr(exc)})
-                await self._unconfirmed.put(item)
-            finally:
-                self._outbox.task_done()
-
-    async def _confirm_loop(self) -> None:
-        """Wait for each batch's PubAck in publish order; republish what a NATS outage lost.
-
-        ``Nats-Msg-Id`` makes a republish of a batch that did arrive a no-op. A republished batch
-        can land after later ones; readers restore the order by ``seq`` (see ``streams.follow``).
-        A batch is tried until stored while the failure is :func:`~tokenpipe.retry.transient`
-        (its request's ack waits behind it; :meth:`flush` bounds shutdown); one JetStream refuses
-        is dropped, and its readers see a gap.
-        """
-        # No tight loop while JetStream is unavailable (a stream between leaders refuses at once);
-        # shared across batches and immediate after a success, so the ones that failed during an
-        # outage are not each delayed once it is over (a pause each held hundreds of batches back
-        # for tens of seconds after a TP_TOKENS leader kill: the fault tests' readers saw gaps).
-        backoff = Backoff(ELECTIONS.first_delay_s, ELECTIONS.max_delay_s, immediate=True)
-        while True:
-            item = await self._unconfirmed.get()
-            try:
+    async def _drain(self, chain: AppendChain) -> None:
+        try:
+            while chain.queue and not chain.lost:
+                item = chain.queue[0]
                 if isinstance(item, _Ack):
-                    await item.msg.ack()
-                elif await self._confirm(item, backoff):
-                    backoff.reset()  # JetStream answers again: what failed meanwhile goes out at once
-            except Exception as exc:  # an ack on a dead connection: the request is redelivered and resumed
-                log.warning("ack failed", extra={"error": repr(exc)})
-            finally:
-                self._unconfirmed.task_done()
+                    try:
+                        await item.msg.ack()
+                    except Exception as exc:  # an ack on a dead connection: the request is redelivered and resumed
+                        log.warning("ack failed", extra={"request_id": chain.stream_id, "error": repr(exc)})
+                else:
+                    try:
+                        await self._append(chain, item)
+                    except StreamLost as lost:
+                        chain.lost = True
+                        chain.queue.clear()
+                        chain.on_lost(lost)
+                        return
+                if chain.queue:
+                    chain.queue.popleft()
+        finally:
+            chain.task = None
 
-    async def _confirm(self, item: _Pending, backoff: Backoff) -> bool:
-        """Until ``item`` is stored (True) or refused (False)."""
+    async def _append(self, chain: AppendChain, item: _Batch) -> None:
+        """Until ``item`` is stored (or refused for good, and dropped: its readers see a gap).
+        Raises :class:`StreamLost` when another writer appended to the stream."""
+        # No tight loop while JetStream is unavailable (a stream between leaders refuses at once);
+        # the first retry is immediate (a reconnect already waited).
+        backoff = Backoff(ELECTIONS.first_delay_s, ELECTIONS.max_delay_s, immediate=True)
+        tries = 0
         while True:
-            fut = item.fut
+            if tries:
+                await asyncio.sleep(backoff.next())
+                while not self.bus.nc.is_connected:
+                    await asyncio.sleep(0.1)  # waiting out a reconnect
+            tries += 1
+            reply, fut = self._acks.expect()
+            timer = asyncio.get_running_loop().call_later(_PUBACK_TIMEOUT_S, _time_out, fut)
             try:
-                if fut is None:
-                    raise ConnectionError("never sent")
-                await asyncio.wait_for(fut, timeout=max(0.0, item.deadline - time.monotonic()))
-                return True
-            except Exception as exc:  # lost in an outage, timed out, or refused
-                if item.fut is not fut:
-                    continue  # already sent again after a reconnect: wait for that one
-                if fut is not None and not fut.done():
-                    fut.cancel()
+                await self.bus.nc.publish(chain.subject, item.data, reply=reply,
+                                          headers=conditional(item.headers, chain.last))
+                ack = await fut
+            except Exception as exc:  # refused, lost in an outage, or timed out
+                last = refused_at(exc)
+                if last is not None:
+                    if await self._was_ours(chain, last, item):
+                        chain.last = last  # an earlier try was stored after all
+                        break
+                    raise StreamLost(f"stream {chain.stream_id} was appended to by another writer "
+                                     f"(stored last: {last}, expected {chain.last})", stored_last=last) from exc
                 if not transient(exc):
-                    log.error("batch refused; dropped", extra={"subject": item.subject, "error": repr(exc)})
-                    return False
-                log.warning("batch not confirmed; republishing", extra={"subject": item.subject, "error": repr(exc)})
-            await asyncio.sleep(backoff.next())
-            while not self.bus.nc.is_connected:
-                await asyncio.sleep(0.1)  # waiting out a reconnect
+                    log.error("batch refused; dropped", extra={"subject": chain.subject, "error": repr(exc)})
+                    return
+                log.warning("batch not confirmed; appending again", extra={"subject": chain.subject,
+                                                                            "error": repr(exc)})
+                continue
+            finally:
+                timer.cancel()
+                self._acks.forget(reply)
+            chain.last = ack.seq
+            break
+        try:
+            await send_live(self.bus, chain.owner, chain.stream_id, item.data, item.headers)
+        except Exception as exc:  # live is at most once: readers fill the hole from the store
+            log.warning("live copy not sent", extra={"subject": chain.subject, "error": repr(exc)})
+
+    async def _was_ours(self, chain: AppendChain, last: int, item: _Batch) -> bool:
+        while True:
             try:
-                self._sent(item, await self.bus.js.publish_async(item.subject, item.data, headers=item.headers or None))
-            except Exception as again:
-                log.warning("republish failed", extra={"error": repr(again)})
-                item.fut = None
+                return await stored_as(self.bus, chain.subject, last, item.msg_id)
+            except TokenpipeError as exc:  # JetStream away: asked again, the delivery waits
+                log.warning("cannot check the last stored batch; retrying",
+                            extra={"subject": chain.subject, "error": exc.message})
+                await asyncio.sleep(0.5)
+
+
+def _time_out(fut: asyncio.Future[PubAck]) -> None:
+    if not fut.done():
+        fut.set_exception(TimeoutError("no PubAck in time"))

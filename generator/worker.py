@@ -24,11 +24,12 @@ from nats.aio.subscription import Subscription
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, TracerProvider
 
+from tokenpipe.append import StreamLost
 from tokenpipe.bus import REPAIR_INTERVAL_S, Bus, repair
 from tokenpipe.errors import TokenpipeError, WireFormatError
 from tokenpipe.metrics import GeneratorMetrics
 from tokenpipe.settings import Settings
-from tokenpipe.streams import history, last_stored
+from tokenpipe.streams import history_at, last_stored
 from tokenpipe.subjects import CANCEL_WILDCARD, REQUESTS_STREAM, owner_of_request, parse_cancel_subject
 from tokenpipe.telemetry import extract_context, get_tracer
 from tokenpipe.wire import Cancel, Request, TokenBatch, Usage
@@ -88,7 +89,7 @@ class GeneratorWorker:
         self.announcer = Announcer(bus, settings, worker_id=self.worker_id, model=self.model,
                                    device=str(loaded.device), runner=self.runner, streams=self.active,
                                    metrics=self.metrics)
-        self._output = OutputContext(settings, self.publisher, self.metrics, self.tracer, self._finished)
+        self._output = OutputContext(settings, self.publisher, self.metrics, self.tracer, self._finished, self._lost)
         self._tasks: list[asyncio.Task[None]] = []
         self._checks: set[asyncio.Task[None]] = set()  # stream-id checks of first deliveries still running
         self._cancels: Subscription | None = None
@@ -97,8 +98,15 @@ class GeneratorWorker:
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self.runner.start()
-        self.publisher.start()
-        await self.intake.subscribe()
+        try:
+            await self.publisher.start()
+            await self.intake.subscribe()
+        except BaseException:
+            # The engine runs on a non-daemon thread: a start that failed here (JetStream not
+            # answering yet, a cluster still forming) kept the process alive, never ready and
+            # never restarted by `tokenpipe up` (seen in the chaos run).
+            await asyncio.to_thread(self.runner.stop)
+            raise
         self._cancels = await self.bus.nc.subscribe(CANCEL_WILDCARD, cb=self._on_cancel)
         self._tasks = [
             asyncio.create_task(self._fetch_loop(), name="fetch"),
@@ -255,11 +263,13 @@ class GeneratorWorker:
             "tokenpipe.stream.id": request.id,
         })
         past: list[TokenBatch] = []
+        stored_last = 0  # the stream's last stored sequence: the first append is conditional on it
         if msg.metadata.num_delivered > 1:
-            # Redelivered: a worker died or handed it back. Continue after what it published.
+            # Redelivered: a worker died, handed it back, or stalled (it may still be writing: its
+            # appends and ours are conditional, the store takes one writer's). Continue after what is stored.
             try:
-                past = await patiently(lambda: history(self.bus, request.id, owner=owner), what="reading history",
-                                       request_id=request.id, msg=msg)
+                past, stored_last = await patiently(lambda: history_at(self.bus, request.id, owner=owner),
+                                                    what="reading history", request_id=request.id, msg=msg)
             except TokenpipeError as exc:
                 log.warning("cannot read history; retrying later", extra={"request_id": request.id,
                                                                           "error": exc.message})
@@ -274,7 +284,8 @@ class GeneratorWorker:
         span.set_attribute("tokenpipe.delivery", msg.metadata.num_delivered)
         span.set_attribute("tokenpipe.resumed_tokens", len(resume))
         first = msg.metadata.num_delivered == 1
-        out = self.active[request.id] = StreamWriter(self._output, request, msg, span, past=past, received=received,
+        out = self.active[request.id] = StreamWriter(self._output, request, msg, span, past=past,
+                                                      stored_last=stored_last, received=received,
                                                       owner=owner, cleared=not first)
         if past:
             log.info("continuing redelivered request", extra={"request_id": request.id, "resumed_tokens": len(resume),
@@ -356,6 +367,18 @@ class GeneratorWorker:
                 out.emit(em)
             except Exception:  # one stream's failure must not drop the others' tokens of this step
                 log.exception("emission failed", extra={"request_id": em.request_id})
+
+    def _lost(self, out: StreamWriter, exc: StreamLost) -> None:
+        """The store refused one of ``out``'s appends: another worker holds the stream now (its
+        request was redelivered while this one stalled). Stop generating it at once and free the slot."""
+        rid = out.request.id
+        self.metrics.labels(self.metrics.lost_streams).inc()
+        log.warning("lost a stream to another writer; stopped generating it",
+                    extra={"request_id": rid, "owner": out.owner, "error": exc.message})
+        if self.active.get(rid) is out:
+            self.active.pop(rid)
+            self.runner.cancel(rid)
+            self._slot_freed.set()
 
     def _finished(self, out: StreamWriter, batch: TokenBatch) -> None:
         rid = out.request.id

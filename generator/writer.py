@@ -2,10 +2,15 @@
 
 The worker hands every engine emission for a request to that request's :class:`StreamWriter`.
 It coalesces the tokens (the first at once, then by the count or the time window, the final
-batch immediately), publishes each batch to ``tp.tok.<id>`` through the worker's shared
+batch immediately), appends each batch to ``tp.tok.<owner>.<id>`` through its
+:class:`~generator.publisher.AppendChain` on the worker's shared
 :class:`~generator.publisher.BatchPublisher` with the generation's trace context, and finishes
 the request exactly once: metrics and spans, then the ack, which the publisher sends only after
 the final batch is stored. No NATS here: the publisher is the transport.
+
+Every append is conditional on the stream's last stored batch (:mod:`tokenpipe.append`): when
+the store refuses one, another writer holds the stream now, and :meth:`StreamWriter.lose` stops
+this one at once (the worker frees its slot and cancels it in the engine).
 
 A first delivery is not yet cleared to publish: the worker checks that its stream id is free
 while the engine already works on it (the check is a NATS round trip, the engine's admission
@@ -16,6 +21,7 @@ never published, after :meth:`StreamWriter.refuse`.
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -23,9 +29,10 @@ from typing import TYPE_CHECKING, Any
 
 from opentelemetry.trace import Tracer
 
+from tokenpipe.append import StreamLost
 from tokenpipe.metrics import GeneratorMetrics
 from tokenpipe.settings import Settings
-from tokenpipe.subjects import RELAY_OWNER, token_subject
+from tokenpipe.subjects import RELAY_OWNER
 from tokenpipe.telemetry import inject_headers
 from tokenpipe.wire import Request, TokenBatch
 
@@ -49,16 +56,19 @@ class OutputContext:
     metrics: GeneratorMetrics
     tracer: Tracer
     finished: Callable[[StreamWriter, TokenBatch], None]  # after the final batch is queued and the ack with it
+    lost: Callable[[StreamWriter, StreamLost], None]  # the store refused an append: another writer holds it
 
 
 class StreamWriter:
     """The output path of one running request (see the module docstring)."""
 
     def __init__(self, ctx: OutputContext, request: Request, msg: Msg | None, span: Any, *,
-                 past: Sequence[TokenBatch] = (), received: int, owner: str = RELAY_OWNER,
+                 past: Sequence[TokenBatch] = (), stored_last: int = 0, received: int, owner: str = RELAY_OWNER,
                  cleared: bool = True) -> None:
         """``past`` holds the batches already published for a redelivered request: numbering
-        continues after them. ``received`` is when this worker pulled the request (ns).
+        continues after them, and the first append is conditional on ``stored_last``, the stream
+        sequence of the last message stored for the stream when ``past`` was read (0: none).
+        ``received`` is when this worker pulled the request (ns).
         ``owner`` published the request (from its subject): the batches go to its token subjects.
         Unless ``cleared``, batches are held until :meth:`clear` (or dropped by :meth:`refuse`)."""
         self.ctx = ctx
@@ -82,6 +92,10 @@ class StreamWriter:
         self.timer: asyncio.TimerHandle | None = None
         self.closed = False
         self.refused = False  # the stream id was taken: nothing of this request is ever published
+        self.lost = False  # the store refused an append: another writer holds the stream now
+        self.chain = ctx.publisher.chain(owner, request.id, last=stored_last, on_lost=self._on_lost)
+        # Unique to this writer: a retry of its own append is told apart from another writer's by it.
+        self._tag = secrets.token_hex(4)
         self._held: list[TokenBatch] | None = None if cleared else []
 
     def emit(self, em: Emission) -> None:
@@ -119,6 +133,20 @@ class StreamWriter:
         if held and held[-1].is_final:
             self._finish(held[-1])
 
+    def _on_lost(self, exc: StreamLost) -> None:
+        """The store refused an append: stop now, publish nothing more, never ack (the delivery is
+        the new holder's); the worker cancels the request in the engine and frees its slot."""
+        if self.lost:
+            return
+        self.lost = True
+        self.msg = None
+        if not self.closed:  # else finished or handed back already, its span ended
+            self.closed = True
+            self._cancel_timer()
+            self.span.set_attribute("tokenpipe.lost", True)
+            self.span.end()
+        self.ctx.lost(self, exc)
+
     def abandon(self) -> None:
         """Stop without a final batch (the request goes back to the queue): tokens coalesced but
         not yet sent are dropped, and the next worker continues after what was published."""
@@ -155,10 +183,10 @@ class StreamWriter:
             if batch.is_final:
                 self._finish(batch)
             return
-        # Msg-Id per (stream, seq): should two workers ever publish the same batch, JetStream keeps one.
-        headers = {**self.headers, "Nats-Msg-Id": f"{self.owner}:{batch.id}:{batch.seq}"}
+        # Msg-Id per (stream, seq, writer): a retry of this writer's append is recognised as its own.
+        headers = {**self.headers, "Nats-Msg-Id": f"{self.owner}:{batch.id}:{batch.seq}:{self._tag}"}
         self.timeline.on_batch(self.ctx.metrics, batch, batch.timings.get("emitted", time.time_ns()))
-        self.ctx.publisher.publish(token_subject(self.owner, batch.id), batch.encode(), headers)
+        self.ctx.publisher.publish(self.chain, batch.encode(), headers)
         if batch.is_final:
             self._finish(batch)
 
@@ -170,5 +198,5 @@ class StreamWriter:
         else:
             self.timeline.finish(self.ctx.metrics, self.ctx.tracer, self.span, batch)
         if self.msg is not None:
-            self.ctx.publisher.ack_after_published(self.msg)
+            self.ctx.publisher.ack_after_published(self.chain, self.msg)
         self.ctx.finished(self, batch)

@@ -1,11 +1,12 @@
 """Live token batches for the SSE readers of one relay: one core subscription per stream read here.
 
-A relay subscribes to ``tp.tok.relay.<id>`` (the owner-scoped token subject) while it has a
-reader of that stream and unsubscribes after the last one, so NATS delivers a batch only to the
-relays that read its stream: adding relays adds capacity. Each message is decoded once and
-handed to that stream's readers. (A shared ``tp.tok.relay.>`` subscription and one JetStream
-consumer per reader were measured against this and removed: ``bench/RESULTS.md``, "Relay
-fan-out" and "Relays scaling out".)
+A relay subscribes to ``tp.live.relay.<id>`` (the owner-scoped live subject: a batch arrives
+there only after the store accepted it, tokenpipe.append, so live readers never see a batch a
+replay would not) while it has a reader of that stream and unsubscribes after the last one, so
+NATS delivers a batch only to the relays that read its stream: adding relays adds capacity. Each
+message is decoded once and handed to that stream's readers. (A shared ``tp.tok.relay.>``
+subscription and one JetStream consumer per reader were measured against this and removed:
+``bench/RESULTS.md``, "Relay fan-out" and "Relays scaling out".)
 
 Core delivery is at-most-once, so JetStream stays the source of truth. A new subscription
 reaches the other servers of a cluster a moment after it is made, so a reader always catches up
@@ -40,7 +41,7 @@ from tokenpipe.bus import Bus
 from tokenpipe.errors import TransportError, WireFormatError
 from tokenpipe.reorder import Reorder
 from tokenpipe.streams import PING, StreamItem, batch_of, emitted_before, last_stored, stored
-from tokenpipe.subjects import token_subject
+from tokenpipe.subjects import live_subject
 from tokenpipe.wire import TokenBatch
 
 __all__ = ["Fanout", "LiveStream"]
@@ -53,7 +54,7 @@ CATCH_UP_GIVE_UP_S = 20.0
 
 
 class Fanout:
-    """Dispatches ``tp.tok.<owner>.<id>`` messages to the :class:`LiveStream` readers of each stream."""
+    """Dispatches ``tp.live.<owner>.<id>`` messages to the :class:`LiveStream` readers of each stream."""
 
     def __init__(self, bus: Bus, *, resync_s: float = 30.0, settle_s: float = 1.0,
                  reorder_wait: float = 15.0, loss_spread_s: float = 1.0,
@@ -174,7 +175,7 @@ class LiveStream:
     def __init__(self, fanout: Fanout, stream_id: str, *, after_seq: int) -> None:
         self._fanout = fanout
         self.stream_id = stream_id
-        self.subject = token_subject(fanout.bus.owner, stream_id)
+        self.subject = live_subject(fanout.bus.owner, stream_id)
         self.after_seq = after_seq
         self._inbox: list[tuple[TokenBatch, dict[str, str] | None]] = []
         self._waiter: asyncio.Future[None] | None = None

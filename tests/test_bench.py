@@ -106,6 +106,17 @@ def test_fanout_benchmark_forwards_every_batch(tmp_path: Path) -> None:
         assert r["steady_batches_s"] > 0  # (CPU per batch is not checked: 80 batches are below the clock tick)
 
 
+def test_appends_benchmark_runs_both_variants(tmp_path: Path) -> None:
+    """`bench.appends`: the conditional append against the old unconditional publish, one run."""
+    out = tmp_path / "appends.json"
+    proc = _run(["bench.appends", "--streams", "4", "--batches", "10", "--first", "5", "--out", str(out)])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    for variant in ("unconditional", "conditional"):
+        assert all(r["batches"] == 40 for r in result["runs"][variant]["paced"])
+    assert result["summary"]["first_p50_ms_conditional"] > 0 and result["summary"]["flat_ratio"] > 0
+
+
 def test_gpu_script_refuses_clearly_without_a_gpu() -> None:
     if shutil.which("nvidia-smi"):
         pytest.skip("this machine has an NVIDIA GPU: bench/gpu.sh would run for minutes")

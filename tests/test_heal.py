@@ -8,6 +8,7 @@ every role is ready. Synchronisation is on events (tokens seen, announcements, u
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import signal
 import socket
@@ -19,11 +20,12 @@ from typing import Any
 
 import httpx
 import pytest
+from nats.js.api import DeliverPolicy
 
 from generator.models import LoadedModel
 from producer import aiter_sse
-from tokenpipe.subjects import TOKENS_STREAM
-from tokenpipe.wire import Request
+from tokenpipe.subjects import RELAY_OWNER, TOKENS_STREAM, token_subject
+from tokenpipe.wire import Request, TokenBatch
 from tokenpipe_cli.upprocess import UpProcess
 
 from .conftest import wait_until
@@ -147,6 +149,63 @@ async def test_a_generator_frozen_for_less_than_the_slack_keeps_its_stream(stack
     assert frozen and events[-1][0] == "done"
     assert_contiguous(events, 1200)
     assert f"continuing redelivered request request_id={sid}" not in stack.output()
+
+
+async def stored_batches(stack: UpProcess, sid: str) -> list[TokenBatch]:
+    """Every message TP_TOKENS holds for ``sid``, in store order (read with the admin's connection)."""
+    assert stack.nc is not None
+    js = stack.nc.jetstream(timeout=10)
+    subject = token_subject(RELAY_OWNER, sid)
+    info = await js.stream_info(TOKENS_STREAM, subjects_filter=subject)
+    count = (info.state.subjects or {}).get(subject, 0)
+    sub = await js.subscribe(subject, stream=TOKENS_STREAM, ordered_consumer=True,
+                             deliver_policy=DeliverPolicy.ALL)
+    try:
+        return [TokenBatch.decode((await sub.next_msg(timeout=10)).data) for _ in range(count)]
+    finally:
+        await sub.unsubscribe()
+
+
+async def test_a_generator_frozen_past_ack_wait_loses_its_stream_and_never_writes_it_again(stack: UpProcess) -> None:
+    """The single-writer rule through `tokenpipe up`: the generator holding a sampled stream
+    (temperature 0.9, no seed: two writers would write different tokens) is frozen with SIGSTOP
+    until the stream has finished on the other generator; thawed, its next append is refused,
+    it logs that it lost the stream, and nothing it generated after the freeze reaches the store
+    or the client: what the client saw live is, batch for batch, what the store holds."""
+    await stack.wait_up()
+    frozen: list[tuple[int, float]] = []
+    arrivals: list[float] = []
+    body = {**LONG, "max_tokens": 400, "temperature": 0.9}
+
+    async def on_tokens(sid: str, n: int) -> None:
+        arrivals.append(time.monotonic())
+        if n >= 20 and not frozen:
+            pid = await stack.holder(sid)
+            os.kill(pid, signal.SIGSTOP)
+            frozen.append((pid, time.monotonic()))
+
+    try:
+        async with httpx.AsyncClient(base_url=stack.url, timeout=120) as http:
+            sid, events = await stream(http, body, on_tokens)
+            assert frozen, "the stream finished before its generator could be frozen"
+            assert events[-1][0] == "done", events[-1]
+            live = assert_contiguous(events, body["max_tokens"])
+            stall = max(b - a for a, b in itertools.pairwise(arrivals))
+            print(f"longest stall with the holder frozen: {stall:.2f}s")
+            assert stall < 15  # ack_wait (4 s) plus the other generator's resume; catches a 30 s ack_wait
+    finally:
+        for pid, _ in frozen:
+            os.kill(pid, signal.SIGCONT)
+    # Thawed, the old holder's engine still runs the request: its next append is refused.
+    await wait_until(lambda: any("lost a stream to another writer" in line and f"request_id={sid}" in line
+                                 for line in stack.output().splitlines()), timeout=60)
+    assert f"continuing redelivered request request_id={sid}" in stack.output()
+    batches = await stored_batches(stack, sid)
+    # One batch per seq (a second writer's batch would repeat a seq), contiguous, and the very
+    # tokens the client saw live.
+    assert [b.seq for b in batches] == list(range(len(batches)))
+    assert [t for b in batches for t in b.token_ids] == live
+    assert batches[-1].is_final
 
 
 async def test_kill9_of_the_relay_comes_back_on_its_port_and_resumes(stack: UpProcess, tiny_model: LoadedModel) -> None:

@@ -323,3 +323,22 @@ async def test_junk_stored_over_a_stream_record_is_rebuilt_for_its_owner_instead
     finally:
         await first.stop()
         await second.stop()
+
+
+async def test_a_generator_whose_start_fails_lets_its_engine_thread_go(settings: Settings, bus: Bus,
+                                                                       tiny_model: LoadedModel) -> None:
+    """Regression (the chaos run, a cluster still forming): the request consumer's info timed out
+    in GeneratorWorker.start after the engine loop was running on the torch thread, a non-daemon
+    executor thread that the interpreter joins at exit. The process never exited, never became
+    ready, and `tokenpipe up` never restarted it."""
+    engine_thread = torch_thread()
+    worker = GeneratorWorker(settings, tiny_model, bus, torch_thread=engine_thread)
+
+    async def consumer_info_timed_out() -> None:
+        raise TimeoutError("nats: timeout")
+
+    worker.intake.subscribe = consumer_info_timed_out  # type: ignore[method-assign]
+    with pytest.raises(TimeoutError):
+        await worker.start()
+    engine_thread.shutdown(wait=False)
+    assert worker.runner._running is not None and worker.runner._running.done()

@@ -22,17 +22,17 @@ class Recorder(BatchPublisher):
     def __init__(self) -> None:  # no bus: nothing is sent
         self.out: list[tuple[str, Any]] = []
 
-    def publish(self, subject: str, data: bytes, headers: dict[str, str]) -> None:
+    def publish(self, chain: Any, data: bytes, headers: dict[str, str]) -> None:
         self.out.append(("batch", TokenBatch.decode(data)))
 
-    def ack_after_published(self, msg: Any) -> None:
+    def ack_after_published(self, chain: Any, msg: Any) -> None:
         self.out.append(("ack", msg))
 
 
 def _output(*, cleared: bool) -> tuple[StreamWriter, Recorder, list[TokenBatch]]:
     recorder, finished = Recorder(), []
     ctx = OutputContext(Settings(), recorder, GeneratorMetrics("m"), trace.NoOpTracer(),
-                        lambda _out, batch: finished.append(batch))
+                        lambda _out, batch: finished.append(batch), lambda _out, _exc: None)
     request = Request.build("m", prompt="p", params={"max_tokens": 2})
     span = trace.NoOpTracer().start_span("generate")
     out = StreamWriter(ctx, request, "the-msg", span, received=time.time_ns(), cleared=cleared)  # type: ignore[arg-type]

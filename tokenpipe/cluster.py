@@ -7,8 +7,10 @@ module is the one place that knows about clusters:
 - :func:`server_list` reads ``TOKENPIPE_NATS_URL`` (one URL, or a comma-separated seed list);
 - :func:`resolve_replicas` turns ``TOKENPIPE_REPLICAS`` (``auto`` or 1..5) into the replica
   count the streams and the KV bucket are provisioned with: ``auto`` is 3 when the connected
-  server belongs to a cluster of at least three JetStream servers, else 1;
-- :func:`ack_wait_for`: the request consumer's ``ack_wait``, longer where streams are replicated.
+  server belongs to a cluster of at least three JetStream servers, else 1.
+
+The request consumer's ``ack_wait`` is the same on one node and a cluster: who writes a stream
+is decided by the store (:mod:`tokenpipe.append`), never by a timeout.
 
 Retrying through leader elections is :mod:`tokenpipe.retry`'s.
 
@@ -18,14 +20,11 @@ Running clustered nats-server processes is the launcher's job: :mod:`tokenpipe_c
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .errors import ConfigError
 
-if TYPE_CHECKING:
-    from .settings import Settings
-
-__all__ = ["MAX_REPLICAS", "ack_wait_for", "cluster_size", "connected_server", "parse_replicas",
+__all__ = ["MAX_REPLICAS", "cluster_size", "connected_server", "parse_replicas",
            "replicas_to_keep", "resolve_replicas", "server_list"]
 
 log = logging.getLogger(__name__)
@@ -88,14 +87,3 @@ def replicas_to_keep(have: int, wanted: int, setting: str) -> int:
     if parse_replicas(setting) is None:
         return max(have, wanted)
     return wanted
-
-
-def ack_wait_for(settings: Settings, replicas: int) -> float:
-    """The request consumer's ``ack_wait``: ``TOKENPIPE_ACK_WAIT_S``, raised to
-    ``TOKENPIPE_CLUSTER_ACK_WAIT_S`` where streams are replicated. On a cluster a leader election
-    (4-9 s) stops a generator's progress acks; with 4 s the request was redelivered to a second
-    generator while the first still ran it, and the client got both streams mixed (seen in the
-    fault tests at the default)."""
-    if replicas > 1 and settings.cluster_ack_wait_s > 0:
-        return max(settings.ack_wait_s, settings.cluster_ack_wait_s)
-    return settings.ack_wait_s

@@ -61,6 +61,8 @@ class GeneratorMetrics:
                                    registry=r)
         self.dropped_cancels = Counter("tokenpipe_dropped_cancels", "Messages on a cancel subject that were no "
                                        "well-formed cancel of that stream by its owner (dropped)", m, registry=r)
+        self.lost_streams = Counter("tokenpipe_lost_streams", "Streams this generator stopped writing because the "
+                                    "store refused an append (another generator holds them now)", m, registry=r)
         self.model = model
         self._children: dict[int, Any] = {}
 

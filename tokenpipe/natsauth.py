@@ -32,6 +32,7 @@ from .subjects import (
     ANNOUNCE_PREFIX,
     CANCEL_WILDCARD,
     DISCOVER_SUBJECT,
+    LIVE_WILDCARD,
     META_BUCKET,
     META_STREAM,
     READERS_WILDCARD,
@@ -125,13 +126,15 @@ def permissions(role: str, app: str | None = None) -> Permissions:
                            f"{_JS}.CONSUMER.INFO.{REQUESTS_STREAM}.*",
                            f"{_JS}.DIRECT.GET.{META_STREAM}.>", f"{_JS}.STREAM.MSG.GET.{META_STREAM}",
                            *_read_tokens(mine)),
-            subscribe_allow=(f"{inbox_prefix('relay')}.>", mine, f"{ANNOUNCE_PREFIX}.>", READERS_WILDCARD),
-            publish_deny=(TOKEN_WILDCARD, *_NEVER),
+            # Live batches come on tp.live (only what the store accepted); history through JetStream.
+            subscribe_allow=(f"{inbox_prefix('relay')}.>", f"tp.live.{RELAY_OWNER}.>", f"{ANNOUNCE_PREFIX}.>",
+                             READERS_WILDCARD),
+            publish_deny=(TOKEN_WILDCARD, LIVE_WILDCARD, *_NEVER),
             allow_responses=True,  # answers another relay's "who reads this stream?" on its inbox
         )
     if role == "generator":
         return Permissions(
-            publish_allow=(TOKEN_WILDCARD, f"{ANNOUNCE_PREFIX}.>", f"{_JS}.INFO",
+            publish_allow=(TOKEN_WILDCARD, LIVE_WILDCARD, f"{ANNOUNCE_PREFIX}.>", f"{_JS}.INFO",
                            *_look(REQUESTS_STREAM, TOKENS_STREAM),
                            f"{_JS}.CONSUMER.INFO.{REQUESTS_STREAM}.*",
                            f"{_JS}.CONSUMER.CREATE.{REQUESTS_STREAM}.*.tp.req.*.>",
@@ -141,7 +144,7 @@ def permissions(role: str, app: str | None = None) -> Permissions:
             subscribe_allow=(f"{inbox_prefix('generator')}.>", CANCEL_WILDCARD, DISCOVER_SUBJECT,
                              f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{REQUESTS_STREAM}.*"),
             publish_deny=(REQUEST_WILDCARD, CANCEL_WILDCARD, "$KV.>", *_NEVER),
-            subscribe_deny=(TOKEN_WILDCARD,),
+            subscribe_deny=(TOKEN_WILDCARD, LIVE_WILDCARD),
             allow_responses=True,  # answers a relay's discovery request on the relay's inbox
         )
     if role == "admin":

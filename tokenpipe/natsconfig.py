@@ -15,12 +15,14 @@ own account. Layout:
 - ``TOKENPIPE``: the relay, the generators and the admin; JetStream with ``TP_REQUESTS``,
   ``TP_TOKENS`` and the ``tp_streams`` registry. For each app it exports, to that app's account
   only, the services ``tp.req.*.<app>`` (its requests; JetStream's PubAck is the reply) and
-  ``tp.cancel.<app>.>`` (its cancels), and the stream ``tp.tok.<app>.>`` (its tokens, live).
+  ``tp.cancel.<app>.>`` (its cancels), and the stream ``tp.live.<app>.>`` (its tokens, live: each
+  batch once tokenpipe's ``TP_TOKENS`` accepted it, never one it refused, tokenpipe.append).
 - ``APP_<app>``: one per application (``tokenpipe creds add-app``), with JetStream of its own: the
-  imported tokens are kept there in the app's own ``TP_TOKENS`` (same retention), which is where
-  the SDK reads history and live batches from. Nothing the app does with JetStream reaches
-  tokenpipe's account: it has no import of tokenpipe's JetStream API at all (a consumer created
-  across accounts could be given a deliver subject in tokenpipe's account).
+  imported tokens arrive as ``tp.tok.<app>.>`` (the import maps the subject) and are kept there in
+  the app's own ``TP_TOKENS`` (same retention), which is where the SDK reads history and live
+  batches from. Nothing the app does with JetStream reaches tokenpipe's account: it has no import
+  of tokenpipe's JetStream API at all (a consumer created across accounts could be given a deliver
+  subject in tokenpipe's account).
 """
 
 from __future__ import annotations
@@ -62,14 +64,15 @@ def _exports(app: str) -> list[dict[str, Any]]:
     only = [account_name(app)]
     return [{"service": f"tp.req.*.{app}", "accounts": only},
             {"service": f"tp.cancel.{app}.>", "accounts": only},
-            {"stream": f"tp.tok.{app}.>", "accounts": only}]
+            {"stream": f"tp.live.{app}.>", "accounts": only}]
 
 
 def _imports(app: str) -> list[dict[str, Any]]:
     src = TOKENPIPE_ACCOUNT
     return [{"service": {"account": src, "subject": f"tp.req.*.{app}"}},
             {"service": {"account": src, "subject": f"tp.cancel.{app}.>"}},
-            {"stream": {"account": src, "subject": f"tp.tok.{app}.>"}}]
+            # Stored batches only, under the app's own token subjects (what its TP_TOKENS keeps).
+            {"stream": {"account": src, "subject": f"tp.live.{app}.>"}, "to": f"tp.tok.{app}.>"}]
 
 
 def _user(cred: Credential, password: str | None) -> dict[str, Any]:
@@ -189,7 +192,8 @@ def account_table() -> str:
     rows = ["| exported by `TOKENPIPE` | kind | imported by | what it carries |", "|---|---|---|---|"]
     what = {"tp.req": "the app's requests; JetStream's PubAck comes back as the reply, in the app's account",
             "tp.cancel": "the app's cancels",
-            "tp.tok": "the app's token batches, live; kept in the app's own `TP_TOKENS` for history"}
+            "tp.live": "the app's token batches, live, each once tokenpipe's `TP_TOKENS` stored it; imported "
+                       "as `tp.tok.<name>.>` and kept in the app's own `TP_TOKENS` for history"}
     for e in layout[TOKENPIPE_ACCOUNT]["exports"]:
         kind = "service" if "service" in e else "stream"
         subject = str(e[kind]).replace("NAME", "<name>")

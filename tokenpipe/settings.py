@@ -153,11 +153,6 @@ class Settings:
         default=4.0,
         metadata=_doc("a request whose generator stops acknowledging progress is redelivered after this: how soon "
                       "a dead worker's streams move on (measured by `python -m bench.takeover`)"))
-    cluster_ack_wait_s: float = field(
-        default=30.0,
-        metadata=_doc("the `ack_wait` where streams are replicated (`TOKENPIPE_REPLICAS` resolves above 1), if "
-                      "longer: a leader election (4-9 s) stops progress acks, and a request redelivered meanwhile "
-                      "was generated twice; 0: `TOKENPIPE_ACK_WAIT_S` everywhere"))
     progress_interval_s: float = field(
         default=1.0,
         metadata=_doc("how often a generator acknowledges progress on every request it holds; a worker stalled "

@@ -37,7 +37,8 @@ from .subjects import (
 from .wire import Cancel, Request, StreamMeta, TokenBatch
 
 __all__ = ["PING", "Gap", "Ping", "StreamItem", "cancel", "emitted_before", "first_stored", "follow", "get_meta",
-           "batch_of", "history", "last_batch", "last_stored", "paced", "pending_requests", "stored", "stored_count",
+           "batch_of", "history", "history_at", "last_batch", "last_stored", "paced", "pending_requests", "stored",
+           "stored_at", "stored_count",
            "stream_not_found", "submit"]
 
 log = logging.getLogger(__name__)
@@ -218,24 +219,33 @@ async def stored(bus: Bus, stream_id: str, *,
                  owner: str | None = None) -> dict[int, tuple[TokenBatch, dict[str, str]]]:
     """Every batch JetStream holds for ``stream_id``, by ``seq``, with the headers it carried.
 
-    Reads every stored message (until the consumer reports nothing pending): after a NATS
-    outage a republished batch can be stored after later ones, and a duplicate past the dedup
-    window can be stored twice, so "the last stored message" is not "the last batch". The
-    count comes from the stream's leader (:func:`stored_count`); the consumer that reads lives
-    on any replica, so a read that ends short of the count came from a replica that is behind
-    and raises :class:`TransportError` (callers try again: the next consumer lands elsewhere,
-    or the replica has caught up).
+    Reads every stored message (until the consumer reports nothing pending): a stream stored
+    before appends were conditional (tokenpipe.append) may hold a republished batch after later
+    ones, or a duplicate, so "the last stored message" is not "the last batch". The count comes
+    from the stream's leader (:func:`stored_count`); the consumer that reads lives on any
+    replica, so a read that ends short of the count came from a replica that is behind and
+    raises :class:`TransportError` (callers try again: the next consumer lands elsewhere, or
+    the replica has caught up).
     """
+    return (await stored_at(bus, stream_id, owner=owner))[0]
+
+
+async def stored_at(bus: Bus, stream_id: str, *, owner: str | None = None
+                    ) -> tuple[dict[int, tuple[TokenBatch, dict[str, str]]], int]:
+    """:func:`stored`, and the stream sequence of the last message read (0: none): what a writer
+    continuing the stream makes its first append conditional on (tokenpipe.append), so that
+    anything stored after this read refuses it."""
     count = await stored_count(bus, stream_id, owner=owner)
     if count == 0:
-        return {}
+        return {}, 0
     sub = await _open_history(bus, stream_id, owner)
     by_seq: dict[int, tuple[TokenBatch, dict[str, str]]] = {}
-    read = 0
+    read = last = 0
     try:
         while True:
             msg = await sub.next_msg(timeout=5.0)
             read += 1
+            last = max(last, msg.metadata.sequence.stream)
             batch = batch_of(bus, msg.data, stream_id)  # not a batch of it (nobody's to fix): skipped
             if batch is not None:
                 by_seq.setdefault(batch.seq, (batch, dict(msg.headers or {})))
@@ -248,16 +258,22 @@ async def stored(bus: Bus, stream_id: str, *,
     if read < count:
         raise TransportError(f"stream {stream_id} history read from a replica that is behind "
                              f"({read} of {count} messages)")
-    return by_seq
+    return by_seq, last
 
 
 async def history(bus: Bus, stream_id: str, *, owner: str | None = None) -> list[TokenBatch]:
     """The contiguous batches ``seq 0..k`` stored so far for ``stream_id``, in order."""
-    by_seq = await stored(bus, stream_id, owner=owner)
+    return (await history_at(bus, stream_id, owner=owner))[0]
+
+
+async def history_at(bus: Bus, stream_id: str, *, owner: str | None = None) -> tuple[list[TokenBatch], int]:
+    """:func:`history`, and the stream sequence of the last message stored for the stream when
+    it was read (0: none; see :func:`stored_at`)."""
+    by_seq, last = await stored_at(bus, stream_id, owner=owner)
     out: list[TokenBatch] = []
     while len(out) in by_seq and not (out and out[-1].is_final):
         out.append(by_seq[len(out)][0])
-    return out
+    return out, last
 
 
 async def first_stored(bus: Bus, stream_id: str, *, owner: str | None = None) -> TokenBatch | None:

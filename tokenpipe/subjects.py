@@ -7,7 +7,10 @@ what lets an app's credentials reach only its own streams (:mod:`tokenpipe.natsa
 
 - ``tp.req.<model>.<owner>``: a request; a generator takes the owner from the subject,
   never from the payload;
-- ``tp.tok.<owner>.<id>``: a stream's token batches;
+- ``tp.tok.<owner>.<id>``: a stream's token batches, as stored (``TP_TOKENS``; each append is
+  conditional on the stream's last stored batch, :mod:`tokenpipe.append`);
+- ``tp.live.<owner>.<id>``: the same batches for live readers, sent only once stored (an app's
+  account imports them as its own ``tp.tok.<app>.>``, tokenpipe.natsconfig);
 - ``tp.cancel.<owner>.<id>``: its cancellation.
 """
 
@@ -29,6 +32,9 @@ __all__ = [
     "model_request_filter",
     "owner_of_request",
     "token_subject",
+    "live_subject",
+    "owner_live",
+    "LIVE_WILDCARD",
     "owner_tokens",
     "cancel_subject",
     "parse_cancel_subject",
@@ -50,6 +56,7 @@ META_STREAM = f"KV_{META_BUCKET}"  # the stream JetStream keeps a KV bucket in
 
 REQUEST_WILDCARD = "tp.req.>"
 TOKEN_WILDCARD = "tp.tok.>"
+LIVE_WILDCARD = "tp.live.>"
 CANCEL_WILDCARD = "tp.cancel.>"
 # "Does anyone hold a live reader of this stream?" — a core request every relay holding one
 # answers; a relay asks before a disconnect cancels a generation (viewers are not owners).
@@ -110,6 +117,16 @@ def token_subject(owner: str, stream_id: str) -> str:
 def owner_tokens(owner: str) -> str:
     """Every token subject of ``owner``'s streams (an app's own copy of them, tokenpipe.natsconfig)."""
     return f"tp.tok.{check_owner(owner)}.>"
+
+
+def live_subject(owner: str, stream_id: str) -> str:
+    """Where a stream's batches go live, each once the store accepted it (never a refused one)."""
+    return f"tp.live.{check_owner(owner)}.{check_stream_id(stream_id)}"
+
+
+def owner_live(owner: str) -> str:
+    """Every live subject of ``owner``'s streams (exported to an app's account as its ``tp.tok``)."""
+    return f"tp.live.{check_owner(owner)}.>"
 
 
 def cancel_subject(owner: str, stream_id: str) -> str:

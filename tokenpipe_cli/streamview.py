@@ -17,7 +17,7 @@ from tokenpipe.bus import Bus
 from tokenpipe.errors import WireFormatError
 from tokenpipe.streamindex import is_index_key
 from tokenpipe.streams import Gap, Ping, follow, get_meta, last_batch, paced
-from tokenpipe.subjects import TOKEN_WILDCARD
+from tokenpipe.subjects import LIVE_WILDCARD
 from tokenpipe.wire import StreamMeta, TokenBatch
 
 __all__ = ["replay", "list_streams", "tail"]
@@ -104,7 +104,7 @@ async def tail(bus: Bus, *, model: str | None, console: Console) -> int:
         console.print(f"{batch.id} #{batch.seq} @{batch.index} +{len(batch.token_ids)}{end} {batch.text!r}",
                       highlight=False)
 
-    sub = await bus.nc.subscribe(TOKEN_WILDCARD, cb=on_batch)
+    sub = await bus.nc.subscribe(LIVE_WILDCARD, cb=on_batch)  # what the store accepted, as it does
     try:
         await asyncio.Event().wait()  # until Ctrl-C cancels us
     finally:

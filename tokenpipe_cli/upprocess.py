@@ -21,6 +21,7 @@ from typing import Any
 import nats
 from nats.aio.msg import Msg
 
+from tokenpipe.cluster import server_list
 from tokenpipe.natsauth import load_credential
 from tokenpipe.subjects import ANNOUNCE_PREFIX
 from tokenpipe.wire import Announcement
@@ -79,8 +80,10 @@ class UpProcess:
             await asyncio.sleep(_POLL_S)
         if self.nc is None:
             admin = load_credential(self.data / "creds" / "admin.json")
-            self.nc = await nats.connect(st["nats_url"], max_reconnect_attempts=-1, reconnect_time_wait=0.2,
-                                         user=admin.user, password=admin.password, inbox_prefix=admin.inbox_prefix)
+            # A local cluster's URL is its seed list (`--nats-cluster`).
+            self.nc = await nats.connect(servers=server_list(st["nats_url"]), max_reconnect_attempts=-1,
+                                         reconnect_time_wait=0.2, user=admin.user, password=admin.password,
+                                         inbox_prefix=admin.inbox_prefix)
 
             async def on(msg: Msg) -> None:
                 ann = Announcement.decode(msg.data)

@@ -1,0 +1,26 @@
+"""The chaos run's short form (bench.chaos): `tokenpipe up --nats-cluster 3 --generators 2` and a
+second relay under a steady sampled load while generators, relays and NATS nodes are killed and
+frozen at random. Every request ends `done` or `error`, and every client saw live exactly what
+the store holds (the single-writer rule: tokenpipe.append). The long form is `make bench`."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from bench.chaos import run, table
+
+pytestmark = pytest.mark.timeout(300)
+
+
+async def test_chaos_short_form_no_violations(data_dir: Path) -> None:
+    args = argparse.Namespace(duration=100.0, faults=12, rate=0.7, max_stop=8.0)
+    rep = await run(args, data_dir)
+    print(table(rep))
+    assert rep["faults"] >= 6, rep["fault_log"]
+    assert rep["requests"] >= 20
+    assert rep["violations"] == [], table(rep)
+    assert rep["done"] + rep["error"] == rep["requests"]
+    assert rep["done"] >= rep["requests"] // 2, rep["errors"]

@@ -1,0 +1,111 @@
+"""One writer per stream, enforced by JetStream (tokenpipe.append, generator.publisher): every
+append is conditional on the stream's last stored batch, a writer whose append is refused has
+lost the stream, and live readers get only what the store accepted. Real nats-server."""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+import pytest
+from nats.aio.msg import Msg
+
+from generator.publisher import BatchPublisher
+from tokenpipe.append import StreamLost, append_once, conditional
+from tokenpipe.bus import Bus
+from tokenpipe.streams import history_at, stored
+from tokenpipe.subjects import RELAY_OWNER, live_subject, token_subject
+from tokenpipe.wire import TokenBatch
+
+from .conftest import wait_until
+
+
+def _batch(sid: str, seq: int, token: int, *, final: bool = False) -> TokenBatch:
+    return TokenBatch(id=sid, seq=seq, index=seq, token_ids=(token,), text=f"<{token}>",
+                      finish="length" if final else None)
+
+
+async def _live(bus: Bus, sid: str) -> tuple[list[TokenBatch], Any]:
+    seen: list[TokenBatch] = []
+
+    async def on(msg: Msg) -> None:
+        seen.append(TokenBatch.decode(msg.data))
+
+    sub = await bus.nc.subscribe(live_subject(RELAY_OWNER, sid), cb=on)
+    await bus.nc.flush()
+    return seen, sub
+
+
+def _headers(sid: str, seq: int, tag: str) -> dict[str, str]:
+    return {"Nats-Msg-Id": f"{RELAY_OWNER}:{sid}:{seq}:{tag}"}
+
+
+async def test_a_second_writer_is_refused_stops_and_never_reaches_the_store_or_live_readers(bus: Bus) -> None:
+    """The frozen-holder case: A wrote batch 0 and stalled, B took the request over from what is
+    stored and wrote batch 1; A thaws and appends its own batch 1 — refused, A has lost the stream."""
+    sid = f"sw-{secrets.token_hex(4)}"
+    live, sub = await _live(bus, sid)
+    a, b = BatchPublisher(bus), BatchPublisher(bus)
+    await a.start()
+    await b.start()
+    lost_a: list[StreamLost] = []
+    try:
+        chain_a = a.chain(RELAY_OWNER, sid, last=0, on_lost=lost_a.append)
+        a.publish(chain_a, _batch(sid, 0, 10).encode(), _headers(sid, 0, "a"))
+        await a.flush()
+        past, last = await history_at(bus, sid)  # B's resume path
+        assert [x.seq for x in past] == [0] and last == chain_a.last > 0
+        chain_b = b.chain(RELAY_OWNER, sid, last=last, on_lost=lambda exc: pytest.fail(f"B lost: {exc}"))
+        b.publish(chain_b, _batch(sid, 1, 21).encode(), _headers(sid, 1, "b"))
+        await b.flush()
+        # A thaws: its batch 1 and its final batch 2, then its request's ack.
+        a.publish(chain_a, _batch(sid, 1, 11).encode(), _headers(sid, 1, "a"))
+        a.publish(chain_a, _batch(sid, 2, 12, final=True).encode(), _headers(sid, 2, "a"))
+        acked: list[str] = []
+
+        class _Msg:
+            async def ack(self) -> None:
+                acked.append("a")
+
+        a.ack_after_published(chain_a, _Msg())  # type: ignore[arg-type]
+        await a.flush()
+        assert len(lost_a) == 1 and chain_a.lost and acked == []
+        b.publish(chain_b, _batch(sid, 2, 22, final=True).encode(), _headers(sid, 2, "b"))
+        await b.flush()
+        by_seq = await stored(bus, sid)
+        assert {s: v[0].token_ids for s, v in by_seq.items()} == {0: (10,), 1: (21,), 2: (22,)}
+        await wait_until(lambda: len(live) == 3, timeout=5)
+        assert [(x.seq, x.token_ids) for x in live] == [(0, (10,)), (1, (21,)), (2, (22,))]
+    finally:
+        await sub.unsubscribe()
+        await a.close()
+        await b.close()
+
+
+async def test_a_retry_of_an_append_that_was_stored_after_all_is_recognised_as_its_own(bus: Bus) -> None:
+    """nats-server checks the expected sequence before Msg-Id deduplication: a retry after a lost
+    PubAck is refused like a second writer's. The publisher must tell its own append apart."""
+    sid = f"sw-{secrets.token_hex(4)}"
+    pub = BatchPublisher(bus)
+    await pub.start()
+    try:
+        chain = pub.chain(RELAY_OWNER, sid, last=0, on_lost=lambda exc: pytest.fail(f"lost: {exc}"))
+        data, headers = _batch(sid, 0, 7).encode(), _headers(sid, 0, "me")
+        # The first try reached the store; its PubAck never came back.
+        ack = await bus.js.publish(token_subject(RELAY_OWNER, sid), data, headers=conditional(headers, 0))
+        pub.publish(chain, data, headers)
+        pub.publish(chain, _batch(sid, 1, 8, final=True).encode(), _headers(sid, 1, "me"))
+        await pub.flush()
+        assert not chain.lost and chain.last > ack.seq
+        assert [x.token_ids for x in (await history_at(bus, sid))[0]] == [(7,), (8,)]
+    finally:
+        await pub.close()
+
+
+async def test_an_error_batch_is_not_appended_to_a_stream_that_has_history(bus: Bus) -> None:
+    sid = f"sw-{secrets.token_hex(4)}"
+    await bus.js.publish(token_subject(RELAY_OWNER, sid), _batch(sid, 0, 1).encode(),
+                         headers=conditional(_headers(sid, 0, "w"), 0))  # a writer's first batch
+    with pytest.raises(StreamLost):
+        await append_once(bus, RELAY_OWNER, TokenBatch.error_for(sid, "no", "invalid_request"), expected_last=0)
+    assert [x.token_ids for x in (await history_at(bus, sid))[0]] == [(1,)]

@@ -1,0 +1,117 @@
+"""The single-writer rule, enforced by JetStream: every token batch is a conditional append.
+
+A batch goes to ``tp.tok.<owner>.<id>`` with ``Nats-Expected-Last-Subject-Sequence`` set to the
+stream sequence of that stream's previous stored batch (0 for the first: nats-server reads 0 as
+"nothing stored on this subject yet"). JetStream stores it only if nothing else was stored on
+the subject since, so two generators that both believe they hold a stream (a frozen holder that
+thawed after its request was redelivered) cannot both append: the second one's append is
+refused with error 10071, "wrong last sequence: N", and that writer has lost the stream
+(:class:`StreamLost`). No timeout decides who writes a stream; the store does.
+
+Live readers get a batch only after the store accepted it, on ``tp.live.<owner>.<id>``
+(:func:`~tokenpipe.subjects.live_subject`), so what they see is what a replay reads.
+
+nats-server checks the expected sequence before ``Nats-Msg-Id`` deduplication: a retry of an
+append whose PubAck was lost (a reconnect, a leader change) is refused like a second writer's.
+:func:`stored_as` tells the two apart: the append succeeded if the message stored last on the
+subject, at the sequence the refusal names, carries this writer's ``Nats-Msg-Id``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Mapping
+
+import nats.js.errors
+from nats.js.errors import NotFoundError
+
+from .bus import Bus
+from .errors import TokenpipeError, TransportError
+from .subjects import TOKENS_STREAM, live_subject, token_subject
+from .wire import TokenBatch
+
+__all__ = ["EXPECTED_LAST", "StreamLost", "WRONG_LAST_SEQUENCE", "append_once", "conditional", "live_headers",
+           "refused_at", "send_live", "stored_as"]
+
+EXPECTED_LAST = "Nats-Expected-Last-Subject-Sequence"
+WRONG_LAST_SEQUENCE = 10071  # JetStream's JSStreamWrongLastSequenceErrF
+_LAST_RE = re.compile(r"(\d+)\s*$")
+_LOOK_TRIES = 5  # a direct get answered by a replica that is behind the leader is asked again
+
+
+class StreamLost(TokenpipeError):
+    """The store refused an append: another writer appended to the stream since this writer's
+    last batch. This writer no longer holds the stream and must stop writing it."""
+
+    code = "stream_lost"
+
+    def __init__(self, message: str, *, stored_last: int) -> None:
+        super().__init__(message)
+        self.stored_last = stored_last
+
+
+def refused_at(exc: BaseException) -> int | None:
+    """The subject's stored last sequence when ``exc`` is JetStream's wrong-last-sequence refusal
+    (error 10071), else None."""
+    if not isinstance(exc, nats.js.errors.APIError) or exc.err_code != WRONG_LAST_SEQUENCE:
+        return None
+    found = _LAST_RE.search(exc.description or "")
+    return int(found.group(1)) if found else 0
+
+
+def conditional(headers: Mapping[str, str], expected_last: int) -> dict[str, str]:
+    """``headers`` with the condition that the subject's last stored sequence is ``expected_last``."""
+    return {**headers, EXPECTED_LAST: str(expected_last)}
+
+
+def live_headers(headers: Mapping[str, str]) -> dict[str, str]:
+    """The headers of a batch's live copy: the condition belongs to the store alone (an app's own
+    copy of its tokens stores the live copies, and would check it against its own sequences)."""
+    return {k: v for k, v in headers.items() if k != EXPECTED_LAST}
+
+
+async def send_live(bus: Bus, owner: str, stream_id: str, data: bytes, headers: Mapping[str, str]) -> None:
+    """The live copy of a batch the store accepted (core NATS, at most once: readers fill what
+    they miss from the store)."""
+    await bus.nc.publish(live_subject(owner, stream_id), data, headers=live_headers(headers) or None)
+
+
+async def stored_as(bus: Bus, subject: str, last: int, msg_id: str) -> bool:
+    """Whether the message stored last on ``subject``, at stream sequence ``last``, is the one
+    with ``msg_id`` (an earlier try of this very append). Asked by direct get, which any replica
+    answers: one that is behind the leader is asked again, a few times."""
+    for attempt in range(_LOOK_TRIES):
+        try:
+            raw = await bus.js.get_last_msg(TOKENS_STREAM, subject, direct=True)
+        except NotFoundError:
+            return False
+        except Exception as exc:
+            raise TransportError(f"could not read the stream's last batch: {exc}") from exc
+        if raw.seq is not None and raw.seq >= last:
+            return raw.seq == last and (raw.headers or {}).get("Nats-Msg-Id") == msg_id
+        await asyncio.sleep(0.05 * (attempt + 1))  # a replica behind the leader: it catches up in ms
+    return False
+
+
+async def append_once(bus: Bus, owner: str, batch: TokenBatch, *, expected_last: int,
+                      headers: Mapping[str, str] | None = None) -> int:
+    """Append ``batch`` outside a writer (an error batch the intake ends a request with): stored
+    only if the stream's last stored sequence is ``expected_last``, then sent live. Returns its
+    stream sequence; raises :class:`StreamLost` when refused, the JetStream error otherwise."""
+    subject = token_subject(owner, batch.id)
+    hdrs = {**(headers or {}), "Nats-Msg-Id": f"{owner}:{batch.id}:{batch.seq}:intake"}
+    data = batch.encode()
+    try:
+        ack = await bus.js.publish(subject, data, headers=conditional(hdrs, expected_last))
+    except nats.js.errors.APIError as exc:
+        last = refused_at(exc)
+        if last is None:
+            raise
+        if not await stored_as(bus, subject, last, hdrs["Nats-Msg-Id"]):
+            raise StreamLost(f"stream {batch.id} was appended to by another writer", stored_last=last) from exc
+        ack_seq = last
+    else:
+        ack_seq = ack.seq
+    await send_live(bus, owner, batch.id, data, hdrs)
+    return ack_seq
