@@ -27,7 +27,7 @@ from tokenpipe.errors import ConfigError
 
 from .forward import decode_step
 from .kvcache import BLOCK_SIZE, SCRATCH, PagedKVCache
-from .sampling import CANDIDATES, RowSampler, draw
+from .sampling import CANDIDATES, RowSampler, draw, sampled_rows
 
 __all__ = ["BUCKETS", "StaticDecode", "bucket_for", "buckets_for", "pad_rows", "resolve_cuda_graphs",
            "sample_on_device", "table_width"]
@@ -174,15 +174,8 @@ def sample_on_device(logits: Tensor, samplers: list[RowSampler]) -> list[int]:
     out = logits.argmax(-1)
     rows = [i for i, s in enumerate(samplers) if not s.greedy]
     if rows:
-        chosen = [samplers[i] for i in rows]
-        V, dev = logits.shape[-1], logits.device
-        temp = torch.tensor([max(s.temperature, 1e-6) for s in chosen], device=dev)
-        top_k = torch.tensor([s.top_k if 0 < s.top_k < V else V for s in chosen], device=dev)
-        top_p = torch.tensor([min(max(s.top_p, 0.0), 1.0) for s in chosen], device=dev)
-        u = torch.cat([torch.rand(1, generator=s.generator, device=dev) for s in chosen])
-        idx = torch.tensor(rows, device=dev)
-        scaled = logits.index_select(0, idx) / temp[:, None]
-        plain = (top_k >= V) & (top_p >= 1.0)
+        idx, scaled, top_k, top_p, u, plain = sampled_rows(logits, samplers, rows)
+        V = logits.shape[-1]
         width = min(CANDIDATES, V)
         narrow, exact = draw(scaled, top_k, top_p, u, width)
         wide = draw(scaled, top_k, top_p, u, V)[0] if width < V else narrow

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from tokenpipe.wire import SamplingParams
 
-__all__ = ["CANDIDATES", "RowSampler", "draw", "sample"]
+__all__ = ["CANDIDATES", "RowSampler", "draw", "sample", "sampled_rows"]
 
 # Candidates per row for the common case: sorting the whole 49k vocabulary per sampled row cost
 # over ten times as much (bench/RESULTS.md, "Engine levers"); on SmolLM2-Instruct the 0.9 nucleus was
@@ -79,13 +79,11 @@ def draw(logits: Tensor, top_k: Tensor, top_p: Tensor, u: Tensor, width: int) ->
     return ids.gather(1, pick[:, None])[:, 0], exact
 
 
-def sample(logits: Tensor, samplers: list[RowSampler]) -> list[int]:
-    """``logits [B, V]`` -> one token id per row."""
-    logits = logits.float()  # bf16 argmax/softmax are slow on CPU and coarse
-    out = logits.argmax(-1)  # one vectorised pass covers every greedy row
-    rows = [i for i, s in enumerate(samplers) if not s.greedy]
-    if not rows:
-        return out.tolist()
+def sampled_rows(logits: Tensor, samplers: list[RowSampler],
+                 rows: list[int]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The sampled ``rows`` of ``logits [B, V]`` as tensors: their index, temperature-scaled
+    logits, top-k, top-p, one uniform draw each from the row's own generator, and whether the row
+    is temperature only (no ranking needed)."""
     chosen = [samplers[i] for i in rows]
     V, dev = logits.shape[-1], logits.device
     # A denormal temperature (5e-324 passes "> 0") would overflow the logits to inf and the softmax to NaN.
@@ -96,7 +94,18 @@ def sample(logits: Tensor, samplers: list[RowSampler]) -> list[int]:
     u = torch.cat([torch.rand(1, generator=s.generator, device=dev) for s in chosen])
     idx = torch.tensor(rows, device=dev)
     scaled = logits.index_select(0, idx) / temp[:, None]
-    plain = (top_k >= V) & (top_p >= 1.0)  # temperature only: no ranking needed
+    return idx, scaled, top_k, top_p, u, (top_k >= V) & (top_p >= 1.0)
+
+
+def sample(logits: Tensor, samplers: list[RowSampler]) -> list[int]:
+    """``logits [B, V]`` -> one token id per row."""
+    logits = logits.float()  # bf16 argmax/softmax are slow on CPU and coarse
+    out = logits.argmax(-1)  # one vectorised pass covers every greedy row
+    rows = [i for i, s in enumerate(samplers) if not s.greedy]
+    if not rows:
+        return out.tolist()
+    idx, scaled, top_k, top_p, u, plain = sampled_rows(logits, samplers, rows)
+    V = logits.shape[-1]
     tokens, exact = draw(scaled, top_k, top_p, u, min(CANDIDATES, V))
     if bool(plain.any()):
         where = plain.nonzero()[:, 0]
