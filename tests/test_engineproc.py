@@ -25,7 +25,7 @@ from tokenpipe.wire import Request
 from tokenpipe_cli.upprocess import UpProcess
 
 from .conftest import wait_until
-from .test_heal import LONG, reference, start_stack, stream
+from .test_heal import LONG, reference, running_stack, stream
 from .test_resilience import _greedy_ids, assert_contiguous
 
 pytestmark = pytest.mark.timeout(240)
@@ -108,16 +108,8 @@ def _engine_core_of(pid: int) -> int:
 
 @pytest.fixture(scope="module")
 async def stack(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> AsyncIterator[UpProcess]:
-    data = tmp_path_factory.mktemp("enginecore")
-    (data / "models").symlink_to(data_dir / "models", target_is_directory=True)
-    s = start_stack(data, 2, TOKENPIPE_ENGINE_PROCESS="on")
-    try:
-        await s.wait_up()
+    async with running_stack(tmp_path_factory, data_dir, "enginecore", 2, TOKENPIPE_ENGINE_PROCESS="on") as s:
         yield s
-        assert await s.stop() == 0, s.output()[-4000:]
-    finally:
-        if s.proc.poll() is None:
-            s.proc.kill()
 
 
 async def test_kill9_of_the_engine_core_process_hands_its_stream_to_another_generator(

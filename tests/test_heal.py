@@ -8,6 +8,7 @@ every role is ready. Synchronisation is on events (tokens seen, announcements, u
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import signal
@@ -50,11 +51,14 @@ def start_stack(data: Path, generators: int, *extra: str, **env: str) -> UpProce
                      command=[TOKENPIPE])
 
 
-@pytest.fixture(scope="module")
-async def stack(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> AsyncIterator[UpProcess]:
-    data = tmp_path_factory.mktemp("heal")
+@contextlib.asynccontextmanager
+async def running_stack(tmp_path_factory: pytest.TempPathFactory, data_dir: Path, name: str, generators: int,
+                        **env: str) -> AsyncIterator[UpProcess]:
+    """:func:`start_stack` on a fresh data dir sharing the converted models; up on entry, and on exit
+    stopped with exit code 0 (killed if it did not stop)."""
+    data = tmp_path_factory.mktemp(name)
     (data / "models").symlink_to(data_dir / "models", target_is_directory=True)
-    s = start_stack(data, 2)
+    s = start_stack(data, generators, **env)
     try:
         await s.wait_up()
         yield s
@@ -62,6 +66,12 @@ async def stack(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> Asy
     finally:
         if s.proc.poll() is None:
             s.proc.kill()
+
+
+@pytest.fixture(scope="module")
+async def stack(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> AsyncIterator[UpProcess]:
+    async with running_stack(tmp_path_factory, data_dir, "heal", 2) as s:
+        yield s
 
 
 async def read_events(resp: httpx.Response, out: Events,
