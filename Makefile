@@ -43,6 +43,7 @@ bench: install
 	$(PY) -m bench.replication
 	$(PY) -m bench.kvcache
 	$(PY) -m bench.kernels
+	$(PY) -m bench.stepsplit
 	$(PY) -m bench.enginecore
 	$(PY) -m bench.appends
 	$(PY) -m bench.chaos

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from generator.engine import Engine, Sequence, StepOutput
-from generator.forward import FP32_ATTENTION_ROWS, _mlp_block, _qkv, plan_for
+from generator.forward import FP32_ATTENTION_ROWS, _mlp_block, _qkv, _rotary, plan_for
 from generator.models import LoadedModel
 
 __all__ = ["SlotEngine", "SlotKVCache"]
@@ -78,11 +78,11 @@ def slot_prefill(model: Any, cache: SlotKVCache, input_ids: Tensor, lengths: Ten
     cache.ensure(S)
     pos = torch.arange(S, device=input_ids.device).expand(N, S)  # [N, S]
     x = inner.embed_tokens(input_ids)  # [N, S, D]
-    cos, sin = inner.rotary_emb(x, pos)  # [N, S, hd]
+    rot = _rotary(*inner.rotary_emb(x, pos))  # cos/sin [N, S, hd]
     rows = slice(first_slot, first_slot + N)
     for li, (layer, lp) in enumerate(zip(inner.layers, plan.layers, strict=True)):
         attn = layer.self_attn
-        q, k, v = _qkv(attn, lp, layer.input_layernorm(x), cos, sin, cache.head_dim)
+        q, k, v = _qkv(attn, lp, layer.input_layernorm(x), rot, cache.head_dim)
         cache.k[li][rows, :, :S] = k
         cache.v[li][rows, :, :S] = v
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling, enable_gqa=True)
@@ -127,12 +127,12 @@ def slot_decode_step(model: Any, cache: SlotKVCache, tokens: Tensor, positions: 
     B = tokens.shape[0]
     rows = torch.arange(B, device=tokens.device)
     x = inner.embed_tokens(tokens[:, None])  # [B, 1, D]
-    cos, sin = inner.rotary_emb(x, positions[:, None])  # [B, 1, hd]
+    rot = _rotary(*inner.rotary_emb(x, positions[:, None]))  # cos/sin [B, 1, hd]
     cols = torch.arange(attend_len, device=tokens.device)
     mask = (cols[None, :] <= positions[:, None])[:, None, None, :]  # [B, 1, 1, T]
     for li, (layer, lp) in enumerate(zip(inner.layers, plan.layers, strict=True)):
         attn = layer.self_attn
-        q, k, v = _qkv(attn, lp, layer.input_layernorm(x), cos, sin, cache.head_dim)  # q [B,H,1,hd] k,v [B,G,1,hd]
+        q, k, v = _qkv(attn, lp, layer.input_layernorm(x), rot, cache.head_dim)  # q [B,H,1,hd] k,v [B,G,1,hd]
         kc, vc = cache.k[li], cache.v[li]
         kc[rows, :, positions] = k[:, :, 0]
         vc[rows, :, positions] = v[:, :, 0]

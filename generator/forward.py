@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from .kvcache import BLOCK_SIZE, PagedKVCache
 from .quant import DENSE_ROWS, QuantMode, quantize_weight
 
-__all__ = ["FP32_ATTENTION_ROWS", "Plan", "build_plan", "plan_for", "prefill", "decode_step"]
+__all__ = ["FP32_ATTENTION_ROWS", "Plan", "attention_bias", "build_plan", "decode_step", "plan_for", "prefill"]
 
 FP32_ATTENTION_ROWS = 2  # by rule, decode steps of at most this many rows read a 16-bit KV cache in fp32
 
@@ -109,32 +109,45 @@ def plan_for(model: Any) -> Plan:
     return plan if plan is not None else build_plan(model)
 
 
-def _rotate_half(x: Tensor) -> Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+def _rms_norm(norm: Any, x: Tensor) -> Tensor:
+    """``norm(x)`` for the model's RMSNorm (Llama, Qwen3) in one fused kernel instead of its
+    seven ops: normalised in fp32, cast back, times the weight, as the module computes it."""
+    weight, eps = norm.weight, norm.variance_epsilon
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
 
 
-def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    # x [B, heads, S, hd]; cos/sin [B, S, hd] -> broadcast over heads
-    return x * cos.unsqueeze(1) + _rotate_half(x) * sin.unsqueeze(1)
+def _rotary(cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """Per step, the rotary tables as :func:`_rope` reads them: ``cos/sin [B, S, hd]`` ->
+    ``[B, S, 1, hd]`` each, ``sin``'s first half negated (what ``rotate_half`` did per call)."""
+    half = sin.shape[-1] // 2
+    return cos.unsqueeze(2), torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).unsqueeze(2)
 
 
-def _qkv(attn: Any, lp: _LayerPlan, h: Tensor, cos: Tensor, sin: Tensor,
+def _rope(x: Tensor, rot: tuple[Tensor, Tensor]) -> Tensor:
+    """``x [B, S, n, hd]`` rotated: ``x·cos + rotate_half(x)·sin``, where ``rotate_half(x)·sin``
+    is ``x`` with its halves swapped (a roll) times the signed sine: three ops, not eight."""
+    cos, signed_sin = rot
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
+
+
+def _qkv(attn: Any, lp: _LayerPlan, h: Tensor, rot: tuple[Tensor, Tensor],
          hd: int) -> tuple[Tensor, Tensor, Tensor]:
     B, S, _ = h.shape
-    q, k, v = lp.qkv(h).split([lp.q_size, lp.kv_size, lp.kv_size], dim=-1)
-    q = q.view(B, S, -1, hd)  # [B, S, H, hd]
-    k = k.view(B, S, -1, hd)  # [B, S, G, hd]
-    v = v.view(B, S, -1, hd).transpose(1, 2)  # [B, G, S, hd]
+    qkv = lp.qkv(h)  # [B, S, (H + 2G) * hd]
+    v = qkv[..., lp.q_size + lp.kv_size:].view(B, S, -1, hd).transpose(1, 2)  # [B, G, S, hd]
     if hasattr(attn, "q_norm"):  # Qwen3 normalises q/k per head before RoPE
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    q = _rope(q.transpose(1, 2), cos, sin)  # [B, H, S, hd]
-    k = _rope(k.transpose(1, 2), cos, sin)  # [B, G, S, hd]
-    return q, k, v
+        q, k = qkv[..., :lp.q_size].view(B, S, -1, hd), qkv[..., lp.q_size:lp.q_size + lp.kv_size].view(B, S, -1, hd)
+        return _rope(attn.q_norm(q), rot).transpose(1, 2), _rope(attn.k_norm(k), rot).transpose(1, 2), v
+    # q and k rotated together: they sit side by side in the fused projection's output
+    qk = _rope(qkv[..., :lp.q_size + lp.kv_size].view(B, S, -1, hd), rot)  # [B, S, H + G, hd]
+    heads = lp.q_size // hd
+    return qk[:, :, :heads].transpose(1, 2), qk[:, :, heads:].transpose(1, 2), v  # [B, H, S, hd], [B, G, S, hd]
 
 
 def _mlp_block(layer: Any, lp: _LayerPlan, x: Tensor) -> Tensor:
-    gate, up = lp.gate_up(layer.post_attention_layernorm(x)).split([lp.inter, lp.inter], dim=-1)
+    gate, up = lp.gate_up(_rms_norm(layer.post_attention_layernorm, x)).split([lp.inter, lp.inter], dim=-1)
     return x + lp.down(layer.mlp.act_fn(gate) * up)
 
 
@@ -153,7 +166,7 @@ def prefill(model: Any, cache: PagedKVCache, input_ids: Tensor, positions: Tenso
     inner, plan = model.model, plan_for(model)
     N, S = input_ids.shape
     x = inner.embed_tokens(input_ids)  # [N, S, D]
-    cos, sin = inner.rotary_emb(x, positions)  # [N, S, hd]
+    rot = _rotary(*inner.rotary_emb(x, positions))  # cos/sin [N, S, hd]
     where = cache.locate(slots.reshape(-1))
     mask = None
     if tables is not None:
@@ -161,7 +174,7 @@ def prefill(model: Any, cache: PagedKVCache, input_ids: Tensor, positions: Tenso
         mask = (cols[None, None, :] <= positions[:, :, None])[:, None]  # [N, 1, S, T]
     for li, (layer, lp) in enumerate(zip(inner.layers, plan.layers, strict=True)):
         attn = layer.self_attn
-        q, k, v = _qkv(attn, lp, layer.input_layernorm(x), cos, sin, cache.head_dim)  # k, v [N, G, S, hd]
+        q, k, v = _qkv(attn, lp, _rms_norm(layer.input_layernorm, x), rot, cache.head_dim)  # k, v [N, G, S, hd]
         cache.write(li, k.permute(1, 0, 2, 3).reshape(k.shape[1], N * S, -1),
                     v.permute(1, 0, 2, 3).reshape(v.shape[1], N * S, -1), where)
         if tables is None:
@@ -173,36 +186,46 @@ def prefill(model: Any, cache: PagedKVCache, input_ids: Tensor, positions: Tenso
         x = x + lp.o(o.transpose(1, 2).reshape(N, S, -1))  # [N, S, D]
         x = _mlp_block(layer, lp, x)
     last = x[torch.arange(N, device=x.device), lengths - 1]  # [N, D]: only these rows need logits
-    return plan.lm_head(inner.norm(last))  # [N, V]
+    return plan.lm_head(_rms_norm(inner.norm, last))  # [N, V]
 
 
 
-def _decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float,
+def attention_bias(mask: Tensor) -> Tensor:
+    """``mask [B, T]`` (True = attend) as the additive fp32 bias the decode attention takes,
+    ``[B, T]`` of 0 and -inf: built once per step, so a layer adds it in the op that scales."""
+    return torch.zeros(mask.shape, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
+def _decode_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float,
                       fp32_rows: int = FP32_ATTENTION_ROWS) -> Tensor:
-    """Single-query attention with grouped KV heads, as two small batched matmuls.
+    """Single-query attention with grouped KV heads.
 
-    For one query token this is several times faster on CPU than SDPA's flash kernel with
-    a mask (measured in bf16), and needs no repeat of K/V per query head. A bf16 cache is read
-    in fp32 for up to ``fp32_rows`` rows (:data:`FP32_ATTENTION_ROWS` by rule, else the plan's measured
-    figure, :mod:`generator.kernels`): CPU bf16 matmuls this small cost more than the cast
-    (bench/RESULTS.md, "Then one stream against llama.cpp again").
-    q [B, H, 1, hd]; k, v [G, B, T, hd] (as gathered from the blocks); mask [B, T] (True = attend)
-    -> [B, H, 1, hd]
+    In bf16, two small batched matmuls: for one query token several times faster on CPU than
+    SDPA's flash kernel with a mask, and no repeat of K/V per query head. In fp32 on CPU, SDPA
+    (GQA, the bias as its mask): 42 against 85 µs per layer at one row and 112 positions on an
+    AVX2-only EPYC, where the matmul path's eight ops cost more in dispatch than in arithmetic
+    (bench/RESULTS.md, "The other half of the step"). A bf16 cache is read in fp32 for up to
+    ``fp32_rows`` rows (:data:`FP32_ATTENTION_ROWS` by rule, else the plan's measured figure,
+    :mod:`generator.kernels`): CPU bf16 matmuls this small cost more than the cast.
+    q [B, H, 1, hd]; k, v [G, B, T, hd] (as gathered from the blocks); bias [B, T]
+    (:func:`attention_bias`) -> [B, H, 1, hd]
     """
     B, H, _, hd = q.shape
     G = k.shape[0]
     out_dtype = q.dtype
     if fp32_rows >= B and q.device.type == "cpu" and q.dtype != torch.float32:
         q, k, v = q.float(), k.float(), v.float()
+    if q.device.type == "cpu" and q.dtype == torch.float32:
+        return F.scaled_dot_product_attention(q, k.transpose(0, 1), v.transpose(0, 1), attn_mask=bias[:, None, None, :],
+                                              scale=scale, enable_gqa=True).to(out_dtype)
     qg = q.view(B, G, H // G, hd).transpose(0, 1)  # [G, B, H/G, hd]: query head g * (H/G) + r reads kv head g
-    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [G, B, H/G, T]
-    scores = scores.masked_fill(~mask[None, :, None, :], float("-inf"))
+    scores = torch.add(bias[:, None], torch.matmul(qg, k.transpose(-1, -2)).float(), alpha=scale)  # [G, B, H/G, T]
     probs = scores.softmax(-1).to(v.dtype)
     return torch.matmul(probs, v).transpose(0, 1).reshape(B, H, 1, hd).to(out_dtype)
 
 
 def _bagged_attention(q: Tensor, cache: PagedKVCache, layer: int, tables: Tensor, bags: tuple[Tensor, Tensor],
-                      mask: Tensor, scale: float) -> Tensor:
+                      bias: Tensor, scale: float) -> Tensor:
     """Decode attention that gathers only K: ``probs @ V`` is an ``embedding_bag`` (weighted sum)
     over the pool's V rows in place. Gathering V as well cost a third of a 32-row step at 512
     positions (its copy is as large as the matmul's read). q [B, H, 1, hd] -> [B, H, 1, hd]"""
@@ -210,8 +233,7 @@ def _bagged_attention(q: Tensor, cache: PagedKVCache, layer: int, tables: Tensor
     G = cache.kv_heads
     kc = cache.gather_k(layer, tables)  # [G, B, T, hd]
     qg = q.view(B, G, H // G, hd).transpose(0, 1)  # [G, B, H/G, hd]
-    scores = torch.matmul(qg, kc.transpose(-1, -2)).float() * scale  # [G, B, H/G, T]
-    probs = scores.masked_fill(~mask[None, :, None, :], float("-inf")).softmax(-1)
+    probs = torch.add(bias[:, None], torch.matmul(qg, kc.transpose(-1, -2)).float(), alpha=scale).softmax(-1)
     values = cache.v[layer].reshape(-1, hd)  # [G * blocks * BLOCK_SIZE, hd]: a view of the pool
     index, offsets = bags
     o = F.embedding_bag(index, values, offsets, mode="sum", per_sample_weights=probs.to(values.dtype).reshape(-1))
@@ -228,22 +250,22 @@ def decode_step(model: Any, cache: PagedKVCache, tokens: Tensor, positions: Tens
     inner, plan = model.model, plan_for(model)
     B = tokens.shape[0]
     x = inner.embed_tokens(tokens[:, None])  # [B, 1, D]
-    cos, sin = inner.rotary_emb(x, positions[:, None])  # [B, 1, hd]
+    rot = _rotary(*inner.rotary_emb(x, positions[:, None]))  # cos/sin [B, 1, hd]
     cols = torch.arange(tables.shape[1] * BLOCK_SIZE, device=tokens.device)
-    mask = cols[None, :] <= positions[:, None]  # [B, T]
+    bias = attention_bias(cols[None, :] <= positions[:, None])  # [B, T]
     where = cache.locate(slots)
     fp32_rows = plan.attention_fp32_rows
     bags = None if fp32_rows >= B else cache.value_bags(
         tables, int(model.config.num_attention_heads) // cache.kv_heads)
     for li, (layer, lp) in enumerate(zip(inner.layers, plan.layers, strict=True)):
         attn = layer.self_attn
-        q, k, v = _qkv(attn, lp, layer.input_layernorm(x), cos, sin, cache.head_dim)  # q [B,H,1,hd] k,v [B,G,1,hd]
+        q, k, v = _qkv(attn, lp, _rms_norm(layer.input_layernorm, x), rot, cache.head_dim)  # q [B,H,1,hd]
         cache.write(li, k[:, :, 0].transpose(0, 1), v[:, :, 0].transpose(0, 1), where)
         if bags is None:
             kc, vc = cache.gather(li, tables)  # [G, B, T, hd]
-            o = _decode_attention(q, kc, vc, mask, attn.scaling, fp32_rows)  # [B, H, 1, hd]
+            o = _decode_attention(q, kc, vc, bias, attn.scaling, fp32_rows)  # [B, H, 1, hd]
         else:
-            o = _bagged_attention(q, cache, li, tables, bags, mask, attn.scaling)
+            o = _bagged_attention(q, cache, li, tables, bags, bias, attn.scaling)
         x = x + lp.o(o.transpose(1, 2).reshape(B, 1, -1))
         x = _mlp_block(layer, lp, x)
-    return plan.lm_head(inner.norm(x[:, 0]))  # [B, V]
+    return plan.lm_head(_rms_norm(inner.norm, x[:, 0]))  # [B, V]

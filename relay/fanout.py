@@ -65,6 +65,9 @@ class Fanout:
         self.settle_s = settle_s
         self.reorder_wait = reorder_wait
         self.loss_spread_s = loss_spread_s
+        # Its own generator: jitter needs no shared state, and the module's would be drawn from
+        # inside other code's random sequences (Hypothesis flags exactly that in the WS tests).
+        self.jitter = random.Random()
         self._loss_pending = False
         self._readers: dict[str, list[LiveStream]] = {}  # subject -> readers
         self._subs: dict[str, Subscription | None] = {}  # subject -> nats subscription (None while being made)
@@ -161,7 +164,7 @@ class Fanout:
         for readers in self._readers.values():
             for reader in readers:
                 reader._thorough = True
-                reader._next_sync = min(reader._next_sync, now + random.random() * spread)
+                reader._next_sync = min(reader._next_sync, now + self.jitter.random() * spread)
                 reader._wake()  # to re-arm its timer for the earlier deadline
 
 
@@ -182,7 +185,7 @@ class LiveStream:
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
         self._thorough = False  # the next look at JetStream reads everything (messages may be lost)
-        self._next_sync = time.monotonic() + fanout.resync_s * (1 + 0.25 * random.random())
+        self._next_sync = time.monotonic() + fanout.resync_s * (1 + 0.25 * fanout.jitter.random())
 
     def close(self) -> None:
         self._fanout._close(self)
@@ -227,7 +230,7 @@ class LiveStream:
         full read is needed; after an outage it can be a republished older batch, so losses
         and holes read everything."""
         bus = self._fanout.bus
-        self._next_sync = time.monotonic() + self._fanout.resync_s * (1 + 0.25 * random.random())
+        self._next_sync = time.monotonic() + self._fanout.resync_s * (1 + 0.25 * self._fanout.jitter.random())
         if not thorough:
             try:
                 entry = await last_stored(bus, self.stream_id)  # one direct get, no consumer
@@ -285,7 +288,7 @@ class LiveStream:
                                                                                 "error": exc.message})
                         settled = False
                         self._thorough = thorough
-                        self._next_sync = time.monotonic() + 0.5 + random.random()
+                        self._next_sync = time.monotonic() + 0.5 + fanout.jitter.random()
                     else:
                         failing_since = None
                         if not settled or thorough:

@@ -11,10 +11,12 @@ from itertools import pairwise
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 from bench.rawhttp import SSEResponse
+from generator.models import LoadedModel
 from relay.sse import sse_event
 from tokenpipe.settings import Settings
 from tokenpipe_cli.loadgen import LoadConfig, run_load
@@ -115,6 +117,36 @@ def test_appends_benchmark_runs_both_variants(tmp_path: Path) -> None:
     for variant in ("unconditional", "conditional"):
         assert all(r["batches"] == 40 for r in result["runs"][variant]["paced"])
     assert result["summary"]["first_p50_ms_conditional"] > 0 and result["summary"]["flat_ratio"] > 0
+
+
+def test_step_split_benchmark_times_the_step_and_the_rest(tmp_path: Path, data_dir: Path) -> None:
+    """`bench.stepsplit`: whole steps and the rest (projections stubbed), and the bytes a step reads."""
+    out = tmp_path / "stepsplit.json"
+    proc = _run(["bench.stepsplit", "--model", "tiny-random", "--data-dir", str(data_dir), "--rows", "1,2",
+                 "--rounds", "1", "--steps", "2", "--out", str(out)])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert [r["rows"] for r in result["splits"]] == [1, 2]
+    assert all(r["step_ms"] > 0 and r["rest_ms"] > 0 for r in result["splits"])
+    assert result["weight_bytes_per_token"] > 0 and result["bandwidth_share_one_row"] > 0
+
+
+def test_stubbed_projections_are_put_back(tiny_model: LoadedModel) -> None:
+    """The rest is timed with the projections swapped out; afterwards the model computes as before."""
+    from bench.kvstep import RawSteps
+    from bench.stepsplit import projections_stubbed
+    from generator.forward import plan_for
+
+    def logits() -> torch.Tensor:
+        raw = RawSteps(tiny_model, 1, 16)
+        raw.prefill(torch.tensor([[1, 2, 3]]))
+        return raw.decode(torch.tensor([4]), torch.tensor([3]), 4)
+
+    plan, cfg = plan_for(tiny_model.model), tiny_model.model.config
+    before = logits()
+    with projections_stubbed(plan, int(cfg.hidden_size), int(cfg.vocab_size)):
+        assert not logits().any()  # every projection, lm_head included, returned zeros
+    assert torch.equal(logits(), before)
 
 
 def test_gpu_script_refuses_clearly_without_a_gpu() -> None:

@@ -251,14 +251,15 @@ def test_engine_threads_leave_a_core_only_where_it_is_cheap(monkeypatch: pytest.
 def test_decode_attention_in_fp32_for_few_rows_agrees_with_bf16(rows: int) -> None:
     """Few rows of a bf16 cache are attended in fp32 (faster there); either path must give the
     attention an fp32 reference gives, in the caller's dtype."""
-    from generator.forward import FP32_ATTENTION_ROWS, _decode_attention
+    from generator.forward import FP32_ATTENTION_ROWS, _decode_attention, attention_bias
 
     g = torch.Generator().manual_seed(rows)
     q, k, v = (torch.randn(rows, *shape, generator=g).to(torch.bfloat16) for shape in ((9, 1, 64), (3, 40, 64),
                                                                                         (3, 40, 64)))
     mask = torch.ones(rows, 40, dtype=torch.bool)
     mask[0, 30:] = False
-    got = _decode_attention(q, k.transpose(0, 1), v.transpose(0, 1), mask, 0.125)  # K/V as gathered: [G, B, T, hd]
+    # K/V as gathered: [G, B, T, hd]
+    got = _decode_attention(q, k.transpose(0, 1), v.transpose(0, 1), attention_bias(mask), 0.125)
     qf, kf, vf = (t.float().repeat_interleave(3, 1) if t is not q else t.float() for t in (q, k, v))
     ref = torch.nn.functional.scaled_dot_product_attention(qf, kf, vf, attn_mask=mask[:, None, None, :], scale=0.125)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, 9, 1, 64)
