@@ -110,8 +110,8 @@ def plan_for(model: Any) -> Plan:
 
 
 def _rms_norm(norm: Any, x: Tensor) -> Tensor:
-    """``norm(x)`` for the model's RMSNorm (Llama, Qwen3) in one fused kernel instead of its
-    seven ops: normalised in fp32, cast back, times the weight, as the module computes it."""
+    """``norm(x)`` for the model's RMSNorm (Llama, Qwen3) in one ATen call instead of the module's
+    seven ops from Python: normalised in fp32, cast back, times the weight, as the module computes it."""
     weight, eps = norm.weight, norm.variance_epsilon
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
         return F.rms_norm(x, weight.shape, weight, eps)
@@ -187,7 +187,6 @@ def prefill(model: Any, cache: PagedKVCache, input_ids: Tensor, positions: Tenso
         x = _mlp_block(layer, lp, x)
     last = x[torch.arange(N, device=x.device), lengths - 1]  # [N, D]: only these rows need logits
     return plan.lm_head(_rms_norm(inner.norm, last))  # [N, V]
-
 
 
 def attention_bias(mask: Tensor) -> Tensor:
