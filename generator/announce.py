@@ -17,13 +17,13 @@ from collections.abc import Collection
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from tokenpipe.background import pause, stop_loops
 from tokenpipe.bus import Bus
 from tokenpipe.metrics import GeneratorMetrics
 from tokenpipe.settings import Settings
 from tokenpipe.subjects import ANNOUNCE_PREFIX, DISCOVER_SUBJECT, REQUESTS_STREAM, consumer_name
 from tokenpipe.wire import Announcement
 
-from .background import pause, stop_loops
 from .engineproc import EngineProcess
 from .kvcache import BLOCK_SIZE, KVCacheMeter
 from .runner import Runner

@@ -25,6 +25,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, TracerProvider
 
 from tokenpipe.append import StreamLost
+from tokenpipe.background import pause, stop_loops
 from tokenpipe.bus import REPAIR_INTERVAL_S, Bus, repair
 from tokenpipe.errors import TokenpipeError, WireFormatError
 from tokenpipe.metrics import GeneratorMetrics
@@ -35,7 +36,6 @@ from tokenpipe.telemetry import extract_context, get_tracer
 from tokenpipe.wire import Cancel, Request, TokenBatch, Usage
 
 from .announce import Announcer
-from .background import pause, stop_loops
 from .engineproc import EngineProcess
 from .intake import RequestIntake, keep, patiently
 from .models import LoadedModel
@@ -155,7 +155,7 @@ class GeneratorWorker:
         if handed_back:
             log.info("handed back unfinished requests", extra={"count": len(handed_back)})
         await self.announcer.stop()
-        await stop_loops(self._closing, self._tasks)  # not by cancel alone: see generator.background
+        await stop_loops(self._closing, self._tasks)  # not by cancel alone: see tokenpipe.background
         await self.publisher.close()
         if self._cancels is not None:
             await self._cancels.unsubscribe()

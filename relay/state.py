@@ -12,6 +12,7 @@ from nats.aio.msg import Msg
 from opentelemetry import trace
 from opentelemetry.trace import TracerProvider
 
+from tokenpipe.background import pause, stop_loops
 from tokenpipe.bus import REPAIR_INTERVAL_S, Bus, connect, missing, repair
 from tokenpipe.errors import NoGenerator, TokenpipeError
 from tokenpipe.metrics import RelayMetrics
@@ -50,6 +51,7 @@ class RelayState:
         self.missing: list[str] = []  # JetStream state tokenpipe owns that was found deleted (503 until repaired)
         self._repair_task: asyncio.Task[None] | None = None
         self._repair_now: asyncio.Task[None] | None = None
+        self._stopping = asyncio.Event()
 
     async def start(self) -> None:
         if not self.keys.enabled and self.settings.host not in ("127.0.0.1", "localhost", "::1"):
@@ -71,8 +73,7 @@ class RelayState:
 
     async def _repair_loop(self) -> None:
         """Re-provision the streams and bucket when someone deleted them (``/readyz`` is 503 meanwhile)."""
-        while True:
-            await asyncio.sleep(REPAIR_INTERVAL_S)
+        while await pause(self._stopping, REPAIR_INTERVAL_S):
             await self._repair_once()
 
     async def _repair_once(self) -> None:
@@ -120,10 +121,8 @@ class RelayState:
         await self.require_bus().nc.publish(DISCOVER_SUBJECT, b"", reply=self._discover_inbox)
 
     async def stop(self) -> None:
-        tasks = [t for t in (self._repair_task, self._repair_now) if t is not None]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        # Not by cancel alone: the loop's JetStream requests can swallow one (tokenpipe.background).
+        await stop_loops(self._stopping, [t for t in (self._repair_task, self._repair_now) if t is not None])
         await self.watchdog.stop()
         await self.forwarder.stop()
         if self.fanout is not None:

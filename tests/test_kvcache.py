@@ -235,7 +235,7 @@ async def test_a_loop_whose_cancel_is_swallowed_by_a_finished_wait_for_still_sto
     """The mechanism of the stop hang (gh-86296): on Python 3.11 ``asyncio.wait_for`` returns the
     result when the awaited future completed in the same loop iteration as the cancel, and the
     cancelled loop carries on. Stopped through :func:`stop_loops`, it ends at its next pause."""
-    from generator.background import pause, stop_loops
+    from tokenpipe.background import pause, stop_loops
 
     stopping = asyncio.Event()
     reply: asyncio.Future[str] = asyncio.get_running_loop().create_future()

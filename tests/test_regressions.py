@@ -342,3 +342,33 @@ async def test_a_generator_whose_start_fails_lets_its_engine_thread_go(settings:
         await worker.start()
     engine_thread.shutdown(wait=False)
     assert worker.runner._running is not None and worker.runner._running.done()
+
+
+async def test_a_relay_stops_when_a_jetstream_request_swallows_the_cancel_of_its_repair_loop(
+        settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The relay's repair loop ended by cancel alone, as the generator's loops did before they hung
+    a worker's ``stop`` (tokenpipe.background): a JetStream request that loses the cancel (nats-py
+    awaits replies with ``asyncio.wait_for``; on 3.11 a reply landing with the cancel wins) let the
+    loop go on to its next round and ``RelayState.stop`` wait for ever. Here the check swallows its
+    cancel, deterministically; ``stop`` must still return."""
+    import relay.state as state_module
+    from relay.state import RelayState
+
+    entered = asyncio.Event()
+
+    async def swallowing(*args: object, **kwargs: object) -> list[str]:
+        entered.set()
+        try:
+            await asyncio.Event().wait()  # the reply, never here before the cancel
+        except asyncio.CancelledError:
+            return []  # ... and the cancel lost
+        return []
+
+    monkeypatch.setattr(state_module, "REPAIR_INTERVAL_S", 0.05)
+    state = RelayState(settings)
+    await state.start()
+    monkeypatch.setattr(state_module, "missing", swallowing)
+    await asyncio.wait_for(entered.wait(), 30)
+    stopping = asyncio.create_task(state.stop())
+    done, _ = await asyncio.wait({stopping}, timeout=30)  # not wait_for: its own cancel would be swallowed too
+    assert done, "RelayState.stop() did not return: the repair loop went on after its cancel"

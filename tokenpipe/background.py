@@ -1,4 +1,4 @@
-"""The generator's background loops, and how they end: by a flag they check, not by a cancel alone.
+"""Background loops, and how they end: by a flag they check, not by a cancel alone.
 
 A cancelled task can swallow its cancellation: on Python 3.11 ``asyncio.wait_for`` returns the
 result instead of raising when the awaited future completed in the same loop iteration as the
