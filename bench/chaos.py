@@ -285,6 +285,17 @@ class Chaos:
                     out[f.kind].append(max(gaps))
         return out
 
+    def longest_stalls(self, n: int = 5) -> list[dict[str, Any]]:
+        """The ``n`` longest gaps of any stream, each with the faults it spanned (a gap is counted in
+        :meth:`stalls` under every one of them, so this says which fault kept a stream waiting)."""
+        t0 = min((f.at for f in self.faults), default=0.0)
+        gaps = [(b - a, run.sid, a, b) for run in self.runs
+                for a, b in itertools.pairwise([run.started, *run.arrivals])]
+        return [{"stall_s": round(g, 2), "stream": sid, "from_s": round(a - t0, 1), "to_s": round(b - t0, 1),
+                 "faults": [f"{i + 1}: {f.kind} of {f.target} at {f.at - t0:.1f} s for {f.until - f.at:.1f} s"
+                            for i, f in enumerate(self.faults) if f.at <= b and f.until >= a]}
+                for g, sid, a, b in sorted(gaps, reverse=True)[:n]]
+
     def report(self) -> dict[str, Any]:
         def pct(xs: list[float], q: float) -> float | None:
             return sorted(xs)[min(len(xs) - 1, int(q * len(xs)))] if xs else None
@@ -299,6 +310,7 @@ class Chaos:
             "violations": [{"stream": r.sid, "where": r.violation} for r in self.runs if r.violation],
             "stalls_s": {k: {"n": len(v), "p50": statistics.median(v) if v else None, "p99": pct(v, 0.99),
                              "max": max(v) if v else None} for k, v in stalls.items()},
+            "longest_stalls": self.longest_stalls(),
             "fault_log": [asdict(f) for f in self.faults],
             "errors": sorted({r.error[:200] for r in self.runs if r.end == "error"}),
         }
@@ -330,6 +342,9 @@ def table(rep: dict[str, Any]) -> str:
 
     for k, s in rep["stalls_s"].items():
         lines.append(f"| {k} | {rep['by_kind'][k]} | {s['n']} | {f(s['p50'])} | {f(s['p99'])} | {f(s['max'])} |")
+    lines += ["", "longest stalls (seconds from the first fault; the faults each one spanned):"]
+    lines += [f"{s['stall_s']:.2f} s, stream {s['stream']}, {s['from_s']}-{s['to_s']} s: "
+              f"{'; '.join(s['faults']) or 'no fault'}" for s in rep.get("longest_stalls", [])]
     lines += [f"violation: {v['stream']}: {v['where']}" for v in rep["violations"]]
     return "\n".join(lines)
 

@@ -24,3 +24,7 @@ async def test_chaos_short_form_no_violations(data_dir: Path) -> None:
     assert rep["violations"] == [], table(rep)
     assert rep["done"] + rep["error"] == rep["requests"]
     assert rep["done"] >= rep["requests"] // 2, rep["errors"]
+    # The longest gaps, each with the faults it spanned: no per-kind maximum exceeds the first.
+    longest = [s["stall_s"] for s in rep["longest_stalls"]]
+    assert longest and longest == sorted(longest, reverse=True)
+    assert max(s["max"] or 0.0 for s in rep["stalls_s"].values()) <= longest[0] + 0.01
