@@ -289,11 +289,8 @@ def _child_main(conn: Connection) -> None:
     engine_thread = torch_thread()
     try:
         loaded = engine_thread.submit(partial(load_for, settings)).result()
-        runner = Runner(loaded, link.on_emit, on_step=link.on_step, max_batch=settings.max_batch,
-                        max_seq_len=settings.max_seq_len, prefill_token_budget=settings.prefill_token_budget,
-                        max_prompt_tokens=settings.max_prompt_tokens, torch_thread=engine_thread,
-                        admission_hold_s=settings.admission_hold_ms / 1000, kv_cache_mb=settings.kv_cache_mb,
-                        prefix_caching=settings.prefix_caching, cuda_graphs=settings.cuda_graphs)
+        runner = Runner.for_settings(loaded, settings, link.on_emit, on_step=link.on_step,
+                                     torch_thread=engine_thread)
     except Exception as exc:  # reported to the generator, which exits with it
         log.exception("engine-core process could not load the model")
         conn.send_bytes(msgpack.packb([_FAILED, str(exc)]))

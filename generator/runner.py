@@ -19,6 +19,7 @@ from functools import partial
 from typing import Any
 
 from tokenpipe.errors import InvalidRequest, TokenpipeError
+from tokenpipe.settings import Settings
 from tokenpipe.wire import FinishReason, Request, Usage
 
 from .detok import IncrementalDetokenizer, StopMatcher
@@ -128,7 +129,18 @@ class Runner:
         self._thread: threading.Thread | None = None
         self._running: Future[None] | None = None
 
+    @classmethod
+    def for_settings(cls, loaded: LoadedModel, settings: Settings, on_emit: Callable[[list[Emission]], None], *,
+                     on_step: Callable[[int], None] | None = None, torch_thread: Executor | None = None) -> Runner:
+        """A runner sized and tuned by ``settings`` (the generator's thread and its engine-core process)."""
+        return cls(loaded, on_emit, on_step=on_step, max_batch=settings.max_batch, max_seq_len=settings.max_seq_len,
+                   prefill_token_budget=settings.prefill_token_budget, max_prompt_tokens=settings.max_prompt_tokens,
+                   torch_thread=torch_thread, admission_hold_s=settings.admission_hold_ms / 1000,
+                   kv_cache_mb=settings.kv_cache_mb, prefix_caching=settings.prefix_caching,
+                   cuda_graphs=settings.cuda_graphs)
+
     # -- thread-safe API -------------------------------------------------------------
+
     def submit(self, job: Job) -> None:
         with self._handed_lock:
             self._handed += 1

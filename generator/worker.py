@@ -68,13 +68,8 @@ class GeneratorWorker:
         self.metrics = metrics or GeneratorMetrics(loaded.name)
         self.runner: Runner | EngineProcess
         if engine_process is None:
-            self.runner = Runner(loaded, self._from_engine_thread, on_step=step_observer(self.metrics),
-                                 max_batch=settings.max_batch, max_seq_len=settings.max_seq_len,
-                                 prefill_token_budget=settings.prefill_token_budget,
-                                 max_prompt_tokens=settings.max_prompt_tokens, torch_thread=torch_thread,
-                                 admission_hold_s=settings.admission_hold_ms / 1000,
-                                 kv_cache_mb=settings.kv_cache_mb, prefix_caching=settings.prefix_caching,
-                                 cuda_graphs=settings.cuda_graphs)
+            self.runner = Runner.for_settings(loaded, settings, self._from_engine_thread,
+                                              on_step=step_observer(self.metrics), torch_thread=torch_thread)
         else:  # the engine runs in its own process (generator.engineproc), already loaded
             engine_process.on_emit, engine_process.on_step = self._from_engine_thread, step_observer(self.metrics)
             self.runner = engine_process
