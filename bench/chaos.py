@@ -1,6 +1,7 @@
 """Chaos: random kills and freezes under a steady load, every stream checked against its stored replay.
 
-    python -m bench.chaos [--duration 1800] [--faults 200] [--rate 1] [--max-stop 40] [--out bench/out/chaos.json]
+    python -m bench.chaos [--duration 1800] [--faults 200] [--rate 1] [--max-stop 40] [--only generator,relay,nats]
+                           [--out bench/out/chaos.json]
 
 Starts ``tokenpipe up --nats-cluster 3 --generators 2 --model tiny-random`` plus a second relay
 (a ``tokenpipe relay`` on the same cluster), submits sampled streams (temperature 0.9, no seed:
@@ -15,7 +16,8 @@ Every request must end ``done`` or ``error``, and what its client saw live must 
 replay of the stored stream (read from the start afterwards): token for token, contiguous,
 nothing twice. A stream that does not is a *violation*, reported with its id and the batch
 where it diverged. Stalls are the gaps between a stream's token events during which a fault
-was injected, per fault kind: p50 / p99 / max. The JSON goes to ``--out``; a table is printed.
+was injected, per fault kind: p50 / p99 / max, and the same over gaps that fault alone fell in
+(what one kind costs without the others overlapping it). The JSON goes to ``--out``; a table is printed.
 """
 
 from __future__ import annotations
@@ -165,6 +167,9 @@ class Chaos:
         self.faults: list[Fault] = []
         self.runs: list[StreamRun] = []
         self.killed: set[int] = set()  # pids killed: the stack is whole once none of them is listed
+        self.kinds = [k for k in KINDS if not args.only or k.split(" ", 1)[0] in args.only.split(",")]
+        if not self.kinds:
+            raise SystemExit(f"--only {args.only!r} names no role of: generator, relay, nats")
 
     @property
     def urls(self) -> list[str]:
@@ -209,7 +214,7 @@ class Chaos:
         return out
 
     async def inject(self) -> None:
-        kind = random.choice(KINDS)
+        kind = random.choice(self.kinds)
         role, how = kind.split(" ", 1)
         name, pid = random.choice(self._targets(role))
         now = time.monotonic()
@@ -274,16 +279,23 @@ class Chaos:
         await asyncio.gather(*(verify(r) for r in self.runs))
         return self.report()
 
-    def stalls(self) -> dict[str, list[float]]:
-        """Per fault kind, each affected stream's longest gap between token events that a fault fell in."""
-        out: dict[str, list[float]] = {k: [] for k in KINDS}
-        for f in self.faults:
-            for run in self.runs:
-                times = [run.started, *run.arrivals]
-                gaps = [b - a for a, b in itertools.pairwise(times) if a <= f.until and b >= f.at]
-                if gaps:
-                    out[f.kind].append(max(gaps))
-        return out
+    def stalls(self) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+        """Per fault kind, each affected stream's longest gap between token events that a fault fell
+        in; and the same counting only gaps that no other fault fell in (what that kind costs alone:
+        in the first, a NATS node's 40 s freeze also lands under a generator kill that it overlapped)."""
+        every: dict[str, list[float]] = {k: [] for k in KINDS}
+        alone: dict[str, list[float]] = {k: [] for k in KINDS}
+        for run in self.runs:
+            spans = [(b - a, [f for f in self.faults if a <= f.until and b >= f.at])
+                     for a, b in itertools.pairwise([run.started, *run.arrivals])]
+            for f in self.faults:
+                hit = [g for g, fs in spans if f in fs]
+                if hit:
+                    every[f.kind].append(max(hit))
+                only = [g for g, fs in spans if fs == [f]]
+                if only:
+                    alone[f.kind].append(max(only))
+        return every, alone
 
     def longest_stalls(self, n: int = 5) -> list[dict[str, Any]]:
         """The ``n`` longest gaps of any stream, each with the faults it spanned (a gap is counted in
@@ -300,7 +312,7 @@ class Chaos:
         def pct(xs: list[float], q: float) -> float | None:
             return sorted(xs)[min(len(xs) - 1, int(q * len(xs)))] if xs else None
 
-        stalls = self.stalls()
+        stalls, alone = self.stalls()
         return {
             "faults": len(self.faults),
             "by_kind": {k: sum(f.kind == k for f in self.faults) for k in KINDS},
@@ -310,6 +322,8 @@ class Chaos:
             "violations": [{"stream": r.sid, "where": r.violation} for r in self.runs if r.violation],
             "stalls_s": {k: {"n": len(v), "p50": statistics.median(v) if v else None, "p99": pct(v, 0.99),
                              "max": max(v) if v else None} for k, v in stalls.items()},
+            "stalls_alone_s": {k: {"n": len(v), "p50": statistics.median(v) if v else None, "p99": pct(v, 0.99),
+                                   "max": max(v) if v else None} for k, v in alone.items()},
             "longest_stalls": self.longest_stalls(),
             "fault_log": [asdict(f) for f in self.faults],
             "errors": sorted({r.error[:200] for r in self.runs if r.end == "error"}),
@@ -335,13 +349,16 @@ async def run(args: argparse.Namespace, data_dir: Path) -> dict[str, Any]:
 def table(rep: dict[str, Any]) -> str:
     lines = [f"faults {rep['faults']}, requests {rep['requests']} (done {rep['done']}, error {rep['error']}), "
              f"violations {len(rep['violations'])}", "",
-             "| fault | injected | streams stalled | stall p50 s | p99 s | max s |", "|---|---|---|---|---|---|"]
+             "| fault | injected | streams stalled | stall p50 s | p99 s | max s | alone: p99 s | max s |",
+             "|---|---|---|---|---|---|---|---|"]
 
     def f(x: float | None) -> str:
         return "—" if x is None else f"{x:.2f}"
 
     for k, s in rep["stalls_s"].items():
-        lines.append(f"| {k} | {rep['by_kind'][k]} | {s['n']} | {f(s['p50'])} | {f(s['p99'])} | {f(s['max'])} |")
+        a = rep["stalls_alone_s"][k]
+        lines.append(f"| {k} | {rep['by_kind'][k]} | {s['n']} | {f(s['p50'])} | {f(s['p99'])} | {f(s['max'])} "
+                     f"| {f(a['p99'])} | {f(a['max'])} |")
     lines += ["", "longest stalls (seconds from the first fault; the faults each one spanned):"]
     lines += [f"{s['stall_s']:.2f} s, stream {s['stream']}, {s['from_s']}-{s['to_s']} s: "
               f"{'; '.join(s['faults']) or 'no fault'}" for s in rep.get("longest_stalls", [])]
@@ -357,6 +374,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--faults", type=int, default=200, help="stop after this many faults")
     p.add_argument("--rate", type=float, default=1.0, help="new streams per second")
     p.add_argument("--max-stop", type=float, default=40.0, help="longest SIGSTOP, seconds (the shortest is 2)")
+    p.add_argument("--only", default="", help="inject faults into these roles only (comma-separated: generator, "
+                   "relay, nats); default all three")
     p.add_argument("--seed", type=int, default=None, help="the fault schedule's random seed")
     p.add_argument("--data-dir", default=Settings.load().data_dir, help="where the converted models are cached")
     p.add_argument("--out", default="bench/out/chaos.json")

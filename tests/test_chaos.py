@@ -5,18 +5,17 @@ the store holds (the single-writer rule: tokenpipe.append). The long form is `ma
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import pytest
 
-from bench.chaos import run, table
+from bench.chaos import parser, run, table
 
 pytestmark = pytest.mark.timeout(300)
 
 
 async def test_chaos_short_form_no_violations(data_dir: Path) -> None:
-    args = argparse.Namespace(duration=100.0, faults=12, rate=0.7, max_stop=8.0)
+    args = parser().parse_args(["--duration", "100", "--faults", "12", "--rate", "0.7", "--max-stop", "8"])
     rep = await run(args, data_dir)
     print(table(rep))
     assert rep["faults"] >= 6, rep["fault_log"]

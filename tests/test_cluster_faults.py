@@ -2,8 +2,9 @@
 
 Each test keeps 16 streams in flight over two relays, served by two generators, while it
 breaks the cluster: ``kill -9`` of the meta leader and of the leaders of TP_TOKENS and
-TP_REQUESTS, a rolling restart of all three nodes, a node frozen with SIGSTOP for 10 s, and
-requests submitted while their stream's leader is being elected. Every stream must be served
+TP_REQUESTS, a rolling restart of all three nodes, a node frozen with SIGSTOP for 10 s and one
+frozen until the streams in flight end without it, and requests submitted while their stream's
+leader is being elected. Every stream must be served
 and end with ``done``, contiguous, with no batch twice and the tokens of an undisturbed greedy
 run; each test prints what the fault cost (``pytest -s`` shows it). The cluster and the roles
 are shared by the tests of this module and made whole again before each.
@@ -23,7 +24,7 @@ from generator.models import LoadedModel
 from tokenpipe.settings import Settings
 from tokenpipe.subjects import REQUESTS_STREAM, TOKENS_STREAM, consumer_name
 
-from .clusterkit import STREAMS, Load, Report, Stack, greedy_reference, verify
+from .clusterkit import STREAMS, Load, Outcome, Report, Stack, greedy_reference, verify
 from .conftest import wait_until
 
 pytestmark = pytest.mark.timeout(240)
@@ -192,3 +193,44 @@ async def test_node_frozen_for_ten_seconds(cluster: Stack, reference: list[list[
             c.thaw(node)
 
     await under_load(cluster, reference, "SIGSTOP 10 s", fault)
+
+
+ROUTE_DROPPED_BOUND_S = 20.0  # three route pings a second apart (measured ~3 s); nats-server's default: minutes
+FROZEN_NODE_BOUND_S = 30.0  # measured 13 s here; a frozen node's streams used to wait for the thaw
+
+
+async def test_a_frozen_node_loses_its_routes_in_seconds_and_holds_no_stream_until_it_thaws(
+        cluster: Stack, reference: list[list[int]]) -> None:
+    """Regression: with nats-server's default route pings (every 2 minutes) the other nodes kept
+    their routes to a frozen node, and a JetStream request that went through it waited for the
+    thaw: a stream stalled as long as the node was frozen (21 s in a 20 s freeze; 22 s for the
+    streams in flight here). With route pings every second, three unanswered dropping the route
+    (tokenpipe_cli.cluster), the survivors drop it within seconds and the streams in flight end
+    while the node is still frozen (13 s here)."""
+    c = cluster.cluster
+    took: list[float] = []
+
+    def ended(o: Outcome) -> bool:
+        return bool(o.error or (o.events and o.events[-1][1] in ("done", "error")))
+
+    async def fault(load: Load) -> None:
+        roles = [sum(cluster.roles_on(i).values()) for i in range(3)]
+        node = roles.index(max(roles))
+        name, others = c.server_name(node), [i for i in range(3) if i != node]
+        assert all(name in c.route_peers(i) for i in others)
+        in_flight = [o for o in load.outcomes if not ended(o)]
+        t0 = time.monotonic()
+        c.freeze(node)
+        try:
+            await wait_until(lambda: all(name not in c.route_peers(i) for i in others), ROUTE_DROPPED_BOUND_S,
+                             f"the other nodes to drop their routes to the frozen {name}")
+            took.append(time.monotonic() - t0)
+            await wait_until(lambda: all(ended(o) for o in in_flight), FROZEN_NODE_BOUND_S,
+                             f"the {len(in_flight)} streams in flight at the freeze of {name} to end, it still frozen")
+            took.append(time.monotonic() - t0)
+        finally:
+            c.thaw(node)
+
+    await under_load(cluster, reference, "SIGSTOP until the streams in flight end", fault)
+    print(f"routes to the frozen node dropped after {took[0]:.1f} s; the streams in flight at the freeze ended "
+          f"{took[1]:.1f} s after it, the node still frozen")

@@ -38,13 +38,15 @@ class ClusterArgs:
     port: int
     server_name: str
     routes: tuple[str, ...] = ()
-    # Routes authenticated with this user (every node's routes carry it): then the cluster is
-    # configured by :meth:`config_block` in the node's config file, not on the command line.
+    # Routes authenticated with this user (every node's routes carry it).
     route_user: str = ""
     route_password: str = ""
+    # The cluster is configured by :meth:`config_block` in the node's config file, not on the
+    # command line (which cannot set the route pings).
+    in_config: bool = False
 
     def argv(self, host: str) -> list[str]:
-        if self.route_user:
+        if self.in_config:
             return ["--server_name", self.server_name]
         out = ["--cluster_name", self.name, "--cluster", f"nats://{host}:{self.port}", "--server_name",
                self.server_name]
@@ -53,14 +55,19 @@ class ClusterArgs:
         return out
 
     def config_block(self, host: str) -> str:
-        """nats-server's ``cluster`` block: routes accepted only with the route user's password,
-        and the other nodes dialled with it."""
-        auth = f"{self.route_user}:{self.route_password}@"
+        """nats-server's ``cluster`` block: routes accepted only with the route user's password
+        (when there is one) and the other nodes dialled with it; route pings every second, three
+        unanswered drop the route. With nats-server's default (two minutes) the other nodes kept
+        their routes to a frozen node, and a JetStream request that went through it waited for the
+        thaw: every stream stalled as long as the freeze (bench/RESULTS.md, "A frozen NATS node")."""
+        auth = f"{self.route_user}:{self.route_password}@" if self.route_user else ""
         routes = [u.replace("://", f"://{auth}", 1) for u in self.routes]
-        user, password = json.dumps(self.route_user), json.dumps(self.route_password)
-        return (f"cluster {{\n  name: {json.dumps(self.name)}\n  listen: {json.dumps(f'{host}:{self.port}')}\n"
-                f"  authorization {{ user: {user}, password: {password} }}\n"
-                f"  routes: {json.dumps(routes)}\n}}\n")
+        lines = [f"  name: {json.dumps(self.name)}", f"  listen: {json.dumps(f'{host}:{self.port}')}"]
+        if self.route_user:
+            user, password = json.dumps(self.route_user), json.dumps(self.route_password)
+            lines.append(f"  authorization {{ user: {user}, password: {password} }}")
+        lines += [f"  routes: {json.dumps(routes)}", '  ping_interval: "1s"', "  ping_max: 3"]
+        return "cluster {\n" + "\n".join(lines) + "\n}\n"
 
 
 def node_args(cluster_name: str, cluster_port: int, routes: str, server_name: str | None) -> ClusterArgs:
@@ -85,7 +92,8 @@ class LocalCluster:
                  config_file: str | os.PathLike[str] | None = None) -> None:
         """``config_file``: the nats-server configuration every node starts from (the authorization
         of a single embedded server, :func:`tokenpipe.natsauth.write_server_config`); each node
-        gets it plus an authenticated ``cluster`` block in ``data_dir/<server name>/``."""
+        gets it plus a ``cluster`` block (routes authenticated when there is one) in
+        ``data_dir/<server name>/nats-server.conf``."""
         if size < 1:
             raise ConfigError("a cluster needs at least one node", param="nats_cluster")
         self.data_dir = Path(data_dir)
@@ -96,23 +104,23 @@ class LocalCluster:
         self.nodes: list[NatsServer] = []
         # With authorization on for clients, the routes get a user of their own too (a password
         # for this cluster's lifetime: every node is restarted from this object).
-        base = Path(config_file).read_text() if config_file is not None else None
-        password = secrets.token_urlsafe(24) if base is not None else ""
+        password = secrets.token_urlsafe(24) if config_file is not None else ""
         for i in range(size):
             routes = tuple(f"nats-route://{host}:{p}" for j, p in enumerate(route_ports) if j != i)
             args = ClusterArgs(name=name, port=route_ports[i], server_name=f"{name}-{i}", routes=routes,
-                               route_user="route" if base is not None else "", route_password=password)
+                               route_user="route" if password else "", route_password=password,
+                               in_config=True)
             node_dir = self.data_dir / args.server_name
-            conf: Path | None = None
-            if base is not None:
-                node_dir.mkdir(parents=True, exist_ok=True)
-                conf = node_dir / "nats-server.conf"
-                fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it holds passwords
-                # Included, not copied: what it includes in turn (the accounts, which `tokenpipe creds
-                # add-app` rewrites and reloads) resolves against its own directory.
-                shared = os.path.relpath(Path(config_file).resolve(), node_dir.resolve())  # type: ignore[arg-type]
-                with os.fdopen(fd, "w") as f:
-                    f.write(f"include {json.dumps(shared)}\n" + args.config_block(host))
+            node_dir.mkdir(parents=True, exist_ok=True)
+            conf = node_dir / "nats-server.conf"
+            fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it holds passwords
+            with os.fdopen(fd, "w") as f:
+                if config_file is not None:
+                    # Included, not copied: what it includes in turn (the accounts, which `tokenpipe
+                    # creds add-app` rewrites and reloads) resolves against its own directory.
+                    shared = os.path.relpath(Path(config_file).resolve(), node_dir.resolve())
+                    f.write(f"include {json.dumps(shared)}\n")
+                f.write(args.config_block(host))
             self.nodes.append(NatsServer(node_dir, host=host, port=ports[i], monitor_port=free_port(host),
                                          cluster=args, config_file=conf))
 
@@ -208,6 +216,10 @@ class LocalCluster:
             return json.loads(exc.read() or b"{}")
         except (OSError, ValueError) as exc:
             raise TransportError(f"monitoring endpoint {url} failed: {exc}") from exc
+
+    def route_peers(self, i: int) -> set[str]:
+        """The server names node ``i`` holds a route to (a route still in its handshake has none)."""
+        return {r.get("remote_name", "") for r in self.monitor(i, "/routez").get("routes") or []} - {""}
 
     def healthy(self, i: int) -> bool:
         """Node ``i`` is up, knows the meta leader and has caught up on every stream it holds."""
