@@ -15,7 +15,7 @@ from hypothesis import settings as settings_
 from hypothesis import strategies as st
 from websockets.sync.client import ClientConnection, connect
 
-from .conftest import RelayServer
+from .conftest import start_relay
 
 REPLIES = {"created", "attached", "cancelled", "authenticated", "pong", "error"}
 STREAM_FRAMES = {"tokens", "gap", "done"}
@@ -77,12 +77,18 @@ def exchange(ws: ClientConnection, frame: str | bytes, marker: str) -> list[dict
         replies.append(got)
 
 
-async def test_any_frame_gets_a_reply_or_an_error_frame(relay: RelayServer, caplog: pytest.LogCaptureFixture) -> None:
-    url = relay.url.replace("http://", "ws://") + "/v1/ws"
+async def test_any_frame_gets_a_reply_or_an_error_frame(settings: Any, generator: Any,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    # No keepalive pings on this long-lived socket, from either end: both websockets' client
+    # and uvicorn draw a ping's payload from the global `random`, and a ping that fell within a
+    # draw made Hypothesis warn "Do not use the `random` module inside strategies" (in full
+    # suite runs, where the test outlasted the 15-20 s ping interval).
+    quiet = await start_relay(settings.replace(keepalive_s=3600.0))
+    url = quiet.url.replace("http://", "ws://") + "/v1/ws"
     markers = (f"marker-{i}" for i in itertools.count())
 
     def run() -> None:
-        with connect(url, max_size=None) as ws:
+        with connect(url, max_size=None, ping_interval=None) as ws:
             @settings_(max_examples=200, deadline=None, database=None,
                       suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
             @given(frame=frames)
@@ -92,14 +98,15 @@ async def test_any_frame_gets_a_reply_or_an_error_frame(relay: RelayServer, capl
 
             one()
 
-    with caplog.at_level(logging.ERROR):
-        await asyncio.to_thread(run)  # the relay serves on this test's event loop meanwhile
+    try:
+        with caplog.at_level(logging.ERROR):
+            await asyncio.to_thread(run)  # the relay serves on this test's event loop meanwhile
+    finally:
+        await quiet.stop()
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
 
 
 async def test_before_auth_any_frame_is_refused_with_one_error_frame(settings: Any, generator: Any) -> None:
-    from .conftest import start_relay
-
     keyed = await start_relay(settings.replace(api_keys="frame-key:fran"),
                               ready_headers={"Authorization": "Bearer frame-key"})
     url = keyed.url.replace("http://", "ws://") + "/v1/ws"
