@@ -279,6 +279,11 @@ class Chaos:
         await asyncio.gather(*(verify(r) for r in self.runs))
         return self.report()
 
+    def _gaps(self, run: StreamRun) -> list[tuple[float, float, list[Fault]]]:
+        """A stream's gaps between token events (from its POST), each with the faults that fell in it."""
+        return [(a, b, [f for f in self.faults if a <= f.until and b >= f.at])
+                for a, b in itertools.pairwise([run.started, *run.arrivals])]
+
     def stalls(self) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
         """Per fault kind, each affected stream's longest gap between token events that a fault fell
         in; and the same counting only gaps that no other fault fell in (what that kind costs alone:
@@ -286,8 +291,7 @@ class Chaos:
         every: dict[str, list[float]] = {k: [] for k in KINDS}
         alone: dict[str, list[float]] = {k: [] for k in KINDS}
         for run in self.runs:
-            spans = [(b - a, [f for f in self.faults if a <= f.until and b >= f.at])
-                     for a, b in itertools.pairwise([run.started, *run.arrivals])]
+            spans = [(b - a, fs) for a, b, fs in self._gaps(run)]
             for f in self.faults:
                 hit = [g for g, fs in spans if f in fs]
                 if hit:
@@ -301,16 +305,18 @@ class Chaos:
         """The ``n`` longest gaps of any stream, each with the faults it spanned (a gap is counted in
         :meth:`stalls` under every one of them, so this says which fault kept a stream waiting)."""
         t0 = min((f.at for f in self.faults), default=0.0)
-        gaps = [(b - a, run.sid, a, b) for run in self.runs
-                for a, b in itertools.pairwise([run.started, *run.arrivals])]
+        number = {id(f): i + 1 for i, f in enumerate(self.faults)}
+        gaps = [(b - a, run.sid, a, b, fs) for run in self.runs for a, b, fs in self._gaps(run)]
         return [{"stall_s": round(g, 2), "stream": sid, "from_s": round(a - t0, 1), "to_s": round(b - t0, 1),
-                 "faults": [f"{i + 1}: {f.kind} of {f.target} at {f.at - t0:.1f} s for {f.until - f.at:.1f} s"
-                            for i, f in enumerate(self.faults) if f.at <= b and f.until >= a]}
-                for g, sid, a, b in sorted(gaps, reverse=True)[:n]]
+                 "faults": [f"{number[id(f)]}: {f.kind} of {f.target} at {f.at - t0:.1f} s for {f.until - f.at:.1f} s"
+                            for f in fs]}
+                for g, sid, a, b, fs in sorted(gaps, key=lambda x: x[0], reverse=True)[:n]]
 
     def report(self) -> dict[str, Any]:
-        def pct(xs: list[float], q: float) -> float | None:
-            return sorted(xs)[min(len(xs) - 1, int(q * len(xs)))] if xs else None
+        def summary(xs: list[float]) -> dict[str, float | int | None]:
+            p99 = sorted(xs)[min(len(xs) - 1, int(0.99 * len(xs)))] if xs else None
+            return {"n": len(xs), "p50": statistics.median(xs) if xs else None, "p99": p99,
+                    "max": max(xs) if xs else None}
 
         stalls, alone = self.stalls()
         return {
@@ -320,10 +326,8 @@ class Chaos:
             "done": sum(r.end == "done" for r in self.runs),
             "error": sum(r.end == "error" for r in self.runs),
             "violations": [{"stream": r.sid, "where": r.violation} for r in self.runs if r.violation],
-            "stalls_s": {k: {"n": len(v), "p50": statistics.median(v) if v else None, "p99": pct(v, 0.99),
-                             "max": max(v) if v else None} for k, v in stalls.items()},
-            "stalls_alone_s": {k: {"n": len(v), "p50": statistics.median(v) if v else None, "p99": pct(v, 0.99),
-                                   "max": max(v) if v else None} for k, v in alone.items()},
+            "stalls_s": {k: summary(v) for k, v in stalls.items()},
+            "stalls_alone_s": {k: summary(v) for k, v in alone.items()},
             "longest_stalls": self.longest_stalls(),
             "fault_log": [asdict(f) for f in self.faults],
             "errors": sorted({r.error[:200] for r in self.runs if r.end == "error"}),

@@ -198,6 +198,11 @@ class Outcome:
     events: list[tuple[float, str, str | None, dict[str, Any]]] = field(default_factory=list)  # t, event, id, data
     error: str | None = None
 
+    @property
+    def finished(self) -> bool:
+        """Its last event ended the stream (``done`` or ``error``)."""
+        return bool(self.events) and self.events[-1][1] in ("done", "error")
+
 
 def body(prompt: int, max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
     return {"prompt": PROMPTS[prompt], "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
@@ -264,7 +269,7 @@ class Load:
         return await one_stream(self.clients[relay], relay, prompt, self.max_tokens, out)
 
     def done_streams(self) -> int:
-        return sum(1 for o in self.outcomes if o.events and o.events[-1][1] in ("done", "error"))
+        return sum(1 for o in self.outcomes if o.finished)
 
     async def wait_streams(self, n: int, timeout: float = 60.0) -> None:
         """Until ``n`` more streams than now have finished (the load is really flowing)."""
@@ -289,7 +294,7 @@ class Load:
         return [f"{o.id or '(POST)'} via relay {o.relay}: {len(o.events)} events, last "
                 f"{o.events[-1][1:3] if o.events else None}, "
                 f"{now - (o.events[-1][0] if o.events else o.started):.1f} s ago"
-                for o in self.outcomes if not (o.events and o.events[-1][1] in ("done", "error")) and o.error is None]
+                for o in self.outcomes if not o.finished and o.error is None]
 
 
 def greedy_reference(lm: LoadedModel, max_tokens: int = MAX_TOKENS, prompts: int = len(PROMPTS)) -> list[list[int]]:

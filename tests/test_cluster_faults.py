@@ -178,13 +178,17 @@ async def test_rolling_restart_of_all_three_nodes(cluster: Stack, reference: lis
     await under_load(cluster, reference, "rolling restart", fault)
 
 
+def busiest_node(stack: Stack) -> int:
+    """The node most roles are connected to: freezing it makes their clients wait for the stale-connection check."""
+    roles = [sum(stack.roles_on(i).values()) for i in range(3)]
+    return roles.index(max(roles))
+
+
 async def test_node_frozen_for_ten_seconds(cluster: Stack, reference: list[list[int]]) -> None:
     c = cluster.cluster
 
     async def fault(load: Load) -> None:
-        # The node most roles are connected to: their clients wait for the stale-connection check.
-        roles = [sum(cluster.roles_on(i).values()) for i in range(3)]
-        node = roles.index(max(roles))
+        node = busiest_node(cluster)
         print(f"\nfreezing {c.server_name(node)}, serving {cluster.roles_on(node)}")
         c.freeze(node)
         try:
@@ -211,11 +215,10 @@ async def test_a_frozen_node_loses_its_routes_in_seconds_and_holds_no_stream_unt
     took: list[float] = []
 
     def ended(o: Outcome) -> bool:
-        return bool(o.error or (o.events and o.events[-1][1] in ("done", "error")))
+        return bool(o.error) or o.finished
 
     async def fault(load: Load) -> None:
-        roles = [sum(cluster.roles_on(i).values()) for i in range(3)]
-        node = roles.index(max(roles))
+        node = busiest_node(cluster)
         name, others = c.server_name(node), [i for i in range(3) if i != node]
         assert all(name in c.route_peers(i) for i in others)
         in_flight = [o for o in load.outcomes if not ended(o)]
