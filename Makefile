@@ -34,7 +34,7 @@ up: install
 test: install
 	$(PY) -m pytest $(ARGS)
 
-# Every table of bench/RESULTS.md (8 to 20 minutes on 2 cores); ARGS go to bench.pipeline.
+# Every table of bench/RESULTS.md (about an hour on 2 cores, bench.chaos's long form 30 minutes of it); ARGS go to bench.pipeline.
 bench: install
 	$(PY) -m bench.pipeline $(ARGS)
 	$(PY) -m bench.fanout
@@ -46,6 +46,7 @@ bench: install
 	$(PY) -m bench.stepsplit
 	$(PY) -m bench.enginecore
 	$(PY) -m bench.appends
+	$(PY) -m bench.fencecost
 	$(PY) -m bench.chaos
 
 # tokenpipe against transformers serve and llama.cpp's server on this machine (see bench/peers.py).

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from pathlib import Path
 
-from tokenpipe_cli.launch import Child, LaunchError, free_port, http_ok, spawn_role, stop_all, wait_ready
+from tokenpipe_cli.launch import Child, LaunchError, free_port, http_ok, spawn, spawn_role, stop_all, wait_ready
 from tokenpipe_cli.natsserver import NatsServer
 
 __all__ = ["Pipeline"]
@@ -16,8 +17,10 @@ class Pipeline:
     """Use as a context manager; ``url`` is the relay's. Role logs go to a temporary directory."""
 
     def __init__(self, model: str, data_dir: str, extra_env: dict[str, str] | None = None,
-                 device: str = "auto", dtype: str = "auto", ready_timeout: float = 300.0) -> None:
+                 device: str = "auto", dtype: str = "auto", ready_timeout: float = 300.0,
+                 launcher: str = "tokenpipe_cli") -> None:
         self.model = model
+        self.launcher = launcher  # the module run as ``python -m <launcher> generator ...`` (a bench's variant)
         self.data_dir = data_dir
         self.device = device
         self.dtype = dtype
@@ -38,8 +41,9 @@ class Pipeline:
         common = ["--nats-url", self.nats.url, "--data-dir", self.data_dir, "--log-level", "WARNING"]
         logs = Path(self.tmp.name)
         try:
-            self.generator = spawn_role("generator", *common, "--model", self.model, "--device", self.device,
-                                        "--dtype", self.dtype, env=self.env, log=logs / "generator.log")
+            self.generator = spawn("generator", [sys.executable, "-m", self.launcher, "generator", *common,
+                                                 "--model", self.model, "--device", self.device, "--dtype", self.dtype],
+                                   env=self.env, log=logs / "generator.log")
             self.relay = spawn_role("relay", *common, "--port", str(self.port), env=self.env, log=logs / "relay.log")
             wait_ready(http_ok(f"{self.url}/readyz"), timeout=self.ready_timeout, what="the benchmark's pipeline",
                        children=[self.generator, self.relay])

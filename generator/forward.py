@@ -167,7 +167,7 @@ def prefill(model: Any, cache: PagedKVCache, input_ids: Tensor, positions: Tenso
     N, S = input_ids.shape
     x = inner.embed_tokens(input_ids)  # [N, S, D]
     rot = _rotary(*inner.rotary_emb(x, positions))  # cos/sin [N, S, hd]
-    where = cache.locate(slots.reshape(-1))
+    flat_slots = slots.reshape(-1)
     mask = None
     if tables is not None:
         cols = torch.arange(tables.shape[1] * BLOCK_SIZE, device=input_ids.device)
@@ -176,7 +176,7 @@ def prefill(model: Any, cache: PagedKVCache, input_ids: Tensor, positions: Tenso
         attn = layer.self_attn
         q, k, v = _qkv(attn, lp, _rms_norm(layer.input_layernorm, x), rot, cache.head_dim)  # k, v [N, G, S, hd]
         cache.write(li, k.permute(1, 0, 2, 3).reshape(k.shape[1], N * S, -1),
-                    v.permute(1, 0, 2, 3).reshape(v.shape[1], N * S, -1), where)
+                    v.permute(1, 0, 2, 3).reshape(v.shape[1], N * S, -1), flat_slots)
         if tables is None:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling, enable_gqa=True)
         else:
@@ -252,14 +252,13 @@ def decode_step(model: Any, cache: PagedKVCache, tokens: Tensor, positions: Tens
     rot = _rotary(*inner.rotary_emb(x, positions[:, None]))  # cos/sin [B, 1, hd]
     cols = torch.arange(tables.shape[1] * BLOCK_SIZE, device=tokens.device)
     bias = attention_bias(cols[None, :] <= positions[:, None])  # [B, T]
-    where = cache.locate(slots)
     fp32_rows = plan.attention_fp32_rows
     bags = None if fp32_rows >= B else cache.value_bags(
         tables, int(model.config.num_attention_heads) // cache.kv_heads)
     for li, (layer, lp) in enumerate(zip(inner.layers, plan.layers, strict=True)):
         attn = layer.self_attn
         q, k, v = _qkv(attn, lp, _rms_norm(layer.input_layernorm, x), rot, cache.head_dim)  # q [B,H,1,hd]
-        cache.write(li, k[:, :, 0].transpose(0, 1), v[:, :, 0].transpose(0, 1), where)
+        cache.write(li, k[:, :, 0].transpose(0, 1), v[:, :, 0].transpose(0, 1), slots)
         if bags is None:
             kc, vc = cache.gather(li, tables)  # [G, B, T, hd]
             o = _decode_attention(q, kc, vc, bias, attn.scaling, fp32_rows)  # [B, H, 1, hd]

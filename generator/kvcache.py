@@ -218,16 +218,12 @@ class PagedKVCache:
         """Bytes of the pool ever written (what RSS holds on CPU)."""
         return self.pool.touched * self.block_bytes
 
-    @staticmethod
-    def locate(slots: Tensor) -> tuple[Tensor, Tensor]:
-        """Flat positions ``slots [M]`` (block * BLOCK_SIZE + offset) as (blocks, offsets), once per step."""
-        return slots // BLOCK_SIZE, slots % BLOCK_SIZE
+    def write(self, layer: int, k: Tensor, v: Tensor, slots: Tensor) -> None:
+        """Store ``k, v [G, M, hd]`` at the flat cache positions ``slots [M]`` (block * BLOCK_SIZE + offset).
 
-    def write(self, layer: int, k: Tensor, v: Tensor, where: tuple[Tensor, Tensor]) -> None:
-        """Store ``k, v [G, M, hd]`` at the positions ``where`` (from :meth:`locate`)."""
-        blocks, offsets = where
-        self.k[layer][:, blocks, offsets] = k
-        self.v[layer][:, blocks, offsets] = v
+        One ``index_copy_`` over the layer seen as ``[2G, num_blocks * BLOCK_SIZE, hd]``: two
+        advanced-index assignments (blocks, offsets) cost 27 against 6 µs a layer at one row."""
+        self.kv[layer].view(2 * self.kv_heads, -1, self.head_dim).index_copy_(1, slots, torch.cat((k, v)))
 
     def gather_k(self, layer: int, tables: Tensor) -> Tensor:
         """``tables [B, n]`` of block ids -> K ``[G, B, n * BLOCK_SIZE, hd]``."""

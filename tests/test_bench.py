@@ -119,6 +119,19 @@ def test_appends_benchmark_runs_both_variants(tmp_path: Path) -> None:
     assert result["summary"]["first_p50_ms_conditional"] > 0 and result["summary"]["flat_ratio"] > 0
 
 
+def test_fence_cost_benchmark_runs_the_pipeline_with_and_without_the_single_writer_rule(tmp_path: Path,
+                                                                                         data_dir: Path) -> None:
+    """`bench.fencecost`: whole pipelines A/B, and each variant is what it says (the condition stored or not)."""
+    out = tmp_path / "fencecost.json"
+    proc = _run(["bench.fencecost", "--model", "tiny-random", "--data-dir", str(data_dir), "--streams", "2",
+                 "--max-tokens", "8", "--rounds", "1", "--ttft-requests", "2", "--out", str(out)])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rounds = json.loads(out.read_text())["rounds"]
+    assert [r["conditional_header_stored"] for r in rounds["conditional"]] == [1.0]
+    assert [r["conditional_header_stored"] for r in rounds["unconditional"]] == [0.0]
+    assert all(r["tok_s"] > 0 and r["ttft_p50_ms"] > 0 for rs in rounds.values() for r in rs)
+
+
 def test_step_split_benchmark_times_the_step_and_the_rest(tmp_path: Path, data_dir: Path) -> None:
     """`bench.stepsplit`: whole steps and the rest (projections stubbed), and the bytes a step reads."""
     out = tmp_path / "stepsplit.json"
