@@ -1,7 +1,7 @@
 """Where a decode step's time goes: the projections against the rest, and the bandwidth share at one row.
 
     python -m bench.stepsplit [--rows 1,32] [--rounds 7] [--steps 16] [--label NAME] [--model M]
-                              [--out bench/out/stepsplit.json]
+                              [--compile] [--out bench/out/stepsplit.json]
 
 Loads the default model as a generator does (``TOKENPIPE_DTYPE``/``TOKENPIPE_QUANT``/``TOKENPIPE_KERNELS``),
 fills a context of 104 (as bench.kernels) and, per row count, alternates two timings each round:
@@ -17,6 +17,10 @@ between the other ops.) At one row it also reports the bytes of weights a step r
 Imports are absolute so the same file can time another checkout (``PYTHONPATH=<checkout> python
 bench/stepsplit.py --label before``): the way a change to the forward pass is compared, rounds of
 the two alternated by the caller. The machine may be shared: only ratios mean anything.
+
+``--compile`` times the one-row step as ``TOKENPIPE_DECODE_COMPILE=on`` runs it
+(:class:`generator.compiled.CompiledDecode`, its table padded to the graph's width), whole and
+stubbed alike (each its own graph: two compiles first, minutes on 2 cores); rows must be 1.
 """
 
 from __future__ import annotations
@@ -35,8 +39,10 @@ from torch import nn
 
 from bench.ceilings import cpu_summary
 from bench.kvstep import RawSteps
+from generator.compiled import CompiledDecode
 from generator.forward import Plan, plan_for
 from generator.kernels import kernel_for
+from generator.kvcache import BLOCK_SIZE
 from generator.models import LoadedModel, load_model, resolve_threads
 from generator.quant import QuantLinear
 from tokenpipe.settings import Settings
@@ -98,21 +104,30 @@ def projections_stubbed(plan: Plan, hidden: int, vocab: int) -> Iterator[None]:
         plan.lm_head = saved[1]
 
 
-def split(lm: LoadedModel, rows: int, rounds: int, steps: int) -> dict[str, Any]:
+def split(lm: LoadedModel, rows: int, rounds: int, steps: int, compiled: bool = False) -> dict[str, Any]:
     raw = RawSteps(lm, rows, CONTEXT + steps + 1)
     raw.prefill(torch.randint(0, 1000, (rows, CONTEXT)))
     tokens = torch.randint(0, 1000, (rows,))
     plan, cfg = plan_for(lm.model), lm.model.config
     step_ms: list[float] = []
     rest_ms: list[float] = []
+    graphs = CompiledDecode(lm.model, raw.cache, max_seq_len=CONTEXT + steps + 1) if compiled else None
+    blocks = raw.tables[0].tolist()
+
+    def one(i: int) -> None:
+        if graphs is None:
+            raw.decode(tokens, torch.full((rows,), CONTEXT + i), CONTEXT + i + 1)
+            return
+        pos = CONTEXT + i
+        graphs.decode(int(tokens[0]), pos, blocks[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE, blocks)
 
     def steps_ms() -> float:
         t0 = time.perf_counter()
         for i in range(steps):
-            raw.decode(tokens, torch.full((rows,), CONTEXT + i), CONTEXT + i + 1)
+            one(i)
         return (time.perf_counter() - t0) / steps * 1e3
 
-    for r in range(-1, rounds):  # round -1 warms both up
+    for r in range(-1, rounds):  # round -1 warms both up (and compiles both graphs)
         step = steps_ms()
         with projections_stubbed(plan, int(cfg.hidden_size), int(cfg.vocab_size)):
             rest = steps_ms()
@@ -133,8 +148,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--label", default="")
     ap.add_argument("--model", default=None, help="default: TOKENPIPE_MODEL")
     ap.add_argument("--data-dir", default=None, help="where converted models are cached (default: TOKENPIPE_DATA_DIR)")
+    ap.add_argument("--compile", action="store_true", help="the one-row step compiled (TOKENPIPE_DECODE_COMPILE)")
     ap.add_argument("--out", default="bench/out/stepsplit.json")
     args = ap.parse_args(argv)
+    if args.compile and args.rows != "1":
+        ap.error("--compile times one-row steps: pass --rows 1")
     s = Settings.load(**{k: v for k, v in (("model", args.model), ("data_dir", args.data_dir)) if v is not None})
     torch.set_num_threads(resolve_threads(s.threads))
     cpu = cpu_summary()
@@ -148,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     print(f"{'rows':>5} {'step ms':>9} {'proj ms':>9} {'rest ms':>9} {'rest %':>7} {'tok/s':>8}")
     for rows in rows_list:
-        res = split(lm, rows, args.rounds, args.steps)
+        res = split(lm, rows, args.rounds, args.steps, compiled=args.compile)
         results.append(res)
         print(f"{rows:>5} {res['step_ms']:>9.2f} {res['projections_ms']:>9.2f} {res['rest_ms']:>9.2f} "
               f"{res['rest_share'] * 100:>6.0f}% {res['tok_s']:>8.1f}", flush=True)
@@ -163,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
               f"(ceiling {bw * 1e9 / per_token:.0f} tok/s); the step reaches {share * 100:.0f}% of it")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"label": args.label, "cpu": cpu, "threads": torch.get_num_threads(),
+    out.write_text(json.dumps({"label": args.label, "compiled": args.compile, "cpu": cpu,
+                               "threads": torch.get_num_threads(),
                                "torch": torch.__version__, "model": lm.name, "quant": lm.quant,
                                "dtype": str(lm.dtype), "context": CONTEXT, "splits": results,
                                "weight_bytes_per_token": per_token, "read_gb_s": bw,

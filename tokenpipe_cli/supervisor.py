@@ -34,6 +34,7 @@ __all__ = ["Supervisor"]
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.2
+_COMPILE_ALLOWANCE_S = 900.0
 
 
 class _GiveUp(Exception):
@@ -203,10 +204,13 @@ class Supervisor:
                     self._start(role)
             self._write_status()
             started = time.monotonic()
+            # A generator compiling its decode graphs (TOKENPIPE_DECODE_COMPILE) is not ready before
+            # they all are: up to 8 of ~90 s each on 2 cores the first time.
+            timeout = self.ready_timeout + (_COMPILE_ALLOWANCE_S if self.settings.decode_compile == "on" else 0)
             while self._stop_signal is None:
                 self._tick()
-                if self._state == "starting" and time.monotonic() - started > self.ready_timeout:
-                    log.error("tokenpipe did not come up in time; stopping", extra={"timeout_s": self.ready_timeout})
+                if self._state == "starting" and time.monotonic() - started > timeout:
+                    log.error("tokenpipe did not come up in time; stopping", extra={"timeout_s": timeout})
                     return 1
                 time.sleep(_POLL_S)  # polling child processes: signals interrupt it
             return 0
