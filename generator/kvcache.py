@@ -202,12 +202,14 @@ class PagedKVCache:
                 f"one sequence of {min_positions} needs {need * self.block_bytes / 2**20:.0f} MiB "
                 "(raise TOKENPIPE_KV_CACHE_MB or lower TOKENPIPE_MAX_SEQ_LEN)")
         self.pool = BlockPool(num_blocks, caching=caching)
-        shape = (self.layers, 2, self.kv_heads, num_blocks, BLOCK_SIZE, self.head_dim)
-        self.data = data = _lazy_zeros(shape, dtype) if device.type == "cpu" else \
-            torch.zeros(shape, dtype=dtype, device=device)
-        self.kv = [data[i] for i in range(self.layers)]  # [2, G, num_blocks, BLOCK_SIZE, hd] each
-        self.k = [data[i, 0] for i in range(self.layers)]
-        self.v = [data[i, 1] for i in range(self.layers)]
+        shape = (2, self.kv_heads, num_blocks, BLOCK_SIZE, self.head_dim)
+        # One tensor per layer, not views of one: a compiled step (generator.compiled) that writes
+        # views of a shared base gets the write re-expressed as a scatter into the whole base,
+        # the entire pool copied every step (5x slower than eager with a 750 MB pool).
+        self.kv = [_lazy_zeros(shape, dtype) if device.type == "cpu" else torch.zeros(shape, dtype=dtype, device=device)
+                   for _ in range(self.layers)]  # [2, G, num_blocks, BLOCK_SIZE, hd] each
+        self.k = [kv[0] for kv in self.kv]
+        self.v = [kv[1] for kv in self.kv]
 
     @property
     def num_blocks(self) -> int:
