@@ -26,7 +26,7 @@ from torch import Tensor
 
 from tokenpipe.errors import ConfigError
 
-from .cudagraph import table_width
+from .cudagraph import pad_rows, table_width
 from .forward import decode_step
 from .kvcache import BLOCK_SIZE, SCRATCH, PagedKVCache
 
@@ -96,9 +96,8 @@ class CompiledDecode:
         return self._run(token, position, slot, blocks, width)
 
     def _run(self, token: int, position: int, slot: int, blocks: list[int], width: int) -> Tensor:
-        table = torch.full((1, width), SCRATCH, dtype=torch.long)  # [1, width], padded with the scratch block
-        table[0, : len(blocks)] = torch.tensor(blocks[:width])
+        # blocks past ``width`` hold no position this step attends (the mask would hide them)
+        inputs = pad_rows([token], [position], [slot], [blocks[:width]], 1, width)  # table [1, width]
         with torch.no_grad():
-            out: Tensor = self._step(self.model, self.cache, torch.tensor([token]), torch.tensor([position]),
-                                     torch.tensor([slot]), table)
+            out: Tensor = self._step(self.model, self.cache, *inputs)
         return out
