@@ -27,7 +27,7 @@ from rich.table import Table
 
 from generator.autotune import apply_table, tune_plan
 from generator.forward import FP32_ATTENTION_ROWS, plan_for
-from generator.kernels import ROLES, KernelTable, kernel_for, row_counts, rule_table
+from generator.kernels import KERNEL_CHOICES, ROLES, KernelTable, kernel_for, row_counts, rule_table
 from generator.models import load_model, resolve_threads
 from generator.quant import dense_rows_for
 from tokenpipe.logs import setup_logging
@@ -96,14 +96,14 @@ def main(argv: list[str] | None = None) -> int:
     t = Table(title=f"{lm.name} {lm.quant} {str(lm.dtype).removeprefix('torch.')}: µs per call (chosen *)")
     t.add_column("role")
     t.add_column("rows", justify="right")
-    for k in ("quant", "dense", "packed"):
+    for k in KERNEL_CHOICES:
         t.add_column(k, justify="right")
     t.add_column("rule")
     for role in ROLES:
         for count, times in measured.times_us[role].items():
             chosen = kernel_for(measured.bands[role], int(count))
             t.add_row(role, count, *(f"{times[k]:.0f}{' *' if k == chosen else ''}" if k in times else "-"
-                                    for k in ("quant", "dense", "packed")), kernel_for(rules.bands[role], int(count)))
+                                    for k in KERNEL_CHOICES), kernel_for(rules.bands[role], int(count)))
     console.print(t)
     console.print(f"measured: {measured.summary()}")
     console.print(f"rules:    {rules.summary()}")

@@ -60,6 +60,10 @@ def weight_bytes(mod: nn.Module, rows: int) -> int:
         kernel = kernel_for(mod.bands, rows)
         if kernel == "packed" and mod.packed is not None:
             return _bytes(mod.packed)
+        if kernel == "gemv" and mod.gemv is not None and mod.gemv_lib is not None:
+            return sum(_bytes(t) for t in vars(mod.gemv).values())
+        if kernel == "gemv":
+            kernel = "quant"  # QuantLinear.run's stand-in where gemv is not built
         if kernel != "quant" or mod.fallback:
             return _bytes(mod.dense)
         return _bytes(mod.qweight) + _bytes(mod.scales)

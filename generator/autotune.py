@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from .forward import FP32_ATTENTION_ROWS, Plan, decode_step
+from .gemv import load_gemv
 from .kernels import (
     KERNEL_CHOICES,
     ROLES,
@@ -45,11 +46,11 @@ def apply_table(plan: Plan, table: KernelTable, *, keep_packed: bool = False) ->
     (and, unless ``keep_packed``, drop packed copies no band uses, so they cost no memory)."""
     for role in ROLES:
         bands = table.bands[role]
-        uses_packed = any(k == "packed" for _, k in bands)
+        uses = {k for _, k in bands}
         for mod in plan.projections(role):
             if isinstance(mod, QuantLinear):
                 mod.bands = bands
-                if uses_packed:
+                if "packed" in uses:
                     mod.pack()
                 elif not keep_packed:
                     mod.packed = None
@@ -65,13 +66,23 @@ def tune_plan(model: Any, plan: Plan, *, name: str, dtype: torch.dtype, dense_ro
     quantized = plan.quant != "none"
     rules = rule_table(counts, dense_rows, quantized=quantized, attention_fp32_rows=FP32_ATTENTION_ROWS)
     cpu = next(model.parameters()).device.type == "cpu"
+    lib = load_gemv(data_dir) if quantized and cpu else None
+    for role in ROLES:
+        for mod in plan.projections(role):
+            if isinstance(mod, QuantLinear):
+                mod.gemv_lib = lib
+                if lib is None:
+                    mod.gemv = None  # its weights cost memory only where the kernel can run
+    if setting == "gemv" and lib is None:
+        log.warning("TOKENPIPE_KERNELS=gemv, but the gemv kernel is not available here: torch's quantized "
+                    "kernel serves instead")
     if setting in KERNEL_CHOICES:
         table = rule_table(counts, dense_rows, quantized=quantized, attention_fp32_rows=FP32_ATTENTION_ROWS,
                            forced=setting)
     elif setting != "auto" or not quantized or not cpu:
         table = rules
     else:
-        key = cache_key(name, plan.quant, dtype, counts)
+        key = cache_key(name, plan.quant, dtype, counts, gemv=lib.path.name if lib else "")
         path = cache_file(data_dir, key)
         table = _read_cache(path, key) or measure_table(model, plan, rules, counts, dtype=dtype)
         if table.source == "measured":
@@ -120,7 +131,8 @@ def measure_table(model: Any, plan: Plan, rules: KernelTable, counts: tuple[int,
         for i, role in enumerate(ROLES):
             mod = plan.projections(role)[0]
             assert isinstance(mod, QuantLinear)
-            kernels = ["quant", "dense"] + (["packed"] if mod.pack() else [])
+            kernels = ["quant", "dense"] + (["packed"] if mod.pack() else []) + \
+                (["gemv"] if mod.gemv is not None and mod.gemv_lib is not None else [])
             times_us[role], choices[role] = {}, {}
             for rows in counts:
                 x = torch.randn(rows, mod.in_features, dtype=dtype)

@@ -9,11 +9,12 @@ the LM head) at the row counts decode runs, builds a table of row bands per proj
 confirms the changed choices with whole decode steps, and caches the table in the data dir
 under a key of CPU model, flags, cores, threads, torch version and model.
 
-Candidates (what a quantized plan holds anyway, plus one packed copy): ``quant`` (the plan's
-int4/int8 kernel), ``dense`` (the float weight the model keeps) and ``packed`` (that weight
-pre-packed once for oneDNN, ``torch.ops.mkldnn._reorder_linear_weight``; kept only for the roles
-whose bands use it). int8 beside int4 and fp32 beside a bf16 model are not candidates: each would
-keep another copy of the weights. The default is today's rule (``quant`` up
+Candidates: ``quant`` (torch's int4/int8 kernel), ``dense`` (the float weight the model keeps),
+``packed`` (that weight pre-packed once for oneDNN, ``torch.ops.mkldnn._reorder_linear_weight``,
+kept only for the roles whose bands use it) and ``gemv`` (our AVX2 kernel over its own copy of
+the quantized weight, :mod:`generator.gemv`, kept wherever that kernel can run).
+int8 beside int4 and fp32 beside a bf16 model are not candidates: each would keep another copy
+of the weights. The default is today's rule (``quant`` up
 to :data:`generator.quant.DENSE_ROWS` rows, or :data:`~generator.quant.BF16_DENSE_ROWS` with
 native bf16); a measured kernel replaces it only when it is at least :data:`MARGIN` faster.
 """
@@ -39,12 +40,12 @@ __all__ = ["KERNEL_CHOICES", "MARGIN", "ROW_COUNTS", "Band", "KernelTable", "ban
 
 log = logging.getLogger(__name__)
 
-Kernel = Literal["quant", "dense", "packed"]
+Kernel = Literal["quant", "dense", "packed", "gemv"]
 KERNEL_CHOICES: tuple[str, ...] = get_args(Kernel)
 ROW_COUNTS = (1, 2, 4, 8, 12, 16, 24, 32)  # the decode batch sizes measured (rows between take the next one's)
 ROLES = ("qkv", "o", "gate_up", "down", "lm_head")
 MARGIN = 0.10  # a measured kernel replaces the default only when this much faster
-TABLE_VERSION = 1
+TABLE_VERSION = 2  # 2: the gemv kernel is a candidate
 
 Band = tuple[int, str]  # (up to this many rows, kernel)
 
@@ -150,10 +151,11 @@ def _cpu() -> tuple[str, str]:
 
 
 def cache_key(model: str, quant: str, dtype: torch.dtype, counts: Iterable[int], *, threads: int | None = None,
-              cpu: tuple[str, str] | None = None) -> dict[str, Any]:
-    """What a measured table depends on: CPU model and flags, cores, threads, torch, model, quant, dtype, rows."""
+              cpu: tuple[str, str] | None = None, gemv: str = "") -> dict[str, Any]:
+    """What a measured table depends on: CPU model and flags, cores, threads, torch, model, quant, dtype, rows,
+    and which build of the gemv kernel was a candidate (``gemv``: its file's name, '' without one)."""
     name, flags = cpu or _cpu()
-    return {"cpu": name, "flags": flags, "cores": os.cpu_count() or 1,
+    return {"cpu": name, "flags": flags, "cores": os.cpu_count() or 1, "gemv": gemv,
             "threads": threads if threads is not None else torch.get_num_threads(), "torch": torch.__version__,
             "model": model, "quant": quant, "dtype": str(dtype).removeprefix("torch."), "rows": list(counts)}
 

@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from tokenpipe.errors import InvalidRequest
 from tokenpipe.settings import Quant
 
+from .gemv import GemvLib, Q4Weight, Q8Weight, pack_q4, pack_q8
 from .kernels import Band, kernel_for, pack_weight, packed_linear
 
 __all__ = ["BF16_DENSE_ROWS", "DENSE_ROWS", "QUANT_MODES", "QuantLinear", "QuantMode", "check_quant", "dense_rows_for",
@@ -99,19 +100,25 @@ class QuantLinear(nn.Module):
         # the rule above (quantized up to ``dense_rows`` rows, the float weight beyond).
         self.bands: tuple[Band, ...] = ((dense_rows, "quant"),)
         self.packed: Tensor | None = None  # the float weight pre-packed for oneDNN, where the table uses it
+        # The weight in generator.gemv's layout (CPU), and that kernel once loaded (generator.autotune)
+        self.gemv: Q4Weight | Q8Weight | None = None
+        self.gemv_lib: GemvLib | None = None
         self.out_features, self.in_features = weight.shape
         self.act_dtype = torch.bfloat16
         self.bias = None if bias is None else bias.detach().clone()
         w = weight.detach().float()
         self.fallback = False
+        gemv_ok = w.device.type == "cpu" and self.in_features % GROUP == 0
         if mode == "int8":
             self.qweight, self.scales = _quant_int8(w)
+            self.gemv = pack_q8(self.qweight, self.scales) if gemv_ok else None
         else:
             if self.in_features % GROUP:
                 raise InvalidRequest(f"int4 needs input sizes divisible by {GROUP}; this layer has {self.in_features}")
             q, self.scales = _quant_int4(w)  # q [N, K] int32 in 0..15; scales [K/G, N, 2] (scale, zero)
             self.q_unpacked = q
             self.qweight = _pack_int4(q, w.device)
+            self.gemv = pack_q4(q, self.scales[..., 0].T, self.scales[..., 1].T) if gemv_ok else None
         self.scales = self.scales.to(self.act_dtype)
         if not self._kernel_ok(w):
             log.warning("no working %s kernel on %s here: the float weights serve instead", mode, w.device.type)
@@ -156,7 +163,11 @@ class QuantLinear(nn.Module):
         return self.packed is not None
 
     def run(self, x2: Tensor, kernel: str) -> Tensor:
-        """``x2 [M, K] -> [M, N]`` (no bias) on ``kernel`` (``quant``, ``dense`` or ``packed``), where it can."""
+        """``x2 [M, K] -> [M, N]`` (no bias) on ``kernel`` (``quant``, ``dense``, ``packed``, ``gemv``) where it can."""
+        if kernel == "gemv":
+            if self.gemv is not None and self.gemv_lib is not None:
+                return self.gemv_lib.run(x2, self.gemv)
+            kernel = "quant"  # not built here (logged at start): the other quantized kernel
         if kernel == "packed" and self.packed is not None:
             return packed_linear(x2.to(self.packed.dtype), self.packed, None).to(x2.dtype)
         if self.dense is not None and (self.fallback or kernel != "quant"):

@@ -23,7 +23,7 @@ ENV_PREFIX = "TOKENPIPE_"
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"]
 Quant = Literal["auto", "none", "int8", "int4"]
-Kernels = Literal["auto", "rules", "quant", "dense", "packed"]
+Kernels = Literal["auto", "rules", "quant", "dense", "packed", "gemv"]
 EngineProcess = Literal["auto", "on", "off"]
 CudaGraphs = Literal["auto", "on", "off"]
 DecodeCompile = Literal["on", "off"]
@@ -107,12 +107,13 @@ class Settings:
                       "`TOKENPIPE_KERNELS`"))
     kernels: Kernels = field(
         default="auto",
-        metadata=_doc("which kernel serves a quantized projection at each decode batch size: `auto` times the "
-                      "quantized kernel, the float weight and the oneDNN pre-packed float weight at start-up on "
-                      "the engine's threads (a few seconds, once: cached in `<data dir>/kernels/` per CPU, "
-                      "threads, torch and model) and switches from the rule only on a ≥ 10 % win; `rules` (the "
-                      "quantized kernel up to 16 rows with native bf16, else 32); `quant`, `dense`, `packed`: "
-                      "that one for every decode step"))
+        metadata=_doc("which kernel serves a quantized projection at each decode batch size: `auto` times "
+                      "torch's quantized kernel, the float weight, the oneDNN pre-packed float weight and "
+                      "tokenpipe's own AVX2 kernel (`gemv`, compiled with `$CC` at the first start) on the "
+                      "engine's threads (a few seconds, once: cached in `<data dir>/kernels/` per CPU, threads, "
+                      "torch and model) and switches from the rule only on a ≥ 10 % win; `rules` (the "
+                      "quantized kernel up to 16 rows with native bf16, else 32); `quant`, `dense`, `packed`, "
+                      "`gemv`: that one for every decode step"))
     engine_process: EngineProcess = field(
         default="auto",
         metadata=_doc("run the engine (steps, sampling, detokenizing) in its own engine-core process, fed and "

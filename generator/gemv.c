@@ -1,0 +1,145 @@
+/* Quantized projections for few rows on AVX2: y[M, N] = x[M, K] @ W.T, W int4 or int8.
+ *
+ * Built at start-up by generator/gemv.py (cc -O3 -mavx2 -mfma -fopenmp). Each row of x is
+ * quantized to int16 per group of 32 (scale = max|x| / 32767, so the error is ~1e-5 of the
+ * group's largest value, far below a bf16 cast's), and each group's dot product is exact in
+ * int32 (vpmaddwd); one float multiply-add per group scales it. Reading a 4-bit weight this way
+ * costs a few integer ops per 16 weights, which is what lets one decode row stream the weights
+ * near the memory's speed instead of converting each weight to a float.
+ *
+ * int4 layout (per output feature n, per group g of 32 inputs): 16 bytes, byte j holding
+ * q[j] in its low and q[j + 16] in its high nibble; w = q * d[n, g] + m[n, g].
+ * int8 layout: q[n, k] int8, w = q * s[n].
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#define GROUP 32
+#define TILE 4 /* rows of x that share one pass over the weight */
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* x[M, K] -> x16 (int16 per group of 32), dx (each group's scale), xs (each group's float sum) */
+static int quantize_rows(const float *x, long M, long K, int16_t **x16, float **dx, float **xs) {
+    const long G = K / GROUP;
+    *x16 = malloc(sizeof(int16_t) * M * K);
+    *dx = malloc(sizeof(float) * M * G * 2);
+    if (!*x16 || !*dx) { free(*x16); free(*dx); return -1; }
+    *xs = *dx + M * G;
+    for (long i = 0; i < M * G; i++) {
+        const float *xg = x + i * GROUP;
+        float s = 0.f, amax = 0.f;
+        for (int j = 0; j < GROUP; j++) { s += xg[j]; amax = fmaxf(amax, fabsf(xg[j])); }
+        const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+        for (int j = 0; j < GROUP; j++) (*x16)[i * GROUP + j] = (int16_t)lrintf(xg[j] * inv);
+        (*dx)[i] = amax / 32767.f;
+        (*xs)[i] = s;
+    }
+    return 0;
+}
+
+/* int32 dot of 32 weights (as two vectors of 16 int16) with one group of x16 */
+static inline __m256 group_dot(__m256i wa, __m256i wb, const int16_t *xg) {
+    __m256i s = _mm256_add_epi32(_mm256_madd_epi16(wa, _mm256_loadu_si256((const __m256i *)xg)),
+                                 _mm256_madd_epi16(wb, _mm256_loadu_si256((const __m256i *)(xg + 16))));
+    return _mm256_cvtepi32_ps(s);
+}
+
+static inline __attribute__((always_inline)) void q4_tile(
+    const uint8_t *wn, const float *dn, const float *mn, const int16_t *x16, const float *dx, const float *xs,
+    float *y, int R, long K, long N, long n)
+{
+    const long G = K / GROUP;
+    const __m128i low = _mm_set1_epi8(0x0F);
+    __m256 acc[TILE];
+    float macc[TILE];
+    for (int r = 0; r < R; r++) { acc[r] = _mm256_setzero_ps(); macc[r] = 0.f; }
+    for (long g = 0; g < G; g++) {
+        const __m128i v = _mm_loadu_si128((const __m128i *)(wn + g * 16));
+        const __m256i wa = _mm256_cvtepu8_epi16(_mm_and_si128(v, low));
+        const __m256i wb = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), low));
+        const float d = dn[g], m = mn[g];
+        for (int r = 0; r < R; r++) {
+            const __m256 dot = group_dot(wa, wb, x16 + r * K + g * GROUP);
+            acc[r] = _mm256_fmadd_ps(dot, _mm256_set1_ps(d * dx[r * G + g]), acc[r]);
+            macc[r] += m * xs[r * G + g];
+        }
+    }
+    for (int r = 0; r < R; r++) y[r * N + n] = hsum(acc[r]) + macc[r];
+}
+
+static inline __attribute__((always_inline)) void q8_tile(
+    const int8_t *wn, float sn, const int16_t *x16, const float *dx, float *y, int R, long K, long N, long n)
+{
+    const long G = K / GROUP;
+    __m256 acc[TILE];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (long g = 0; g < G; g++) {
+        const __m256i wa = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wn + g * GROUP)));
+        const __m256i wb = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wn + g * GROUP + 16)));
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm256_fmadd_ps(group_dot(wa, wb, x16 + r * K + g * GROUP), _mm256_set1_ps(dx[r * G + g]), acc[r]);
+    }
+    for (int r = 0; r < R; r++) y[r * N + n] = sn * hsum(acc[r]);
+}
+
+/* Returns 0, or -1 when out of memory. K must be a multiple of 32. */
+int tp_gemv_q4(const uint8_t *w, const float *d, const float *m, const float *x, float *y,
+               long M, long K, long N, int threads)
+{
+    int16_t *x16; float *dx, *xs;
+    if (quantize_rows(x, M, K, &x16, &dx, &xs)) return -1;
+    const long G = K / GROUP;
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (long n = 0; n < N; n++) {
+        const uint8_t *wn = w + n * (K / 2);
+        const float *dn = d + n * G, *mn = m + n * G;
+        for (long r0 = 0; r0 < M; r0 += TILE) {
+            const long R = M - r0 < TILE ? M - r0 : TILE;
+            const int16_t *x0 = x16 + r0 * K;
+            const float *dx0 = dx + r0 * G, *xs0 = xs + r0 * G;
+            float *y0 = y + r0 * N;
+            /* constant row counts, so each tile keeps its accumulators in registers */
+            switch (R) {
+            case 1: q4_tile(wn, dn, mn, x0, dx0, xs0, y0, 1, K, N, n); break;
+            case 2: q4_tile(wn, dn, mn, x0, dx0, xs0, y0, 2, K, N, n); break;
+            case 3: q4_tile(wn, dn, mn, x0, dx0, xs0, y0, 3, K, N, n); break;
+            default: q4_tile(wn, dn, mn, x0, dx0, xs0, y0, TILE, K, N, n); break;
+            }
+        }
+    }
+    free(x16); free(dx);
+    return 0;
+}
+
+int tp_gemv_q8(const int8_t *w, const float *s, const float *x, float *y, long M, long K, long N, int threads)
+{
+    int16_t *x16; float *dx, *xs;
+    if (quantize_rows(x, M, K, &x16, &dx, &xs)) return -1;
+    const long G = K / GROUP;
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (long n = 0; n < N; n++) {
+        const int8_t *wn = w + n * K;
+        for (long r0 = 0; r0 < M; r0 += TILE) {
+            const long R = M - r0 < TILE ? M - r0 : TILE;
+            const int16_t *x0 = x16 + r0 * K;
+            const float *dx0 = dx + r0 * G;
+            float *y0 = y + r0 * N;
+            switch (R) {
+            case 1: q8_tile(wn, s[n], x0, dx0, y0, 1, K, N, n); break;
+            case 2: q8_tile(wn, s[n], x0, dx0, y0, 2, K, N, n); break;
+            case 3: q8_tile(wn, s[n], x0, dx0, y0, 3, K, N, n); break;
+            default: q8_tile(wn, s[n], x0, dx0, y0, TILE, K, N, n); break;
+            }
+        }
+    }
+    free(x16); free(dx);
+    return 0;
+}

@@ -1,0 +1,168 @@
+"""Our own kernel for quantized projections at few rows on x86 CPUs with AVX2 (``gemv.c``).
+
+torch's int4 kernel for the CPU takes bf16 activations and, without AVX-512, converts every
+weight to a float before multiplying: at one decode row it streams the weights at well under
+the memory's speed (bench/RESULTS.md, "issue 21, part 4"). ``gemv.c`` instead quantizes the
+few activation rows to int16 per group of 32 and multiplies 4-bit (or 8-bit) weights as
+integers, exactly, scaling each group's sum once, as llama.cpp does with its 8-bit rows (int16
+here, so the result stays within ~1e-5 of fp32 instead of a bf16 cast's ~4e-3).
+
+It is compiled when the engine starts, once per machine (~15 s: ``gemv.c`` with ``$CC``, the
+op bindings ``gemv_op.cpp`` against torch's headers with ``$CXX``) and cached in
+``<data dir>/kernels/`` under a digest of the sources, the compilers, the flags and torch's
+version; the library registers the ops ``torch.ops.tokenpipe.gemv_q4`` / ``gemv_q8``, which
+torch.compile keeps opaque. Where there is no AVX2/FMA or no compiler the kernel is simply not
+a candidate (logged). Which kernel serves which row counts is measured like the others
+(:mod:`generator.kernels`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+__all__ = ["FLAGS", "GemvLib", "Q4Weight", "Q8Weight", "load_gemv", "pack_q4", "pack_q8"]
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("gemv.c")
+OP_SOURCE = Path(__file__).with_name("gemv_op.cpp")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC")  # gemv.c's
+GROUP = 32
+
+
+@dataclass(frozen=True)
+class Q4Weight:
+    """``w[n, k] = q * d[n, g] + m[n, g]`` (g = k // 32): ``nibbles [N, K/2]`` uint8, byte j of a
+    group holding q[j] (low) and q[j + 16] (high); ``d``, ``m`` ``[N, K/32]`` fp32."""
+
+    nibbles: Tensor
+    d: Tensor
+    m: Tensor
+
+    def dequantize(self) -> Tensor:
+        """``[N, K]`` fp32 (tests)."""
+        lo, hi = (self.nibbles & 0x0F), (self.nibbles >> 4)
+        n, g = self.d.shape
+        q = torch.cat([lo.view(n, g, 16), hi.view(n, g, 16)], -1).float()
+        return (q * self.d[..., None] + self.m[..., None]).view(n, g * GROUP)
+
+
+@dataclass(frozen=True)
+class Q8Weight:
+    """``w[n, k] = q[n, k] * s[n]``: ``q [N, K]`` int8, ``s [N]`` fp32."""
+
+    q: Tensor
+    s: Tensor
+
+
+def pack_q4(q: Tensor, scale: Tensor, zero: Tensor) -> Q4Weight:
+    """From ``q [N, K]`` in 0..15 and ``scale``, ``zero`` ``[N, K/32]`` with ``w = (q - 8) * scale + zero``."""
+    n, k = q.shape
+    qg = q.to(torch.uint8).view(n, k // GROUP, GROUP)
+    nibbles = (qg[..., :16] | (qg[..., 16:] << 4)).reshape(n, k // 2).contiguous()
+    d = scale.float().contiguous()
+    return Q4Weight(nibbles, d, (zero.float() - 8 * d).contiguous())
+
+
+def pack_q8(q: Tensor, s: Tensor) -> Q8Weight:
+    """From ``q [N, K]`` int8 and ``s [N]`` with ``w = q * s``."""
+    return Q8Weight(q.contiguous(), s.float().contiguous())
+
+
+class GemvLib:
+    """The built kernel, loaded as the ops ``torch.ops.tokenpipe.gemv_q4`` / ``gemv_q8``."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    @staticmethod
+    def run(x2: Tensor, w: Q4Weight | Q8Weight) -> Tensor:
+        """``x2 [M, K] -> [M, N]`` in ``x2``'s dtype (computed in fp32)."""
+        if isinstance(w, Q4Weight):
+            out: Tensor = torch.ops.tokenpipe.gemv_q4(x2, w.nibbles, w.d, w.m)
+        else:
+            out = torch.ops.tokenpipe.gemv_q8(x2, w.q, w.s)
+        return out
+
+
+def _registered() -> bool:
+    try:
+        torch.ops.tokenpipe.gemv_q4  # noqa: B018 - an op is looked up lazily
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+def _unsupported() -> str:
+    """Why this machine cannot run the kernel ('' when it can)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"not an x86-64 CPU ({platform.machine()})"
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "no /proc/cpuinfo to read the CPU's flags from"
+    flags = next((ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), [])
+    missing = [f for f in ("avx2", "fma") if f not in flags]
+    return f"the CPU lacks {', '.join(missing)}" if missing else ""
+
+
+def load_gemv(data_dir: str | os.PathLike[str]) -> GemvLib | None:
+    """The kernel, compiled into ``<data_dir>/kernels/`` if not there yet; None (logged) where it cannot run."""
+    why = _unsupported()
+    cc, cxx = os.environ.get("CC", "cc"), os.environ.get("CXX", "c++")
+    compiler, cxx_path = shutil.which(cc), shutil.which(cxx)
+    if not why and (compiler is None or cxx_path is None):
+        why = f"no C and C++ compilers ({cc}, {cxx}) on PATH"
+    if why:
+        log.info("the gemv kernel is not a candidate here: %s", why)
+        return None
+    assert compiler is not None and cxx_path is not None
+    try:
+        from torch.utils.cpp_extension import include_paths
+
+        versions = "".join(subprocess.run([c, "--version"], capture_output=True, text=True, timeout=30).stdout
+                           for c in (compiler, cxx_path))
+        digest = hashlib.sha256(SOURCE.read_bytes() + OP_SOURCE.read_bytes() + versions.encode() +
+                                " ".join(FLAGS).encode() + torch.__version__.encode()).hexdigest()[:16]
+        path = Path(data_dir) / "kernels" / f"gemv-{digest}.so"
+        if _registered():  # loaded by an engine built before in this process (one library per process)
+            return GemvLib(path)
+        if not path.exists():
+            log.info("compiling the gemv kernel (once per machine, ~15 s)", extra={"path": str(path)})
+            _build(compiler, cxx_path, path, include_paths())
+        torch.ops.load_library(str(path))
+        return GemvLib(path)
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        detail = getattr(exc, "stderr", "") or str(exc)
+        log.warning("the gemv kernel did not build; the other kernels serve", extra={"error": detail[-2000:]})
+        return None
+
+
+def _build(cc: str, cxx: str, path: Path, includes: list[str]) -> None:
+    """``gemv.c`` (AVX2) and the op bindings (against torch's headers and libraries) into ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
+    lib = Path(torch.__file__).parent / "lib"
+
+    def run(*cmd: str) -> None:
+        subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=600)
+
+    run(cc, *FLAGS, "-c", str(SOURCE), "-o", f"{tmp}.c.o")
+    run(cxx, "-O2", "-std=c++20", "-fPIC", abi, *(f"-I{p}" for p in includes), "-c", str(OP_SOURCE), "-o",
+        f"{tmp}.cpp.o")
+    run(cxx, "-shared", "-fopenmp", f"{tmp}.cpp.o", f"{tmp}.c.o", f"-L{lib}", "-lc10", "-ltorch_cpu", "-lm", "-o",
+        str(tmp))
+    for obj in (f"{tmp}.c.o", f"{tmp}.cpp.o"):
+        Path(obj).unlink()
+    tmp.replace(path)  # atomic: another process never loads half a library

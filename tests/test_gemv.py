@@ -1,0 +1,127 @@
+"""tokenpipe's own AVX2 kernel for quantized projections (generator/gemv.c): exact enough to be
+fp32, a candidate of the measured kernel table, opaque under torch.compile."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from generator.autotune import tune_plan
+from generator.engine import Engine
+from generator.forward import build_plan, plan_for
+from generator.gemv import GemvLib, load_gemv, pack_q4, pack_q8
+from generator.kernels import ROLES
+from generator.models import LoadedModel, load_model
+from generator.quant import QuantLinear, _quant_int4, _quant_int8
+from tests.test_engine import GREEDY, TEXTS, hf_greedy, prompts_of, run_all
+
+
+@pytest.fixture(scope="module")
+def gemv(data_dir: Path) -> GemvLib:
+    lib = load_gemv(data_dir)
+    assert lib is not None, "these machines have AVX2, FMA and compilers: the kernel must build"
+    return lib
+
+
+def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((got.float() - ref).norm() / ref.norm())
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+def test_int4_kernel_is_the_dequantized_weights_product_at_every_tile_shape(gemv: GemvLib, rows: int) -> None:
+    """Rows go in tiles of 4 (then 1-3); 37 outputs split unevenly over the threads."""
+    gen = torch.Generator().manual_seed(rows)
+    q = torch.randint(0, 16, (37, 96), generator=gen)
+    scale, zero = torch.rand(37, 3, generator=gen) * 0.1, torch.randn(37, 3, generator=gen) * 0.1
+    w = pack_q4(q, scale, zero)
+    ref_w = ((q.float().view(37, 3, 32) - 8) * scale[..., None] + zero[..., None]).view(37, 96)
+    assert torch.allclose(w.dequantize(), ref_w, atol=1e-6)
+    x = torch.randn(rows, 96, generator=gen)
+    got = gemv.run(x, w)
+    assert got.shape == (rows, 37) and got.dtype == torch.float32
+    assert _rel_err(got, x @ ref_w.T) < 2e-4
+
+
+@pytest.mark.parametrize("rows", [1, 4, 6])
+def test_int8_kernel_is_the_dequantized_weights_product(gemv: GemvLib, rows: int) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    q = torch.randint(-127, 128, (53, 64), generator=gen, dtype=torch.int8)
+    s = torch.rand(53, generator=gen) * 0.01
+    x = torch.randn(rows, 64, generator=gen)
+    assert _rel_err(gemv.run(x, pack_q8(q, s)), x @ (q.float() * s[:, None]).T) < 2e-4
+
+
+def test_gemv_is_closer_to_fp32_than_torchs_bf16_int4_kernel(gemv: GemvLib) -> None:
+    """What the docs claim for it: the int16 activations lose far less than the bf16 cast."""
+    w = torch.randn(256, 576, generator=torch.Generator().manual_seed(0)) * 0.05
+    mod = QuantLinear(w, None, "int4")
+    mod.gemv_lib = gemv
+    assert mod.gemv is not None and not mod.fallback
+    x = torch.randn(2, 576)
+    ref = x @ mod.gemv.dequantize().T  # the weight as quantized (fp32 scales)
+    assert _rel_err(mod.run(x, "gemv"), ref) * 10 < _rel_err(mod.run(x, "quant"), ref)
+
+
+def test_the_ops_compile_into_one_graph(gemv: GemvLib) -> None:
+    """torch.compile keeps the ops opaque: no graph break around a projection (fullgraph)."""
+    q, sz = _quant_int4(torch.randn(64, 64))
+    w4 = pack_q4(q, sz[..., 0].T, sz[..., 1].T)
+    q8, s8 = _quant_int8(torch.randn(32, 64))
+    w8 = pack_q8(q8, s8)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return gemv.run(torch.relu(gemv.run(x, w4)), w8) * 2
+
+    compiled = torch.compile(f, fullgraph=True, dynamic=False)
+    x = torch.randn(1, 64)
+    assert torch.equal(compiled(x), f(x))
+
+
+def test_the_kernel_is_built_once_per_data_dir(tmp_path: Path, gemv: GemvLib) -> None:
+    """A second load (in this process: the ops are already registered) compiles nothing; the cache
+    key names the build, so a table measured with it is not read by a start without it."""
+    again = load_gemv(tmp_path)
+    assert again is not None and again.path.name == gemv.path.name
+    assert not (tmp_path / "kernels").exists()
+
+
+def test_no_compiler_means_no_candidate_and_a_log_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("CC", "no-such-cc")
+    with caplog.at_level(logging.INFO, logger="generator.gemv"):
+        assert load_gemv(tmp_path) is None
+    assert any("no C and C++ compilers (no-such-cc" in r.getMessage() for r in caplog.records)
+
+
+def _rounded_tiny(data_dir: Path) -> LoadedModel:
+    """The tiny model with its projections rounded to what int4 (lm_head: int8) holds, as the default
+    model's are (its GGUF is 4-bit): quantizing them again gives back the same values."""
+    lm = load_model("tiny-random", device="cpu", dtype="float32", data_dir=data_dir)
+    with torch.no_grad():
+        for layer in lm.model.model.layers:
+            for lin in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
+                        layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+                q, sz = _quant_int4(lin.weight.float())
+                lin.weight.copy_(pack_q4(q, sz[..., 0].T, sz[..., 1].T).dequantize())
+        q8, s8 = _quant_int8(lm.model.lm_head.weight.float())
+        lm.model.lm_head.weight.copy_(q8.float() * s8[:, None])
+    return lm
+
+
+def test_gemv_decodes_the_tokens_of_the_float_model_it_quantizes(data_dir: Path, tmp_path: Path) -> None:
+    """Every decode step on gemv (prefill on the float weight): greedy tokens equal transformers'
+    generate on the same float weights, i.e. the kernel is as good as fp32 here (torch's bf16 kernel
+    is not held to this)."""
+    lm = _rounded_tiny(data_dir)
+    plan = build_plan(lm.model, "int4")
+    table = tune_plan(lm.model, plan, name=lm.name, dtype=lm.dtype, dense_rows=32, max_batch=8, data_dir=tmp_path,
+                      setting="gemv")
+    assert table.source == "override" and all(b == ((8, "gemv"),) for b in table.bands.values())
+    mods = [m for role in ROLES for m in plan_for(lm.model).projections(role)]
+    assert all(isinstance(m, QuantLinear) and m.gemv is not None and m.gemv_lib is not None for m in mods)
+    prompts = prompts_of(lm, TEXTS)
+    got = run_all(Engine(lm, max_batch=8), prompts, GREEDY)
+    assert got == {k: hf_greedy(lm, p, GREEDY.max_tokens) for k, p in prompts.items()}
