@@ -70,8 +70,11 @@ class CompiledDecode:
         self.widths = widths_for(max_seq_len)
         self.steps = 0  # steps decoded through a graph (the rest ran eagerly)
         # The undecorated step under no_grad: compiling through inference_mode fails in dynamo
-        # ("Cannot set version_counter for inference tensor").
-        self._step = torch.compile(decode_step.__wrapped__, dynamic=False)  # type: ignore[attr-defined]
+        # ("Cannot set version_counter for inference tensor"). Without inductor's size asserts: they
+        # check ~600 kernel outputs' shapes a step from Python, ~7 % of a one-row step here
+        # (bench/RESULTS.md, "issue 21, part 4"); dynamo's guards still check every input's.
+        self._step = torch.compile(decode_step.__wrapped__, dynamic=False,  # type: ignore[attr-defined]
+                                   options={"size_asserts": False})
 
     def warm(self) -> None:
         """Compile every width now (a step on the scratch block), logging each as it is done."""
