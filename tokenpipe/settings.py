@@ -109,7 +109,7 @@ class Settings:
         default="auto",
         metadata=_doc("which kernel serves a quantized projection at each decode batch size: `auto` times "
                       "torch's quantized kernel, the float weight, the oneDNN pre-packed float weight and "
-                      "tokenpipe's own AVX2 kernel (`gemv`, compiled with `$CC` at the first start) on the "
+                      "tokenpipe's own AVX2 kernel (`gemv`, built with `$CC`/`$CXX` at the first start, ~15 s) on the "
                       "engine's threads (a few seconds, once: cached in `<data dir>/kernels/` per CPU, threads, "
                       "torch and model) and switches from the rule only on a ≥ 10 % win; `rules` (the "
                       "quantized kernel up to 16 rows with native bf16, else 32); `quant`, `dense`, `packed`, "
@@ -129,7 +129,7 @@ class Settings:
     decode_compile: DecodeCompile = field(
         default="off",
         metadata=_doc("on a CPU, compile the one-row decode step with torch.compile, one graph per attended "
-                      "length (128, 256, … positions), all at start: about 0.7× the eager step at one stream, "
+                      "length (128, 256, … positions), all at start: about 0.6–0.7× the eager step at one stream, "
                       "for about 90 s a graph the first time on 2 cores and ~13 s from the cache in the data "
                       "dir; `on` is refused on CUDA; steps of more rows stay eager"))
     max_batch: int = field(
