@@ -80,7 +80,7 @@ def test_the_ops_compile_into_one_graph(gemv: GemvLib) -> None:
     assert torch.equal(compiled(x), f(x))
 
 
-def test_the_kernel_is_built_once_per_data_dir(tmp_path: Path, gemv: GemvLib) -> None:
+def test_a_second_load_in_one_process_builds_nothing_and_names_the_same_build(tmp_path: Path, gemv: GemvLib) -> None:
     """A second load (in this process: the ops are already registered) compiles nothing; the cache
     key names the build, so a table measured with it is not read by a start without it."""
     again = load_gemv(tmp_path)
