@@ -61,12 +61,14 @@ def test_base_install_has_the_sdk_and_no_torch_transformers_or_web_server(base_v
     assert got.stdout.strip() == "[]"
 
 
-def test_the_wheel_ships_the_gemv_kernels_c_source(base_venv: Path) -> None:
-    """generator/gemv.py compiles gemv.c at start-up: an installed generator must have it."""
+def test_the_wheel_ships_the_gemv_kernels_sources(base_venv: Path) -> None:
+    """generator/gemv.py compiles gemv.c and gemv_op.cpp at start-up: an installed generator must have them."""
     probe = "import importlib.util as u, pathlib; print(pathlib.Path(u.find_spec('generator').origin).parent)"
     got = _run(base_venv / "bin" / "python", "-c", probe, cwd=base_venv)
     assert got.returncode == 0, got.stderr
-    assert (Path(got.stdout.strip()) / "gemv.c").read_text().startswith("/* Quantized projections")
+    installed = Path(got.stdout.strip())
+    assert (installed / "gemv.c").read_text() == (ROOT / "generator" / "gemv.c").read_text()
+    assert (installed / "gemv_op.cpp").read_text() == (ROOT / "generator" / "gemv_op.cpp").read_text()
 
 
 def test_base_install_runs_the_read_only_cli(base_venv: Path, tmp_path: Path) -> None:
