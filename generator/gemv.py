@@ -30,6 +30,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from .kernels import cpu_info
+
 __all__ = ["FLAGS", "GemvLib", "Q4Weight", "Q8Weight", "load_gemv", "pack_q4", "pack_q8"]
 
 log = logging.getLogger(__name__)
@@ -107,12 +109,10 @@ def _unsupported() -> str:
     """Why this machine cannot run the kernel ('' when it can)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return f"not an x86-64 CPU ({platform.machine()})"
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
+    info = cpu_info()
+    if info is None:
         return "no /proc/cpuinfo to read the CPU's flags from"
-    flags = next((ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), [])
-    missing = [f for f in ("avx2", "fma") if f not in flags]
+    missing = [f for f in ("avx2", "fma") if f not in info[1]]
     return f"the CPU lacks {', '.join(missing)}" if missing else ""
 
 
@@ -128,8 +128,6 @@ def load_gemv(data_dir: str | os.PathLike[str]) -> GemvLib | None:
         return None
     assert compiler is not None and cxx_path is not None
     try:
-        from torch.utils.cpp_extension import include_paths
-
         versions = "".join(subprocess.run([c, "--version"], capture_output=True, text=True, timeout=30).stdout
                            for c in (compiler, cxx_path))
         digest = hashlib.sha256(SOURCE.read_bytes() + OP_SOURCE.read_bytes() + versions.encode() +
@@ -139,7 +137,7 @@ def load_gemv(data_dir: str | os.PathLike[str]) -> GemvLib | None:
             return GemvLib(path)
         if not path.exists():
             log.info("compiling the gemv kernel (once per machine, ~15 s)", extra={"path": str(path)})
-            _build(compiler, cxx_path, path, include_paths())
+            _build(compiler, cxx_path, path)
         torch.ops.load_library(str(path))
         return GemvLib(path)
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
@@ -148,8 +146,10 @@ def load_gemv(data_dir: str | os.PathLike[str]) -> GemvLib | None:
         return None
 
 
-def _build(cc: str, cxx: str, path: Path, includes: list[str]) -> None:
+def _build(cc: str, cxx: str, path: Path) -> None:
     """``gemv.c`` (AVX2) and the op bindings (against torch's headers and libraries) into ``path``."""
+    from torch.utils.cpp_extension import include_paths  # only to build: a slow import
+
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
@@ -159,7 +159,7 @@ def _build(cc: str, cxx: str, path: Path, includes: list[str]) -> None:
         subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=600)
 
     run(cc, *FLAGS, "-c", str(SOURCE), "-o", f"{tmp}.c.o")
-    run(cxx, "-O2", "-std=c++20", "-fPIC", abi, *(f"-I{p}" for p in includes), "-c", str(OP_SOURCE), "-o",
+    run(cxx, "-O2", "-std=c++20", "-fPIC", abi, *(f"-I{p}" for p in include_paths()), "-c", str(OP_SOURCE), "-o",
         f"{tmp}.cpp.o")
     run(cxx, "-shared", "-fopenmp", f"{tmp}.cpp.o", f"{tmp}.c.o", f"-L{lib}", "-lc10", "-ltorch_cpu", "-lm", "-o",
         str(tmp))

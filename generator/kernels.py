@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["KERNEL_CHOICES", "MARGIN", "ROW_COUNTS", "Band", "KernelTable", "bands_from", "cache_key", "choose",
-           "kernel_for", "pack_weight", "packed_linear", "row_counts", "rule_table", "timed"]
+           "cpu_info", "kernel_for", "pack_weight", "packed_linear", "row_counts", "rule_table", "timed"]
 
 log = logging.getLogger(__name__)
 
@@ -139,15 +139,24 @@ def rule_table(counts: Iterable[int], dense_rows: int, *, quantized: bool, atten
 
 
 # -- the cache key --------------------------------------------------------------------------
-def _cpu() -> tuple[str, str]:
-    """The CPU's model name and a digest of its flags (``/proc/cpuinfo``; the platform's name elsewhere)."""
+def cpu_info() -> tuple[str, list[str]] | None:
+    """The CPU's model name and flags from ``/proc/cpuinfo``; None where there is none to read."""
     try:
         info = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return platform.processor() or platform.machine(), ""
+        return None
     name = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "")
     flags = next((ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith(("flags", "Features"))), [])
-    return name or platform.machine(), hashlib.sha256(" ".join(sorted(flags)).encode()).hexdigest()[:16]
+    return name or platform.machine(), flags
+
+
+def _cpu() -> tuple[str, str]:
+    """The CPU's model name and a digest of its flags (the platform's name without ``/proc/cpuinfo``)."""
+    info = cpu_info()
+    if info is None:
+        return platform.processor() or platform.machine(), ""
+    name, flags = info
+    return name, hashlib.sha256(" ".join(sorted(flags)).encode()).hexdigest()[:16]
 
 
 def cache_key(model: str, quant: str, dtype: torch.dtype, counts: Iterable[int], *, threads: int | None = None,
