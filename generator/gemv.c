@@ -4,15 +4,13 @@
  * quantized to int16 per group of 32 (scale = max|x| / 32767, so the error is ~1e-5 of the
  * group's largest value, far below a bf16 cast's), and each group's dot product is exact in
  * int32 (vpmaddwd); one float multiply-add per group scales it. Reading a 4-bit weight this way
- * costs a few integer ops per 16 weights, which is what lets one decode row stream the weights
- * near the memory's speed instead of converting each weight to a float.
+ * costs a few integer ops per 16 weights instead of converting each weight to a float.
  *
  * int4 layout (per output feature n, per group g of 32 inputs): 16 bytes, byte j holding
  * q[j] in its low and q[j + 16] in its high nibble; w = q * d[n, g] + m[n, g].
  * int8 layout: q[n, k] int8, w = q * s[n].
  */
 #include <immintrin.h>
-#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -26,21 +24,36 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* x[M, K] -> x16 (int16 per group of 32), dx (each group's scale), xs (each group's float sum) */
+/* x[M, K] -> x16 (int16 per group of 32), dx (each group's scale), xs (each group's float sum).
+ * Vectorized: it runs once per projection call, and per element in C it cost one decode row's
+ * call ~4 us of its ~7 us fixed cost (bench/RESULTS.md, "issue 21, part 5"). */
 static int quantize_rows(const float *x, long M, long K, int16_t **x16, float **dx, float **xs) {
     const long G = K / GROUP;
     *x16 = malloc(sizeof(int16_t) * M * K);
     *dx = malloc(sizeof(float) * M * G * 2);
     if (!*x16 || !*dx) { free(*x16); free(*dx); return -1; }
     *xs = *dx + M * G;
+    const __m256 sign = _mm256_set1_ps(-0.f);
     for (long i = 0; i < M * G; i++) {
         const float *xg = x + i * GROUP;
-        float s = 0.f, amax = 0.f;
-        for (int j = 0; j < GROUP; j++) { s += xg[j]; amax = fmaxf(amax, fabsf(xg[j])); }
-        const float inv = amax > 0.f ? 32767.f / amax : 0.f;
-        for (int j = 0; j < GROUP; j++) (*x16)[i * GROUP + j] = (int16_t)lrintf(xg[j] * inv);
-        (*dx)[i] = amax / 32767.f;
-        (*xs)[i] = s;
+        __m256 v[4], s = _mm256_setzero_ps(), amax = _mm256_setzero_ps();
+        for (int j = 0; j < 4; j++) {
+            v[j] = _mm256_loadu_ps(xg + 8 * j);
+            s = _mm256_add_ps(s, v[j]);
+            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
+        }
+        __m128 a = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        a = _mm_max_ps(a, _mm_movehl_ps(a, a));
+        const float am = _mm_cvtss_f32(_mm_max_ss(a, _mm_movehdup_ps(a)));
+        const __m256 inv = _mm256_set1_ps(am > 0.f ? 32767.f / am : 0.f);
+        __m256i q[4];
+        for (int j = 0; j < 4; j++) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv)); /* nearest even, as lrintf */
+        /* packs interleaves the two inputs' 128-bit lanes; the permute puts the 16 values back in order */
+        _mm256_storeu_si256((__m256i *)(*x16 + i * GROUP), _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xD8));
+        _mm256_storeu_si256((__m256i *)(*x16 + i * GROUP + 16),
+                            _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xD8));
+        (*dx)[i] = am / 32767.f;
+        (*xs)[i] = hsum(s);
     }
     return 0;
 }
@@ -90,6 +103,73 @@ static inline __attribute__((always_inline)) void q8_tile(
     for (int r = 0; r < R; r++) y[r * N + n] = sn * hsum(acc[r]);
 }
 
+/* One row of x (a one-stream decode step). Not the tiles above with R = 1: there each group's
+ * scale is a scalar multiply and broadcast and its offset a scalar multiply-add, each on one
+ * accumulator's chain. Here a row's scales (d * dx) and its offset term (sum of m * xs) are
+ * computed 8 groups at a time first, each group's scale is a broadcast load, two accumulators
+ * alternate, and the weights a few rows ahead are prefetched: 16-19 % less time for a step's
+ * projections (bench/RESULTS.md, "issue 21, part 5"). */
+#define CHUNK 64 /* groups whose scales are prepared at once (K up to 2048 in one) */
+#define AHEAD 2048 /* bytes of weights prefetched ahead: the next rows of this thread's share */
+
+static inline __m256 q4_group(const uint8_t *p, const int16_t *xg) {
+    const __m128i low = _mm_set1_epi8(0x0F), v = _mm_loadu_si128((const __m128i *)p);
+    return group_dot(_mm256_cvtepu8_epi16(_mm_and_si128(v, low)),
+                     _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), low)), xg);
+}
+
+static inline __m256 q8_group(const int8_t *p, const int16_t *xg) {
+    return group_dot(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p)),
+                     _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + 16))), xg);
+}
+
+/* sc[g] = dn[g] * dx[g] for g < G; returns the sum of mn[g] * xs[g] */
+static inline float row_scales(const float *dn, const float *mn, const float *dx, const float *xs, float *sc, long G) {
+    __m256 mv = _mm256_setzero_ps();
+    long g = 0;
+    for (; g + 8 <= G; g += 8) {
+        _mm256_storeu_ps(sc + g, _mm256_mul_ps(_mm256_loadu_ps(dn + g), _mm256_loadu_ps(dx + g)));
+        mv = _mm256_fmadd_ps(_mm256_loadu_ps(mn + g), _mm256_loadu_ps(xs + g), mv);
+    }
+    float macc = hsum(mv);
+    for (; g < G; g++) { sc[g] = dn[g] * dx[g]; macc += mn[g] * xs[g]; }
+    return macc;
+}
+
+static inline float q4_row(const uint8_t *wn, const float *dn, const float *mn, const int16_t *x16, const float *dx,
+                    const float *xs, long G) {
+    float sc[CHUNK], macc = 0.f;
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    _mm_prefetch((const char *)(dn + AHEAD / 2), _MM_HINT_T0);
+    _mm_prefetch((const char *)(mn + AHEAD / 2), _MM_HINT_T0);
+    for (long g0 = 0; g0 < G; g0 += CHUNK) {
+        const long len = G - g0 < CHUNK ? G - g0 : CHUNK;
+        macc += row_scales(dn + g0, mn + g0, dx + g0, xs + g0, sc, len);
+        long j = 0;
+        for (; j + 2 <= len; j += 2) {
+            const long g = g0 + j;
+            _mm_prefetch((const char *)(wn + g * 16 + AHEAD), _MM_HINT_T0);
+            acc0 = _mm256_fmadd_ps(q4_group(wn + g * 16, x16 + g * GROUP), _mm256_broadcast_ss(sc + j), acc0);
+            acc1 = _mm256_fmadd_ps(q4_group(wn + g * 16 + 16, x16 + g * GROUP + GROUP), _mm256_broadcast_ss(sc + j + 1), acc1);
+        }
+        if (j < len)
+            acc0 = _mm256_fmadd_ps(q4_group(wn + (g0 + j) * 16, x16 + (g0 + j) * GROUP), _mm256_broadcast_ss(sc + j), acc0);
+    }
+    return hsum(_mm256_add_ps(acc0, acc1)) + macc;
+}
+
+static inline float q8_row(const int8_t *wn, const int16_t *x16, const float *dx, long G) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    long g = 0;
+    for (; g + 2 <= G; g += 2) {
+        _mm_prefetch((const char *)(wn + g * GROUP + AHEAD), _MM_HINT_T0);
+        acc0 = _mm256_fmadd_ps(q8_group(wn + g * GROUP, x16 + g * GROUP), _mm256_broadcast_ss(dx + g), acc0);
+        acc1 = _mm256_fmadd_ps(q8_group(wn + g * GROUP + GROUP, x16 + g * GROUP + GROUP), _mm256_broadcast_ss(dx + g + 1), acc1);
+    }
+    if (g < G) acc0 = _mm256_fmadd_ps(q8_group(wn + g * GROUP, x16 + g * GROUP), _mm256_broadcast_ss(dx + g), acc0);
+    return hsum(_mm256_add_ps(acc0, acc1));
+}
+
 /* Returns 0, or -1 when out of memory. K must be a multiple of 32. */
 int tp_gemv_q4(const uint8_t *w, const float *d, const float *m, const float *x, float *y,
                long M, long K, long N, int threads)
@@ -97,6 +177,12 @@ int tp_gemv_q4(const uint8_t *w, const float *d, const float *m, const float *x,
     int16_t *x16; float *dx, *xs;
     if (quantize_rows(x, M, K, &x16, &dx, &xs)) return -1;
     const long G = K / GROUP;
+    if (M == 1) {
+        #pragma omp parallel for schedule(static) num_threads(threads)
+        for (long n = 0; n < N; n++) y[n] = q4_row(w + n * (K / 2), d + n * G, m + n * G, x16, dx, xs, G);
+        free(x16); free(dx);
+        return 0;
+    }
     #pragma omp parallel for schedule(static) num_threads(threads)
     for (long n = 0; n < N; n++) {
         const uint8_t *wn = w + n * (K / 2);
@@ -124,6 +210,12 @@ int tp_gemv_q8(const int8_t *w, const float *s, const float *x, float *y, long M
     int16_t *x16; float *dx, *xs;
     if (quantize_rows(x, M, K, &x16, &dx, &xs)) return -1;
     const long G = K / GROUP;
+    if (M == 1) {
+        #pragma omp parallel for schedule(static) num_threads(threads)
+        for (long n = 0; n < N; n++) y[n] = s[n] * q8_row(w + n * K, x16, dx, G);
+        free(x16); free(dx);
+        return 0;
+    }
     #pragma omp parallel for schedule(static) num_threads(threads)
     for (long n = 0; n < N; n++) {
         const int8_t *wn = w + n * K;

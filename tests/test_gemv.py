@@ -54,6 +54,22 @@ def test_int8_kernel_is_the_dequantized_weights_product(gemv: GemvLib, rows: int
     assert _rel_err(gemv.run(x, pack_q8(q, s)), x @ (q.float() * s[:, None]).T) < 2e-4
 
 
+def test_one_row_kernels_hold_rows_wider_than_one_chunk_of_scales(gemv: GemvLib) -> None:
+    """One row runs its own loop, preparing its scales 64 groups at a time: 67 groups (two
+    chunks, an odd count) must give the product as the tiles do, for int4 and int8."""
+    gen = torch.Generator().manual_seed(67)
+    K = 67 * 32
+    q = torch.randint(0, 16, (19, K), generator=gen)
+    scale, zero = torch.rand(19, 67, generator=gen) * 0.1, torch.randn(19, 67, generator=gen) * 0.1
+    w4 = pack_q4(q, scale, zero)
+    q8, s8 = torch.randint(-127, 128, (19, K), generator=gen, dtype=torch.int8), torch.rand(19, generator=gen) * 0.01
+    x = torch.randn(2, K, generator=gen)
+    for w, dense in ((w4, w4.dequantize()), (pack_q8(q8, s8), q8.float() * s8[:, None])):
+        ref = x[:1] @ dense.T
+        one, tiled = gemv.run(x[:1], w), gemv.run(x, w)[:1]  # the one-row loop; a tile of two rows
+        assert _rel_err(one, ref) < 2e-4 and _rel_err(tiled, ref) < 2e-4
+
+
 def test_gemv_is_closer_to_fp32_than_torchs_bf16_int4_kernel(gemv: GemvLib) -> None:
     """What the docs claim for it: the int16 activations lose far less than the bf16 cast."""
     w = torch.randn(256, 576, generator=torch.Generator().manual_seed(0)) * 0.05
