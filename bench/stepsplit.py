@@ -8,7 +8,9 @@ fills a context of 104 (as bench.kernels) and, per row count, alternates two tim
 whole decode steps (``generator.forward.decode_step``), and the same steps with every projection
 (qkv, o, gate_up, down per layer, lm_head) swapped for a stub that returns zeros of its output's
 shape: *the rest* — norms, RoPE, attention over the KV cache, residuals, the cache write and
-Python dispatch. The projections' part is the difference. (Timing the projections alone in a
+Python dispatch. The projections' part is the difference, and with it each projection's call
+(dispatch, its output's allocation, under ``--compile`` the graph wrapper's call): the rest is a
+lower bound (bench/RESULTS.md, "issue 21, part 5"). (Timing the projections alone in a
 loop and subtracting instead overstated the rest by ~40 %: back to back they run faster than
 between the other ops.) At one row it also reports the bytes of weights a step reads
 (the kernel each projection runs at that row count) against this machine's read bandwidth

@@ -10,7 +10,8 @@ the smallest of a few table widths (:func:`widths_for`: 128, 256, 512 … positi
 width is its own graph, all compiled when the engine starts, with progress logged (no step
 ever waits for a compile). Steps of more rows, where projections dominate, run eagerly.
 
-Compiling costs about 90 s a graph on 2 cores the first time and about 13 s from inductor's
+Each graph is C++ end to end (inductor's ``cpp_wrapper``: the code that calls the kernels is
+C++ too). Compiling costs about 3 min a graph on 2 cores the first time and about 12 s from inductor's
 on-disk cache (``TORCHINDUCTOR_CACHE_DIR``, which the generator points into its data dir), so
 ``TOKENPIPE_DECODE_COMPILE`` is ``off`` unless asked for.
 """
@@ -72,9 +73,11 @@ class CompiledDecode:
         # The undecorated step under no_grad: compiling through inference_mode fails in dynamo
         # ("Cannot set version_counter for inference tensor"). Without inductor's size asserts: they
         # check ~600 kernel outputs' shapes a step from Python, ~7 % of a one-row step here
-        # (bench/RESULTS.md, "issue 21, part 4"); dynamo's guards still check every input's.
+        # (bench/RESULTS.md, "issue 21, part 4"); dynamo's guards still check every input's. With a
+        # C++ wrapper: the Python one cost ~2.3 ms of a ~20 ms step in calls (0.88×, "issue 21, part 5"),
+        # for twice the first compile (~3 min a graph against ~90 s; ~12 s from the cache either way).
         self._step = torch.compile(decode_step.__wrapped__, dynamic=False,  # type: ignore[attr-defined]
-                                   options={"size_asserts": False})
+                                   options={"size_asserts": False, "cpp_wrapper": True})
 
     def warm(self) -> None:
         """Compile every width now (a step on the scratch block), logging each as it is done."""
