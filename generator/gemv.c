@@ -25,8 +25,8 @@ static inline float hsum(__m256 v) {
 }
 
 /* x[M, K] -> x16 (int16 per group of 32), dx (each group's scale), xs (each group's float sum).
- * Vectorized: it runs once per projection call, and per element in C it cost one decode row's
- * call ~4 us of its ~7 us fixed cost (bench/RESULTS.md, "issue 21, part 5"). */
+ * Vectorized: it runs once per projection call, and per element in C it was ~4 us of a one-row
+ * call's ~11 us fixed cost (bench/RESULTS.md, "issue 21, part 5"). */
 static int quantize_rows(const float *x, long M, long K, int16_t **x16, float **dx, float **xs) {
     const long G = K / GROUP;
     *x16 = malloc(sizeof(int16_t) * M * K);
@@ -107,8 +107,8 @@ static inline __attribute__((always_inline)) void q8_tile(
  * scale is a scalar multiply and broadcast and its offset a scalar multiply-add, each on one
  * accumulator's chain. Here a row's scales (d * dx) and its offset term (sum of m * xs) are
  * computed 8 groups at a time first, each group's scale is a broadcast load, two accumulators
- * alternate, and the weights a few rows ahead are prefetched: 16-19 % less time for a step's
- * projections (bench/RESULTS.md, "issue 21, part 5"). */
+ * alternate, and the weights a few rows ahead are prefetched: 16-29 % less time for a step's
+ * projections called back to back (bench/RESULTS.md, "issue 21, part 5"). */
 #define CHUNK 64 /* groups whose scales are prepared at once (K up to 2048 in one) */
 #define AHEAD 2048 /* bytes of weights prefetched ahead: the next rows of this thread's share */
 
@@ -137,7 +137,7 @@ static inline float row_scales(const float *dn, const float *mn, const float *dx
 }
 
 static inline float q4_row(const uint8_t *wn, const float *dn, const float *mn, const int16_t *x16, const float *dx,
-                    const float *xs, long G) {
+                           const float *xs, long G) {
     float sc[CHUNK], macc = 0.f;
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     _mm_prefetch((const char *)(dn + AHEAD / 2), _MM_HINT_T0);
