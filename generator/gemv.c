@@ -65,19 +65,30 @@ static inline __m256 group_dot(__m256i wa, __m256i wb, const int16_t *xg) {
     return _mm256_cvtepi32_ps(s);
 }
 
+/* One group's 32 weights as two vectors of 16 int16, in x's order. int4: the low nibbles are
+ * weights 0-15, the high ones 16-31 (the layout above); int8: as stored. */
+static inline void q4_unpack(const uint8_t *p, __m256i *wa, __m256i *wb) {
+    const __m128i low = _mm_set1_epi8(0x0F), v = _mm_loadu_si128((const __m128i *)p);
+    *wa = _mm256_cvtepu8_epi16(_mm_and_si128(v, low));
+    *wb = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), low));
+}
+
+static inline void q8_unpack(const int8_t *p, __m256i *wa, __m256i *wb) {
+    *wa = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
+    *wb = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + 16)));
+}
+
 static inline __attribute__((always_inline)) void q4_tile(
     const uint8_t *wn, const float *dn, const float *mn, const int16_t *x16, const float *dx, const float *xs,
     float *y, int R, long K, long N, long n)
 {
     const long G = K / GROUP;
-    const __m128i low = _mm_set1_epi8(0x0F);
     __m256 acc[TILE];
     float macc[TILE];
     for (int r = 0; r < R; r++) { acc[r] = _mm256_setzero_ps(); macc[r] = 0.f; }
     for (long g = 0; g < G; g++) {
-        const __m128i v = _mm_loadu_si128((const __m128i *)(wn + g * 16));
-        const __m256i wa = _mm256_cvtepu8_epi16(_mm_and_si128(v, low));
-        const __m256i wb = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), low));
+        __m256i wa, wb;
+        q4_unpack(wn + g * 16, &wa, &wb);
         const float d = dn[g], m = mn[g];
         for (int r = 0; r < R; r++) {
             const __m256 dot = group_dot(wa, wb, x16 + r * K + g * GROUP);
@@ -95,8 +106,8 @@ static inline __attribute__((always_inline)) void q8_tile(
     __m256 acc[TILE];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (long g = 0; g < G; g++) {
-        const __m256i wa = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wn + g * GROUP)));
-        const __m256i wb = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wn + g * GROUP + 16)));
+        __m256i wa, wb;
+        q8_unpack(wn + g * GROUP, &wa, &wb);
         for (int r = 0; r < R; r++)
             acc[r] = _mm256_fmadd_ps(group_dot(wa, wb, x16 + r * K + g * GROUP), _mm256_set1_ps(dx[r * G + g]), acc[r]);
     }
@@ -113,14 +124,15 @@ static inline __attribute__((always_inline)) void q8_tile(
 #define AHEAD 2048 /* bytes of weights prefetched ahead: the next rows of this thread's share */
 
 static inline __m256 q4_group(const uint8_t *p, const int16_t *xg) {
-    const __m128i low = _mm_set1_epi8(0x0F), v = _mm_loadu_si128((const __m128i *)p);
-    return group_dot(_mm256_cvtepu8_epi16(_mm_and_si128(v, low)),
-                     _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), low)), xg);
+    __m256i wa, wb;
+    q4_unpack(p, &wa, &wb);
+    return group_dot(wa, wb, xg);
 }
 
 static inline __m256 q8_group(const int8_t *p, const int16_t *xg) {
-    return group_dot(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p)),
-                     _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + 16))), xg);
+    __m256i wa, wb;
+    q8_unpack(p, &wa, &wb);
+    return group_dot(wa, wb, xg);
 }
 
 /* sc[g] = dn[g] * dx[g] for g < G; returns the sum of mn[g] * xs[g] */
