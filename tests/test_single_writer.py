@@ -12,7 +12,8 @@ from nats.aio.msg import Msg
 
 from generator.publisher import BatchPublisher
 from tokenpipe.append import StreamLost, append_once, conditional
-from tokenpipe.bus import Bus
+from tokenpipe.bus import Bus, connect
+from tokenpipe.settings import Settings
 from tokenpipe.streams import history_at, stored
 from tokenpipe.subjects import RELAY_OWNER, live_subject, token_subject
 from tokenpipe.wire import TokenBatch
@@ -109,3 +110,36 @@ async def test_an_error_batch_is_not_appended_to_a_stream_that_has_history(bus: 
     with pytest.raises(StreamLost):
         await append_once(bus, RELAY_OWNER, TokenBatch.error_for(sid, "no", "invalid_request"), expected_last=0)
     assert [x.token_ids for x in (await history_at(bus, sid))[0]] == [(1,)]
+
+
+async def test_a_last_live_copy_lost_with_its_server_is_sent_again_after_a_reconnect(bus: Bus,
+                                                                                     settings: Settings) -> None:
+    """Regression (CI, ``kill -9`` of the TP_TOKENS leader on the 3-node cluster): a generator's live
+    copy of a stream's final batch, written to the node that died, never reached the relay; with
+    no later batch to show a hole, the client waited out the relay's 30 s idle resync. After a
+    reconnect the publisher sends each recent stream's last live copy again."""
+    own = await connect(settings, name="tests-resend")  # its own bus: only this publisher's hook
+    pub = BatchPublisher(own)
+    await pub.start()
+    sid, other = f"sw-{secrets.token_hex(4)}", f"sw-{secrets.token_hex(4)}"
+    subs = []
+    try:
+        for s in (sid, other):
+            chain = pub.chain(RELAY_OWNER, s, last=0, on_lost=lambda exc: pytest.fail(f"lost: {exc}"))
+            pub.publish(chain, _batch(s, 0, 1).encode(), _headers(s, 0, "w"))
+            pub.publish(chain, _batch(s, 1, 2, final=s == sid).encode(), _headers(s, 1, "w"))
+        await pub.flush()
+        # Readers that got none of the live copies (they were lost with a server).
+        (live, sub), (live_other, sub_other) = await _live(bus, sid), await _live(bus, other)
+        subs = [sub, sub_other]
+        assert live == [] and live_other == []
+        for hook in list(own.on_possible_loss):
+            hook(None)  # what the bus does after a reconnect
+        await wait_until(lambda: len(live) >= 1 and len(live_other) >= 1, timeout=10)
+        assert [(x.seq, x.is_final) for x in live] == [(1, True)]
+        assert [(x.seq, x.is_final) for x in live_other] == [(1, False)]
+    finally:
+        for sub in subs:
+            await sub.unsubscribe()
+        await pub.close()
+        await own.close()
