@@ -17,7 +17,8 @@ A live copy is at most once, and one written to a server that dies before passin
 with no sign to its readers: a lost middle batch shows as a hole when the next one arrives, but a
 lost last batch left the stream quiet until the readers' idle resync (30 s). So after a reconnect
 the last live copy of every stream written recently goes out again (readers drop duplicates by
-``seq``).
+``seq``; an app's own copy of its tokens, which stores the live copies, drops them by
+``Nats-Msg-Id`` within its duplicate window of up to 120 s).
 """
 
 from __future__ import annotations
