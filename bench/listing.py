@@ -7,7 +7,7 @@ entries :func:`tokenpipe.streams.submit` writes, synthetic requests); then, per 
 
 - listing one tenant from its index (``streamindex.list_entries``: one subject-filtered
   ``STREAM.INFO``), and a tenant that keeps 100 streams throughout, against reading every key
-  of the bucket as ``tokenpipe streams`` does (``KeyValue.keys()``: a consumer over every
+  of the bucket (``KeyValue.keys()``, as ``tokenpipe streams`` did: a consumer over every
   tenant's entries, names only), median of 9 each;
 - the submission round trip with and without the index write (``streams.submit`` into the work
   queue, no generator), alternating the two per request, ``--rounds`` each.

@@ -18,9 +18,10 @@ from generator.worker import GeneratorWorker
 from producer import Producer
 from tokenpipe.bus import connect
 from tokenpipe.settings import Settings
+from tokenpipe.streamindex import stream_ids
 from tokenpipe.streams import StreamItem, last_batch, paced, submit
 from tokenpipe.subjects import RELAY_OWNER, REQUESTS_STREAM, TOKENS_STREAM, token_subject
-from tokenpipe.wire import Request, TokenBatch
+from tokenpipe.wire import Request, StreamMeta, TokenBatch
 from tokenpipe_cli.natsserver import NatsServer
 
 from .conftest import read_sse, start_relay, wait_until
@@ -114,11 +115,39 @@ async def test_cli_replay_json_and_streams_listing(http: httpx.AsyncClient, sett
                                                        "500", *common], capture_output=True, text=True, timeout=60,
                                       env={"COLUMNS": "200", "PATH": "/usr/bin:/bin"})
     assert listing.returncode == 0, listing.stderr
-    line = next(ln for ln in listing.stdout.splitlines() if sid in ln)
+    line = next((ln for ln in listing.stdout.splitlines() if sid in ln), None)
+    assert line is not None, listing.stdout
     assert "tiny-random" in line and "length" in line and " 60 " in line
     missing = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "tokenpipe_cli", "replay", "nosuchstream",
                                                        *common], capture_output=True, text=True, timeout=60)
     assert missing.returncode == 2 and "not found" in missing.stderr
+
+
+async def test_streams_listing_left_out_a_kept_stream_while_the_bucket_was_read(settings: Settings) -> None:
+    """``tokenpipe streams`` once listed through ``KeyValue.keys()``, whose watcher can say "done"
+    before it has seen every key (on a loaded machine: "no keys" at all); a CI run's listing then
+    lacked the stream just made. Every listing names every kept stream, writes going on or not."""
+    bus = await connect(settings, name="listing-test", role="admin")
+    kept = [Request.create("tiny-random", prompt="x").id for _ in range(30)]
+    await asyncio.gather(*(bus.meta.put(i, StreamMeta(i, "t", "tiny-random", time.time_ns()).encode()) for i in kept))
+    writing = True
+
+    async def write_others() -> None:
+        while writing:
+            ids = [Request.create("tiny-random", prompt="x").id for _ in range(10)]
+            await asyncio.gather(*(bus.meta.put(i, StreamMeta(i, "t", "tiny-random", time.time_ns()).encode())
+                                   for i in ids))
+
+    writer = asyncio.create_task(write_others())
+    try:
+        for _ in range(60):
+            listed = set(await stream_ids(bus))
+            assert not set(kept) - listed
+            assert not any("." in i for i in listed)  # the tenants' index entries are not streams
+    finally:
+        writing = False
+        await writer
+        await bus.close()
 
 
 async def test_expired_stream_is_404_saying_so(tmp_path: Path, data_dir: Path, settings: Settings) -> None:

@@ -28,8 +28,8 @@ from .retry import through_elections
 from .subjects import META_BUCKET, META_STREAM, check_model_name, check_stream_id
 from .wire import IndexedRequest, Request, StreamMeta
 
-__all__ = ["IndexEntry", "index_key", "is_index_key", "list_entries", "read_request", "rebuild_meta", "record",
-           "tenant_token"]
+__all__ = ["IndexEntry", "index_key", "list_entries", "read_request", "rebuild_meta", "record",
+           "stream_ids", "tenant_token"]
 
 log = logging.getLogger(__name__)
 
@@ -45,11 +45,6 @@ def tenant_token(tenant: str) -> str:
 def index_key(tenant: str, created_at: int, model: str, stream_id: str) -> str:
     return (f"{_PREFIX}.{tenant_token(tenant)}.{created_at:0{_CREATED_DIGITS}d}."
             f"{check_model_name(model)}.{check_stream_id(stream_id)}")
-
-
-def is_index_key(key: str) -> bool:
-    """Whether a meta bucket key is an index entry (not a stream id: ids hold no dots)."""
-    return key.startswith(f"{_PREFIX}.")
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +85,23 @@ async def list_entries(bus: Bus, tenant: str) -> list[IndexEntry]:
     entries = [e for e in map(_parse, info.state.subjects or {}) if e is not None]
     entries.sort(key=lambda e: (e.created_at, e.id), reverse=True)
     return entries
+
+
+async def stream_ids(bus: Bus) -> list[str]:
+    """Every stream id the meta bucket holds an entry for (one deleted lately included: its
+    marker is the subject's last message until it ages out), for a listing of all tenants.
+
+    One ``STREAM.INFO`` filtered to ``$KV.<bucket>.*`` (ids hold no dots, so no index entry),
+    answered from the server's subject index under its store lock. Not ``KeyValue.keys()``: its
+    watcher decides it has seen every key from per-message pending counts and a delivery counter
+    that can both say "done" early (nats.py #842, #995); on a loaded machine it answered
+    "no keys" for a bucket of 30 (1 listing in 40 here) and ``tokenpipe streams`` left out the
+    stream just made. One answer names at most 100,000 subjects (the server's page)."""
+    try:
+        info = await through_elections(lambda: bus.js.stream_info(META_STREAM, subjects_filter=f"$KV.{META_BUCKET}.*"))
+    except Exception as exc:
+        raise TransportError(f"could not list streams: {exc}") from exc
+    return [subject.rsplit(".", 1)[1] for subject in info.state.subjects or {}]
 
 
 async def read_request(bus: Bus, meta: StreamMeta) -> IndexedRequest | None:

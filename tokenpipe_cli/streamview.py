@@ -9,13 +9,14 @@ import sys
 import time
 
 from nats.aio.msg import Msg
+from nats.js.errors import KeyNotFoundError
 from rich.console import Console
 from rich.table import Table
 
 from tokenpipe import streamrecord
 from tokenpipe.bus import Bus
 from tokenpipe.errors import WireFormatError
-from tokenpipe.streamindex import is_index_key
+from tokenpipe.streamindex import stream_ids
 from tokenpipe.streams import Gap, Ping, follow, get_meta, last_batch, paced
 from tokenpipe.subjects import LIVE_WILDCARD
 from tokenpipe.wire import StreamMeta, TokenBatch
@@ -54,18 +55,12 @@ async def replay(bus: Bus, stream_id: str, *, speed: float, as_json: bool, from_
 
 async def list_streams(bus: Bus, *, limit: int, console: Console) -> int:
     """Recent streams, newest first: id, model, tenant, tokens so far, finish, age."""
-    try:
-        keys = await bus.meta.keys()
-    except Exception as exc:  # nats raises NoKeysError for an empty bucket
-        if type(exc).__name__ == "NoKeysError":
-            keys = []
-        else:
-            raise
     metas: list[StreamMeta] = []
-    for key in keys:
-        if is_index_key(key):
-            continue  # a tenant's index entry (tokenpipe.streamindex), not a stream
-        entry = await bus.meta.get(key)
+    for stream_id in await stream_ids(bus):
+        try:
+            entry = await bus.meta.get(stream_id)
+        except KeyNotFoundError:  # deleted (its marker still names it) or aged out since
+            continue
         if entry.value:
             metas.append(StreamMeta.decode(entry.value))
     metas.sort(key=lambda m: m.created_at, reverse=True)
