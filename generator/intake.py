@@ -22,7 +22,7 @@ from nats.js import JetStreamContext
 from nats.js import api as js_api
 from nats.js.errors import NotFoundError
 
-from tokenpipe.append import StreamLost, append_once
+from tokenpipe.append import LiveCopies, StreamLost, append_once
 from tokenpipe.bus import Bus
 from tokenpipe.errors import GenerationError, TokenpipeError, TransportError
 from tokenpipe.retry import PATIENCE, retrying, through_elections
@@ -41,8 +41,9 @@ T = TypeVar("T")
 class RequestIntake:
     """The pull subscription of one model's generators, and the max-deliveries advisories."""
 
-    def __init__(self, bus: Bus, model: str, settings: Settings) -> None:
+    def __init__(self, bus: Bus, model: str, settings: Settings, live: LiveCopies | None = None) -> None:
         self.bus = bus
+        self.live = live  # the worker's: an error batch's live copy is sent again after a reconnect
         self.model = model
         self.settings = settings
         self._psub: JetStreamContext.PullSubscription | None = None
@@ -147,7 +148,7 @@ class RequestIntake:
         if rid is not None and owner is not None:
             batch = TokenBatch.error_for(rid, exc.message, exc.code)
             try:  # only as the stream's first batch: an id with history belongs to its first request
-                await append_once(self.bus, owner, batch, expected_last=0)
+                await append_once(self.bus, owner, batch, expected_last=0, live=self.live)
             except StreamLost:
                 log.warning("not ending a stream that has history", extra={"request_id": rid})
             except Exception as exc2:  # JetStream away: the client's reader ends on its own timeout
@@ -190,8 +191,9 @@ class RequestIntake:
                     f"generation failed: the request was attempted {attempts} times and every worker stopped",
                     GenerationError.code, seq=len(past), index=produced)
                 # Conditional on what was read: a writer that still appends keeps the stream.
-                await through_elections(lambda: append_once(self.bus, owner, batch, expected_last=stored_last),
-                                        window_s=PATIENCE.budget_s)
+                await through_elections(
+                    lambda: append_once(self.bus, owner, batch, expected_last=stored_last, live=self.live),
+                    window_s=PATIENCE.budget_s)
                 log.error("request exhausted its deliveries", extra={"request_id": request.id, "attempts": attempts})
             await through_elections(lambda: self.bus.js.delete_msg(REQUESTS_STREAM, seq), window_s=PATIENCE.budget_s)
         except Exception as exc:  # JetStream stayed unavailable for PATIENCE.budget_s, or refused

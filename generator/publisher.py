@@ -13,12 +13,8 @@ holder's now) and calls its ``on_lost``. Failures that mean "NATS is away" are r
 batch is stored; a retry whose earlier try was stored after all is told apart from a second
 writer by the stored message's ``Nats-Msg-Id`` (:func:`~tokenpipe.append.stored_as`).
 
-A live copy is at most once, and one written to a server that dies before passing it on is lost
-with no sign to its readers: a lost middle batch shows as a hole when the next one arrives, but a
-lost last batch left the stream quiet until the readers' idle resync (30 s). So after a reconnect
-the last live copy of every stream written recently goes out again (readers drop duplicates by
-``seq``; an app's own copy of its tokens, which stores the live copies, drops them by
-``Nats-Msg-Id`` within its duplicate window of up to 120 s).
+Live copies go through :class:`~tokenpipe.append.LiveCopies`, which sends each stream's last one
+again after a reconnect (one written to a server that died before passing it on is lost).
 """
 
 from __future__ import annotations
@@ -26,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -35,7 +31,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.api import PubAck
 
-from tokenpipe.append import StreamLost, conditional, refused_at, send_live, stored_as
+from tokenpipe.append import LiveCopies, StreamLost, conditional, refused_at, stored_as
 from tokenpipe.bus import Bus
 from tokenpipe.errors import TokenpipeError
 from tokenpipe.retry import ELECTIONS, Backoff, transient
@@ -46,11 +42,6 @@ __all__ = ["AppendChain", "BatchPublisher"]
 log = logging.getLogger(__name__)
 
 _PUBACK_TIMEOUT_S = 5.0
-# A stream's last live copy is sent again after a reconnect if it went out this recently: as long
-# as a quiet reader waits before it reads the store anyway (relay.fanout's resync), so a copy lost
-# on a connection that took long to be declared dead (a frozen server: ~6 s of missed pings) counts.
-_LIVE_RESEND_S = 30.0
-_LIVE_RESEND_MAX = 4096  # streams remembered (the newest); beyond that the readers' resync covers
 
 
 @dataclass(frozen=True)
@@ -68,15 +59,6 @@ class _Batch:
     @property
     def msg_id(self) -> str:
         return self.headers.get("Nats-Msg-Id", "")
-
-
-@dataclass(frozen=True)
-class _LiveCopy:
-    owner: str
-    stream_id: str
-    data: bytes
-    headers: dict[str, str]
-    sent: float  # loop time
 
 
 @dataclass(eq=False)
@@ -161,11 +143,11 @@ class BatchPublisher:
         self.bus = bus
         self._busy: set[asyncio.Task[None]] = set()  # chains with something queued or in flight
         self._acks = _PubAcks(bus)
-        self._recent_live: OrderedDict[str, _LiveCopy] = OrderedDict()  # subject -> its last live copy
-        self._resends: set[asyncio.Task[None]] = set()
+        self.live = LiveCopies(bus)  # the intake's error batches go out through it too
 
     async def start(self) -> None:
         await self._acks.start()
+        self.live.start()
         self.bus.on_possible_loss.append(self._on_possible_loss)
 
     def chain(self, owner: str, stream_id: str, *, last: int, on_lost: Callable[[StreamLost], None]) -> AppendChain:
@@ -178,10 +160,6 @@ class BatchPublisher:
         timeout (a retry that was stored after all is recognised as this writer's own)."""
         if sub is None:
             self._acks.fail_all(ConnectionResetError("sent again after a reconnect"))
-            if self._recent_live:
-                task = asyncio.get_running_loop().create_task(self._resend_live(), name="live-resend")
-                self._resends.add(task)
-                task.add_done_callback(self._resends.discard)
 
     def publish(self, chain: AppendChain, data: bytes, headers: dict[str, str]) -> None:
         """Append ``data`` to ``chain``'s stream after whatever it holds (nothing, once it is lost)."""
@@ -212,10 +190,11 @@ class BatchPublisher:
     async def close(self) -> None:
         if self._on_possible_loss in self.bus.on_possible_loss:
             self.bus.on_possible_loss.remove(self._on_possible_loss)
-        busy = [*self._busy, *self._resends]
+        busy = list(self._busy)
         for task in busy:
             task.cancel()
         await asyncio.gather(*busy, return_exceptions=True)
+        await self.live.close()
         await self._acks.close()
 
     async def _drain(self, chain: AppendChain) -> None:
@@ -278,31 +257,10 @@ class BatchPublisher:
                 self._acks.forget(reply)
             chain.last = ack.seq
             break
-        self._remember_live(chain, item)
         try:
-            await send_live(self.bus, chain.owner, chain.stream_id, item.data, item.headers)
+            await self.live.send(chain.owner, chain.stream_id, item.data, item.headers)
         except Exception as exc:  # live is at most once: readers fill the hole from the store
             log.warning("live copy not sent", extra={"subject": chain.subject, "error": repr(exc)})
-
-    def _remember_live(self, chain: AppendChain, item: _Batch) -> None:
-        now = asyncio.get_running_loop().time()
-        recent = self._recent_live
-        recent[chain.subject] = _LiveCopy(chain.owner, chain.stream_id, item.data, item.headers, now)
-        recent.move_to_end(chain.subject)
-        while recent and (len(recent) > _LIVE_RESEND_MAX or next(iter(recent.values())).sent < now - _LIVE_RESEND_S):
-            recent.popitem(last=False)
-
-    async def _resend_live(self) -> None:
-        """Each recent stream's last live copy again (see the module docstring)."""
-        since = asyncio.get_running_loop().time() - _LIVE_RESEND_S
-        copies = [c for c in self._recent_live.values() if c.sent >= since]
-        for copy in copies:
-            try:
-                await send_live(self.bus, copy.owner, copy.stream_id, copy.data, copy.headers)
-            except Exception as exc:  # disconnected again: the next reconnect sends them once more
-                log.warning("live copies not sent again", extra={"error": repr(exc), "streams": len(copies)})
-                return
-        log.info("live copies sent again after a reconnect", extra={"streams": len(copies)})
 
     async def _was_ours(self, chain: AppendChain, last: int, item: _Batch) -> bool:
         while True:

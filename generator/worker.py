@@ -80,7 +80,7 @@ class GeneratorWorker:
         self._stopping = asyncio.Event()  # no more fetching; running requests may still finish
         self._closing = asyncio.Event()  # the background loops end (after the drain)
         self.publisher = BatchPublisher(bus)
-        self.intake = RequestIntake(bus, loaded.name, settings)
+        self.intake = RequestIntake(bus, loaded.name, settings, live=self.publisher.live)
         self.announcer = Announcer(bus, settings, worker_id=self.worker_id, model=self.model,
                                    device=str(loaded.device), runner=self.runner, streams=self.active,
                                    metrics=self.metrics)

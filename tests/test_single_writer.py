@@ -117,11 +117,12 @@ async def test_a_last_live_copy_lost_with_its_server_is_sent_again_after_a_recon
     """Regression (CI, ``kill -9`` of the TP_TOKENS leader on the 3-node cluster): a generator's live
     copy of a stream's final batch, written to the node that died, never reached the relay; with
     no later batch to show a hole, the client waited out the relay's 30 s idle resync. After a
-    reconnect the publisher sends each recent stream's last live copy again."""
+    reconnect the publisher sends each recent stream's last live copy again, and so does the
+    intake's error batch that ended a request (``append_once`` through the publisher's copies)."""
     own = await connect(settings, name="tests-resend")  # its own bus: only this publisher's hook
     pub = BatchPublisher(own)
     await pub.start()
-    sid, other = f"sw-{secrets.token_hex(4)}", f"sw-{secrets.token_hex(4)}"
+    sid, other, refused = (f"sw-{secrets.token_hex(4)}" for _ in range(3))
     subs = []
     try:
         for s in (sid, other):
@@ -129,15 +130,19 @@ async def test_a_last_live_copy_lost_with_its_server_is_sent_again_after_a_recon
             pub.publish(chain, _batch(s, 0, 1).encode(), _headers(s, 0, "w"))
             pub.publish(chain, _batch(s, 1, 2, final=s == sid).encode(), _headers(s, 1, "w"))
         await pub.flush()
+        await append_once(own, RELAY_OWNER, TokenBatch.error_for(refused, "no", "invalid_request"), expected_last=0,
+                          live=pub.live)
         # Readers that got none of the live copies (they were lost with a server).
-        (live, sub), (live_other, sub_other) = await _live(bus, sid), await _live(bus, other)
-        subs = [sub, sub_other]
-        assert live == [] and live_other == []
+        (live, sub), (live_other, sub_other), (live_refused, sub_refused) = [
+            await _live(bus, s) for s in (sid, other, refused)]
+        subs = [sub, sub_other, sub_refused]
+        assert live == [] and live_other == [] and live_refused == []
         for hook in list(own.on_possible_loss):
             hook(None)  # what the bus does after a reconnect
-        await wait_until(lambda: len(live) >= 1 and len(live_other) >= 1, timeout=10)
+        await wait_until(lambda: len(live) >= 1 and len(live_other) >= 1 and len(live_refused) >= 1, timeout=10)
         assert [(x.seq, x.is_final) for x in live] == [(1, True)]
         assert [(x.seq, x.is_final) for x in live_other] == [(1, False)]
+        assert [(x.seq, x.finish) for x in live_refused] == [(0, "error")]
     finally:
         for sub in subs:
             await sub.unsubscribe()

@@ -11,6 +11,13 @@ refused with error 10071, "wrong last sequence: N", and that writer has lost the
 Live readers get a batch only after the store accepted it, on ``tp.live.<owner>.<id>``
 (:func:`~tokenpipe.subjects.live_subject`), so what they see is what a replay reads.
 
+A live copy is at most once, and one written to a server that dies before passing it on is lost
+with no sign to its readers: a lost middle batch shows as a hole when the next one arrives, but a
+lost last batch left the stream quiet until the readers' idle resync (30 s). So
+:class:`LiveCopies` sends, after a reconnect, the last live copy of every stream written recently
+again (readers drop duplicates by ``seq``; an app's own copy of its tokens, which stores the live
+copies, drops them by ``Nats-Msg-Id`` within its duplicate window of up to 120 s).
+
 nats-server checks the expected sequence before ``Nats-Msg-Id`` deduplication: a retry of an
 append whose PubAck was lost (a reconnect, a leader change) is refused like a second writer's.
 :func:`stored_as` tells the two apart: the append succeeded if the message stored last on the
@@ -20,8 +27,12 @@ subject, at the sequence the refusal names, carries this writer's ``Nats-Msg-Id`
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
+from collections import OrderedDict
 from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import nats.js.errors
 from nats.js.errors import NotFoundError
@@ -31,13 +42,20 @@ from .errors import TokenpipeError, TransportError
 from .subjects import TOKENS_STREAM, live_subject, token_subject
 from .wire import TokenBatch
 
-__all__ = ["EXPECTED_LAST", "StreamLost", "WRONG_LAST_SEQUENCE", "append_once", "conditional", "live_headers",
-           "refused_at", "send_live", "stored_as"]
+__all__ = ["EXPECTED_LAST", "LiveCopies", "StreamLost", "WRONG_LAST_SEQUENCE", "append_once", "conditional",
+           "live_headers", "refused_at", "send_live", "stored_as"]
+
+log = logging.getLogger(__name__)
 
 EXPECTED_LAST = "Nats-Expected-Last-Subject-Sequence"
 WRONG_LAST_SEQUENCE = 10071  # JetStream's JSStreamWrongLastSequenceErrF
 _LAST_RE = re.compile(r"(\d+)\s*$")
 _LOOK_TRIES = 5  # a direct get answered by a replica that is behind the leader is asked again
+# A stream's last live copy is sent again after a reconnect if it went out this recently: as long
+# as a quiet reader waits before it reads the store anyway (relay.fanout's resync), so a copy lost
+# on a connection that took long to be declared dead (a frozen server: ~6 s of missed pings) counts.
+_LIVE_RESEND_S = 30.0
+_LIVE_RESEND_MAX = 4096  # streams remembered (the newest); beyond that the readers' resync covers
 
 
 class StreamLost(TokenpipeError):
@@ -77,6 +95,63 @@ async def send_live(bus: Bus, owner: str, stream_id: str, data: bytes, headers: 
     await bus.nc.publish(live_subject(owner, stream_id), data, headers=live_headers(headers) or None)
 
 
+@dataclass(frozen=True, slots=True)
+class _LiveCopy:
+    owner: str
+    stream_id: str
+    data: bytes
+    headers: Mapping[str, str]
+    sent: float  # loop time
+
+
+class LiveCopies:
+    """One process's live copies: each sent at once, the newest per stream kept a while and sent
+    again after every reconnect of ``bus`` (see the module docstring). :meth:`start` in the loop."""
+
+    def __init__(self, bus: Bus) -> None:
+        self.bus = bus
+        self._recent: OrderedDict[tuple[str, str], _LiveCopy] = OrderedDict()  # (owner, id) -> its last copy
+        self._resends: set[asyncio.Task[None]] = set()
+
+    def start(self) -> None:
+        self.bus.on_possible_loss.append(self._on_possible_loss)
+
+    async def close(self) -> None:
+        if self._on_possible_loss in self.bus.on_possible_loss:
+            self.bus.on_possible_loss.remove(self._on_possible_loss)
+        for task in self._resends:
+            task.cancel()
+        await asyncio.gather(*self._resends, return_exceptions=True)
+
+    async def send(self, owner: str, stream_id: str, data: bytes, headers: Mapping[str, str]) -> None:
+        """The live copy of a batch the store accepted, remembered first (a send that fails here
+        is one lost: the next reconnect sends it again)."""
+        now = asyncio.get_running_loop().time()
+        recent = self._recent
+        recent[owner, stream_id] = _LiveCopy(owner, stream_id, data, headers, now)
+        recent.move_to_end((owner, stream_id))
+        while recent and (len(recent) > _LIVE_RESEND_MAX or next(iter(recent.values())).sent < now - _LIVE_RESEND_S):
+            recent.popitem(last=False)
+        await send_live(self.bus, owner, stream_id, data, headers)
+
+    def _on_possible_loss(self, sub: Any) -> None:
+        if sub is None and self._recent:  # None: the connection came back (a subscription: its overflow)
+            task = asyncio.get_running_loop().create_task(self._resend(), name="live-resend")
+            self._resends.add(task)
+            task.add_done_callback(self._resends.discard)
+
+    async def _resend(self) -> None:
+        since = asyncio.get_running_loop().time() - _LIVE_RESEND_S
+        copies = [c for c in self._recent.values() if c.sent >= since]
+        for copy in copies:
+            try:
+                await send_live(self.bus, copy.owner, copy.stream_id, copy.data, copy.headers)
+            except Exception as exc:  # disconnected again: the next reconnect sends them once more
+                log.warning("live copies not sent again", extra={"error": repr(exc), "streams": len(copies)})
+                return
+        log.info("live copies sent again after a reconnect", extra={"streams": len(copies)})
+
+
 async def stored_as(bus: Bus, subject: str, last: int, msg_id: str) -> bool:
     """Whether the message stored last on ``subject``, at stream sequence ``last``, is the one
     with ``msg_id`` (an earlier try of this very append). Asked by direct get, which any replica
@@ -95,10 +170,11 @@ async def stored_as(bus: Bus, subject: str, last: int, msg_id: str) -> bool:
 
 
 async def append_once(bus: Bus, owner: str, batch: TokenBatch, *, expected_last: int,
-                      headers: Mapping[str, str] | None = None) -> int:
+                      headers: Mapping[str, str] | None = None, live: LiveCopies | None = None) -> int:
     """Append ``batch`` outside a writer (an error batch the intake ends a request with): stored
-    only if the stream's last stored sequence is ``expected_last``, then sent live. Returns its
-    stream sequence; raises :class:`StreamLost` when refused, the JetStream error otherwise."""
+    only if the stream's last stored sequence is ``expected_last``, then sent live (through
+    ``live`` when given, so a reconnect sends it again). Returns its stream sequence; raises
+    :class:`StreamLost` when refused, the JetStream error otherwise."""
     subject = token_subject(owner, batch.id)
     hdrs = {**(headers or {}), "Nats-Msg-Id": f"{owner}:{batch.id}:{batch.seq}:intake"}
     data = batch.encode()
@@ -113,5 +189,8 @@ async def append_once(bus: Bus, owner: str, batch: TokenBatch, *, expected_last:
         ack_seq = last
     else:
         ack_seq = ack.seq
-    await send_live(bus, owner, batch.id, data, hdrs)
+    if live is not None:
+        await live.send(owner, batch.id, data, hdrs)
+    else:
+        await send_live(bus, owner, batch.id, data, hdrs)
     return ack_seq
