@@ -106,14 +106,20 @@ def sample(logits: Tensor, samplers: list[RowSampler]) -> list[int]:
         return out.tolist()
     idx, scaled, top_k, top_p, u, plain = sampled_rows(logits, samplers, rows)
     V = logits.shape[-1]
-    tokens, exact = draw(scaled, top_k, top_p, u, min(CANDIDATES, V))
-    if bool(plain.any()):
+    tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+    is_plain = plain.tolist()
+    if any(is_plain):  # temperature only (OpenAI's defaults): no ranking, so no top-k pass to throw away
         where = plain.nonzero()[:, 0]
         cdf = scaled[where].softmax(-1).cumsum(-1)
         tokens[where] = torch.searchsorted(cdf, (u[where] * cdf[:, -1])[:, None], right=True)[:, 0].clamp(max=V - 1)
-        exact |= plain
-    if not bool(exact.all()):
-        redo = (~exact).nonzero()[:, 0]
-        tokens[redo] = draw(scaled[redo], top_k[redo], top_p[redo], u[redo], V)[0]
+    if not all(is_plain):
+        ranked = (~plain).nonzero()[:, 0]
+        r_scaled, r_k, r_p, r_u = ((scaled, top_k, top_p, u) if not any(is_plain) else
+                                   (scaled[ranked], top_k[ranked], top_p[ranked], u[ranked]))
+        drawn, exact = draw(r_scaled, r_k, r_p, r_u, min(CANDIDATES, V))
+        if not bool(exact.all()):
+            redo = (~exact).nonzero()[:, 0]
+            drawn[redo] = draw(r_scaled[redo], r_k[redo], r_p[redo], r_u[redo], V)[0]
+        tokens[ranked] = drawn
     out[idx] = tokens
     return out.tolist()
