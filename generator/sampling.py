@@ -93,7 +93,8 @@ def sampled_rows(logits: Tensor, samplers: list[RowSampler],
     # one draw per row from the row's own generator: the only per-row Python work
     u = torch.cat([torch.rand(1, generator=s.generator, device=dev) for s in chosen])
     idx = torch.tensor(rows, device=dev)
-    scaled = logits.index_select(0, idx) / temp[:, None]
+    # Every row sampled (the common case): no [R, V] copy before the division's own
+    scaled = (logits if len(rows) == logits.shape[0] else logits.index_select(0, idx)) / temp[:, None]
     return idx, scaled, top_k, top_p, u, (top_k >= V) & (top_p >= 1.0)
 
 
@@ -110,7 +111,7 @@ def sample(logits: Tensor, samplers: list[RowSampler]) -> list[int]:
     is_plain = plain.tolist()
     if any(is_plain):  # temperature only (OpenAI's defaults): no ranking, so no top-k pass to throw away
         where = plain.nonzero()[:, 0]
-        cdf = scaled[where].softmax(-1).cumsum(-1)
+        cdf = (scaled if all(is_plain) else scaled[where]).softmax(-1).cumsum(-1)
         tokens[where] = torch.searchsorted(cdf, (u[where] * cdf[:, -1])[:, None], right=True)[:, 0].clamp(max=V - 1)
     if not all(is_plain):
         ranked = (~plain).nonzero()[:, 0]

@@ -144,6 +144,19 @@ def test_step_split_benchmark_times_the_step_and_the_rest(tmp_path: Path, data_d
     assert result["weight_bytes_per_token"] > 0 and result["bandwidth_share_one_row"] > 0
 
 
+def test_sampling_benchmark_times_every_mode_and_row_count(tmp_path: Path, data_dir: Path) -> None:
+    """`bench.sampling`: each sampling mode at each row count, against a step of as many rows."""
+    out = tmp_path / "sampling.json"
+    proc = _run(["bench.sampling", "--model", "tiny-random", "--data-dir", str(data_dir), "--rows", "1,3",
+                 "--rounds", "1", "--calls", "2", "--out", str(out)])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert [r["rows"] for r in result["results"]] == [1, 3]
+    for r in result["results"]:
+        assert r["step_ms"] > 0 and set(r["sample_ms"]) == set(result["modes"])
+        assert all(ms > 0 for ms in r["sample_ms"].values())
+
+
 def test_stubbed_projections_are_put_back(tiny_model: LoadedModel) -> None:
     """The rest is timed with the projections swapped out; afterwards the model computes as before."""
     from bench.kvstep import RawSteps

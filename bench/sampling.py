@@ -1,0 +1,103 @@
+"""What choosing the next token costs per decode step, by sampling mode and batch size.
+
+    python -m bench.sampling [--rows 1,8,32] [--rounds 7] [--calls 50] [--label NAME] [--model M]
+                             [--out bench/out/sampling.json]
+
+Loads the default model as a generator does, prefills ``rows`` of the benchmark's chat prompts
+(the longer ones shortened at their start to the shortest one's length, so each still ends where the reply
+begins) and times :func:`generator.sampling.sample` on the logits of the first token of the
+reply, every row with the same parameters: greedy, temperature only (OpenAI's defaults: no top-k, top-p 1),
+top-p 0.9 and top-k 50 (both at temperature 0.9). The modes alternate within each round; the
+median of the rounds' means is reported, with the share of a decode step it costs (a step of
+that many rows timed here, eager, on the same threads). Imports are absolute, so another checkout can be
+timed the same way (``PYTHONPATH=<checkout> python bench/sampling.py --label before``).
+The machine may be shared: compare ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.ceilings import cpu_summary
+from bench.kvstep import RawSteps
+from bench.reference import prompt_ids
+from generator.models import load_model, resolve_threads
+from generator.sampling import RowSampler, sample
+from tokenpipe.settings import Settings
+from tokenpipe.wire import SamplingParams
+
+MODES: dict[str, dict[str, Any]] = {
+    "greedy": {"temperature": 0},
+    "temperature": {"temperature": 0.9},
+    "top-p 0.9": {"temperature": 0.9, "top_p": 0.9},
+    "top-k 50": {"temperature": 0.9, "top_k": 50},
+}
+
+
+def time_modes(logits: torch.Tensor, rounds: int, calls: int) -> dict[str, float]:
+    """Median over ``rounds`` of the mean ms of ``calls`` samplings of ``logits`` per mode."""
+    samplers = {m: [RowSampler.from_params(SamplingParams.from_map({**p, "seed": i}), logits.device)
+                    for i in range(logits.shape[0])] for m, p in MODES.items()}
+    per_mode: dict[str, list[float]] = {m: [] for m in MODES}
+    for r in range(-1, rounds):  # round -1 warms up
+        for mode in MODES:
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                sample(logits, samplers[mode])
+            if r >= 0:
+                per_mode[mode].append((time.perf_counter() - t0) / calls * 1e3)
+    return {m: statistics.median(v) for m, v in per_mode.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    ap.add_argument("--rows", default="1,8,32")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--calls", type=int, default=50)
+    ap.add_argument("--label", default="")
+    ap.add_argument("--model", default=None, help="default: TOKENPIPE_MODEL")
+    ap.add_argument("--data-dir", default=None, help="where converted models are cached (default: TOKENPIPE_DATA_DIR)")
+    ap.add_argument("--out", default="bench/out/sampling.json")
+    args = ap.parse_args(argv)
+    s = Settings.load(**{k: v for k, v in (("model", args.model), ("data_dir", args.data_dir)) if v is not None})
+    torch.set_num_threads(resolve_threads(s.threads))
+    cpu = cpu_summary()
+    print(f"bench.sampling {args.label}: {cpu['line']}; {torch.get_num_threads()} threads; torch {torch.__version__} "
+          "(the machine may be shared: compare ratios)", flush=True)
+    lm = load_model(s.model, path=s.model_path, device="cpu", dtype=s.dtype, quant=s.quant, data_dir=s.data_dir,
+                    kernels=s.kernels, max_batch=s.max_batch)
+    print(f"{'rows':>5} {'step ms':>8} " + " ".join(f"{m + ' ms':>15} {'of step':>8}" for m in MODES), flush=True)
+    results = []
+    for rows in (int(r) for r in args.rows.split(",")):
+        prompts = prompt_ids(lm, rows)
+        width = min(len(p) for p in prompts)
+        raw = RawSteps(lm, rows, width + 8)  # room for the 7 decode steps
+        logits = raw.prefill(torch.tensor([p[len(p) - width:] for p in prompts])).float()  # [rows, V]
+        tokens = logits.argmax(-1)
+        raw.decode(tokens, torch.full((rows,), width), width + 1)  # the first step's one-time costs
+        t0 = time.perf_counter()
+        for i in range(1, 7):
+            raw.decode(tokens, torch.full((rows,), width + i), width + i + 1)
+        step_ms = (time.perf_counter() - t0) / 6 * 1e3
+        ms = time_modes(logits, args.rounds, args.calls)
+        results.append({"rows": rows, "step_ms": step_ms, "sample_ms": ms})
+        print(f"{rows:>5} {step_ms:>8.2f} " + " ".join(f"{v:>15.3f} {v / step_ms * 100:>7.1f}%" for v in ms.values()),
+              flush=True)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"label": args.label, "cpu": cpu, "threads": torch.get_num_threads(),
+                               "torch": torch.__version__, "model": lm.name, "modes": MODES, "results": results},
+                              indent=2))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
