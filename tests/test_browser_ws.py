@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import httpx
 
 from generator.worker import GeneratorWorker
 
+from .conftest import wait_until
 from .test_browser import (  # noqa: F401  (fixtures, used by name)
     PROMPT,
     TIMEOUT_MS,
@@ -22,7 +24,11 @@ from .test_browser import (  # noqa: F401  (fixtures, used by name)
 
 
 class Sockets:
-    """Every WebSocket the page opens, with the frames it sent and received (JSON)."""
+    """Every WebSocket the page opens, with the frames it sent and received (JSON).
+
+    Playwright reports frames as events from the browser's network side, which may come after
+    what the page shows (a CI run found the page idle after its Stop and no cancel frame in
+    ``sent`` yet): :meth:`sent_types` waits until the frames expected are in."""
 
     def __init__(self, page: Any) -> None:
         self.urls: list[str] = []
@@ -38,6 +44,12 @@ class Sockets:
         self.urls.append(ws.url)
         ws.on("framesent", lambda payload: self.sent.append(json.loads(payload)))
         ws.on("framereceived", lambda payload: self.received.append(json.loads(payload)))
+
+    async def sent_types(self, expected: list[str]) -> list[str]:
+        """The types of the frames sent, once ``expected`` have all been reported (or after 10 s)."""
+        with contextlib.suppress(AssertionError):  # timed out: the caller's comparison shows what came
+            await wait_until(lambda: len(self.sent) >= len(expected), timeout=10)
+        return [f["type"] for f in self.sent]
 
 
 async def chat_over_ws(page: Any, *, max_tokens: int, temperature: float) -> None:
@@ -55,6 +67,7 @@ async def test_chat_over_the_websocket_toggle(tab: Tab, http: httpx.AsyncClient)
     await wait_idle(tab)
     sid = await page.text_content("#sid")
     assert len(sockets.urls) == 1 and sockets.urls[0].endswith("/v1/ws")
+    assert await sockets.sent_types(["create"]) == ["create"]
     create = sockets.sent[0]
     assert create["type"] == "create" and create["max_tokens"] == 24 and create["temperature"] == 0.7
     assert create["messages"] == [{"role": "user", "content": PROMPT}]
@@ -68,7 +81,7 @@ async def test_chat_over_the_websocket_toggle(tab: Tab, http: httpx.AsyncClient)
     await page.press("#prompt", "Enter")
     await page.wait_for_function("() => document.querySelectorAll('.msg.assistant').length === 2")
     await wait_idle(tab)
-    assert len(sockets.urls) == 1 and [f["type"] for f in sockets.sent] == ["create", "create"]
+    assert len(sockets.urls) == 1 and await sockets.sent_types(["create", "create"]) == ["create", "create"]
     assert await page.evaluate("() => localStorage.getItem('tokenpipe.transport')") == "ws"
     assert tab.errors == []
 
@@ -83,7 +96,8 @@ async def test_stop_over_the_websocket_sends_a_cancel_frame(tab: Tab, http: http
     await page.click("#stop")
     await wait_idle(tab)
     sid = await page.text_content("#sid")
-    assert next(f for f in sockets.sent if f["type"] == "cancel")["id"] == sid
+    assert await sockets.sent_types(["create", "cancel"]) == ["create", "cancel"]
+    assert sockets.sent[1]["id"] == sid
     assert not [u for u in sockets.posts if "/v1/streams" in u]
     tokens, done = await replay(http, sid or "")
     assert done["finish"] == "cancelled"
@@ -115,7 +129,7 @@ async def test_page_over_websocket_with_api_keys_sends_an_auth_frame_first(
         await page.wait_for_function("() => document.getElementById('ntok').textContent === '6'"
                                      " || document.querySelector('.msg.error') !== null")
         assert await page.locator(".msg.error").count() == 0
-        assert [f["type"] for f in sockets.sent] == ["auth", "create"]
+        assert await sockets.sent_types(["auth", "create"]) == ["auth", "create"]
         assert sockets.sent[0]["api_key"] == "page-key"
         assert sockets.received[0]["type"] == "authenticated"
         assert errors == []
