@@ -8,10 +8,12 @@ Loads the default model as a generator does, prefills ``rows`` of the benchmark'
 begins) and times :func:`generator.sampling.sample` on the logits of the first token of the
 reply, every row with the same parameters: greedy, temperature only (OpenAI's defaults: no top-k, top-p 1),
 top-p 0.9 and top-k 50 (both at temperature 0.9). The modes alternate within each round; the
-median of the rounds' means is reported, with the share of a decode step it costs (a step of
-that many rows timed here, eager, on the same threads). Imports are absolute, so another checkout can be
-timed the same way (``PYTHONPATH=<checkout> python bench/sampling.py --label before``).
-The machine may be shared: compare ratios.
+median of the rounds' means is reported, with the share of a decode step it costs: the engine's
+own greedy step of that many rows (``generator.engine.Engine``, eager, on the same threads).
+Another checkout is timed by copying this file into it and running ``python -m bench.sampling
+--label before`` there (run by its path, ``bench/`` would come first on ``sys.path``, and its
+``kernels.py`` would shadow the ``kernels`` package transformers looks for). The machine may be
+shared: compare ratios.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ import torch
 from bench.ceilings import cpu_summary
 from bench.kvstep import RawSteps
 from bench.reference import prompt_ids
-from generator.models import load_model, resolve_threads
+from generator.engine import Engine
+from generator.models import LoadedModel, load_model, resolve_threads
 from generator.sampling import RowSampler, sample
 from tokenpipe.settings import Settings
 from tokenpipe.wire import SamplingParams
@@ -56,6 +59,20 @@ def time_modes(logits: torch.Tensor, rounds: int, calls: int) -> dict[str, float
     return {m: statistics.median(v) for m, v in per_mode.items()}
 
 
+def engine_step_ms(lm: LoadedModel, prompts: list[list[int]], steps: int = 8) -> float:
+    """Mean ms of the engine's greedy decode steps with one row per prompt (after two warm-up steps)."""
+    eng = Engine(lm, max_batch=len(prompts), max_seq_len=max(map(len, prompts)) + steps + 4)
+    params = SamplingParams.from_map({"max_tokens": steps + 3, "ignore_eos": True, "temperature": 0})
+    for i, p in enumerate(prompts):
+        eng.add(eng.new_sequence(f"bench-{i}", p, params))
+    for _ in range(3):  # the prefill, then two steps' one-time costs
+        eng.step()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        eng.step()
+    return (time.perf_counter() - t0) / steps * 1e3
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     ap.add_argument("--rows", default="1,8,32")
@@ -78,14 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     for rows in (int(r) for r in args.rows.split(",")):
         prompts = prompt_ids(lm, rows)
         width = min(len(p) for p in prompts)
-        raw = RawSteps(lm, rows, width + 8)  # room for the 7 decode steps
+        raw = RawSteps(lm, rows, width + 1)
         logits = raw.prefill(torch.tensor([p[len(p) - width:] for p in prompts])).float()  # [rows, V]
-        tokens = logits.argmax(-1)
-        raw.decode(tokens, torch.full((rows,), width), width + 1)  # the first step's one-time costs
-        t0 = time.perf_counter()
-        for i in range(1, 7):
-            raw.decode(tokens, torch.full((rows,), width + i), width + i + 1)
-        step_ms = (time.perf_counter() - t0) / 6 * 1e3
+        step_ms = engine_step_ms(lm, prompts)
         ms = time_modes(logits, args.rounds, args.calls)
         results.append({"rows": rows, "step_ms": step_ms, "sample_ms": ms})
         print(f"{rows:>5} {step_ms:>8.2f} " + " ".join(f"{v:>15.3f} {v / step_ms * 100:>7.1f}%" for v in ms.values()),

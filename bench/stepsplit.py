@@ -16,9 +16,11 @@ between the other ops.) At one row it also reports the bytes of weights a step r
 (the kernel each projection runs at that row count) against this machine's read bandwidth
 (a 1 GiB fp32 sum on the engine's threads): the share of the ceiling the step reaches.
 
-Imports are absolute so the same file can time another checkout (``PYTHONPATH=<checkout> python
-bench/stepsplit.py --label before``): the way a change to the forward pass is compared, rounds of
-the two alternated by the caller. The machine may be shared: only ratios mean anything.
+Another checkout is timed by copying this file into it and running ``python -m bench.stepsplit
+--label before`` there (run by its path, ``bench/`` comes first on ``sys.path`` and its
+``kernels.py`` shadows the ``kernels`` package transformers looks for): the way a change to the
+forward pass is compared, rounds of the two alternated by the caller. The machine may be
+shared: only ratios mean anything.
 
 ``--compile`` times the one-row step as ``TOKENPIPE_DECODE_COMPILE=on`` runs it
 (:class:`generator.compiled.CompiledDecode`, its table padded to the graph's width), whole and
