@@ -1,4 +1,5 @@
-"""The raw forward steps over a paged KV cache, for benchmarks that time a step, not the engine.
+"""The raw forward steps over a paged KV cache, for benchmarks that time a step, not the engine,
+and the model loaded for them as a generator loads it (:func:`load_as_generator`).
 
 Each row owns a contiguous run of blocks (a fixed block table), so a step costs what the engine's
 does at the same batch and context: the writes through slot indices, the gather through tables.
@@ -6,14 +7,38 @@ does at the same batch and context: the writes through slot indices, the gather 
 
 from __future__ import annotations
 
+import argparse
+from typing import Any
+
 import torch
 from torch import Tensor
 
+from bench.ceilings import cpu_summary
 from generator.forward import decode_step, prefill
 from generator.kvcache import BLOCK_SIZE, PagedKVCache, bytes_per_position
-from generator.models import LoadedModel
+from generator.models import LoadedModel, load_model, resolve_threads
+from tokenpipe.settings import Settings
 
-__all__ = ["RawSteps"]
+__all__ = ["RawSteps", "add_model_args", "load_as_generator"]
+
+
+def add_model_args(ap: argparse.ArgumentParser) -> None:
+    """``--model`` and ``--data-dir``, overriding the settings :func:`load_as_generator` reads."""
+    ap.add_argument("--model", default=None, help="default: TOKENPIPE_MODEL")
+    ap.add_argument("--data-dir", default=None, help="where converted models are cached (default: TOKENPIPE_DATA_DIR)")
+
+
+def load_as_generator(args: argparse.Namespace, bench: str) -> tuple[LoadedModel, dict[str, Any]]:
+    """The default model (or ``args.model``) loaded as a generator loads it, on the generator's
+    thread count, after a line naming the machine; with :func:`~bench.ceilings.cpu_summary`."""
+    s = Settings.load(**{k: v for k, v in (("model", args.model), ("data_dir", args.data_dir)) if v is not None})
+    torch.set_num_threads(resolve_threads(s.threads))
+    cpu = cpu_summary()
+    print(f"{bench} {args.label}: {cpu['line']}; {torch.get_num_threads()} threads; torch {torch.__version__} "
+          "(the machine may be shared: compare ratios)", flush=True)
+    lm = load_model(s.model, path=s.model_path, device="cpu", dtype=s.dtype, quant=s.quant, data_dir=s.data_dir,
+                    kernels=s.kernels, max_batch=s.max_batch)
+    return lm, cpu
 
 
 class RawSteps:

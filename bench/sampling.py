@@ -27,13 +27,11 @@ from typing import Any
 
 import torch
 
-from bench.ceilings import cpu_summary
-from bench.kvstep import RawSteps
+from bench.kvstep import RawSteps, add_model_args, load_as_generator
 from bench.reference import prompt_ids
 from generator.engine import Engine
-from generator.models import LoadedModel, load_model, resolve_threads
+from generator.models import LoadedModel
 from generator.sampling import RowSampler, sample
-from tokenpipe.settings import Settings
 from tokenpipe.wire import SamplingParams
 
 MODES: dict[str, dict[str, Any]] = {
@@ -79,17 +77,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--calls", type=int, default=50)
     ap.add_argument("--label", default="")
-    ap.add_argument("--model", default=None, help="default: TOKENPIPE_MODEL")
-    ap.add_argument("--data-dir", default=None, help="where converted models are cached (default: TOKENPIPE_DATA_DIR)")
+    add_model_args(ap)
     ap.add_argument("--out", default="bench/out/sampling.json")
     args = ap.parse_args(argv)
-    s = Settings.load(**{k: v for k, v in (("model", args.model), ("data_dir", args.data_dir)) if v is not None})
-    torch.set_num_threads(resolve_threads(s.threads))
-    cpu = cpu_summary()
-    print(f"bench.sampling {args.label}: {cpu['line']}; {torch.get_num_threads()} threads; torch {torch.__version__} "
-          "(the machine may be shared: compare ratios)", flush=True)
-    lm = load_model(s.model, path=s.model_path, device="cpu", dtype=s.dtype, quant=s.quant, data_dir=s.data_dir,
-                    kernels=s.kernels, max_batch=s.max_batch)
+    lm, cpu = load_as_generator(args, "bench.sampling")
     print(f"{'rows':>5} {'step ms':>8} " + " ".join(f"{m + ' ms':>15} {'of step':>8}" for m in MODES), flush=True)
     results = []
     for rows in (int(r) for r in args.rows.split(",")):

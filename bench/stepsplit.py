@@ -41,15 +41,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from bench.ceilings import cpu_summary
-from bench.kvstep import RawSteps
+from bench.kvstep import RawSteps, add_model_args, load_as_generator
 from generator.compiled import CompiledDecode
 from generator.forward import Plan, plan_for
 from generator.kernels import kernel_for
 from generator.kvcache import BLOCK_SIZE
-from generator.models import LoadedModel, load_model, resolve_threads
+from generator.models import LoadedModel
 from generator.quant import QuantLinear
-from tokenpipe.settings import Settings
 
 CONTEXT = 104
 
@@ -154,20 +152,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--label", default="")
-    ap.add_argument("--model", default=None, help="default: TOKENPIPE_MODEL")
-    ap.add_argument("--data-dir", default=None, help="where converted models are cached (default: TOKENPIPE_DATA_DIR)")
+    add_model_args(ap)
     ap.add_argument("--compile", action="store_true", help="the one-row step compiled (TOKENPIPE_DECODE_COMPILE)")
     ap.add_argument("--out", default="bench/out/stepsplit.json")
     args = ap.parse_args(argv)
     if args.compile and args.rows != "1":
         ap.error("--compile times one-row steps: pass --rows 1")
-    s = Settings.load(**{k: v for k, v in (("model", args.model), ("data_dir", args.data_dir)) if v is not None})
-    torch.set_num_threads(resolve_threads(s.threads))
-    cpu = cpu_summary()
-    print(f"bench.stepsplit {args.label}: {cpu['line']}; {torch.get_num_threads()} threads; torch {torch.__version__} "
-          "(the machine may be shared: compare ratios)", flush=True)
-    lm = load_model(s.model, path=s.model_path, device="cpu", dtype=s.dtype, quant=s.quant, data_dir=s.data_dir,
-                    kernels=s.kernels, max_batch=s.max_batch)
+    lm, cpu = load_as_generator(args, "bench.stepsplit")
     plan = plan_for(lm.model)
     print(f"{lm.name} {lm.quant} {str(lm.dtype).removeprefix('torch.')}", flush=True)
     rows_list = [int(r) for r in args.rows.split(",")]
