@@ -97,8 +97,6 @@ async def send_live(bus: Bus, owner: str, stream_id: str, data: bytes, headers: 
 
 @dataclass(frozen=True, slots=True)
 class _LiveCopy:
-    owner: str
-    stream_id: str
     data: bytes
     headers: Mapping[str, str]
     sent: float  # loop time
@@ -128,7 +126,7 @@ class LiveCopies:
         is one lost: the next reconnect sends it again)."""
         now = asyncio.get_running_loop().time()
         recent = self._recent
-        recent[owner, stream_id] = _LiveCopy(owner, stream_id, data, headers, now)
+        recent[owner, stream_id] = _LiveCopy(data, headers, now)
         recent.move_to_end((owner, stream_id))
         while recent and (len(recent) > _LIVE_RESEND_MAX or next(iter(recent.values())).sent < now - _LIVE_RESEND_S):
             recent.popitem(last=False)
@@ -142,10 +140,10 @@ class LiveCopies:
 
     async def _resend(self) -> None:
         since = asyncio.get_running_loop().time() - _LIVE_RESEND_S
-        copies = [c for c in self._recent.values() if c.sent >= since]
-        for copy in copies:
+        copies = [(key, c) for key, c in self._recent.items() if c.sent >= since]
+        for (owner, stream_id), copy in copies:
             try:
-                await send_live(self.bus, copy.owner, copy.stream_id, copy.data, copy.headers)
+                await send_live(self.bus, owner, stream_id, copy.data, copy.headers)
             except Exception as exc:  # disconnected again: the next reconnect sends them once more
                 log.warning("live copies not sent again", extra={"error": repr(exc), "streams": len(copies)})
                 return
