@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import fcntl
 import logging
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
-from generator.autotune import apply_table, tune_plan
+from generator.autotune import BUSY_SHARE, OthersLoad, apply_table, tune_plan
 from generator.engine import Engine
 from generator.forward import plan_for
 from generator.kernels import (
@@ -83,9 +88,11 @@ def int4_tiny(data_dir: Path) -> LoadedModel:
     return load_model("tiny-random", device="cpu", dtype="float32", data_dir=data_dir, quant="int4")
 
 
-def _tune(lm: LoadedModel, where: Path, setting: str = "auto", max_batch: int = 4) -> KernelTable:
+def _tune(lm: LoadedModel, where: Path, setting: str = "auto", max_batch: int = 4,
+          busy_share: float | None = None) -> KernelTable:
+    """Tune into ``where``; by default whatever else the machine runs (a busy CI host) does not matter."""
     return tune_plan(lm.model, plan_for(lm.model), name=lm.name, dtype=lm.dtype, dense_rows=32, max_batch=max_batch,
-                     data_dir=where, setting=setting)
+                     data_dir=where, setting=setting, busy_share=busy_share)
 
 
 def test_table_is_measured_then_read_from_the_cache(int4_tiny: LoadedModel, tmp_path: Path) -> None:
@@ -114,6 +121,93 @@ def test_corrupt_cache_is_measured_again_with_a_warning(int4_tiny: LoadedModel, 
     assert again.source == "measured"
     assert any("corrupt" in r.getMessage() for r in caplog.records)
     assert _tune(int4_tiny, tmp_path).source == "cache"  # rewritten whole
+
+
+@pytest.fixture()
+def busy_cores() -> Iterator[None]:
+    """One busy-loop process per CPU, each running (it said so) before the test goes on."""
+    loops = [subprocess.Popen([sys.executable, "-c", "print('spinning', flush=True)\nwhile True: pass"],
+                              stdout=subprocess.PIPE, text=True) for _ in range(_cpus())]
+    try:
+        for p in loops:
+            assert p.stdout is not None and p.stdout.readline().strip() == "spinning"
+        yield
+    finally:
+        for p in loops:
+            p.kill()
+            p.wait()
+
+
+def _cpus() -> int:
+    return sum(1 for line in Path("/proc/stat").read_text().splitlines() if line[:3] == "cpu" and line[3:4].isdigit())
+
+
+def test_others_load_counts_other_processes_not_this_one(busy_cores: None) -> None:
+    load = OthersLoad()
+    sum(i * i for i in range(3_000_000))  # this process's own work is not "others"
+    share = load.share()
+    assert share is not None and share > 0.5, share
+
+
+def test_kernel_table_measured_on_a_busy_machine_was_cached_for_good(
+        int4_tiny: LoadedModel, tmp_path: Path, busy_cores: None, caplog: pytest.LogCaptureFixture) -> None:
+    """Other processes held every core while the table was measured: it is not kept (the rules serve the
+    run) nor cached (the next start measures again), and the log says why."""
+    with caplog.at_level(logging.WARNING, logger="generator.autotune"):
+        table = _tune(int4_tiny, tmp_path, busy_share=BUSY_SHARE)
+    assert table.source == "rules" and table.seconds > 0
+    assert table.bands == _tune(int4_tiny, tmp_path / "other", setting="rules").bands
+    assert not list((tmp_path / "kernels").glob("*.json"))
+    assert [r.getMessage().rsplit("; ", 1)[-1] for r in caplog.records if "not trusted" in r.getMessage()] == [
+        "measuring again", "the rules serve this run (not cached: the next start measures again)"]
+
+
+_TUNE_IN_CHILD = """
+import logging, sys
+from generator.autotune import tune_plan
+from generator.forward import plan_for
+from generator.models import load_model
+logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
+lm = load_model("tiny-random", device="cpu", dtype="float32", data_dir=sys.argv[1], quant="int4", kernels="rules")
+print("loaded", file=sys.stderr, flush=True)
+table = tune_plan(lm.model, plan_for(lm.model), name=lm.name, dtype=lm.dtype, dense_rows=32, max_batch=4,
+                  data_dir=sys.argv[2], busy_share=None)
+print(table.source, flush=True)
+"""
+
+
+def test_a_second_generator_measured_the_kernels_at_the_same_moment_as_the_first(
+        int4_tiny: LoadedModel, data_dir: Path, tmp_path: Path) -> None:
+    """While one process holds the measurement lock, a second one waits (and says so) rather than
+    measuring too, then reads the table the first one cached."""
+    _tune(int4_tiny, tmp_path)
+    (table_file,) = (tmp_path / "kernels").glob("*.json")
+    text = table_file.read_text()
+    table_file.unlink()
+    with open(table_file.with_suffix(".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # "the first process", measuring
+        child = subprocess.Popen([sys.executable, "-c", _TUNE_IN_CHILD, str(data_dir), str(tmp_path)],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        lines: list[str] = []
+        waiting = threading.Event()
+
+        def read_log() -> None:
+            assert child.stderr is not None
+            for line in child.stderr:
+                lines.append(line)
+                if "waiting for its result" in line:
+                    waiting.set()
+        reader = threading.Thread(target=read_log, daemon=True)
+        reader.start()
+        try:
+            assert waiting.wait(180), "".join(lines)
+            table_file.write_text(text)  # the first process's table, cached as it lets go
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    out, _ = child.communicate(timeout=180)
+    reader.join(10)
+    assert child.returncode == 0, "".join(lines)
+    assert out.split() == ["cache"], "".join(lines)
 
 
 def test_override_wins_over_the_cache(int4_tiny: LoadedModel, tmp_path: Path) -> None:

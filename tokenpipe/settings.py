@@ -111,7 +111,9 @@ class Settings:
                       "torch's quantized kernel, the float weight, the oneDNN pre-packed float weight and "
                       "tokenpipe's own AVX2 kernel (`gemv`, built with `$CC`/`$CXX` at the first start, ~15 s) on the "
                       "engine's threads (a few seconds, once: cached in `<data dir>/kernels/` per CPU, threads, "
-                      "torch and model) and switches from the rule only on a ≥ 10 % win; `rules` (the "
+                      "torch and model; one process measures at a time, and a table measured while other "
+                      "processes held over a quarter of the CPUs is not trusted: the rules serve that run) and "
+                      "switches from the rule only on a ≥ 10 % win; `rules` (the "
                       "quantized kernel up to 16 rows with native bf16, else 32); `quant`, `dense`, `packed`, "
                       "`gemv`: that one for every decode step"))
     engine_process: EngineProcess = field(
