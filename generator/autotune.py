@@ -54,6 +54,9 @@ _ATTENTION_MAX_ROWS = 8  # fp32 attention is tried up to this many rows (it lost
 # loops on two cores made a table 1.37-1.50x slower (RESULTS.md); a quarter leaves room for the idle
 # noise of the stack's own processes (NATS, the relay) while the generator starts.
 BUSY_SHARE = 0.25
+# How long a start waits for another process's measurement: two measurements on a loaded 2-core machine
+# take well under this; a holder stopped for longer (SIGSTOP) must not stop this start for good.
+_LOCK_WAIT_S = 300.0
 
 
 def apply_table(plan: Plan, table: KernelTable, *, keep_packed: bool = False) -> None:
@@ -101,13 +104,22 @@ def tune_plan(model: Any, plan: Plan, *, name: str, dtype: torch.dtype, dense_ro
     else:
         key = cache_key(name, plan.quant, dtype, counts, gemv=lib.path.name if lib else "")
         path = cache_file(data_dir, key)
-        with _one_at_a_time(path):
-            table = _read_cache(path, key) or _measure_quietly(model, plan, rules, counts, dtype, busy_share)
-            if table.source == "measured":
-                _write_cache(path, table.to_json(key))
+        # The common start reads the cache without taking the lock.
+        table = _read_cache(path, key) or _measure_and_cache(path, key, model, plan, rules, counts, dtype, busy_share)
     apply_table(plan, table)
     log.info("kernel table (%s): %s", table.source, table.summary(),
              extra={"kernels": table.source, "seconds": round(table.seconds, 2), "model": name})
+    return table
+
+
+def _measure_and_cache(path: Path, key: dict[str, Any], model: Any, plan: Plan, rules: KernelTable,
+                       counts: tuple[int, ...], dtype: torch.dtype, busy_share: float | None) -> KernelTable:
+    """Under the lock: the table another process cached while this one waited, else one measured here
+    (cached only if trusted)."""
+    with _one_at_a_time(path):
+        table = _read_cache(path, key) or _measure_quietly(model, plan, rules, counts, dtype, busy_share)
+        if table.source == "measured":
+            _write_cache(path, table.to_json(key))
     return table
 
 
@@ -177,13 +189,25 @@ def _one_at_a_time(path: Path) -> Iterator[None]:
         yield
         return
     with fh:
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        if not _try_lock(fh):
             log.info("another process is measuring the kernel table; waiting for its result",
                      extra={"path": str(path)})
-            fcntl.flock(fh, fcntl.LOCK_EX)
+            deadline = time.monotonic() + _LOCK_WAIT_S
+            while not _try_lock(fh):
+                if time.monotonic() > deadline:
+                    log.warning("the process measuring the kernel table held its lock over %.0f s; going on "
+                                "without it", _LOCK_WAIT_S, extra={"path": str(path)})
+                    break
+                time.sleep(0.2)
         yield  # the lock goes with the file's close
+
+
+def _try_lock(fh: Any) -> bool:
+    try:
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
 
 
 def _read_cache(path: os.PathLike[str], key: dict[str, Any]) -> KernelTable | None:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from generator import autotune
 from generator.autotune import BUSY_SHARE, OthersLoad, apply_table, tune_plan
 from generator.engine import Engine
 from generator.forward import plan_for
@@ -208,6 +209,22 @@ def test_a_second_generator_measured_the_kernels_at_the_same_moment_as_the_first
     reader.join(10)
     assert child.returncode == 0, "".join(lines)
     assert out.split() == ["cache"], "".join(lines)
+
+
+def test_a_start_waited_for_good_on_a_stopped_process_holding_the_kernel_lock(
+        int4_tiny: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A measuring process frozen (SIGSTOP) keeps its lock: another start waits a bounded time, then measures."""
+    _tune(int4_tiny, tmp_path)
+    (table_file,) = (tmp_path / "kernels").glob("*.json")
+    table_file.unlink()
+    monkeypatch.setattr(autotune, "_LOCK_WAIT_S", 0.5)
+    with open(table_file.with_suffix(".lock"), "a") as lock, caplog.at_level(logging.INFO, logger="generator.autotune"):
+        fcntl.flock(lock, fcntl.LOCK_EX)  # never let go while the start runs
+        table = _tune(int4_tiny, tmp_path)
+    assert table.source == "measured" and table_file.exists()
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("waiting for its result" in m for m in messages) and any("going on without it" in m for m in messages)
 
 
 def test_override_wins_over_the_cache(int4_tiny: LoadedModel, tmp_path: Path) -> None:

@@ -3,15 +3,18 @@ permission table is the one nats-server is configured with."""
 
 from __future__ import annotations
 
+import json
 import stat
 from pathlib import Path
 
 import bcrypt
 
+from tokenpipe.bus import connect
 from tokenpipe.natsauth import add_app, ensure_credentials, identity
 from tokenpipe.natsconfig import account_table, accounts, permission_table, server_config
 from tokenpipe.settings import Settings
 from tokenpipe_cli.cli import _nats_config, build_parser
+from tokenpipe_cli.natsserver import NatsServer
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "architecture.md"
 
@@ -85,3 +88,34 @@ def test_tokenpipe_nats_serves_the_same_authorization_and_tls(tmp_path: Path) ->
     assert '"user": "generator"' in (tmp_path / "creds" / "accounts.conf").read_text()
     assert '"cert_file": "c.pem"' in conf and '"verify": true' in conf
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
+
+
+def _beside_up(tmp_path: Path, up_nats_url: str) -> Path:
+    """A data dir as `tokenpipe up` leaves it: every role's credentials and an up.json naming its NATS server."""
+    ensure_credentials(tmp_path / "creds")
+    (tmp_path / "up.json").write_text(json.dumps({"state": "stopped", "nats_url": up_nats_url}))
+    return tmp_path
+
+
+def test_credentials_of_tokenpipe_up_go_only_to_the_server_it_runs(tmp_path: Path) -> None:
+    data = str(_beside_up(tmp_path, "nats://127.0.0.1:4222"))
+    for same in ("nats://127.0.0.1:4222", "nats://localhost:4222", "127.0.0.1", "nats://10.0.0.9:1,localhost:4222"):
+        assert identity(Settings.load(env={}, nats_url=same, data_dir=data), "relay").options["user"] == "relay", same
+    other = identity(Settings.load(env={}, nats_url="nats://127.0.0.1:5999", data_dir=data), "relay")
+    assert "user" not in other.options and other.provisions  # an open bus of its own: it provisions
+    (tmp_path / "up.json").write_text("{not json")  # nothing says where they belong: they are offered
+    assert identity(Settings.load(env={}, nats_url="nats://127.0.0.1:5999", data_dir=data), "relay").options["user"]
+
+
+async def test_a_benchmark_on_its_own_nats_server_failed_after_make_up_left_credentials(tmp_path: Path) -> None:
+    """`make up` left credentials in the default data dir; `bench.appends` (and tests) then connected to
+    their own open nats-server with them, did not provision, and failed: BucketNotFoundError."""
+    data = _beside_up(tmp_path / "data", "nats://127.0.0.1:4222")
+    with NatsServer(tmp_path / "nats") as server:
+        bus = await connect(Settings.load(env={}, nats_url=server.url, data_dir=str(data)), name="test-open-bus")
+        try:
+            assert bus.provisions and bus.registry
+            await bus.meta.put("k", b"v")
+            assert (await bus.meta.get("k")).value == b"v"
+        finally:
+            await bus.close()

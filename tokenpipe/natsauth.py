@@ -25,6 +25,7 @@ import ssl
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from .errors import InvalidRequest
 from .settings import Settings
@@ -269,10 +270,39 @@ class Identity:
 
 def _default_creds(settings: Settings, role: str) -> str:
     """``tokenpipe up`` writes every role's credentials into the data dir: a role started by hand
-    next to it (or the CLI) finds its own there."""
+    next to it (or the CLI) finds its own there, for the NATS server that ``up.json`` names. A
+    client of another server (a test's or a benchmark's own, on an open bus) does not present them."""
     user = app_user(settings.app_name or "default") if role == "app" else role
     path = Path(settings.data_dir) / "creds" / f"{user}.json"
-    return str(path) if path.exists() else ""
+    return str(path) if path.exists() and _names_ups_server(settings) else ""
+
+
+def _names_ups_server(settings: Settings) -> bool:
+    """Whether ``settings.nats_url`` shares a server with the data dir's ``up.json`` (True where
+    there is no readable ``up.json``: nothing says the credentials belong elsewhere)."""
+    try:
+        status = json.loads((Path(settings.data_dir) / "up.json").read_text(encoding="utf-8"))
+        theirs = _endpoints(str(status["nats_url"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return True
+    return bool(theirs & _endpoints(settings.nats_url))
+
+
+def _endpoints(nats_url: str) -> set[tuple[str, int]]:
+    """``(host, port)`` of each server in a URL list, every loopback name spelled alike."""
+    out = set()
+    for url in nats_url.split(","):
+        try:
+            parsed = urlsplit(url.strip() if "://" in url else f"nats://{url.strip()}")
+            port = parsed.port or 4222
+        except ValueError:
+            continue
+        host = (parsed.hostname or "").lower()
+        out.add(("loopback" if host in _LOOPBACK else host, port))
+    return out
+
+
+_LOOPBACK = frozenset({"localhost", "127.0.0.1", "::1", "0.0.0.0", ""})
 
 
 def _tls_context(settings: Settings) -> ssl.SSLContext:

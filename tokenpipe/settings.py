@@ -58,7 +58,8 @@ class Settings:
     nats_creds: str = field(
         default="",
         metadata=_doc("NATS credentials file: tokenpipe's user/password JSON (`tokenpipe creds`) or a JWT `.creds` "
-                      "file (default: the role's file in `<data dir>/creds/` when `tokenpipe up` wrote one)"),
+                      "file (default: the role's file in `<data dir>/creds/` when `tokenpipe up` wrote one, for the "
+                      "NATS server its `up.json` names)"),
     )
     nats_user: str = field(default="", metadata=_doc("NATS user (instead of `TOKENPIPE_NATS_CREDS`)"))
     nats_password: str = field(default="", metadata=_doc("NATS password for `TOKENPIPE_NATS_USER`"))
