@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from .errors import InvalidRequest
+from .cluster import server_list
+from .errors import ConfigError, InvalidRequest
 from .settings import Settings
 from .subjects import (
     ANNOUNCE_PREFIX,
@@ -282,18 +283,17 @@ def _names_ups_server(settings: Settings) -> bool:
     there is no readable ``up.json``: nothing says the credentials belong elsewhere)."""
     try:
         status = json.loads((Path(settings.data_dir) / "up.json").read_text(encoding="utf-8"))
-        theirs = _endpoints(str(status["nats_url"]))
-    except (OSError, ValueError, KeyError, TypeError):
+        return bool(_endpoints(str(status["nats_url"])) & _endpoints(settings.nats_url))
+    except (OSError, ValueError, KeyError, TypeError, ConfigError):  # ConfigError: a URL list naming no server
         return True
-    return bool(theirs & _endpoints(settings.nats_url))
 
 
 def _endpoints(nats_url: str) -> set[tuple[str, int]]:
     """``(host, port)`` of each server in a URL list, every loopback name spelled alike."""
     out = set()
-    for url in nats_url.split(","):
+    for url in server_list(nats_url):
         try:
-            parsed = urlsplit(url.strip() if "://" in url else f"nats://{url.strip()}")
+            parsed = urlsplit(url if "://" in url else f"nats://{url}")
             port = parsed.port or 4222
         except ValueError:
             continue
