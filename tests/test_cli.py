@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -17,7 +18,7 @@ import nats
 import pytest
 
 from producer import SSEParser
-from tokenpipe_cli.launch import LaunchError, free_port, spawn, wait_ready
+from tokenpipe_cli.launch import LaunchError, free_port, free_ports, spawn, wait_ready
 
 from .conftest import alive, descendants, read_until_up
 
@@ -111,3 +112,17 @@ def test_the_launcher_times_out_clearly_and_stops_what_it_started() -> None:
         assert child.returncode is None
     finally:
         assert child.stop(timeout=10) == -signal.SIGTERM
+
+
+def test_a_cluster_node_found_its_monitoring_port_taken_by_an_outgoing_connection() -> None:
+    """The ports chosen for servers lie outside the kernel's ephemeral range, where the local end
+    of an outgoing connection cannot land between the choice and the server's bind."""
+    low, high = (int(v) for v in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    ports = free_ports(60)
+    assert len(set(ports)) == 60
+    assert not [p for p in ports if low <= p <= high], (low, high, ports)
+    # ...and they are free: a listener binds each one.
+    for port in ports[:10]:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+            s.listen()

@@ -221,9 +221,10 @@ class Settings:
         default=0, metadata=_doc("generators the relay expects (`tokenpipe up` sets it): `/readyz` says `degraded` "
                                  "while fewer are live (0: unknown)"))
     submit_retry_s: float = field(
-        default=15.0, metadata=_doc("how long the relay retries enqueueing a request while NATS is unavailable "
+        default=30.0, metadata=_doc("how long the relay retries enqueueing a request while NATS is unavailable "
                                     "before answering 503 (idempotent by request id); covers a nats-server restart "
-                                    "and, on a cluster, a stream leader's re-election (4-9 s)"))
+                                    "and, on a cluster, a frozen node: the relay's connection to it declared dead "
+                                    "(~8 s), then a stream leader's re-election (4-9 s)"))
     cancel_grace_s: float = field(
         default=2.0,
         metadata=_doc("after the last live reader of a running stream (on any relay) disconnects, wait this long for "

@@ -21,7 +21,7 @@ from typing import Any
 
 from tokenpipe.errors import ConfigError, TransportError
 
-from .launch import free_port
+from .launch import free_ports
 from .natsserver import NatsServer
 
 __all__ = ["ClusterArgs", "LocalCluster", "node_args"]
@@ -99,8 +99,9 @@ class LocalCluster:
         self.data_dir = Path(data_dir)
         self.host = host
         self.name = name
-        ports = [first_port or free_port(host)] + [free_port(host) for _ in range(size - 1)]
-        route_ports = [free_port(host) for _ in range(size)]
+        chosen = [p for p in free_ports(3 * size + 1, host) if p != first_port][:3 * size]
+        ports = [first_port or chosen[0], *chosen[1:size]]
+        route_ports, monitor_ports = chosen[size:2 * size], chosen[2 * size:]
         self.nodes: list[NatsServer] = []
         # With authorization on for clients, the routes get a user of their own too (a password
         # for this cluster's lifetime: every node is restarted from this object).
@@ -121,7 +122,7 @@ class LocalCluster:
                     shared = os.path.relpath(Path(config_file).resolve(), node_dir.resolve())
                     f.write(f"include {json.dumps(shared)}\n")
                 f.write(args.config_block(host))
-            self.nodes.append(NatsServer(node_dir, host=host, port=ports[i], monitor_port=free_port(host),
+            self.nodes.append(NatsServer(node_dir, host=host, port=ports[i], monitor_port=monitor_ports[i],
                                          cluster=args, config_file=conf))
 
     @property

@@ -13,6 +13,7 @@ Every child gets the Linux parent-death signal, so a killed parent leaves no orp
 from __future__ import annotations
 
 import logging
+import random
 import signal
 import socket
 import subprocess
@@ -26,8 +27,8 @@ from pathlib import Path
 
 from tokenpipe.errors import TokenpipeError
 
-__all__ = ["Child", "LaunchError", "die_with_parent", "free_port", "http_ok", "port_free", "role_command", "spawn",
-           "spawn_role", "stop_all", "tcp_listening", "wait_ready"]
+__all__ = ["Child", "LaunchError", "die_with_parent", "free_port", "free_ports", "http_ok", "port_free", "role_command",
+           "spawn", "spawn_role", "stop_all", "tcp_listening", "wait_ready"]
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +49,53 @@ def die_with_parent() -> None:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nobody listens on right now."""
+    """A TCP port nobody listens on right now, chosen outside the kernel's ephemeral range.
+
+    Not ``bind(host, 0)``: that hands out an ephemeral port, and until the server we start binds
+    it, any outgoing connection on the machine may be given the same port as its local end (a
+    cluster node failed to start with "bind: address already in use" in CI that way)."""
+    return free_ports(1, host)[0]
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct ports as :func:`free_port` chooses them (a cluster's client, route and
+    monitoring ports: separate calls could return one port twice)."""
+    low, high = _ephemeral_range()
+    spans = [(a, b) for a, b in ((10000, low - 1), (high + 1, 65535)) if b - a >= 1000]
+    rng = random.SystemRandom()
+    chosen: list[int] = []
+    for _ in range(100 * n if spans else 0):
+        a, b = rng.choices(spans, weights=[b - a for a, b in spans])[0]
+        port = rng.randint(a, b)
+        if port not in chosen and _bindable(host, port):
+            chosen.append(port)
+            if len(chosen) == n:
+                return chosen
+    while len(chosen) < n:  # nothing outside the range (or no luck): what the kernel gives
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = int(s.getsockname()[1])
+        if port not in chosen:
+            chosen.append(port)
+    return chosen
+
+
+def _bindable(host: str, port: int) -> bool:
     with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The ports the kernel gives outgoing connections (Linux's default where it cannot be read)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
 
 
 def port_free(port: int, host: str = "127.0.0.1") -> bool:
