@@ -1,14 +1,16 @@
 """What the single-writer rule costs the whole pipeline: tokens/s at 32 streams and TTFT, A/B in one run.
 
     python -m bench.fencecost [--streams 32] [--max-tokens 128] [--rounds 3] [--ttft-requests 30]
-                              [--model smollm2-135m] [--out bench/out/fencecost.json]
+                              [--model smollm2-135m] [--b unconditional|no-hold] [--out bench/out/fencecost.json]
 
 Each round starts a fresh pipeline (nats-server, one generator process, one relay process, as
 :mod:`bench.pipeline` does) with one of two generators, alternated A B B A ...:
 
 - ``conditional``: ``tokenpipe generator``, each append conditional on the stream's last stored
   batch, one in flight per stream, the live copy sent once stored (:mod:`generator.publisher`);
-- ``unconditional``: the same process with the rule switched off (:mod:`bench.unfenced`).
+- ``unconditional``: the same process with the rule switched off (:mod:`bench.unfenced`);
+- or, with ``--b no-hold``, ``tokenpipe generator`` whose engine does not pause for new
+  streams' first batches (``TOKENPIPE_FIRST_BATCH_HOLD_MS=0``, :class:`generator.runner.FirstBatchGate`).
 
 and drives it over HTTP with the minimal client: ``--ttft-requests`` single streams one after
 another (the pipeline-added TTFT: client TTFT minus the engine's prefill, from the batch's own
@@ -44,7 +46,8 @@ from .workload import chat
 __all__ = ["main"]
 
 LAST_HOP = next(name for name, (a, _) in STAGES.items() if a == "emitted")  # the hop the rule adds to
-VARIANTS = {"conditional": "tokenpipe_cli", "unconditional": "bench.unfenced"}
+VARIANTS = {"conditional": ("tokenpipe_cli", {}), "unconditional": ("bench.unfenced", {}),
+            "no-hold": ("tokenpipe_cli", {"TOKENPIPE_FIRST_BATCH_HOLD_MS": "0"})}  # name: launcher, environment
 
 
 async def _conditional(nats_url: str) -> bool:
@@ -80,11 +83,12 @@ async def _round(url: str, nats_url: str, pid: int, args: argparse.Namespace) ->
 
 def run(args: argparse.Namespace) -> dict[str, list[dict[str, float]]]:
     order = [name for i in range(args.rounds)
-             for name in (("conditional", "unconditional") if i % 2 == 0 else ("unconditional", "conditional"))]
-    env = {"TOKENPIPE_MAX_BATCH": str(max(args.streams, 1))}
-    out: dict[str, list[dict[str, float]]] = {name: [] for name in VARIANTS}
+             for name in (("conditional", args.b) if i % 2 == 0 else (args.b, "conditional"))]
+    out: dict[str, list[dict[str, float]]] = {name: [] for name in ("conditional", args.b)}
     for n, name in enumerate(order, 1):
-        with Pipeline(args.model, args.data_dir, env, launcher=VARIANTS[name]) as pipe:
+        launcher, extra = VARIANTS[name]
+        env = {"TOKENPIPE_MAX_BATCH": str(max(args.streams, 1)), **extra}
+        with Pipeline(args.model, args.data_dir, env, launcher=launcher) as pipe:
             assert pipe.generator is not None
             res = asyncio.run(_round(pipe.url, pipe.nats.url, pipe.generator.pid, args))
         out[name].append(res)
@@ -96,7 +100,7 @@ def summarize(out: dict[str, list[dict[str, float]]]) -> dict[str, float]:
     def mean(name: str, key: str) -> float:
         return statistics.fmean(r[key] for r in out[name])
 
-    c, u = "conditional", "unconditional"
+    c, u = out  # the conditional generator, and the B side
     return {**{f"{k}_{name}": mean(name, k) for name in (c, u) for k in out[c][0]},
             "tok_s_ratio": mean(c, "tok_s") / mean(u, "tok_s"),
             "cpu_ratio": mean(c, "gen_cpu_s_per_1k_tokens") / mean(u, "gen_cpu_s_per_1k_tokens"),
@@ -112,11 +116,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="rounds per variant (alternated)")
     parser.add_argument("--ttft-requests", type=int, default=30)
     parser.add_argument("--data-dir", default=Settings.load().data_dir)
+    parser.add_argument("--b", choices=["unconditional", "no-hold"], default="unconditional",
+                        help="what the conditional generator is compared with (the module docstring)")
     parser.add_argument("--out", default="bench/out/fencecost.json")
     args = parser.parse_args(argv)
     out = run(args)
     summary = summarize(out)
-    print("\n| figure | conditional | unconditional | ratio / delta |\n|---|---|---|---|")
+    print(f"\n| figure | conditional | {args.b} | ratio / delta |\n|---|---|---|---|")
     for key, label, cmp in (("tok_s", f"tokens/s at {args.streams} streams", "tok_s_ratio"),
                             ("gen_cpu_s_per_1k_tokens", "generator CPU s per 1k tokens", "cpu_ratio"),
                             ("ttft_added_p50_ms", "pipeline-added TTFT p50, ms", "ttft_added_p50_delta_ms"),
@@ -124,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
                              "emitted_to_client_p50_delta_ms"),
                             ("ttft_p50_ms", "client TTFT p50, ms", None)):
         tail = f"{summary[cmp]:.3f}" if cmp else ""
-        print(f"| {label} | {summary[key + '_conditional']:.2f} | {summary[key + '_unconditional']:.2f} | {tail} |")
+        print(f"| {label} | {summary[key + '_conditional']:.2f} | {summary[f'{key}_{args.b}']:.2f} | {tail} |")
     result = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "config": vars(args),
               "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform()},
               "rounds": out, "summary": summary}

@@ -29,6 +29,8 @@ async def _append_unfenced(self: BatchPublisher, chain: AppendChain, item: _Batc
     fut.add_done_callback(_observed)
     await self.bus.nc.publish(chain.subject, item.data, reply=reply, headers=item.headers)
     await send_live(self.bus, chain.owner, chain.stream_id, item.data, item.headers)
+    if self.on_live is not None:  # the engine's wait for first batches (generator.runner.FirstBatchGate) alike
+        self.on_live(chain.stream_id)
 
 
 def _observed(fut: asyncio.Future[PubAck]) -> None:

@@ -144,6 +144,7 @@ class BatchPublisher:
         self._busy: set[asyncio.Task[None]] = set()  # chains with something queued or in flight
         self._acks = _PubAcks(bus)
         self.live = LiveCopies(bus)  # the intake's error batches go out through it too
+        self.on_live: Callable[[str], None] | None = None  # told each stream id whose batch went out live
 
     async def start(self) -> None:
         await self._acks.start()
@@ -261,6 +262,8 @@ class BatchPublisher:
             await self.live.send(chain.owner, chain.stream_id, item.data, item.headers)
         except Exception as exc:  # live is at most once: readers fill the hole from the store
             log.warning("live copy not sent", extra={"subject": chain.subject, "error": repr(exc)})
+        if self.on_live is not None:
+            self.on_live(chain.stream_id)
 
     async def _was_ours(self, chain: AppendChain, last: int, item: _Batch) -> bool:
         while True:

@@ -26,7 +26,7 @@ from .detok import IncrementalDetokenizer, StopMatcher
 from .engine import Engine, Sequence, StepOutput
 from .models import LoadedModel
 
-__all__ = ["Job", "Emission", "Runner", "encode_prompt", "torch_thread"]
+__all__ = ["FirstBatchGate", "Job", "Emission", "Runner", "encode_prompt", "torch_thread"]
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +55,47 @@ class Emission:
     usage: Usage | None = None
     admitted_ns: int = 0
     error_code: str | None = None
+
+
+class FirstBatchGate:
+    """After a step that produced streams' first tokens, the engine thread waits (at most
+    ``limit_s``) until the worker has sent those streams' first batches live, then ``hold_s`` more.
+
+    On a CPU the engine's thread team holds every core through the next step, while a first batch
+    needs the worker's event loop twice (to append it, and after its PubAck to send its live copy),
+    then nats-server and the relay. Given the cores for that moment, that hop took half as long
+    (bench/RESULTS.md, "the first batch's way out"); a step that starts new streams is followed by
+    a pause of a few milliseconds. Waiting for the live copy alone, without the hold, did not help
+    reliably: the copy is then still in the connection's buffer."""
+
+    def __init__(self, limit_s: float, hold_s: float) -> None:
+        self.limit_s = limit_s
+        self.hold_s = hold_s
+        self._pending: set[str] = set()
+        self._cond = threading.Condition()
+        self.waits = self.timeouts = 0  # waits, and those that ended at limit_s
+
+    def expect(self, stream_ids: list[str]) -> None:
+        with self._cond:
+            self._pending.update(stream_ids)
+
+    def sent(self, stream_id: str) -> None:
+        """A batch of ``stream_id`` went out live (the worker's event loop)."""
+        if stream_id in self._pending:  # the common case, a later batch, takes no lock
+            with self._cond:
+                self._pending.discard(stream_id)
+                if not self._pending:
+                    self._cond.notify_all()
+
+    def wait(self) -> None:
+        with self._cond:
+            self.waits += 1
+            if not self._cond.wait_for(lambda: not self._pending, self.limit_s):
+                self.timeouts += 1
+            self._pending.clear()  # one not sent by now (refused, taken, its writer gone) is not waited for again
+        # Sent is queued in the worker's connection: the cores a moment longer, for the flush, the
+        # server and the relay to carry it to the client.
+        time.sleep(self.hold_s)
 
 
 @dataclass
@@ -129,6 +170,8 @@ class Runner:
         self._handed_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._running: Future[None] | None = None
+        # Set by a worker that sends the live copies (None: nothing to wait for)
+        self.first_batches: FirstBatchGate | None = None
 
     @classmethod
     def for_settings(cls, loaded: LoadedModel, settings: Settings, on_emit: Callable[[list[Emission]], None], *,
@@ -212,7 +255,12 @@ class Runner:
                 self.on_step(self.engine.last_step_batch)
             emissions = [self._emission(o) for o in outputs]
             if emissions:
+                gate, firsts = self.first_batches, [e.request_id for e in emissions if e.admitted_ns]
+                if gate is not None and firsts:
+                    gate.expect(firsts)
                 self.on_emit(emissions)
+                if gate is not None and firsts:
+                    gate.wait()
 
     def _hold(self, item: Job | _Cancel, hold_until: float) -> float:
         """Until when to wait before the next step: an idle engine holds its first prefill while

@@ -41,7 +41,7 @@ from .intake import RequestIntake, keep, patiently
 from .models import LoadedModel
 from .observe import step_observer
 from .publisher import BatchPublisher
-from .runner import Emission, Job, Runner
+from .runner import Emission, FirstBatchGate, Job, Runner
 from .writer import OutputContext, StreamWriter
 
 __all__ = ["GeneratorWorker"]
@@ -49,6 +49,9 @@ __all__ = ["GeneratorWorker"]
 log = logging.getLogger(__name__)
 
 _RECENT_CANCELS = 10_000
+# The engine's longest wait for new streams' first batches to go out live (FirstBatchGate): a
+# PubAck takes ~0.3 ms on an idle machine, a few ms on two busy cores; past this the step goes on.
+FIRST_BATCH_WAIT_S = 0.005
 _CHECK_WAIT_S = 5.0  # at most this long a stopping worker waits for the stream-id checks in flight
 
 
@@ -80,6 +83,9 @@ class GeneratorWorker:
         self._stopping = asyncio.Event()  # no more fetching; running requests may still finish
         self._closing = asyncio.Event()  # the background loops end (after the drain)
         self.publisher = BatchPublisher(bus)
+        if isinstance(self.runner, Runner) and loaded.device.type == "cpu" and settings.first_batch_hold_ms > 0:
+            self.runner.first_batches = FirstBatchGate(FIRST_BATCH_WAIT_S, settings.first_batch_hold_ms / 1000)
+            self.publisher.on_live = self.runner.first_batches.sent
         self.intake = RequestIntake(bus, loaded.name, settings, live=self.publisher.live)
         self.announcer = Announcer(bus, settings, worker_id=self.worker_id, model=self.model,
                                    device=str(loaded.device), runner=self.runner, streams=self.active,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from pathlib import Path
 
 import httpx
@@ -12,7 +13,7 @@ import pytest
 
 from generator.engine import Engine
 from generator.models import LoadedModel
-from generator.runner import encode_prompt
+from generator.runner import FirstBatchGate, encode_prompt
 from generator.worker import GeneratorWorker
 from producer import Producer, RelayClient, aiter_sse
 from relay.app import create_app
@@ -352,3 +353,45 @@ async def test_resume_after_final_batch_ends_with_done_instead_of_hanging(http: 
     final_id = full[-1][1]
     tail = await asyncio.wait_for(stream_events(http, sid, last_event_id=str(final_id)), timeout=20)
     assert tail == [full[-1]]
+
+
+def test_first_batch_gate_waits_for_every_expected_stream_and_no_longer_than_its_limit() -> None:
+    gate = FirstBatchGate(limit_s=60, hold_s=0)
+    gate.expect(["a", "b"])
+    waiter = threading.Thread(target=gate.wait)
+    waiter.start()
+    gate.sent("a")
+    gate.sent("other")  # another stream's batch releases nothing
+    waiter.join(0.2)
+    assert waiter.is_alive()
+    gate.sent("b")
+    waiter.join(30)
+    assert not waiter.is_alive() and (gate.waits, gate.timeouts) == (1, 0)
+
+    short = FirstBatchGate(limit_s=0.05, hold_s=0)
+    short.expect(["never-sent"])  # refused, or its id taken: the step goes on after the limit
+    short.wait()
+    short.wait()  # and it is not waited for again
+    assert (short.waits, short.timeouts) == (2, 1)
+
+
+async def test_the_engine_waited_for_a_first_batch_to_go_out_live_before_its_next_step(
+        http: httpx.AsyncClient, generator: GeneratorWorker) -> None:
+    """On a CPU the engine thread gives the cores to the first batch's way out (the worker's
+    publisher tells the gate when its live copy is sent); a broken link would end every wait at
+    the limit, which here is a minute."""
+    wired_gate = generator.runner.first_batches
+    assert wired_gate is not None and generator.publisher.on_live == wired_gate.sent  # wired on a CPU worker
+    gate = FirstBatchGate(limit_s=60, hold_s=0)
+    wired = generator.runner.first_batches, generator.publisher.on_live
+    generator.runner.first_batches, generator.publisher.on_live = gate, gate.sent
+    try:
+        for _ in range(2):
+            resp = await http.post("/v1/streams", json={"messages": MESSAGES, "max_tokens": 6, "temperature": 0,
+                                                        "ignore_eos": True})
+            assert resp.status_code == 201, resp.text
+            events = await stream_events(http, resp.json()["id"])
+            assert events[-1][0] == "done"
+    finally:
+        generator.runner.first_batches, generator.publisher.on_live = wired
+    assert (gate.waits, gate.timeouts) == (2, 0)

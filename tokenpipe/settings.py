@@ -156,6 +156,13 @@ class Settings:
         metadata=_doc("an idle engine waits at most this long for the rest of a burst it fetched, to prefill it "
                       "as one batch (a lone request is never held)"),
     )
+    first_batch_hold_ms: float = field(
+        default=1.5,
+        metadata=_doc("on a CPU, after a step that produced streams' first tokens, the engine waits until their "
+                      "first batches went out live (at most 5 ms), then this long more: the relay and NATS get the "
+                      "cores to carry them to the client (pipeline-added TTFT p50 2 ms lower on 2 cores, "
+                      "bench/RESULTS.md); 0: no wait. The engine thread only, not the engine-core process"),
+    )
     coalesce_max_tokens: int = field(
         default=8, metadata=_doc("count window: tokens per published batch (chosen by `python -m bench.coalesce`, "
                                  "see bench/RESULTS.md; a request's `coalesce` overrides it)"))
