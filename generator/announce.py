@@ -52,6 +52,7 @@ class Announcer:
         self._kv_meter = KVCacheMeter(metrics)
         self._sub: Subscription | None = None
         self._task: asyncio.Task[None] | None = None
+        self._gauges: asyncio.Task[None] | None = None
         self._stopping = asyncio.Event()
 
     async def start(self) -> None:
@@ -62,7 +63,7 @@ class Announcer:
     async def stop(self) -> None:
         """Stop announcing, then say this worker is leaving (last: no round of the loop can
         announce it ready again after that)."""
-        await stop_loops(self._stopping, [] if self._task is None else [self._task])
+        await stop_loops(self._stopping, [t for t in (self._task, self._gauges) if t is not None])
         await self.announce(ready=False)
         if self._sub is not None:
             await self._sub.unsubscribe()
@@ -86,9 +87,13 @@ class Announcer:
         while await pause(self._stopping, self.settings.announce_interval_s):
             try:
                 await self.announce()
-                await self._refresh_gauges()
             except Exception as exc:  # an outage must not end the announcements for good
                 log.warning("announce failed", extra={"error": repr(exc)})
+            # Off the announcements' clock: the gauges ask JetStream, which takes seconds while a
+            # consumer is between leaders, and announcements that waited for it lapsed at every
+            # relay (503 "no generator" with both generators alive, under a frozen cluster node).
+            if self._gauges is None or self._gauges.done():
+                self._gauges = asyncio.create_task(self._refresh_gauges(), name="announce-gauges")
 
     async def _refresh_gauges(self) -> None:
         m, engine = self.metrics, self.runner.engine

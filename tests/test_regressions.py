@@ -372,3 +372,35 @@ async def test_a_relay_stops_when_a_jetstream_request_swallows_the_cancel_of_its
     stopping = asyncio.create_task(state.stop())
     done, _ = await asyncio.wait({stopping}, timeout=30)  # not wait_for: its own cancel would be swallowed too
     assert done, "RelayState.stop() did not return: the repair loop went on after its cancel"
+
+
+async def test_announcements_lapsed_while_a_gauge_waited_on_a_leaderless_consumer(
+        bus: Bus, generator: GeneratorWorker) -> None:
+    """Regression: the announcement loop awaited the queue gauge's ``consumer_info`` before its
+    next announcement. Under a frozen cluster node the consumer was between leaders, the call took
+    seconds, both generators' announcements lapsed at every relay, and a POST got 503 "no
+    generator" with both alive (test_node_frozen_for_ten_seconds in CI). Here that JetStream call
+    never answers (the one fault injected); the announcements must keep their cadence."""
+    released = asyncio.Event()
+    asked = asyncio.Event()
+
+    async def leaderless(*args: object, **kwargs: object) -> object:
+        asked.set()
+        await released.wait()
+        raise TimeoutError("no consumer leader")
+
+    seen: list[float] = []
+
+    async def on_announcement(msg: object) -> None:
+        seen.append(time.monotonic())
+
+    sub = await bus.nc.subscribe(f"tp.gen.announce.{generator.worker_id}", cb=on_announcement)
+    generator.bus.js.consumer_info = leaderless  # type: ignore[method-assign]
+    try:
+        await wait_until(asked.is_set, 10, "the gauge to ask JetStream")
+        start = len(seen)
+        await wait_until(lambda: len(seen) >= start + 4, 15, "four announcements while the gauge waits")
+    finally:
+        del generator.bus.js.consumer_info  # the class's method again
+        released.set()
+        await sub.unsubscribe()
