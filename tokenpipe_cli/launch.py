@@ -81,6 +81,8 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
 
 
 def _bindable(host: str, port: int) -> bool:
+    """Stricter than :func:`port_free` (no ``SO_REUSEADDR``): a port whose earlier connections
+    are still in TIME_WAIT is passed over, as ``bind(host, 0)`` passed it over before."""
     with socket.socket() as s:
         try:
             s.bind((host, port))
