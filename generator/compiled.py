@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import logging
 import time
+import types
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -63,6 +65,12 @@ def widths_for(max_seq_len: int) -> tuple[int, ...]:
     return tuple(out)
 
 
+def _private(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` with a code object of its own: dynamo keeps its compiled graphs per code object, so
+    graphs compiled through the copy are found only through the copy."""
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
 class CompiledDecode:
     """One-row decode steps through compiled graphs, one per width of :func:`widths_for`."""
 
@@ -76,8 +84,14 @@ class CompiledDecode:
         # (bench/RESULTS.md, "issue 21, part 4"); dynamo's guards still check every input's. With a
         # C++ wrapper: the Python one cost ~2.3 ms of a ~20 ms step in calls (0.88×, "issue 21, part 5"),
         # for twice the first compile (~3 min a graph against ~90 s; ~12 s from the cache either way).
-        self._step = torch.compile(decode_step.__wrapped__, dynamic=False,  # type: ignore[attr-defined]
-                                   options={"size_asserts": False, "cpp_wrapper": True})
+        # Without dynamo's guards on the model's modules: ~4,000 of a graph's ~4,500 guards, checked
+        # before every step (1.5 ms of a ~16 ms step, "issue 21, part 10"). The model does not change
+        # once the engine runs (the kernel table is applied before the compile), and each instance
+        # compiles its own copy of the step (:func:`_private`), so another model in this process (a
+        # second engine, a bench's stubbed projections) never meets these graphs.
+        self._step = torch.compile(_private(decode_step.__wrapped__), dynamic=False,  # type: ignore[attr-defined]
+                                   options={"size_asserts": False, "cpp_wrapper": True,
+                                            "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
 
     def warm(self) -> None:
         """Compile every width now (a step on the scratch block), logging each as it is done."""

@@ -8,8 +8,12 @@ import httpx
 import pytest
 import torch
 
-from generator.compiled import MAX_GRAPHS, resolve_decode_compile, widths_for
+from bench.kvstep import RawSteps
+from bench.stepsplit import projections_stubbed
+from generator.compiled import MAX_GRAPHS, CompiledDecode, resolve_decode_compile, widths_for
 from generator.engine import Engine
+from generator.forward import plan_for
+from generator.kvcache import BLOCK_SIZE
 from generator.models import LoadedModel
 from tokenpipe.errors import ConfigError
 from tokenpipe.wire import SamplingParams
@@ -47,6 +51,30 @@ def test_compiled_one_row_steps_give_the_eager_engines_tokens(tiny_model: Loaded
         assert run_all(compiled, {key: prompt}, params) == run_all(eager, {key: prompt}, params)
     assert compiled.compiled.steps == 139 * len(prompts)  # every one-row decode step (the first token is prefill)
     assert run_all(compiled, prompts, params) == run_all(eager, prompts, params)
+
+
+def test_graphs_traced_with_stubbed_projections_never_serve_the_real_ones(tiny_model: LoadedModel) -> None:
+    """Regression: the graphs do not guard the model's modules, and two instances once shared one
+    dynamo cache, so `bench.stepsplit --compile` ran the whole step's graph on stubbed projections
+    (AttributeError: '_Zeros' object has no attribute 'qweight'). Each instance has its own now."""
+    raw = RawSteps(tiny_model, 1, 100)
+    raw.prefill(torch.tensor([[1, 2, 3]]))
+    eager = raw.decode(torch.tensor([4]), torch.tensor([3]), 4)
+    real, stub = (CompiledDecode(tiny_model.model, raw.cache, max_seq_len=100) for _ in range(2))
+    blocks = raw.tables[0].tolist()
+    slot = blocks[0] * BLOCK_SIZE + 3
+
+    def through(graphs: CompiledDecode) -> torch.Tensor:
+        out = graphs.decode(4, 3, slot, blocks)
+        assert out is not None
+        return out
+
+    assert torch.allclose(through(real), eager, atol=1e-4)
+    plan, cfg = plan_for(tiny_model.model), tiny_model.model.config
+    with projections_stubbed(plan, int(cfg.hidden_size), int(cfg.vocab_size)):
+        assert not through(stub).any()
+    assert torch.allclose(through(real), eager, atol=1e-4)
+    assert real.steps == 2 and stub.steps == 1
 
 
 async def test_tokenpipe_up_with_the_compiled_step_logs_each_compile_and_streams_the_eager_tokens(

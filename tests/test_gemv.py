@@ -1,4 +1,4 @@
-"""tokenpipe's own AVX2 kernel for quantized projections (generator/gemv.c): exact enough to be
+"""tokenpipe's own AVX2 (and AVX-512) kernel for quantized projections (generator/gemv.c): exact enough to be
 fp32, a candidate of the measured kernel table, opaque under torch.compile."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 from generator.autotune import tune_plan
 from generator.engine import Engine
 from generator.forward import build_plan, plan_for
-from generator.gemv import GemvLib, load_gemv, pack_q4, pack_q8
+from generator.gemv import AVX512_FLAGS, FLAGS, VNNI_FLAGS, GemvLib, build_flags, load_gemv, pack_q4, pack_q8
 from generator.kernels import ROLES
 from generator.models import LoadedModel, load_model
 from generator.quant import QuantLinear, _quant_int4, _quant_int8
@@ -54,13 +54,16 @@ def test_int8_kernel_is_the_dequantized_weights_product(gemv: GemvLib, rows: int
     assert _rel_err(gemv.run(x, pack_q8(q, s)), x @ (q.float() * s[:, None]).T) < 2e-4
 
 
-def test_one_row_kernels_hold_rows_wider_than_one_chunk_of_scales(gemv: GemvLib) -> None:
+@pytest.mark.parametrize("groups", [67, 18, 8, 4])
+def test_one_row_kernels_hold_rows_wider_than_one_chunk_of_scales(gemv: GemvLib, groups: int) -> None:
     """One row runs its own loop, preparing its scales 64 groups at a time: 67 groups (two
-    chunks, an odd count) must give the product as the tiles do, for int4 and int8."""
-    gen = torch.Generator().manual_seed(67)
-    K = 67 * 32
+    chunks, an odd count) must give the product as the tiles do, for int4 and int8. On AVX-512 the
+    int4 loop takes 4 groups a step, two steps at a time, then the groups left one by one: 18
+    (SmolLM2's 576 inputs) ends on two single groups, 8 and 4 on none."""
+    gen = torch.Generator().manual_seed(groups)
+    K = groups * 32
     q = torch.randint(0, 16, (19, K), generator=gen)
-    scale, zero = torch.rand(19, 67, generator=gen) * 0.1, torch.randn(19, 67, generator=gen) * 0.1
+    scale, zero = torch.rand(19, groups, generator=gen) * 0.1, torch.randn(19, groups, generator=gen) * 0.1
     w4 = pack_q4(q, scale, zero)
     q8, s8 = torch.randint(-127, 128, (19, K), generator=gen, dtype=torch.int8), torch.rand(19, generator=gen) * 0.01
     x = torch.randn(2, K, generator=gen)
@@ -68,6 +71,31 @@ def test_one_row_kernels_hold_rows_wider_than_one_chunk_of_scales(gemv: GemvLib)
         ref = x[:1] @ dense.T
         one, tiled = gemv.run(x[:1], w), gemv.run(x, w)[:1]  # the one-row loop; a tile of two rows
         assert _rel_err(one, ref) < 2e-4 and _rel_err(tiled, ref) < 2e-4
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4])
+def test_bf16_rows_go_in_and_come_out_as_bf16_without_a_float_copy(gemv: GemvLib, rows: int) -> None:
+    """A bf16 model's activations are read and written by the kernel as they are: the product of the
+    bf16 values, rounded once to bf16 (one bf16 step of error at most), for int4 and int8."""
+    gen = torch.Generator().manual_seed(rows)
+    q = torch.randint(0, 16, (37, 576), generator=gen)
+    scale, zero = torch.rand(37, 18, generator=gen) * 0.1, torch.randn(37, 18, generator=gen) * 0.1
+    w4 = pack_q4(q, scale, zero)
+    q8, s8 = torch.randint(-127, 128, (37, 576), generator=gen, dtype=torch.int8), torch.rand(37, generator=gen) * 0.01
+    x = torch.randn(rows, 576, generator=gen).bfloat16()
+    for w, dense in ((w4, w4.dequantize()), (pack_q8(q8, s8), q8.float() * s8[:, None])):
+        got, ref = gemv.run(x, w), x.float() @ dense.T
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, 37)
+        assert torch.allclose(got.float(), ref, rtol=2 ** -8, atol=1e-3)
+        assert _rel_err(got, ref) < 4e-3
+
+
+def test_the_avx512_loop_is_built_only_for_cpus_that_list_it() -> None:
+    assert build_flags(["avx2", "fma"]) == FLAGS
+    assert build_flags(["avx2", "fma", "avx512f", "avx512bw"]) == FLAGS + AVX512_FLAGS
+    assert build_flags(["avx2", "fma", "avx512f", "avx512bw", "avx512_vnni"]) == FLAGS + AVX512_FLAGS + VNNI_FLAGS
+    assert build_flags(["avx2", "fma", "avx512_vnni"]) == FLAGS  # VNNI's fused adds only inside the AVX-512 loop
+    assert build_flags(None) == FLAGS
 
 
 def test_gemv_is_closer_to_fp32_than_torchs_bf16_int4_kernel(gemv: GemvLib) -> None:
