@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("gemv.c")
 OP_SOURCE = Path(__file__).with_name("gemv_op.cpp")
+GROUP = 32
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC")  # gemv.c's
 # Added where the CPU lists ``avx512bw`` (gemv.c's one-row int4 loop on AVX-512), and VNNI's fused
 # multiply-adds with it where listed too. The build's name digests its flags, so a data dir shared
@@ -56,7 +57,6 @@ def build_flags(cpu_flags: list[str] | None) -> tuple[str, ...]:
     if "avx512bw" not in have:
         return FLAGS
     return FLAGS + AVX512_FLAGS + (VNNI_FLAGS if "avx512_vnni" in have else ())
-GROUP = 32
 
 
 @dataclass(frozen=True)
