@@ -44,6 +44,7 @@ bench: install
 	$(PY) -m bench.kvcache
 	$(PY) -m bench.kernels
 	$(PY) -m bench.stepsplit
+	$(PY) -m bench.attention
 	$(PY) -m bench.sampling
 	$(PY) -m bench.enginecore
 	$(PY) -m bench.appends

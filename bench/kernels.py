@@ -18,6 +18,7 @@ import json
 import statistics
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         cached = tune_plan(lm.model, plan, name=lm.name, dtype=lm.dtype, dense_rows=dense_rows,
                            max_batch=s.max_batch, data_dir=tmp)
         second_s = time.monotonic() - t0
+    # the rules' projections against the measured ones, attention alike on both sides
+    rules = replace(rules, paged_attention_rows=measured.paged_attention_rows)
     console.print(f"start-up: measuring {first_s:.1f} s ({measured.source}); second start {second_s * 1e3:.0f} ms "
                   f"({cached.source})")
     if others is not None:
@@ -133,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
               "quant": lm.quant, "dtype": str(lm.dtype), "startup_s": first_s, "cached_startup_s": second_s,
               "others_share": others,
               "table": {"bands": measured.bands, "attention_fp32_rows": measured.attention_fp32_rows,
+                        "paged_attention_rows": measured.paged_attention_rows,
                         "times_us": measured.times_us, "steps_ms": measured.steps_ms},
               "rules": {"bands": rules.bands, "attention_fp32_rows": rules.attention_fp32_rows},
               "decode": steps}

@@ -73,6 +73,7 @@ def apply_table(plan: Plan, table: KernelTable, *, keep_packed: bool = False) ->
                 elif not keep_packed:
                     mod.packed = None
     plan.attention_fp32_rows = table.attention_fp32_rows
+    plan.paged_attention_rows = table.paged_attention_rows
 
 
 def tune_plan(model: Any, plan: Plan, *, name: str, dtype: torch.dtype, dense_rows: int, max_batch: int,
@@ -84,21 +85,26 @@ def tune_plan(model: Any, plan: Plan, *, name: str, dtype: torch.dtype, dense_ro
     above which a measurement is discarded for the rules (None: always kept)."""
     counts = row_counts(max_batch)
     quantized = plan.quant != "none"
-    rules = rule_table(counts, dense_rows, quantized=quantized, attention_fp32_rows=FP32_ATTENTION_ROWS)
     cpu = next(model.parameters()).device.type == "cpu"
     lib = load_gemv(data_dir) if quantized and cpu else None
+    # By rule the library's attention kernel serves every decode step where it is built: 2-6x the torch
+    # ops per layer from 1 to 32 rows (bench/RESULTS.md, "issue 21, part 11"); the measurement can take it back.
+    paged = max(counts) if lib is not None else 0
+    rules = rule_table(counts, dense_rows, quantized=quantized, attention_fp32_rows=FP32_ATTENTION_ROWS,
+                       paged_attention_rows=paged)
     for role in ROLES:
         for mod in plan.projections(role):
             if isinstance(mod, QuantLinear):
                 mod.gemv_lib = lib
                 if lib is None:
                     mod.gemv = None  # its weights cost memory only where the kernel can run
+    plan.step_ops = lib is not None  # fewer calls for the same arithmetic: nothing to choose between
     if setting == "gemv" and lib is None:
         log.warning("TOKENPIPE_KERNELS=gemv, but the gemv kernel is not available here: torch's quantized "
                     "kernel serves instead")
     if setting in KERNEL_CHOICES:
         table = rule_table(counts, dense_rows, quantized=quantized, attention_fp32_rows=FP32_ATTENTION_ROWS,
-                           forced=setting)
+                           forced=setting, paged_attention_rows=paged)
     elif setting != "auto" or not quantized or not cpu:
         table = rules
     else:
@@ -260,7 +266,7 @@ def measure_table(model: Any, plan: Plan, rules: KernelTable, counts: tuple[int,
             log.info("measuring kernels: %s (%d/%d)", role, i + 1, len(ROLES),
                      extra={"role": role, "done": i + 1, "of": len(ROLES)})
     measured = KernelTable({role: bands_from(choices[role]) for role in ROLES}, rules.attention_fp32_rows,
-                           source="measured", times_us=times_us)
+                           source="measured", times_us=times_us, paged_attention_rows=rules.paged_attention_rows)
     table = _confirm(model, plan, rules, measured, counts, dtype)
     table.seconds = time.monotonic() - t0
     return table
@@ -269,7 +275,8 @@ def measure_table(model: Any, plan: Plan, rules: KernelTable, counts: tuple[int,
 def _confirm(model: Any, plan: Plan, rules: KernelTable, measured: KernelTable, counts: tuple[int, ...],
              dtype: torch.dtype) -> KernelTable:
     """Whole decode steps, alternating: the measured kernels against the rules' at each row count where
-    they differ (kept only if the step is faster), then fp32 attention against native at few rows."""
+    they differ (kept only if the step is faster), then the paged attention kernel against the torch ops
+    (kept unless they win clearly), and fp32 attention against native at the few rows left to those."""
     cache = PagedKVCache(model, (_CONTEXT + 2 * BLOCK_SIZE) * bytes_per_position(model, dtype),
                          torch.device("cpu"), dtype, min_positions=_CONTEXT)
     blocks = torch.arange(1, _CONTEXT // BLOCK_SIZE + 1)
@@ -285,9 +292,10 @@ def _confirm(model: Any, plan: Plan, rules: KernelTable, measured: KernelTable, 
     final: dict[str, dict[int, str]] = {role: {r: kernel_for(measured.bands[role], r) for r in counts}
                                         for role in ROLES}
     for rows in counts:
-        new = KernelTable({role: ((rows, final[role][rows]),) for role in ROLES}, rules.attention_fp32_rows)
+        new = KernelTable({role: ((rows, final[role][rows]),) for role in ROLES}, rules.attention_fp32_rows,
+                          paged_attention_rows=rules.paged_attention_rows)
         old = KernelTable({role: ((rows, kernel_for(rules.bands[role], rows)),) for role in ROLES},
-                          rules.attention_fp32_rows)
+                          rules.attention_fp32_rows, paged_attention_rows=rules.paged_attention_rows)
         if new.bands == old.bands:
             continue
         got = _time_tables(plan, {"rules": old, "measured": new}, step(rows))
@@ -296,17 +304,28 @@ def _confirm(model: Any, plan: Plan, rules: KernelTable, measured: KernelTable, 
             for role in ROLES:
                 final[role][rows] = kernel_for(rules.bands[role], rows)
     bands = {role: bands_from(final[role]) for role in ROLES}
+    paged_rows = 0
+    for rows in (r for r in counts if r <= rules.paged_attention_rows):
+        variants = {name: KernelTable(bands, rules.attention_fp32_rows, paged_attention_rows=limit)
+                    for name, limit in (("paged", rows), ("torch", rows - 1))}
+        got = _time_tables(plan, variants, step(rows))
+        steps_ms.setdefault(str(rows), {}).update({f"attention {k}": round(v * 1e3, 3) for k, v in got.items()})
+        if choose(got, "paged") != "paged":
+            break
+        paged_rows = rows
     fp32_rows = rules.attention_fp32_rows
     if dtype != torch.float32:
-        fp32_rows = 0
-        for rows in (r for r in counts if r <= _ATTENTION_MAX_ROWS):
-            variants = {name: KernelTable(bands, limit) for name, limit in (("fp32", rows), ("native", rows - 1))}
+        fp32_rows = paged_rows  # the rows below are the kernel's: fp32 or not does not apply to them
+        for rows in (r for r in counts if paged_rows < r <= _ATTENTION_MAX_ROWS):
+            variants = {name: KernelTable(bands, limit, paged_attention_rows=paged_rows)
+                        for name, limit in (("fp32", rows), ("native", rows - 1))}
             got = _time_tables(plan, variants, step(rows))
             steps_ms.setdefault(str(rows), {}).update({f"attention {k}": round(v * 1e3, 3) for k, v in got.items()})
             if choose(got, "fp32" if rows <= FP32_ATTENTION_ROWS else "native") != "fp32":
                 break
             fp32_rows = rows
-    return KernelTable(bands, fp32_rows, source="measured", times_us=measured.times_us, steps_ms=steps_ms)
+    return KernelTable(bands, fp32_rows, source="measured", times_us=measured.times_us, steps_ms=steps_ms,
+                       paged_attention_rows=paged_rows)
 
 
 def _time_tables(plan: Plan, tables: dict[str, KernelTable], fn: Any) -> dict[str, float]:

@@ -119,5 +119,5 @@ class CompiledDecode:
         # blocks past ``width`` hold no position this step attends (the mask would hide them)
         inputs = pad_rows([token], [position], [slot], [blocks[:width]], 1, width)  # table [1, width]
         with torch.no_grad():
-            out: Tensor = self._step(self.model, self.cache, *inputs)
+            out: Tensor = self._step(self.model, self.cache, *inputs, kernels=False)
         return out

@@ -47,6 +47,11 @@ class Plan:
     quant: QuantMode
     # decode steps of at most this many rows read a 16-bit KV cache in fp32 (generator.kernels measures it)
     attention_fp32_rows: int = FP32_ATTENTION_ROWS
+    # decode steps of at most this many rows take attention.c's kernel over the pool (0: the torch ops)
+    paged_attention_rows: int = 0
+    # the eager decode step's RMSNorm and cache write through the library's ops (norm.c,
+    # attention.c) where it is loaded
+    step_ops: bool = False
 
     def projections(self, role: str) -> list[nn.Module]:
         """The plan's modules of one role (``qkv``, ``o``, ``gate_up``, ``down``, ``lm_head``)."""
@@ -109,10 +114,19 @@ def plan_for(model: Any) -> Plan:
     return plan if plan is not None else build_plan(model)
 
 
-def _rms_norm(norm: Any, x: Tensor) -> Tensor:
+def _ops_take(*ts: Tensor) -> bool:
+    """Whether the library's small ops take these tensors: one dtype, fp32 or bf16."""
+    return ts[0].dtype in (torch.float32, torch.bfloat16) and all(t.dtype == ts[0].dtype for t in ts)
+
+
+def _rms_norm(norm: Any, x: Tensor, ops: bool = False) -> Tensor:
     """``norm(x)`` for the model's RMSNorm (Llama, Qwen3) in one ATen call instead of the module's
-    seven ops from Python: normalised in fp32, cast back, times the weight, as the module computes it."""
+    seven ops from Python: normalised in fp32, cast back, times the weight, as the module computes it.
+    With ``ops``, one call of the library's op (``norm.c``: 1.3-4x fewer µs than torch's at 1-32 rows)."""
     weight, eps = norm.weight, norm.variance_epsilon
+    if ops and _ops_take(x, weight):
+        out: Tensor = torch.ops.tokenpipe.rms_norm(x, weight, eps)
+        return out
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
         return F.rms_norm(x, weight.shape, weight, eps)
     return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
@@ -146,8 +160,8 @@ def _qkv(attn: Any, lp: _LayerPlan, h: Tensor, rot: tuple[Tensor, Tensor],
     return qk[:, :, :heads].transpose(1, 2), qk[:, :, heads:].transpose(1, 2), v  # [B, H, S, hd], [B, G, S, hd]
 
 
-def _mlp_block(layer: Any, lp: _LayerPlan, x: Tensor) -> Tensor:
-    gate, up = lp.gate_up(_rms_norm(layer.post_attention_layernorm, x)).split([lp.inter, lp.inter], dim=-1)
+def _mlp_block(layer: Any, lp: _LayerPlan, x: Tensor, ops: bool = False) -> Tensor:
+    gate, up = lp.gate_up(_rms_norm(layer.post_attention_layernorm, x, ops)).split([lp.inter, lp.inter], dim=-1)
     return x + lp.down(layer.mlp.act_fn(gate) * up)
 
 
@@ -241,29 +255,46 @@ def _bagged_attention(q: Tensor, cache: PagedKVCache, layer: int, tables: Tensor
 
 @torch.inference_mode()
 def decode_step(model: Any, cache: PagedKVCache, tokens: Tensor, positions: Tensor, slots: Tensor,
-                tables: Tensor) -> Tensor:
+                tables: Tensor, *, kernels: bool = True) -> Tensor:
     """One token for each row: ``tokens [B]`` at ``positions [B]``, K/V written at the flat cache
     positions ``slots [B]``; attention reads the blocks of ``tables [B, n]`` (padded with the
     scratch block; a fixed ``n`` keeps every shape static). Returns ``[B, V]``.
+
+    Attention takes the plan's kernel over the pool up to its ``paged_attention_rows``, RMSNorm and
+    the cache write the library's ops where the plan has them (``step_ops``; few rows: a prefill's
+    many take torch's vectorized ones), unless ``kernels`` is False: a compiled step
+    (:mod:`generator.compiled`) fuses the torch ops into its own code, where the whole non-projection
+    part of a one-row step costs less than the kernels' calls alone (bench/RESULTS.md, "issue 21, part 11").
     """
     inner, plan = model.model, plan_for(model)
     B = tokens.shape[0]
     x = inner.embed_tokens(tokens[:, None])  # [B, 1, D]
     rot = _rotary(*inner.rotary_emb(x, positions[:, None]))  # cos/sin [B, 1, hd]
-    cols = torch.arange(tables.shape[1] * BLOCK_SIZE, device=tokens.device)
-    bias = attention_bias(cols[None, :] <= positions[:, None])  # [B, T]
+    paged = kernels and plan.paged_attention_rows >= B
+    ops = kernels and plan.step_ops
     fp32_rows = plan.attention_fp32_rows
-    bags = None if fp32_rows >= B else cache.value_bags(
-        tables, int(model.config.num_attention_heads) // cache.kv_heads)
+    bias: Tensor | None = None  # the torch ops' mask and value bags; the kernel reads positions itself
+    bags: tuple[Tensor, Tensor] | None = None
+    if not paged:
+        cols = torch.arange(tables.shape[1] * BLOCK_SIZE, device=tokens.device)
+        bias = attention_bias(cols[None, :] <= positions[:, None])  # [B, T]
+        bags = None if fp32_rows >= B else cache.value_bags(
+            tables, int(model.config.num_attention_heads) // cache.kv_heads)
     for li, (layer, lp) in enumerate(zip(inner.layers, plan.layers, strict=True)):
         attn = layer.self_attn
-        q, k, v = _qkv(attn, lp, _rms_norm(layer.input_layernorm, x), rot, cache.head_dim)  # q [B,H,1,hd]
-        cache.write(li, k[:, :, 0].transpose(0, 1), v[:, :, 0].transpose(0, 1), slots)
-        if bags is None:
-            kc, vc = cache.gather(li, tables)  # [G, B, T, hd]
-            o = _decode_attention(q, kc, vc, bias, attn.scaling, fp32_rows)  # [B, H, 1, hd]
+        q, k, v = _qkv(attn, lp, _rms_norm(layer.input_layernorm, x, ops), rot, cache.head_dim)  # q [B,H,1,hd]
+        if ops and _ops_take(k, cache.kv[li]):
+            torch.ops.tokenpipe.kv_write(cache.kv[li], k[:, :, 0], v[:, :, 0], slots)
         else:
-            o = _bagged_attention(q, cache, li, tables, bags, bias, attn.scaling)
-        x = x + lp.o(o.transpose(1, 2).reshape(B, 1, -1))
-        x = _mlp_block(layer, lp, x)
-    return plan.lm_head(_rms_norm(inner.norm, x[:, 0]))  # [B, V]
+            cache.write(li, k[:, :, 0].transpose(0, 1), v[:, :, 0].transpose(0, 1), slots)
+        if paged:  # straight from the pool (generator/attention.c)
+            o = torch.ops.tokenpipe.paged_attention(q[:, :, 0], cache.k[li], cache.v[li], tables, positions,
+                                                    attn.scaling)  # [B, H, hd]
+        elif bags is None and bias is not None:
+            kc, vc = cache.gather(li, tables)  # [G, B, T, hd]
+            o = _decode_attention(q, kc, vc, bias, attn.scaling, fp32_rows).transpose(1, 2)  # [B, 1, H, hd]
+        elif bags is not None and bias is not None:
+            o = _bagged_attention(q, cache, li, tables, bags, bias, attn.scaling).transpose(1, 2)
+        x = x + lp.o(o.reshape(B, 1, -1))
+        x = _mlp_block(layer, lp, x, ops)
+    return plan.lm_head(_rms_norm(inner.norm, x[:, 0], ops))  # [B, V]

@@ -14,9 +14,11 @@ It is compiled when the engine starts, once per machine (~15 s: ``gemv.c`` with 
 op bindings ``gemv_op.cpp`` against torch's headers with ``$CXX``) and cached in
 ``<data dir>/kernels/`` under a digest of the sources, the compilers, the flags and torch's
 version; the library registers the ops ``torch.ops.tokenpipe.gemv_q4`` / ``gemv_q8``, which
-torch.compile keeps opaque. Where there is no AVX2/FMA or no compiler the kernel is simply not
-a candidate (logged). Which kernel serves which row counts is measured like the others
-(:mod:`generator.kernels`).
+torch.compile keeps opaque. The step's other ops are built into it too, for the eager forward
+(:mod:`generator.forward`): ``paged_attention`` and ``kv_write`` (``attention.c``: decode
+attention read from the KV pool in place, this step's K/V written into it) and ``rms_norm``
+(``norm.c``). Where there is no AVX2/FMA or no compiler the kernel is simply not a candidate
+(logged). Which kernel serves which row counts is measured like the others (:mod:`generator.kernels`).
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ __all__ = ["AVX512_FLAGS", "FLAGS", "VNNI_FLAGS", "GemvLib", "Q4Weight", "Q8Weig
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("gemv.c")
+# built alongside: the eager forward's other ops (decode attention over the paged pool and the cache write;
+# RMSNorm)
+OTHER_SOURCES = (Path(__file__).with_name("attention.c"), Path(__file__).with_name("norm.c"))
 OP_SOURCE = Path(__file__).with_name("gemv_op.cpp")
 GROUP = 32
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC")  # gemv.c's
@@ -149,8 +154,9 @@ def load_gemv(data_dir: str | os.PathLike[str]) -> GemvLib | None:
     try:
         versions = "".join(subprocess.run([c, "--version"], capture_output=True, text=True, timeout=30).stdout
                            for c in (compiler, cxx_path))
-        digest = hashlib.sha256(SOURCE.read_bytes() + OP_SOURCE.read_bytes() + versions.encode() +
-                                " ".join(flags).encode() + torch.__version__.encode()).hexdigest()[:16]
+        sources = b"".join(p.read_bytes() for p in (SOURCE, *OTHER_SOURCES, OP_SOURCE))
+        digest = hashlib.sha256(sources + versions.encode() + " ".join(flags).encode() +
+                                torch.__version__.encode()).hexdigest()[:16]
         path = Path(data_dir) / "kernels" / f"gemv-{digest}.so"
         if _registered():  # loaded by an engine built before in this process (one library per process)
             return GemvLib(path)
@@ -167,7 +173,8 @@ def load_gemv(data_dir: str | os.PathLike[str]) -> GemvLib | None:
 
 
 def _build(cc: str, cxx: str, path: Path, flags: tuple[str, ...]) -> None:
-    """``gemv.c`` (with ``flags``) and the op bindings (against torch's headers and libraries) into ``path``."""
+    """``gemv.c`` and the other C sources (with ``flags``) and the op bindings (against torch's headers and
+    libraries) into ``path``."""
     from torch.utils.cpp_extension import include_paths  # only to build: a slow import
 
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -178,11 +185,12 @@ def _build(cc: str, cxx: str, path: Path, flags: tuple[str, ...]) -> None:
     def run(*cmd: str) -> None:
         subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=600)
 
-    run(cc, *flags, "-c", str(SOURCE), "-o", f"{tmp}.c.o")
+    objects = [f"{tmp}.{i}.o" for i in range(1 + len(OTHER_SOURCES))]
+    for src, obj in zip((SOURCE, *OTHER_SOURCES), objects, strict=True):
+        run(cc, *flags, "-c", str(src), "-o", obj)
     run(cxx, "-O2", "-std=c++20", "-fPIC", abi, *(f"-I{p}" for p in include_paths()), "-c", str(OP_SOURCE), "-o",
         f"{tmp}.cpp.o")
-    run(cxx, "-shared", "-fopenmp", f"{tmp}.cpp.o", f"{tmp}.c.o", f"-L{lib}", "-lc10", "-ltorch_cpu", "-lm", "-o",
-        str(tmp))
-    for obj in (f"{tmp}.c.o", f"{tmp}.cpp.o"):
+    run(cxx, "-shared", "-fopenmp", f"{tmp}.cpp.o", *objects, f"-L{lib}", "-lc10", "-ltorch_cpu", "-lm", "-o", str(tmp))
+    for obj in (*objects, f"{tmp}.cpp.o"):
         Path(obj).unlink()
     tmp.replace(path)  # atomic: another process never loads half a library

@@ -1,4 +1,6 @@
-// generator/gemv.c's kernels as the torch ops tokenpipe::gemv_q4 and tokenpipe::gemv_q8: called
+// generator/gemv.c's kernels as the torch ops tokenpipe::gemv_q4 and tokenpipe::gemv_q8,
+// generator/attention.c's as tokenpipe::paged_attention and kv_write, generator/norm.c's as
+// tokenpipe::rms_norm: called
 // through torch's dispatcher from C++, an op costs ~35 us less per call than a Python-defined
 // one, which at 121 projections a step is most of what the kernel saves (issue 21, part 4).
 #include <ATen/Parallel.h>
@@ -12,6 +14,12 @@ extern "C" {
 int tp_gemv_q4(const uint8_t *w, const float *d, const float *m, const void *x, void *y, long M, long K, long N,
                int threads, int bf16);
 int tp_gemv_q8(const int8_t *w, const float *s, const void *x, void *y, long M, long K, long N, int threads, int bf16);
+int tp_paged_attention(const void *q, const void *k, const void *v, const int64_t *tables, const int64_t *positions,
+                       void *out, long B, long H, long G, long hd, long nblocks, long width, float scale, int threads,
+                       int bf16);
+void tp_rms_norm(const void *x, const void *w, void *y, long rows, long dim, float eps, int threads, int bf16);
+void tp_kv_write(char *kv, const char *k, const char *v, long kb, long kg, long vb, long vg, const int64_t *slots,
+                 long B, long G, long positions, long hd, long elt);
 }
 
 namespace {
@@ -49,6 +57,69 @@ at::Tensor gemv_q8(const at::Tensor &x2, const at::Tensor &q, const at::Tensor &
     return finish(y, x2);
 }
 
+// q [B, H, hd]; k, v one layer's pool [G, num_blocks, 16, hd]; tables [B, width]; positions [B] -> [B, H, hd]
+at::Tensor paged_attention(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, const at::Tensor &tables,
+                           const at::Tensor &positions, double scale) {
+    TORCH_CHECK(q.dim() == 3 && k.dim() == 4 && k.sizes() == v.sizes(), "paged_attention: q [B, H, hd] and k, v "
+                "[G, blocks, 16, hd] expected, got ", q.sizes(), ", ", k.sizes(), ", ", v.sizes());
+    const int64_t B = q.size(0), H = q.size(1), hd = q.size(2), G = k.size(0), width = tables.size(1);
+    TORCH_CHECK(k.size(2) == 16 && k.size(3) == hd && hd % 8 == 0 && H % G == 0, "paged_attention: shapes ",
+                q.sizes(), " and ", k.sizes(), " do not fit (hd a multiple of 8, H of G)");
+    TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type() &&
+                (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat),
+                "paged_attention: q, k, v must share one dtype, fp32 or bf16");
+    TORCH_CHECK(k.is_contiguous() && v.is_contiguous(), "paged_attention: the pool must be contiguous");
+    TORCH_CHECK(tables.dim() == 2 && tables.size(0) == B && positions.numel() == B, "paged_attention: tables [B, "
+                "width] and positions [B] expected, got ", tables.sizes(), ", ", positions.sizes());
+    at::Tensor qc = q.contiguous(), tab = tables.to(at::kLong).contiguous(), pos = positions.to(at::kLong).contiguous();
+    const int64_t *p = pos.data_ptr<int64_t>(), *t = tab.data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; b++) {
+        TORCH_CHECK(p[b] >= 0 && p[b] < width * 16, "paged_attention: row ", b, " attends position ", p[b],
+                    " beyond its table of ", width, " blocks");
+        for (int64_t j = 0; j <= p[b] / 16; j++)
+            TORCH_CHECK(t[b * width + j] >= 0 && t[b * width + j] < k.size(1), "paged_attention: block id ",
+                        t[b * width + j], " outside the pool");
+    }
+    at::Tensor out = at::empty({B, H, hd}, q.options());
+    if (tp_paged_attention(qc.data_ptr(), k.data_ptr(), v.data_ptr(), t, p, out.data_ptr(), B, H, G, hd, k.size(1),
+                           width, static_cast<float>(scale), at::get_num_threads(),
+                           q.scalar_type() == at::kBFloat16))
+        throw std::bad_alloc();
+    return out;
+}
+
+// x [..., dim], w [dim] -> x's shape
+at::Tensor rms_norm(const at::Tensor &x, const at::Tensor &w, double eps) {
+    TORCH_CHECK(w.dim() == 1 && x.dim() >= 1 && x.size(-1) == w.size(0), "rms_norm: x [..., ", w.size(0),
+                "] expected, got ", x.sizes());
+    TORCH_CHECK(x.scalar_type() == w.scalar_type() && (x.scalar_type() == at::kBFloat16 ||
+                x.scalar_type() == at::kFloat), "rms_norm: x and w must share one dtype, fp32 or bf16");
+    at::Tensor xc = x.contiguous(), wc = w.contiguous();
+    at::Tensor y = at::empty(x.sizes(), x.options());
+    const int64_t dim = w.size(0);
+    tp_rms_norm(xc.data_ptr(), wc.data_ptr(), y.data_ptr(), dim ? xc.numel() / dim : 0, dim,
+                static_cast<float>(eps), at::get_num_threads(), x.scalar_type() == at::kBFloat16);
+    return y;
+}
+
+// this step's k, v [B, G, hd] into one layer's pool kv [2, G, blocks, 16, hd] at the flat positions slots [B]
+void kv_write(const at::Tensor &kv, const at::Tensor &k, const at::Tensor &v, const at::Tensor &slots) {
+    TORCH_CHECK(kv.dim() == 5 && kv.size(0) == 2 && kv.is_contiguous() && k.dim() == 3 && k.sizes() == v.sizes() &&
+                k.size(1) == kv.size(1) && k.size(2) == kv.size(4) && k.stride(2) == 1 && v.stride(2) == 1,
+                "kv_write: kv [2, G, blocks, 16, hd] (contiguous), k, v [B, G, hd] expected, got ", kv.sizes(), ", ",
+                k.sizes());
+    TORCH_CHECK(k.scalar_type() == kv.scalar_type() && v.scalar_type() == kv.scalar_type(),
+                "kv_write: k, v and the pool must share one dtype");
+    at::Tensor sl = slots.to(at::kLong).contiguous();
+    const int64_t positions = kv.size(2) * kv.size(3), *p = sl.data_ptr<int64_t>();
+    TORCH_CHECK(sl.numel() == k.size(0), "kv_write: one slot per row expected");
+    for (int64_t b = 0; b < sl.numel(); b++)
+        TORCH_CHECK(p[b] >= 0 && p[b] < positions, "kv_write: slot ", p[b], " outside the pool");
+    tp_kv_write(static_cast<char *>(kv.data_ptr()), static_cast<const char *>(k.data_ptr()),
+                static_cast<const char *>(v.data_ptr()), k.stride(0), k.stride(1), v.stride(0), v.stride(1), p,
+                k.size(0), k.size(1), positions, k.size(2), kv.element_size());
+}
+
 // shapes only, for torch.compile's tracing
 at::Tensor gemv_q4_meta(const at::Tensor &x2, const at::Tensor &nibbles, const at::Tensor &, const at::Tensor &) {
     return at::empty({x2.size(0), nibbles.size(0)}, x2.options());
@@ -58,19 +129,39 @@ at::Tensor gemv_q8_meta(const at::Tensor &x2, const at::Tensor &q, const at::Ten
     return at::empty({x2.size(0), q.size(0)}, x2.options());
 }
 
+at::Tensor paged_attention_meta(const at::Tensor &q, const at::Tensor &, const at::Tensor &, const at::Tensor &,
+                                const at::Tensor &, double) {
+    return at::empty(q.sizes(), q.options());
+}
+
+at::Tensor rms_norm_meta(const at::Tensor &x, const at::Tensor &, double) {
+    return at::empty(x.sizes(), x.options());
+}
+
+void kv_write_meta(const at::Tensor &, const at::Tensor &, const at::Tensor &, const at::Tensor &) {}
+
 }  // namespace
 
 TORCH_LIBRARY(tokenpipe, lib) {
     lib.def("gemv_q4(Tensor x, Tensor nibbles, Tensor d, Tensor m) -> Tensor");
     lib.def("gemv_q8(Tensor x, Tensor q, Tensor s) -> Tensor");
+    lib.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor tables, Tensor positions, float scale) -> Tensor");
+    lib.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
+    lib.def("kv_write(Tensor(a!) kv, Tensor k, Tensor v, Tensor slots) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tokenpipe, CPU, lib) {
     lib.impl("gemv_q4", &gemv_q4);
     lib.impl("gemv_q8", &gemv_q8);
+    lib.impl("paged_attention", &paged_attention);
+    lib.impl("rms_norm", &rms_norm);
+    lib.impl("kv_write", &kv_write);
 }
 
 TORCH_LIBRARY_IMPL(tokenpipe, Meta, lib) {
     lib.impl("gemv_q4", &gemv_q4_meta);
     lib.impl("gemv_q8", &gemv_q8_meta);
+    lib.impl("paged_attention", &paged_attention_meta);
+    lib.impl("rms_norm", &rms_norm_meta);
+    lib.impl("kv_write", &kv_write_meta);
 }

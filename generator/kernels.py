@@ -45,7 +45,7 @@ KERNEL_CHOICES: tuple[str, ...] = get_args(Kernel)
 ROW_COUNTS = (1, 2, 4, 8, 12, 16, 24, 32)  # the decode batch sizes measured (rows between take the next one's)
 ROLES = ("qkv", "o", "gate_up", "down", "lm_head")
 MARGIN = 0.10  # a measured kernel replaces the default only when this much faster
-TABLE_VERSION = 2  # 2: the gemv kernel is a candidate
+TABLE_VERSION = 3  # 2: the gemv kernel is a candidate; 3: the paged attention kernel
 
 Band = tuple[int, str]  # (up to this many rows, kernel)
 
@@ -91,7 +91,8 @@ def kernel_for(bands: Iterable[Band], rows: int) -> str:
 # -- the table ------------------------------------------------------------------------------
 @dataclass
 class KernelTable:
-    """Row bands per projection role, plus up to how many decode rows attention reads a 16-bit cache in fp32."""
+    """Row bands per projection role, plus up to how many decode rows attention reads a 16-bit cache in fp32
+    and up to how many it takes the kernel over the paged pool (``generator/attention.c``; 0 where not built)."""
 
     bands: dict[str, tuple[Band, ...]]
     attention_fp32_rows: int
@@ -99,6 +100,7 @@ class KernelTable:
     seconds: float = 0.0  # what measuring it cost
     times_us: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)  # role -> rows -> kernel -> µs
     steps_ms: dict[str, dict[str, float]] = field(default_factory=dict)  # rows -> variant -> decode step ms
+    paged_attention_rows: int = 0
 
     def to_json(self, key: Mapping[str, Any]) -> str:
         body = asdict(self)
@@ -116,7 +118,8 @@ class KernelTable:
             bands = {str(role): tuple((int(u), str(k)) for u, k in rows) for role, rows in body["bands"].items()}
             table = cls(bands=bands, attention_fp32_rows=int(body["attention_fp32_rows"]), source="cache",
                         seconds=float(body.get("seconds", 0.0)), times_us=body.get("times_us", {}),
-                        steps_ms=body.get("steps_ms", {}))
+                        steps_ms=body.get("steps_ms", {}),
+                        paged_attention_rows=int(body.get("paged_attention_rows", 0)))
         except (AttributeError, KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"malformed kernel table: {exc}") from exc
         if set(bands) != set(ROLES) or any(k not in KERNEL_CHOICES for b in bands.values() for _, k in b):
@@ -126,16 +129,23 @@ class KernelTable:
     def summary(self) -> str:
         """One line per role: ``qkv: ≤16 quant, ≤32 packed``."""
         return "; ".join(f"{role}: " + ", ".join(f"≤{u} {k}" for u, k in self.bands[role]) for role in ROLES) + \
-            f"; attention fp32 ≤{self.attention_fp32_rows} rows"
+            "; attention: " + self._attention()
+
+    def _attention(self) -> str:
+        paged, fp32 = self.paged_attention_rows, self.attention_fp32_rows
+        kernel = f"kernel ≤{paged} rows" if paged else ""
+        torch_fp32 = f"fp32 ≤{fp32} rows" if fp32 > paged else ""
+        return ", ".join(p for p in (kernel, torch_fp32) if p) or "native"
 
 
 def rule_table(counts: Iterable[int], dense_rows: int, *, quantized: bool, attention_fp32_rows: int,
-               forced: str = "") -> KernelTable:
+               forced: str = "", paged_attention_rows: int = 0) -> KernelTable:
     """Today's hand rules as a table (``quant`` up to ``dense_rows`` rows, then ``dense``), or every
     decode row count on the ``forced`` kernel (the override)."""
     choices = {r: forced or ("quant" if quantized and r <= dense_rows else "dense") for r in counts}
     bands = bands_from(choices)
-    return KernelTable({role: bands for role in ROLES}, attention_fp32_rows, source="override" if forced else "rules")
+    return KernelTable({role: bands for role in ROLES}, attention_fp32_rows, source="override" if forced else "rules",
+                       paged_attention_rows=paged_attention_rows)
 
 
 # -- the cache key --------------------------------------------------------------------------

@@ -144,6 +144,17 @@ def test_step_split_benchmark_times_the_step_and_the_rest(tmp_path: Path, data_d
     assert result["weight_bytes_per_token"] > 0 and result["bandwidth_share_one_row"] > 0
 
 
+def test_attention_benchmark_times_the_torch_ops_and_the_kernel(tmp_path: Path, data_dir: Path) -> None:
+    """`bench.attention`: one layer's decode attention three ways, each checked against the kernel's result."""
+    out = tmp_path / "attention.json"
+    proc = _run(["bench.attention", "--model", "tiny-random", "--data-dir", str(data_dir), "--rows", "1,3",
+                 "--context", "40", "--rounds", "1", "--out", str(out)])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert [(r["context"], r["rows"]) for r in result["results"]] == [(40, 1), (40, 3)]
+    assert all(set(r["us"]) == {"bagged", "fp32", "kernel"} and min(r["us"].values()) > 0 for r in result["results"])
+
+
 def test_sampling_benchmark_times_every_mode_and_row_count(tmp_path: Path, data_dir: Path) -> None:
     """`bench.sampling`: each sampling mode at each row count, against a step of as many rows."""
     out = tmp_path / "sampling.json"

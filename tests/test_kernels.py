@@ -107,6 +107,8 @@ def test_table_is_measured_then_read_from_the_cache(int4_tiny: LoadedModel, tmp_
     second = _tune(int4_tiny, tmp_path)
     assert second.source == "cache" and second.bands == first.bands
     assert second.attention_fp32_rows == first.attention_fp32_rows
+    assert second.paged_attention_rows == first.paged_attention_rows
+    assert plan_for(int4_tiny.model).paged_attention_rows == first.paged_attention_rows
     changed = _tune(int4_tiny, tmp_path, max_batch=2)  # another key (rows): measured again, its own file
     assert changed.source == "measured" and len(list((tmp_path / "kernels").glob("*.json"))) == 2
     plan = plan_for(int4_tiny.model)

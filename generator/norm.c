@@ -1,0 +1,63 @@
+/* RMSNorm for the eager decode step: one call instead of four torch ops.
+ *
+ * Built into the same library as gemv.c (generator/gemv.py). At one row each torch op costs its
+ * dispatch and allocation, not its arithmetic: torch's CPU rms_norm takes 15-25 us for one row of
+ * 576 (~41 us with the cast and multiply around it), 61 times a step: ~2.5 ms of a ~16 ms eager
+ * one-row step on a 2-core AMX Xeon (bench/RESULTS.md, "issue 21, part 11"). Math in fp32, rounded
+ * where the torch code it replaces rounds (bf16 in and out). RoPE and SiLU * up written the same way,
+ * element by element, lost to torch's vectorized ops at every row count: they stay torch's.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define PARALLEL_ELEMENTS (1L << 16) /* below this one thread beats waking the team */
+
+static inline float get(const void *p, long i, int bf16) {
+    if (!bf16) return ((const float *)p)[i];
+    const uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t round_bf16(float v) {
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16); /* nearest even, as torch rounds */
+}
+
+static void one_row(const void *x, const void *w, void *y, long dim, float eps, int bf16) {
+    float ss = 0.f;
+    #pragma omp simd reduction(+: ss)
+    for (long i = 0; i < dim; i++) {
+        const float v = get(x, i, bf16);
+        ss += v * v;
+    }
+    const float inv = 1.f / sqrtf(ss / (float)dim + eps);
+    if (!bf16) {
+        float *yf = y;
+        #pragma omp simd
+        for (long i = 0; i < dim; i++) yf[i] = ((const float *)x)[i] * inv * ((const float *)w)[i];
+        return;
+    }
+    uint16_t *yb = y;
+    for (long i = 0; i < dim; i++) {
+        const uint16_t n = round_bf16(get(x, i, 1) * inv);
+        const uint32_t nu = (uint32_t)n << 16;
+        float nf;
+        memcpy(&nf, &nu, 4);
+        yb[i] = round_bf16(nf * get(w, i, 1));
+    }
+}
+
+/* RMSNorm, y = w * (x / sqrt(mean(x^2) + eps)). x, y [rows, dim], w [dim]: all fp32, or all bf16 with
+ * ``bf16``: then the normalised row is rounded to bf16 before the weight multiplies it (a bf16 x bf16
+ * product, rounded again), as forward._rms_norm's torch path does. */
+void tp_rms_norm(const void *x, const void *w, void *y, long rows, long dim, float eps, int threads, int bf16) {
+    const long elt = bf16 ? 2 : 4;
+    #pragma omp parallel for schedule(static) num_threads(threads) if (rows * dim >= PARALLEL_ELEMENTS)
+    for (long r = 0; r < rows; r++)
+        one_row((const char *)x + r * dim * elt, w, (char *)y + r * dim * elt, dim, eps, bf16);
+}
