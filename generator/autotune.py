@@ -89,7 +89,7 @@ def tune_plan(model: Any, plan: Plan, *, name: str, dtype: torch.dtype, dense_ro
     lib = load_gemv(data_dir) if quantized and cpu else None
     # By rule the library's attention kernel serves every decode step where it is built: 2-6x the torch
     # ops per layer from 1 to 32 rows (bench/RESULTS.md, "issue 21, part 11"); the measurement can take it back.
-    paged = max(counts) if lib is not None else 0
+    paged = max(counts) if lib is not None and _kernel_attends(model) else 0
     rules = rule_table(counts, dense_rows, quantized=quantized, attention_fp32_rows=FP32_ATTENTION_ROWS,
                        paged_attention_rows=paged)
     for role in ROLES:
@@ -116,6 +116,13 @@ def tune_plan(model: Any, plan: Plan, *, name: str, dtype: torch.dtype, dense_ro
     log.info("kernel table (%s): %s", table.source, table.summary(),
              extra={"kernels": table.source, "seconds": round(table.seconds, 2), "model": name})
     return table
+
+
+def _kernel_attends(model: Any) -> bool:
+    """Whether the attention kernel takes this model's heads (``attention.c``: head size a multiple of 8)."""
+    cfg = model.config
+    hd = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    return hd % 8 == 0 and int(cfg.num_attention_heads) % int(cfg.num_key_value_heads) == 0
 
 
 def _measure_and_cache(path: Path, key: dict[str, Any], model: Any, plan: Plan, rules: KernelTable,

@@ -148,3 +148,17 @@ def test_kv_write_puts_each_rows_heads_at_its_slot_and_refuses_slots_outside_the
     assert int((flat != 0).any(-1).sum()) == 2 * 2 * 3  # nothing else written
     with pytest.raises(RuntimeError, match="outside the pool"):
         torch.ops.tokenpipe.kv_write(kv, k, v, torch.tensor([5, 4 * BLOCK_SIZE]))
+
+
+def test_a_model_whose_heads_the_kernel_cannot_take_keeps_the_torch_ops() -> None:
+    """Head sizes not a multiple of 8 would be refused by the op at the first decode step: such a model
+    never gets the kernel in its table."""
+    from generator.autotune import _kernel_attends
+
+    def model(hidden: int, heads: int, kv_heads: int) -> types.SimpleNamespace:
+        return types.SimpleNamespace(config=types.SimpleNamespace(hidden_size=hidden, num_attention_heads=heads,
+                                                                  num_key_value_heads=kv_heads))
+
+    assert _kernel_attends(model(576, 9, 3))  # SmolLM2-135M: 64 a head
+    assert not _kernel_attends(model(48, 4, 2))  # 12 a head
+    assert not _kernel_attends(model(64, 4, 3))  # 4 query heads cannot share 3 kv heads evenly
