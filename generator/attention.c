@@ -19,28 +19,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "rows.h"
+
 #define BLOCK 16 /* generator.kvcache.BLOCK_SIZE */
 #define SERIAL_WORK (1L << 17) /* multiply-adds below which one thread beats waking the team */
-
-static inline __m256 ld8(const void *p, long i, int bf16) {
-    if (!bf16) return _mm256_loadu_ps((const float *)p + i);
-    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + i));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-static inline float sum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-static inline void store(void *out, long i, float v, int bf16) {
-    if (!bf16) { ((float *)out)[i] = v; return; }
-    uint32_t u;
-    memcpy(&u, &v, 4);
-    ((uint16_t *)out)[i] = (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16); /* nearest even, as torch rounds */
-}
 
 /* e^x for x <= 0, 8 lanes (Cephes' polynomial, as avx_mathfun): ~1e-7 relative, and libm's
  * expf one position at a time was the largest part of the kernel's time. */
@@ -74,7 +56,7 @@ static inline __m256 scores8(const float *qf, const char *k8, long hd, long elt,
     for (int p = 0; p < 8; p++) a[p] = _mm256_setzero_ps();
     for (long i = 0; i < hd; i += 8) {
         const __m256 qv = _mm256_loadu_ps(qf + i);
-        for (int p = 0; p < 8; p++) a[p] = _mm256_fmadd_ps(qv, ld8(k8 + p * hd * elt, i, bf16), a[p]);
+        for (int p = 0; p < 8; p++) a[p] = _mm256_fmadd_ps(qv, load8(k8 + p * hd * elt, i, bf16), a[p]);
     }
     return sums8(a);
 }
@@ -87,7 +69,7 @@ static inline __attribute__((always_inline)) void weigh(float *acc, const float 
         for (long c = 0; c < NC; c++) a[c] = _mm256_loadu_ps(acc + c0 + 8 * c);
         for (long p = 0; p < n; p++) {
             const __m256 wp = _mm256_set1_ps(w[p]);
-            for (long c = 0; c < NC; c++) a[c] = _mm256_fmadd_ps(wp, ld8(vb + p * hd * elt, c0 + 8 * c, bf16), a[c]);
+            for (long c = 0; c < NC; c++) a[c] = _mm256_fmadd_ps(wp, load8(vb + p * hd * elt, c0 + 8 * c, bf16), a[c]);
         }
         for (long c = 0; c < NC; c++) _mm256_storeu_ps(acc + c0 + 8 * c, a[c]);
     }
@@ -102,7 +84,7 @@ static void one_task(const void *q, const char *k, const char *v, const int64_t 
     const __m256 sc = _mm256_set1_ps(scale);
     for (long r = 0; r < R; r++)
         for (long i = 0; i < hd; i += 8)
-            _mm256_storeu_ps(qf + r * hd + i, _mm256_mul_ps(sc, ld8(q, (b * H + g * R + r) * hd + i, bf16)));
+            _mm256_storeu_ps(qf + r * hd + i, _mm256_mul_ps(sc, load8(q, (b * H + g * R + r) * hd + i, bf16)));
     const long head = g * nblocks;
     for (long j = 0; j < blocks; j++) {
         const char *kb = k + (head + table[j]) * BLOCK * hd * elt;
@@ -124,7 +106,7 @@ static void one_task(const void *q, const char *k, const char *v, const int64_t 
             _mm256_storeu_ps(sr + t, e);
             sum = _mm256_add_ps(sum, e);
         }
-        const __m256 inv = _mm256_set1_ps(1.f / sum8(sum));
+        const __m256 inv = _mm256_set1_ps(1.f / hsum(sum));
         for (long t = 0; t < S; t += 8) _mm256_storeu_ps(sr + t, _mm256_mul_ps(_mm256_loadu_ps(sr + t), inv));
     }
     memset(acc, 0, sizeof(float) * R * hd);
@@ -137,7 +119,7 @@ static void one_task(const void *q, const char *k, const char *v, const int64_t 
         }
     }
     for (long r = 0; r < R; r++)
-        for (long i = 0; i < hd; i++) store(out, (b * H + g * R + r) * hd + i, acc[r * hd + i], bf16);
+        for (long i = 0; i < hd; i++) put(out, (b * H + g * R + r) * hd + i, acc[r * hd + i], bf16);
 }
 
 /* Returns 0, or -1 when out of memory. hd must be a multiple of 8, H of G, and every

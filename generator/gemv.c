@@ -15,30 +15,10 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "rows.h"
+
 #define GROUP 32
 #define TILE 4 /* rows of x that share one pass over the weight */
-
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-/* x and y are fp32 or, with ``bf16``, bfloat16: taking a bf16 model's activations as they are
- * saves the op two conversions and two tensors a call (bench/RESULTS.md, "issue 21, part 10"). */
-static inline __m256 load8(const void *x, long i, int bf16) {
-    if (!bf16) return _mm256_loadu_ps((const float *)x + i);
-    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)x + i));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-static inline void put(void *y, long i, float v, int bf16) {
-    if (!bf16) { ((float *)y)[i] = v; return; }
-    uint32_t u;
-    __builtin_memcpy(&u, &v, 4);
-    ((uint16_t *)y)[i] = (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16); /* nearest even, as torch rounds */
-}
 
 /* x[M, K] -> x16 (int16 per group of 32), dx (each group's scale), xs (each group's float sum).
  * Vectorized: it runs once per projection call, and per element in C it was ~4 us of a one-row

@@ -46,6 +46,7 @@ SOURCE = Path(__file__).with_name("gemv.c")
 # built alongside: the eager forward's other ops (decode attention over the paged pool and the cache write;
 # RMSNorm)
 OTHER_SOURCES = (Path(__file__).with_name("attention.c"), Path(__file__).with_name("norm.c"))
+HEADER = Path(__file__).with_name("rows.h")  # the fp32/bf16 row helpers the C sources share
 OP_SOURCE = Path(__file__).with_name("gemv_op.cpp")
 GROUP = 32
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC")  # gemv.c's
@@ -154,7 +155,7 @@ def load_gemv(data_dir: str | os.PathLike[str]) -> GemvLib | None:
     try:
         versions = "".join(subprocess.run([c, "--version"], capture_output=True, text=True, timeout=30).stdout
                            for c in (compiler, cxx_path))
-        sources = b"".join(p.read_bytes() for p in (SOURCE, *OTHER_SOURCES, OP_SOURCE))
+        sources = b"".join(p.read_bytes() for p in (SOURCE, *OTHER_SOURCES, HEADER, OP_SOURCE))
         digest = hashlib.sha256(sources + versions.encode() + " ".join(flags).encode() +
                                 torch.__version__.encode()).hexdigest()[:16]
         path = Path(data_dir) / "kernels" / f"gemv-{digest}.so"

@@ -12,21 +12,9 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "rows.h"
+
 #define PARALLEL_ELEMENTS (1L << 16) /* below this one thread beats waking the team */
-
-static inline float get(const void *p, long i, int bf16) {
-    if (!bf16) return ((const float *)p)[i];
-    const uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t round_bf16(float v) {
-    uint32_t u;
-    memcpy(&u, &v, 4);
-    return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16); /* nearest even, as torch rounds */
-}
 
 static void one_row(const void *x, const void *w, void *y, long dim, float eps, int bf16) {
     float ss = 0.f;
