@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +25,7 @@ from rich.table import Table
 from bench.kvstep import add_model_args, load_as_generator
 from generator.forward import _bagged_attention, _decode_attention, attention_bias
 from generator.gemv import load_gemv
+from generator.kernels import timed
 from generator.kvcache import BLOCK_SIZE, PagedKVCache, bytes_per_position
 from generator.models import LoadedModel
 from tokenpipe.settings import Settings
@@ -34,20 +33,8 @@ from tokenpipe.settings import Settings
 console = Console()
 
 
-def best_us(fn: Callable[[], object], rounds: int, calls: int = 20) -> list[float]:
-    """µs per call of each round (``calls`` calls a round)."""
-    fn()
-    out = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        out.append((time.perf_counter() - t0) / calls * 1e6)
-    return out
-
-
 def one(lm: LoadedModel, rows: int, context: int, rounds: int) -> dict[str, Any]:
-    """The three ways at ``rows`` rows attending ``context`` positions each: µs per call, per round."""
+    """The three ways at ``rows`` rows attending ``context`` positions each: µs per call (the fastest round)."""
     H, scale = int(lm.model.config.num_attention_heads), float(lm.model.model.layers[0].self_attn.scaling)
     width = -(-context // BLOCK_SIZE)
     cache = PagedKVCache(lm.model, (rows * width + 1) * BLOCK_SIZE * bytes_per_position(lm.model, lm.dtype),
@@ -77,11 +64,9 @@ def one(lm: LoadedModel, rows: int, context: int, rounds: int) -> dict[str, Any]
     for fn in (bagged, fp32):
         err = float((fn().float() - ref).abs().max())
         assert err < 0.05, f"{fn.__name__} differs from the kernel by {err} at {rows} rows, {context} positions"
-    per: dict[str, list[float]] = {"bagged": [], "fp32": [], "kernel": []}
-    for _ in range(rounds):  # alternated: a busy spell slows all three alike
-        for name, fn in (("bagged", bagged), ("fp32", fp32), ("kernel", kernel)):
-            per[name] += best_us(fn, 1)
-    return {"context": context, "rows": rows, "us": {k: min(v) for k, v in per.items()}, "rounds_us": per}
+    # rounds alternate the three (a busy spell slows them alike), each at least 2 ms of calls
+    best = timed({"bagged": bagged, "fp32": fp32, "kernel": kernel}, rounds=rounds, min_s=0.002)
+    return {"context": context, "rows": rows, "us": {k: v * 1e6 for k, v in best.items()}}
 
 
 def main(argv: list[str] | None = None) -> int:
