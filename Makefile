@@ -45,6 +45,7 @@ bench: install
 	$(PY) -m bench.kernels
 	$(PY) -m bench.stepsplit
 	$(PY) -m bench.attention
+	$(PY) -m bench.accuracy
 	$(PY) -m bench.sampling
 	$(PY) -m bench.enginecore
 	$(PY) -m bench.appends

@@ -14,13 +14,13 @@ nor cached: the rules serve that run and the next start measures again.
 from __future__ import annotations
 
 import fcntl
+import itertools
 import logging
 import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +72,10 @@ def apply_table(plan: Plan, table: KernelTable, *, keep_packed: bool = False) ->
                     mod.pack()
                 elif not keep_packed:
                     mod.packed = None
+                if "gemm8" in uses:
+                    mod.block()
+                elif not keep_packed:
+                    mod.blocked = None
     plan.attention_fp32_rows = table.attention_fp32_rows
     plan.paged_attention_rows = table.paged_attention_rows
 
@@ -99,9 +103,9 @@ def tune_plan(model: Any, plan: Plan, *, name: str, dtype: torch.dtype, dense_ro
                 if lib is None:
                     mod.gemv = None  # its weights cost memory only where the kernel can run
     plan.step_ops = lib is not None  # fewer calls for the same arithmetic: nothing to choose between
-    if setting == "gemv" and lib is None:
-        log.warning("TOKENPIPE_KERNELS=gemv, but the gemv kernel is not available here: torch's quantized "
-                    "kernel serves instead")
+    if setting in ("gemv", "gemm8") and lib is None:
+        log.warning("TOKENPIPE_KERNELS=%s, but tokenpipe's kernels are not available here: torch's quantized "
+                    "kernel serves instead", setting)
     if setting in KERNEL_CHOICES:
         table = rule_table(counts, dense_rows, quantized=quantized, attention_fp32_rows=FP32_ATTENTION_ROWS,
                            forced=setting, paged_attention_rows=paged)
@@ -251,25 +255,29 @@ def _write_cache(path: Any, text: str) -> None:
 
 def measure_table(model: Any, plan: Plan, rules: KernelTable, counts: tuple[int, ...], *,
                   dtype: torch.dtype) -> KernelTable:
-    """Time each candidate kernel on each projection role (layer 0's module: every layer has its shapes)
-    at each row count; keep a non-default kernel only at a clear win (:data:`generator.kernels.MARGIN`),
-    then keep each changed row count only where a whole decode step confirms it."""
+    """Time each candidate kernel on each projection role at each row count; keep a non-default kernel
+    only at a clear win (:data:`generator.kernels.MARGIN`), then keep each changed row count only where
+    a whole decode step confirms it. Each call takes the next layer's module, as a step does: one
+    module called again and again keeps its weight in the core's cache, which flattered the kernels with
+    the largest weights (bf16 pre-packed: 0.9x gemm8 per call so, 1.2x slower in whole steps, bench/RESULTS.md,
+    "issue 21, part 12")."""
     t0 = time.monotonic()
     times_us: dict[str, dict[str, dict[str, float]]] = {}
     choices: dict[str, dict[int, str]] = {}
     with torch.inference_mode():
         for i, role in enumerate(ROLES):
-            mod = plan.projections(role)[0]
-            assert isinstance(mod, QuantLinear)
-            kernels = ["quant", "dense"] + (["packed"] if mod.pack() else []) + \
-                (["gemv"] if mod.gemv is not None and mod.gemv_lib is not None else [])
+            mods = [m for m in plan.projections(role) if isinstance(m, QuantLinear)]
+            first = mods[0]
+            kernels = ["quant", "dense"] + (["packed"] if all([m.pack() for m in mods]) else []) + \
+                (["gemv", "gemm8"] if all([m.block() for m in mods]) else [])
             times_us[role], choices[role] = {}, {}
             for rows in counts:
-                x = torch.randn(rows, mod.in_features, dtype=dtype)
-                got = timed({k: partial(mod.run, x, k) for k in kernels})
+                x = torch.randn(rows, first.in_features, dtype=dtype)
+                got = timed({k: _round_robin(mods, x, k) for k in kernels})
                 times_us[role][str(rows)] = {k: round(v * 1e6, 1) for k, v in got.items()}
                 choices[role][rows] = choose(got, kernel_for(rules.bands[role], rows))
-            mod.packed = None  # packed again below for the roles whose table uses it
+            for m in mods:
+                m.packed = m.blocked = None  # made again below for the roles whose table uses them
             log.info("measuring kernels: %s (%d/%d)", role, i + 1, len(ROLES),
                      extra={"role": role, "done": i + 1, "of": len(ROLES)})
     measured = KernelTable({role: bands_from(choices[role]) for role in ROLES}, rules.attention_fp32_rows,
@@ -277,6 +285,12 @@ def measure_table(model: Any, plan: Plan, rules: KernelTable, counts: tuple[int,
     table = _confirm(model, plan, rules, measured, counts, dtype)
     table.seconds = time.monotonic() - t0
     return table
+
+
+def _round_robin(mods: list[QuantLinear], x: torch.Tensor, kernel: str) -> Any:
+    """A call of ``kernel`` on the next of ``mods`` each time."""
+    turn = itertools.cycle(mods)
+    return lambda: next(turn).run(x, kernel)
 
 
 def _confirm(model: Any, plan: Plan, rules: KernelTable, measured: KernelTable, counts: tuple[int, ...],

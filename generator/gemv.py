@@ -10,10 +10,14 @@ rows are read and written in bf16 by the kernel itself (no float copies). Where 
 AVX-512BW (and VNNI), one row's int4 loop takes four groups a step without byte shuffles
 (:func:`build_flags`; 1.3-1.9x the AVX2 loop per projection on an AMX Xeon, "issue 21, part 10").
 
+For several rows ``gemm8.c`` (the op ``gemm8``) trades that exactness for speed, as llama.cpp does: rows
+rounded to int8 per group of 32, four 4-bit weights multiplied per int32 lane by one VNNI instruction,
+over a copy of the weights in blocks of output features (:func:`block_q4`, :func:`block_q8`).
+
 It is compiled when the engine starts, once per machine (~15 s: ``gemv.c`` with ``$CC``, the
 op bindings ``gemv_op.cpp`` against torch's headers with ``$CXX``) and cached in
 ``<data dir>/kernels/`` under a digest of the sources, the compilers, the flags and torch's
-version; the library registers the ops ``torch.ops.tokenpipe.gemv_q4`` / ``gemv_q8``, which
+version; the library registers the ops ``torch.ops.tokenpipe.gemv_q4`` / ``gemv_q8`` / ``gemm8``, which
 torch.compile keeps opaque. The step's other ops are built into it too, for the eager forward
 (:mod:`generator.forward`): ``paged_attention`` and ``kv_write`` (``attention.c``: decode
 attention read from the KV pool in place, this step's K/V written into it) and ``rms_norm``
@@ -37,15 +41,15 @@ from torch import Tensor
 
 from .kernels import cpu_info
 
-__all__ = ["AVX512_FLAGS", "FLAGS", "VNNI_FLAGS", "GemvLib", "Q4Weight", "Q8Weight", "build_flags", "load_gemv",
-           "pack_q4", "pack_q8"]
+__all__ = ["AVX512_FLAGS", "FLAGS", "VNNI_FLAGS", "BlockedWeight", "GemvLib", "Q4Weight", "Q8Weight", "block_q4",
+           "block_q8", "build_flags", "load_gemv", "pack_q4", "pack_q8"]
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("gemv.c")
 # built alongside: the eager forward's other ops (decode attention over the paged pool and the cache write;
 # RMSNorm)
-OTHER_SOURCES = (Path(__file__).with_name("attention.c"), Path(__file__).with_name("norm.c"))
+OTHER_SOURCES = tuple(Path(__file__).with_name(n) for n in ("gemm8.c", "attention.c", "norm.c"))
 HEADER = Path(__file__).with_name("rows.h")  # the fp32/bf16 row helpers the C sources share
 OP_SOURCE = Path(__file__).with_name("gemv_op.cpp")
 GROUP = 32
@@ -90,6 +94,48 @@ class Q8Weight:
     s: Tensor
 
 
+@dataclass(frozen=True)
+class BlockedWeight:
+    """A :class:`Q4Weight` or :class:`Q8Weight` in ``gemm8.c``'s layout: blocks of ``lanes`` output
+    features, ``w [blocks, G * lanes * bits * 4]`` uint8, ``d``, ``m`` ``[blocks, G, lanes]`` fp32;
+    ``n`` output features (the last block's padding is zero)."""
+
+    w: Tensor
+    d: Tensor
+    m: Tensor
+    bits: int
+    n: int
+
+
+def _blocks(t: Tensor, lanes: int) -> Tensor:
+    """``t [N, ...]`` zero-padded to a multiple of ``lanes`` rows, as ``[blocks, lanes, ...]``."""
+    pad = -t.shape[0] % lanes
+    if pad:
+        t = torch.cat([t, t.new_zeros(pad, *t.shape[1:])])
+    return t.view(-1, lanes, *t.shape[1:])
+
+
+def block_q4(w: Q4Weight, lanes: int) -> BlockedWeight:
+    """``w`` for ``gemm8.c``: a group's byte 4c + t (q[4c + t] low, q[16 + 4c + t] high, as :func:`pack_q4`
+    stores them) goes to chunk c, after the same bytes of the block's features before it."""
+    n, half = w.nibbles.shape
+    g = half // 16
+    nib = _blocks(w.nibbles, lanes).view(-1, lanes, g, 4, 4).permute(0, 2, 3, 1, 4)  # [blocks, G, c, lane, t]
+    d, m = (_blocks(t, lanes).transpose(1, 2).contiguous() for t in (w.d, w.m))
+    return BlockedWeight(nib.reshape(nib.shape[0], -1).contiguous(), d, m, 4, n)
+
+
+def block_q8(w: Q8Weight, lanes: int) -> BlockedWeight:
+    """``w`` for ``gemm8.c``: ``q + 128`` as unsigned bytes (the offset comes back through ``m``), weight
+    4c + t of a group in chunk c."""
+    n, k = w.q.shape
+    g = k // GROUP
+    u = (w.q.to(torch.int16) + 128).to(torch.uint8)
+    blocks = _blocks(u, lanes).view(-1, lanes, g, 8, 4).permute(0, 2, 3, 1, 4)
+    d = _blocks(w.s[:, None].expand(n, g), lanes).transpose(1, 2).contiguous()
+    return BlockedWeight(blocks.reshape(blocks.shape[0], -1).contiguous(), d, -128 * d, 8, n)
+
+
 def pack_q4(q: Tensor, scale: Tensor, zero: Tensor) -> Q4Weight:
     """From ``q [N, K]`` in 0..15 and ``scale``, ``zero`` ``[N, K/32]`` with ``w = (q - 8) * scale + zero``."""
     n, k = q.shape
@@ -111,8 +157,16 @@ class GemvLib:
         self.path = path
 
     @staticmethod
-    def run(x2: Tensor, w: Q4Weight | Q8Weight) -> Tensor:
+    def lanes() -> int:
+        """The output features per block of ``gemm8.c`` as built here (16 with AVX-512 VNNI, else 8)."""
+        return int(torch.ops.tokenpipe.gemm8_lanes())
+
+    @staticmethod
+    def run(x2: Tensor, w: Q4Weight | Q8Weight | BlockedWeight) -> Tensor:
         """``x2 [M, K] -> [M, N]`` in ``x2``'s dtype (computed in fp32)."""
+        if isinstance(w, BlockedWeight):
+            blocked: Tensor = torch.ops.tokenpipe.gemm8(x2, w.w, w.d, w.m, w.bits, w.n)
+            return blocked
         if isinstance(w, Q4Weight):
             out: Tensor = torch.ops.tokenpipe.gemv_q4(x2, w.nibbles, w.d, w.m)
         else:

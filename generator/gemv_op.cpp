@@ -1,4 +1,5 @@
-// generator/gemv.c's kernels as the torch ops tokenpipe::gemv_q4 and tokenpipe::gemv_q8,
+// generator/gemv.c's kernels as the torch ops tokenpipe::gemv_q4 and tokenpipe::gemv_q8, generator/gemm8.c's
+// as tokenpipe::gemm8,
 // generator/attention.c's as tokenpipe::paged_attention and kv_write, generator/norm.c's as
 // tokenpipe::rms_norm: called
 // through torch's dispatcher from C++, an op costs ~35 us less per call than a Python-defined
@@ -14,6 +15,9 @@ extern "C" {
 int tp_gemv_q4(const uint8_t *w, const float *d, const float *m, const void *x, void *y, long M, long K, long N,
                int threads, int bf16);
 int tp_gemv_q8(const int8_t *w, const float *s, const void *x, void *y, long M, long K, long N, int threads, int bf16);
+int tp_gemm8(const uint8_t *w, const float *d, const float *m, int bits, const void *x, void *y, long M, long K,
+             long N, int threads, int bf16);
+int tp_gemm8_lanes(void);
 int tp_paged_attention(const void *q, const void *k, const void *v, const int64_t *tables, const int64_t *positions,
                        void *out, long B, long H, long G, long hd, long nblocks, long width, float scale, int threads,
                        int bf16);
@@ -56,6 +60,28 @@ at::Tensor gemv_q8(const at::Tensor &x2, const at::Tensor &q, const at::Tensor &
         throw std::bad_alloc();
     return finish(y, x2);
 }
+
+// w [blocks, G * LANES * bits * 4] uint8, d, m [blocks, G, LANES] (generator/gemm8.c's layout) -> [M, n]
+at::Tensor gemm8(const at::Tensor &x2, const at::Tensor &w, const at::Tensor &d, const at::Tensor &m, int64_t bits,
+                 int64_t n) {
+    const int64_t lanes = tp_gemm8_lanes();
+    TORCH_CHECK(d.dim() == 3 && d.size(2) == lanes && m.sizes() == d.sizes() && w.dim() == 2 &&
+                w.size(0) == d.size(0) && (bits == 4 || bits == 8) && w.size(1) == d.size(1) * lanes * bits * 4 &&
+                n > (d.size(0) - 1) * lanes && n <= d.size(0) * lanes, "gemm8: a weight blocked for ", lanes,
+                " lanes expected, got w ", w.sizes(), ", d ", d.sizes(), ", bits ", bits, ", n ", n);
+    TORCH_CHECK(w.is_contiguous() && d.is_contiguous() && m.is_contiguous() && w.scalar_type() == at::kByte &&
+                d.scalar_type() == at::kFloat && m.scalar_type() == at::kFloat, "gemm8: contiguous uint8 w and fp32 "
+                "d, m expected");
+    at::Tensor x = rows_of(x2, d.size(1) * 32);
+    const bool bf16 = x.scalar_type() == at::kBFloat16;
+    at::Tensor y = at::empty({x.size(0), n}, x.options());
+    if (tp_gemm8(w.data_ptr<uint8_t>(), d.data_ptr<float>(), m.data_ptr<float>(), static_cast<int>(bits), x.data_ptr(),
+                 y.data_ptr(), x.size(0), x.size(1), n, at::get_num_threads(), bf16))
+        throw std::bad_alloc();
+    return finish(y, x2);
+}
+
+int64_t gemm8_lanes() { return tp_gemm8_lanes(); }
 
 // q [B, H, hd]; k, v one layer's pool [G, num_blocks, 16, hd]; tables [B, width]; positions [B] -> [B, H, hd]
 at::Tensor paged_attention(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, const at::Tensor &tables,
@@ -129,6 +155,11 @@ at::Tensor gemv_q8_meta(const at::Tensor &x2, const at::Tensor &q, const at::Ten
     return at::empty({x2.size(0), q.size(0)}, x2.options());
 }
 
+at::Tensor gemm8_meta(const at::Tensor &x2, const at::Tensor &, const at::Tensor &, const at::Tensor &, int64_t,
+                      int64_t n) {
+    return at::empty({x2.size(0), n}, x2.options());
+}
+
 at::Tensor paged_attention_meta(const at::Tensor &q, const at::Tensor &, const at::Tensor &, const at::Tensor &,
                                 const at::Tensor &, double) {
     return at::empty(q.sizes(), q.options());
@@ -145,6 +176,8 @@ void kv_write_meta(const at::Tensor &, const at::Tensor &, const at::Tensor &, c
 TORCH_LIBRARY(tokenpipe, lib) {
     lib.def("gemv_q4(Tensor x, Tensor nibbles, Tensor d, Tensor m) -> Tensor");
     lib.def("gemv_q8(Tensor x, Tensor q, Tensor s) -> Tensor");
+    lib.def("gemm8(Tensor x, Tensor w, Tensor d, Tensor m, int bits, int n) -> Tensor");
+    lib.def("gemm8_lanes() -> int", &gemm8_lanes);  // no tensor to dispatch on: one kernel for every key
     lib.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor tables, Tensor positions, float scale) -> Tensor");
     lib.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
     lib.def("kv_write(Tensor(a!) kv, Tensor k, Tensor v, Tensor slots) -> ()");
@@ -153,6 +186,7 @@ TORCH_LIBRARY(tokenpipe, lib) {
 TORCH_LIBRARY_IMPL(tokenpipe, CPU, lib) {
     lib.impl("gemv_q4", &gemv_q4);
     lib.impl("gemv_q8", &gemv_q8);
+    lib.impl("gemm8", &gemm8);
     lib.impl("paged_attention", &paged_attention);
     lib.impl("rms_norm", &rms_norm);
     lib.impl("kv_write", &kv_write);
@@ -161,6 +195,7 @@ TORCH_LIBRARY_IMPL(tokenpipe, CPU, lib) {
 TORCH_LIBRARY_IMPL(tokenpipe, Meta, lib) {
     lib.impl("gemv_q4", &gemv_q4_meta);
     lib.impl("gemv_q8", &gemv_q8_meta);
+    lib.impl("gemm8", &gemm8_meta);
     lib.impl("paged_attention", &paged_attention_meta);
     lib.impl("rms_norm", &rms_norm_meta);
     lib.impl("kv_write", &kv_write_meta);

@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from tokenpipe.errors import InvalidRequest
 from tokenpipe.settings import Quant
 
-from .gemv import GemvLib, Q4Weight, Q8Weight, pack_q4, pack_q8
+from .gemv import BlockedWeight, GemvLib, Q4Weight, Q8Weight, block_q4, block_q8, pack_q4, pack_q8
 from .kernels import Band, kernel_for, pack_weight, packed_linear
 
 __all__ = ["BF16_DENSE_ROWS", "DENSE_ROWS", "QUANT_MODES", "QuantLinear", "QuantMode", "check_quant", "dense_rows_for",
@@ -103,6 +103,7 @@ class QuantLinear(nn.Module):
         # The weight in generator.gemv's layout (CPU), and that kernel once loaded (generator.autotune)
         self.gemv: Q4Weight | Q8Weight | None = None
         self.gemv_lib: GemvLib | None = None
+        self.blocked: BlockedWeight | None = None  # the same in gemm8's layout, where the table uses it
         self.out_features, self.in_features = weight.shape
         self.act_dtype = torch.bfloat16
         self.bias = None if bias is None else bias.detach().clone()
@@ -162,8 +163,21 @@ class QuantLinear(nn.Module):
             self.packed = pack_weight(self.dense)
         return self.packed is not None
 
+    def block(self) -> bool:
+        """Copy the quantized weight into ``gemm8``'s layout (once); False where that kernel is not built here."""
+        if self.blocked is None and self.gemv is not None and self.gemv_lib is not None:
+            lanes = self.gemv_lib.lanes()
+            self.blocked = block_q4(self.gemv, lanes) if isinstance(self.gemv, Q4Weight) else block_q8(self.gemv, lanes)
+        return self.blocked is not None
+
     def run(self, x2: Tensor, kernel: str) -> Tensor:
-        """``x2 [M, K] -> [M, N]`` (no bias) on ``kernel`` (``quant``, ``dense``, ``packed``, ``gemv``) where it can."""
+        """``x2 [M, K] -> [M, N]`` (no bias) on ``kernel`` (``quant``, ``dense``, ``packed``, ``gemv``, ``gemm8``)
+        where it can."""
+        if kernel == "gemm8":
+            if self.block():
+                assert self.gemv_lib is not None and self.blocked is not None
+                return self.gemv_lib.run(x2, self.blocked)
+            kernel = "quant"  # not built here (logged at start): the other quantized kernel
         if kernel == "gemv":
             if self.gemv is not None and self.gemv_lib is not None:
                 return self.gemv_lib.run(x2, self.gemv)

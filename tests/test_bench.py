@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -61,9 +62,10 @@ def test_the_minimal_http_client_reads_a_chunked_event_stream_split_anywhere(tex
     assert [(e.event, e.id, e.json()) for e in events] == [("tokens", str(i), {"text": t}) for i, t in enumerate(texts)]
 
 
-def _run(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess[str]:
+def _run(args: list[str], timeout: float = 240, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     # bench/ is not installed: its modules run from the repository root.
-    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          env={**os.environ, **(env or {})})
 
 
 def test_pipeline_benchmark_and_gpu_summary_run_end_to_end(tmp_path: Path, data_dir: Path) -> None:
@@ -153,6 +155,18 @@ def test_attention_benchmark_times_the_torch_ops_and_the_kernel(tmp_path: Path, 
     result = json.loads(out.read_text())
     assert [(r["context"], r["rows"]) for r in result["results"]] == [(40, 1), (40, 3)]
     assert all(set(r["us"]) == {"bagged", "fp32", "kernel"} and min(r["us"].values()) > 0 for r in result["results"])
+
+
+def test_accuracy_benchmark_scores_each_kernel_on_the_same_text(tmp_path: Path, data_dir: Path) -> None:
+    """`bench.accuracy`: the loss of one text under each forced kernel; the float weight agrees with itself."""
+    out = tmp_path / "accuracy.json"
+    proc = _run(["bench.accuracy", "--model", "tiny-random", "--data-dir", str(data_dir), "--rows", "2",
+                 "--tokens", "6", "--kernels", "dense,gemv,gemm8", "--out", str(out)],
+                env={"TOKENPIPE_QUANT": "int4", "TOKENPIPE_DTYPE": "float32"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads(out.read_text())["results"]
+    assert list(results) == ["dense", "gemv", "gemm8"] and results["dense"]["greedy_agrees"] == 1.0
+    assert all(math.isfinite(r["nll"]) and r["nll"] > 0 and r["perplexity"] > 1 for r in results.values())
 
 
 def test_sampling_benchmark_times_every_mode_and_row_count(tmp_path: Path, data_dir: Path) -> None:

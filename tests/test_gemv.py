@@ -12,7 +12,20 @@ import torch
 from generator.autotune import tune_plan
 from generator.engine import Engine
 from generator.forward import build_plan, plan_for
-from generator.gemv import AVX512_FLAGS, FLAGS, VNNI_FLAGS, GemvLib, build_flags, load_gemv, pack_q4, pack_q8
+from generator.gemv import (
+    AVX512_FLAGS,
+    FLAGS,
+    VNNI_FLAGS,
+    GemvLib,
+    Q4Weight,
+    Q8Weight,
+    block_q4,
+    block_q8,
+    build_flags,
+    load_gemv,
+    pack_q4,
+    pack_q8,
+)
 from generator.kernels import ROLES
 from generator.models import LoadedModel, load_model
 from generator.quant import QuantLinear, _quant_int4, _quant_int8
@@ -88,6 +101,62 @@ def test_bf16_rows_go_in_and_come_out_as_bf16_without_a_float_copy(gemv: GemvLib
         assert got.dtype == torch.bfloat16 and got.shape == (rows, 37)
         assert torch.allclose(got.float(), ref, rtol=2 ** -8, atol=1e-3)
         assert _rel_err(got, ref) < 4e-3
+
+
+def _int8_rows(x: torch.Tensor, levels: int) -> torch.Tensor:
+    """``x`` as gemm8.c takes it: rounded per group of 32 to ``levels`` steps each side of zero."""
+    g = x.float().view(x.shape[0], -1, 32)
+    amax = g.abs().amax(-1, keepdim=True)
+    # as the kernel: times levels / amax (a tensor division: ``int / tensor`` rounds another way), nearest even
+    q = torch.round(g * (torch.full_like(amax, levels) / amax))
+    return (q * (amax / levels)).view_as(x.float())
+
+
+def _gemm8_case(rows: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, Q4Weight, Q8Weight]:
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), generator=gen)
+    g = k // 32
+    w4 = pack_q4(q, torch.rand(n, g, generator=gen) * 0.1, torch.randn(n, g, generator=gen) * 0.1)
+    w8 = pack_q8(torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8), torch.rand(n, generator=gen) * 0.01)
+    return torch.randn(rows, k, generator=gen), w4, w8
+
+
+@pytest.mark.parametrize(("rows", "n"), [(1, 37), (2, 16), (3, 40), (8, 8), (9, 37), (17, 64)])
+def test_gemm8_is_the_product_with_rows_rounded_to_int8(gemv: GemvLib, rows: int, n: int) -> None:
+    """gemm8 equals the dequantized weight times x rounded to int8 per group of 32 (to fp32 rounding), for
+    int4 and int8 weights: rows in tiles of 8 then the rest, output features in blocks of the build's lanes
+    (16 or 8; 37 and 40 end on a padded block). The int8 weights' rows take 64 levels where the AVX2 sums
+    would saturate (gemm8.c)."""
+    x, w4, w8 = _gemm8_case(rows, n, 96, rows * 100 + n)
+    lanes = gemv.lanes()
+    assert lanes in (8, 16)
+    for blocked, dense, levels in ((block_q4(w4, lanes), w4.dequantize(), 127),
+                                   (block_q8(w8, lanes), w8.q.float() * w8.s[:, None], 64 if lanes == 8 else 127)):
+        got = gemv.run(x, blocked)
+        assert got.shape == (rows, n) and got.dtype == torch.float32
+        assert _rel_err(got, _int8_rows(x, levels) @ dense.T) < 1e-5
+        assert 1e-4 < _rel_err(got, x @ dense.T) < 2e-2  # int8 rows: coarser than gemv's int16 ones, as llama.cpp's
+
+
+def test_gemm8_reads_and_writes_bf16_rows(gemv: GemvLib) -> None:
+    x, w4, _ = _gemm8_case(5, 37, 576, 7)
+    xb = x.bfloat16()
+    got = gemv.run(xb, block_q4(w4, gemv.lanes()))
+    ref = _int8_rows(xb, 127) @ w4.dequantize().T
+    assert got.dtype == torch.bfloat16 and torch.allclose(got.float(), ref, rtol=2 ** -8, atol=1e-3)
+
+
+def test_gemm8_is_a_kernel_of_quantlinear_and_falls_back_without_the_library(gemv: GemvLib) -> None:
+    """``run(x, "gemm8")`` blocks the weight once and uses it; without the library it is torch's int4 kernel."""
+    w = torch.randn(48, 64, generator=torch.Generator().manual_seed(3)) * 0.05
+    mod = QuantLinear(w, None, "int4")
+    x = torch.randn(3, 64)
+    assert torch.equal(mod.run(x, "gemm8"), mod.run(x, "quant")) and mod.blocked is None
+    mod.gemv_lib = gemv
+    got = mod.run(x, "gemm8")
+    assert mod.blocked is not None and mod.blocked.n == 48
+    assert mod.gemv is not None and got.shape == (3, 48)
+    assert _rel_err(got, _int8_rows(x, 127) @ mod.gemv.dequantize().T) < 1e-5
 
 
 def test_the_avx512_loop_is_built_only_for_cpus_that_list_it() -> None:

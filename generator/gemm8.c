@@ -1,0 +1,203 @@
+/* Quantized projections with 8-bit activations: y[M, N] = x[M, K] @ W.T, W int4 or int8, for
+ * decode steps of several rows (gemv.c's int16 rows are exact but cost ~5 integer ops per 32
+ * weights per row: at 32 rows its tiles lose to oneDNN's bf16 GEMM).
+ *
+ * Each row of x is quantized to int8 per group of 32 (scale = max|x| / 127, as llama.cpp's Q8
+ * rows) and multiplied with the unsigned 4-bit (or offset 8-bit) weights four at a time into
+ * int32 lanes: one VNNI ``vpdpbusd`` per 64 multiply-adds on AVX-512, ``vpmaddubsw`` + ``vpmaddwd``
+ * per 32 on AVX2. The weights are stored in blocks of LANES output features so that each int32 lane
+ * is one feature: a group's sum needs no horizontal add, its scales are one vector of LANES features,
+ * and a weight block unpacked once serves a tile of up to RT rows from registers.
+ *
+ * Layout (generator/gemv.py, block_q4 / block_q8), per block of LANES features and group g:
+ * int4: 4 chunks of LANES * 4 bytes; in chunk c, byte 4l + t holds q[l, 4c + t] (low nibble) and
+ *       q[l, 16 + 4c + t] (high nibble); w = q * d + m.
+ * int8: 8 chunks; in chunk c, byte 4l + t holds q[l, 4c + t] + 128 (unsigned), w = byte * d + m with
+ *       d = s[l] and m = -128 * s[l].
+ * d, m: [blocks, G, LANES] fp32. Features past N (the last block's padding) are zero and not written.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "rows.h"
+
+#define GROUP 32
+#define RT 8 /* rows of x that share one unpacked weight block */
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define LANES 16
+typedef __m512i vi;
+typedef __m512 vf;
+#define VI_LOAD(p) _mm512_loadu_si512((const void *)(p))
+#define VI_AND _mm512_and_si512
+#define VI_SRL16 _mm512_srli_epi16
+#define VI_SET8 _mm512_set1_epi8
+#define VI_SET32 _mm512_set1_epi32
+#define VI_ZERO _mm512_setzero_si512
+#define VI_ADD32 _mm512_add_epi32
+#define VF_CVT _mm512_cvtepi32_ps
+#define VF_LOAD _mm512_loadu_ps
+#define VF_SET1 _mm512_set1_ps
+#define VF_FMA _mm512_fmadd_ps
+#define VF_MUL _mm512_mul_ps
+#define VF_ZERO _mm512_setzero_ps
+#define VF_STORE _mm512_storeu_ps
+static inline vi dot4(vi acc, vi w, vi x) { return _mm512_dpbusd_epi32(acc, w, x); }
+#else
+#define LANES 8
+typedef __m256i vi;
+typedef __m256 vf;
+#define VI_LOAD(p) _mm256_loadu_si256((const __m256i *)(p))
+#define VI_AND _mm256_and_si256
+#define VI_SRL16 _mm256_srli_epi16
+#define VI_SET8 _mm256_set1_epi8
+#define VI_SET32 _mm256_set1_epi32
+#define VI_ZERO _mm256_setzero_si256
+#define VI_ADD32 _mm256_add_epi32
+#define VF_CVT _mm256_cvtepi32_ps
+#define VF_LOAD _mm256_loadu_ps
+#define VF_SET1 _mm256_set1_ps
+#define VF_FMA _mm256_fmadd_ps
+#define VF_MUL _mm256_mul_ps
+#define VF_ZERO _mm256_setzero_ps
+#define VF_STORE _mm256_storeu_ps
+/* pairs of u8 * s8 summed in int16 (saturating: the caller keeps |x| small enough), then in int32 */
+static inline vi dot4(vi acc, vi w, vi x) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
+}
+#endif
+
+int tp_gemm8_lanes(void) { return LANES; }
+
+/* x[M, K] -> x8 (int8 per group of 32, |q| <= xmax), sx (each group's scale), xs (its sum as quantized) */
+static int quantize8(const void *x, int bf16, long M, long K, int xmax, int8_t **x8, float **sx, float **xs) {
+    const long G = K / GROUP;
+    *x8 = malloc(M * K + 64);
+    *sx = malloc(sizeof(float) * M * G * 2);
+    if (!*x8 || !*sx) { free(*x8); free(*sx); return -1; }
+    *xs = *sx + M * G;
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (long i = 0; i < M * G; i++) {
+        __m256 v[4], amax = _mm256_setzero_ps();
+        for (int j = 0; j < 4; j++) {
+            v[j] = load8(x, i * GROUP + 8 * j, bf16);
+            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
+        }
+        __m128 a = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        a = _mm_max_ps(a, _mm_movehl_ps(a, a));
+        const float am = _mm_cvtss_f32(_mm_max_ss(a, _mm_movehdup_ps(a)));
+        const __m256 inv = _mm256_set1_ps(am > 0.f ? (float)xmax / am : 0.f);
+        __m256i q[4];
+        for (int j = 0; j < 4; j++) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv)); /* nearest even */
+        const __m256i qs = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+        /* the two packs interleave 4-byte runs of the four vectors per 128-bit lane; the permute restores x's order */
+        const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+        _mm256_storeu_si256((__m256i *)(*x8 + i * GROUP), _mm256_permutevar8x32_epi32(p, order));
+        (*sx)[i] = am / (float)xmax;
+        /* the offset term sums x as quantized, so the group's result is W . x8 * scale: with the exact sum it
+         * would keep the error of sum(q * x8) over unsigned, uncentred q, 3x larger (tests/test_gemv.py) */
+        (*xs)[i] = hsum(_mm256_cvtepi32_ps(qs)) * (*sx)[i];
+    }
+    return 0;
+}
+
+static inline vi bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return VI_SET32(v);
+}
+
+/* One block of LANES features against R rows: out[r][l] = y[r, block's feature l] */
+static inline __attribute__((always_inline)) void block_tile(
+    const uint8_t *wb, const float *db, const float *mb, int bits, const int8_t *x8, const float *sx,
+    const float *xs, long G, long K, int R, float out[RT][LANES])
+{
+    vf acc[RT];
+    const vi low = VI_SET8(0x0F);
+    for (int r = 0; r < R; r++) acc[r] = VF_ZERO();
+    for (long g = 0; g < G; g++) {
+        vi w[8]; /* w[c]: weights 4c..4c+3 of the group, four bytes per feature */
+        if (bits == 4) {
+            const uint8_t *p = wb + g * LANES * 16;
+            for (int c = 0; c < 4; c++) {
+                const vi v = VI_LOAD(p + c * LANES * 4);
+                w[c] = VI_AND(v, low);
+                w[c + 4] = VI_AND(VI_SRL16(v, 4), low);
+            }
+        } else {
+            const uint8_t *p = wb + g * LANES * 32;
+            for (int c = 0; c < 8; c++) w[c] = VI_LOAD(p + c * LANES * 4);
+        }
+        const vf d = VF_LOAD(db + g * LANES), m = VF_LOAD(mb + g * LANES);
+        for (int r = 0; r < R; r++) {
+            const int8_t *xg = x8 + r * K + g * GROUP;
+            vi a = VI_ZERO(), b = VI_ZERO(); /* two chains: the sum's latency is not the step's */
+            for (int c = 0; c < 4; c++) {
+                a = dot4(a, w[c], bcast4(xg + 4 * c));
+                b = dot4(b, w[c + 4], bcast4(xg + 16 + 4 * c));
+            }
+            acc[r] = VF_FMA(VF_CVT(VI_ADD32(a, b)), VF_MUL(d, VF_SET1(sx[r * G + g])), acc[r]);
+            acc[r] = VF_FMA(m, VF_SET1(xs[r * G + g]), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) VF_STORE(out[r], acc[r]);
+}
+
+#define TILE_CASE(B, R) block_tile(wb, db, mb, B, x0, sx0, xs0, G, K, R, out)
+
+/* Returns 0, or -1 when out of memory. K must be a multiple of 32; ``bits`` 4 or 8; x and y are bf16
+ * with ``bf16``, else fp32. */
+int tp_gemm8(const uint8_t *w, const float *d, const float *m, int bits, const void *x, void *y, long M, long K,
+             long N, int threads, int bf16)
+{
+    /* AVX2's int16 pair sums saturate past 32767: 255 * 64 * 2 stays below, 255 * 127 * 2 would not */
+    const int xmax = bits == 8 && LANES == 8 ? 64 : 127;
+    int8_t *x8;
+    float *sx, *xs;
+    if (quantize8(x, bf16, M, K, xmax, &x8, &sx, &xs)) return -1;
+    const long G = K / GROUP, blocks = (N + LANES - 1) / LANES, gbytes = LANES * (bits == 4 ? 16 : 32);
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (long blk = 0; blk < blocks; blk++) {
+        const uint8_t *wb = w + blk * G * gbytes;
+        const float *db = d + blk * G * LANES, *mb = m + blk * G * LANES;
+        const long n0 = blk * LANES, width = N - n0 < LANES ? N - n0 : LANES;
+        for (long r0 = 0; r0 < M; r0 += RT) {
+            const int R = M - r0 < RT ? (int)(M - r0) : RT;
+            const int8_t *x0 = x8 + r0 * K;
+            const float *sx0 = sx + r0 * G, *xs0 = xs + r0 * G;
+            float out[RT][LANES];
+            /* constant row counts and widths, so each tile keeps its accumulators in registers */
+            if (bits == 4) {
+                switch (R) {
+                case 1: TILE_CASE(4, 1); break;
+                case 2: TILE_CASE(4, 2); break;
+                case 3: TILE_CASE(4, 3); break;
+                case 4: TILE_CASE(4, 4); break;
+                case 5: TILE_CASE(4, 5); break;
+                case 6: TILE_CASE(4, 6); break;
+                case 7: TILE_CASE(4, 7); break;
+                default: TILE_CASE(4, RT); break;
+                }
+            } else {
+                switch (R) {
+                case 1: TILE_CASE(8, 1); break;
+                case 2: TILE_CASE(8, 2); break;
+                case 3: TILE_CASE(8, 3); break;
+                case 4: TILE_CASE(8, 4); break;
+                case 5: TILE_CASE(8, 5); break;
+                case 6: TILE_CASE(8, 6); break;
+                case 7: TILE_CASE(8, 7); break;
+                default: TILE_CASE(8, RT); break;
+                }
+            }
+            for (int r = 0; r < R; r++)
+                for (long l = 0; l < width; l++) put(y, (r0 + r) * N + n0 + l, out[r][l], bf16);
+        }
+    }
+    free(x8);
+    free(sx);
+    return 0;
+}
