@@ -75,23 +75,112 @@ static inline __attribute__((always_inline)) void weigh(float *acc, const float 
     }
 }
 
-/* One (row b, kv head g): the R = H / G query heads of g's group over positions 0..T-1. Scores
- * are taken for whole blocks (a block's unused positions are allocated, their scores ignored). */
-static void one_task(const void *q, const char *k, const char *v, const int64_t *table, long T, void *out,
-                     long b, long g, long H, long R, long hd, long nblocks, float scale, int bf16, float *buf) {
-    const long elt = bf16 ? 2 : 4, S = (T + BLOCK - 1) / BLOCK * BLOCK, blocks = S / BLOCK;
-    float *qf = buf, *acc = buf + R * hd, *s = buf + 2 * R * hd; /* [R, hd], [R, hd], [R, S] */
-    const __m256 sc = _mm256_set1_ps(scale);
-    for (long r = 0; r < R; r++)
-        for (long i = 0; i < hd; i += 8)
-            _mm256_storeu_ps(qf + r * hd + i, _mm256_mul_ps(sc, load8(q, (b * H + g * R + r) * hd + i, bf16)));
-    const long head = g * nblocks;
-    for (long j = 0; j < blocks; j++) {
-        const char *kb = k + (head + table[j]) * BLOCK * hd * elt;
-        for (long r = 0; r < R; r++)
-            for (int p0 = 0; p0 < BLOCK; p0 += 8)
-                _mm256_storeu_ps(s + r * S + j * BLOCK + p0, scores8(qf + r * hd, kb + p0 * hd * elt, hd, elt, bf16));
+/* The group's query heads together: each K and V row is read (and widened from bf16) once for up to
+ * RH heads instead of once per head, PB positions scored at a time, in vectors of VW floats (16 where
+ * built with AVX-512, else 8). hd must be a multiple of VW: one_task below takes the other cases. */
+#define RH 3  /* query heads at a time: RH * PB score sums (and RH * NC sums of V) stay in registers */
+#define PB 4  /* positions scored at a time */
+#define NC 4  /* vectors of V (and of out) summed at a time */
+
+#if defined(__AVX512F__)
+#define VW 16
+typedef __m512 vw_t;
+#define VW_ZERO _mm512_setzero_ps
+#define VW_LOAD _mm512_loadu_ps
+#define VW_STORE _mm512_storeu_ps
+#define VW_FMA _mm512_fmadd_ps
+#define VW_SET1 _mm512_set1_ps
+static inline __m512 loadw(const void *p, long i, int bf16) {
+    if (!bf16) return _mm512_loadu_ps((const float *)p + i);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+static inline __m256 half_sum(__m512 a) {
+    return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+}
+#else
+#define VW 8
+typedef __m256 vw_t;
+#define VW_ZERO _mm256_setzero_ps
+#define VW_LOAD _mm256_loadu_ps
+#define VW_STORE _mm256_storeu_ps
+#define VW_FMA _mm256_fmadd_ps
+#define VW_SET1 _mm256_set1_ps
+#define loadw load8
+static inline __m256 half_sum(__m256 a) { return a; }
+#endif
+
+/* The sums of a[0..3]'s lanes, as 4 floats */
+static inline __m128 sums4(const vw_t *a) {
+    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(half_sum(a[0]), half_sum(a[1])),
+                                    _mm256_hadd_ps(half_sum(a[2]), half_sum(a[3])));
+    return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
+/* s[r * S + p] = qf[r] · K row p of kp, for p < PB and the NH heads at qf (constant: registers) */
+static inline __attribute__((always_inline)) void scores_tile(const float *qf, const char *kp, long hd, long elt,
+                                                             int bf16, float *s, long S, const int NH) {
+    vw_t a[RH][PB];
+    for (int r = 0; r < NH; r++)
+        for (int p = 0; p < PB; p++) a[r][p] = VW_ZERO();
+    for (long i = 0; i < hd; i += VW) {
+        vw_t qv[RH];
+        for (int r = 0; r < NH; r++) qv[r] = VW_LOAD(qf + r * hd + i);
+        for (int p = 0; p < PB; p++) {
+            const vw_t kv = loadw(kp + p * hd * elt, i, bf16);
+            for (int r = 0; r < NH; r++) a[r][p] = VW_FMA(qv[r], kv, a[r][p]);
+        }
     }
+    for (int r = 0; r < NH; r++) _mm_storeu_ps(s + r * S, sums4(a[r]));
+}
+
+/* acc[r * hd + c0 ..] += Σ_t w[r * S + t] · V row t (vectors c0 / VW .. + N), t < n, for NH heads */
+static inline __attribute__((always_inline)) void weigh_tile(float *acc, const float *w, long S, const char *vb,
+                                                            long n, long hd, long elt, int bf16, long c0,
+                                                            const int NH, const int N) {
+    vw_t a[RH][NC];
+    for (int r = 0; r < NH; r++)
+        for (int c = 0; c < N; c++) a[r][c] = VW_LOAD(acc + r * hd + c0 + c * VW);
+    for (long t = 0; t < n; t++) {
+        vw_t wt[RH];
+        for (int r = 0; r < NH; r++) wt[r] = VW_SET1(w[r * S + t]);
+        for (int c = 0; c < N; c++) {
+            const vw_t vv = loadw(vb + t * hd * elt, c0 + c * VW, bf16);
+            for (int r = 0; r < NH; r++) a[r][c] = VW_FMA(wt[r], vv, a[r][c]);
+        }
+    }
+    for (int r = 0; r < NH; r++)
+        for (int c = 0; c < N; c++) VW_STORE(acc + r * hd + c0 + c * VW, a[r][c]);
+}
+
+static void scores_heads(const float *qf, const char *kp, long hd, long elt, int bf16, float *s, long S, long nh) {
+    switch (nh) {
+    case 1: scores_tile(qf, kp, hd, elt, bf16, s, S, 1); break;
+    case 2: scores_tile(qf, kp, hd, elt, bf16, s, S, 2); break;
+    default: scores_tile(qf, kp, hd, elt, bf16, s, S, RH); break;
+    }
+}
+
+static void weigh_heads(float *acc, const float *w, long S, const char *vb, long n, long hd, long elt, int bf16,
+                        long nh) {
+    for (long c0 = 0; c0 < hd; c0 += NC * VW) {
+        const long left = (hd - c0) / VW;
+#define WEIGH(NH) \
+        if (left >= NC) weigh_tile(acc, w, S, vb, n, hd, elt, bf16, c0, NH, NC); \
+        else if (left == 3) weigh_tile(acc, w, S, vb, n, hd, elt, bf16, c0, NH, 3); \
+        else if (left == 2) weigh_tile(acc, w, S, vb, n, hd, elt, bf16, c0, NH, 2); \
+        else weigh_tile(acc, w, S, vb, n, hd, elt, bf16, c0, NH, 1);
+        switch (nh) {
+        case 1: WEIGH(1) break;
+        case 2: WEIGH(2) break;
+        default: WEIGH(RH) break;
+        }
+#undef WEIGH
+    }
+}
+
+/* softmax over positions 0..T-1 of each of the R score rows s[r * S ..] (S a multiple of 8), in place */
+static void softmax_rows(float *s, long R, long T, long S) {
     for (long r = 0; r < R; r++) {
         float *sr = s + r * S;
         for (long t = T; t < S; t++) sr[t] = -INFINITY;
@@ -109,6 +198,64 @@ static void one_task(const void *q, const char *k, const char *v, const int64_t 
         const __m256 inv = _mm256_set1_ps(1.f / hsum(sum));
         for (long t = 0; t < S; t += 8) _mm256_storeu_ps(sr + t, _mm256_mul_ps(_mm256_loadu_ps(sr + t), inv));
     }
+}
+
+/* A row's blocks lie anywhere in the pool: the hardware prefetcher, following addresses, does not know
+ * the next one. Asked for while this block is read, it is in cache when its turn comes. */
+static inline void prefetch_block(const char *p, long bytes) {
+    for (long i = 0; i < bytes; i += 64) _mm_prefetch(p + i, _MM_HINT_T0);
+}
+
+/* One (row b, kv head g) as one_task below, the group's heads RH at a time (hd a multiple of VW). */
+static void one_task_grouped(const void *q, const char *k, const char *v, const int64_t *table, long T, void *out,
+                             long b, long g, long H, long R, long hd, long nblocks, float scale, int bf16, float *buf) {
+    const long elt = bf16 ? 2 : 4, S = (T + BLOCK - 1) / BLOCK * BLOCK, blocks = S / BLOCK;
+    float *qf = buf, *acc = buf + R * hd, *s = buf + 2 * R * hd; /* [R, hd], [R, hd], [R, S] */
+    const __m256 sc = _mm256_set1_ps(scale);
+    for (long r = 0; r < R; r++)
+        for (long i = 0; i < hd; i += 8)
+            _mm256_storeu_ps(qf + r * hd + i, _mm256_mul_ps(sc, load8(q, (b * H + g * R + r) * hd + i, bf16)));
+    const long head = g * nblocks, bytes = BLOCK * hd * elt;
+    for (long j = 0; j < blocks; j++) {
+        const char *kb = k + (head + table[j]) * bytes;
+        if (j + 1 < blocks) prefetch_block(k + (head + table[j + 1]) * bytes, bytes);
+        for (long r0 = 0; r0 < R; r0 += RH)
+            for (int p0 = 0; p0 < BLOCK; p0 += PB)
+                scores_heads(qf + r0 * hd, kb + p0 * hd * elt, hd, elt, bf16, s + r0 * S + j * BLOCK + p0, S,
+                             R - r0 < RH ? R - r0 : RH);
+    }
+    softmax_rows(s, R, T, S);
+    memset(acc, 0, sizeof(float) * R * hd);
+    for (long j = 0; j < blocks; j++) {
+        const char *vb = v + (head + table[j]) * bytes;
+        const long n = T - j * BLOCK < BLOCK ? T - j * BLOCK : BLOCK;
+        if (j + 1 < blocks) prefetch_block(v + (head + table[j + 1]) * bytes, bytes);
+        for (long r0 = 0; r0 < R; r0 += RH)
+            weigh_heads(acc + r0 * hd, s + r0 * S + j * BLOCK, S, vb, n, hd, elt, bf16, R - r0 < RH ? R - r0 : RH);
+    }
+    for (long r = 0; r < R; r++)
+        for (long i = 0; i < hd; i++) put(out, (b * H + g * R + r) * hd + i, acc[r * hd + i], bf16);
+}
+
+/* One (row b, kv head g): the R = H / G query heads of g's group over positions 0..T-1, one head at a
+ * time in 8-float vectors (where hd is not a multiple of VW). Scores are taken for whole blocks (a
+ * block's unused positions are allocated, their scores ignored). */
+static void one_task(const void *q, const char *k, const char *v, const int64_t *table, long T, void *out,
+                     long b, long g, long H, long R, long hd, long nblocks, float scale, int bf16, float *buf) {
+    const long elt = bf16 ? 2 : 4, S = (T + BLOCK - 1) / BLOCK * BLOCK, blocks = S / BLOCK;
+    float *qf = buf, *acc = buf + R * hd, *s = buf + 2 * R * hd; /* [R, hd], [R, hd], [R, S] */
+    const __m256 sc = _mm256_set1_ps(scale);
+    for (long r = 0; r < R; r++)
+        for (long i = 0; i < hd; i += 8)
+            _mm256_storeu_ps(qf + r * hd + i, _mm256_mul_ps(sc, load8(q, (b * H + g * R + r) * hd + i, bf16)));
+    const long head = g * nblocks;
+    for (long j = 0; j < blocks; j++) {
+        const char *kb = k + (head + table[j]) * BLOCK * hd * elt;
+        for (long r = 0; r < R; r++)
+            for (int p0 = 0; p0 < BLOCK; p0 += 8)
+                _mm256_storeu_ps(s + r * S + j * BLOCK + p0, scores8(qf + r * hd, kb + p0 * hd * elt, hd, elt, bf16));
+    }
+    softmax_rows(s, R, T, S);
     memset(acc, 0, sizeof(float) * R * hd);
     for (long j = 0; j < blocks; j++) {
         const char *vb = v + (head + table[j]) * BLOCK * hd * elt;
@@ -140,7 +287,11 @@ int tp_paged_attention(const void *q, const void *k, const void *v, const int64_
         for (long task = 0; task < tasks; task++) {
             if (!buf) continue;
             const long b = task / G, g = task % G;
-            one_task(q, k, v, tables + b * width, positions[b] + 1, out, b, g, H, R, hd, nblocks, scale, bf16, buf);
+            if (hd % VW == 0)
+                one_task_grouped(q, k, v, tables + b * width, positions[b] + 1, out, b, g, H, R, hd, nblocks, scale,
+                                 bf16, buf);
+            else
+                one_task(q, k, v, tables + b * width, positions[b] + 1, out, b, g, H, R, hd, nblocks, scale, bf16, buf);
         }
         free(buf);
     }

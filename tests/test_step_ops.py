@@ -42,7 +42,7 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tables: torch.T
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("B", "H", "G", "hd", "width"), [(1, 9, 3, 64, 8), (5, 9, 3, 64, 4), (3, 4, 4, 16, 2),
-                                                        (33, 8, 2, 32, 3)])
+                                                        (33, 8, 2, 32, 3), (2, 14, 2, 40, 3)])
 def test_the_kernel_gives_the_attention_of_each_rows_own_blocks(lib: GemvLib, dtype: torch.dtype, B: int, H: int,
                                                                  G: int, hd: int, width: int) -> None:
     """Tables are shuffled block ids (no row's blocks adjacent), lengths ragged, with a row ending on
