@@ -4,7 +4,7 @@
  * dispatch and allocation, not its arithmetic: torch's CPU rms_norm takes 15-25 us for one row of
  * 576 (~41 us with the cast and multiply around it), 61 times a step: ~2.5 ms of a ~16 ms eager
  * one-row step on a 2-core AMX Xeon (bench/RESULTS.md, "issue 21, part 11"). Math in fp32, rounded
- * where the torch code it replaces rounds (bf16 in and out). RoPE and SiLU * up written the same way,
+ * where the torch code it replaces rounds (bf16 in and out), 8 floats a vector. RoPE and SiLU * up written the same way,
  * element by element, lost to torch's vectorized ops at every row count: they stay torch's.
  */
 #include <immintrin.h>
@@ -16,22 +16,40 @@
 
 #define PARALLEL_ELEMENTS (1L << 16) /* below this one thread beats waking the team */
 
+/* round_bf16 of 8 lanes, as 8 bf16 values */
+static inline __m128i round_bf16_8(__m256 v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), odd), 16);
+    /* packus works per 128-bit lane: the permute brings lane 1's four values next to lane 0's */
+    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08));
+}
+
 static void one_row(const void *x, const void *w, void *y, long dim, float eps, int bf16) {
-    float ss = 0.f;
-    #pragma omp simd reduction(+: ss)
-    for (long i = 0; i < dim; i++) {
-        const float v = get(x, i, bf16);
-        ss += v * v;
+    __m256 acc = _mm256_setzero_ps();
+    long i = 0;
+    for (; i + 8 <= dim; i += 8) {
+        const __m256 v = load8(x, i, bf16);
+        acc = _mm256_fmadd_ps(v, v, acc);
     }
+    float ss = hsum(acc);
+    for (; i < dim; i++) ss += get(x, i, bf16) * get(x, i, bf16);
     const float inv = 1.f / sqrtf(ss / (float)dim + eps);
+    const __m256 iv = _mm256_set1_ps(inv);
     if (!bf16) {
         float *yf = y;
-        #pragma omp simd
-        for (long i = 0; i < dim; i++) yf[i] = ((const float *)x)[i] * inv * ((const float *)w)[i];
+        for (i = 0; i + 8 <= dim; i += 8)
+            _mm256_storeu_ps(yf + i, _mm256_mul_ps(_mm256_mul_ps(load8(x, i, 0), iv), load8(w, i, 0)));
+        for (; i < dim; i++) yf[i] = ((const float *)x)[i] * inv * ((const float *)w)[i];
         return;
     }
     uint16_t *yb = y;
-    for (long i = 0; i < dim; i++) {
+    for (i = 0; i + 8 <= dim; i += 8) {
+        const __m128i n = round_bf16_8(_mm256_mul_ps(load8(x, i, 1), iv)); /* the normalised row, rounded */
+        const __m256 nf = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(n), 16));
+        _mm_storeu_si128((__m128i *)(yb + i), round_bf16_8(_mm256_mul_ps(nf, load8(w, i, 1))));
+    }
+    for (; i < dim; i++) {
         const uint16_t n = round_bf16(get(x, i, 1) * inv);
         const uint32_t nu = (uint32_t)n << 16;
         float nf;

@@ -120,7 +120,7 @@ def test_the_kernel_compiles_into_one_graph(lib: GemvLib) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(1, 1, 576), (3, 5, 64), (40, 1, 24)])
+@pytest.mark.parametrize("shape", [(1, 1, 576), (3, 5, 64), (40, 1, 24), (2, 1, 20)])
 def test_the_norm_op_rounds_as_the_torch_code_it_replaces(lib: GemvLib, dtype: torch.dtype,
                                                           shape: tuple[int, ...]) -> None:
     """bf16: normalised in fp32, rounded, times the weight (rounded again), as ``_rms_norm``'s torch path;
