@@ -49,8 +49,8 @@ class Plan:
     attention_fp32_rows: int = FP32_ATTENTION_ROWS
     # decode steps of at most this many rows take attention.c's kernel over the pool (0: the torch ops)
     paged_attention_rows: int = 0
-    # the eager decode step's RMSNorm and cache write through the library's ops (norm.c,
-    # attention.c) where it is loaded
+    # the eager decode step's RMSNorm, RoPE with the cache write, and SiLU(gate) * up through the library's
+    # ops (norm.c, pointwise.c; attention.c's cache write) where it is loaded
     step_ops: bool = False
 
     def projections(self, role: str) -> list[nn.Module]:
@@ -160,8 +160,12 @@ def _qkv(attn: Any, lp: _LayerPlan, h: Tensor, rot: tuple[Tensor, Tensor],
     return qk[:, :, :heads].transpose(1, 2), qk[:, :, heads:].transpose(1, 2), v  # [B, H, S, hd], [B, G, S, hd]
 
 
-def _mlp_block(layer: Any, lp: _LayerPlan, x: Tensor, ops: bool = False) -> Tensor:
-    gate, up = lp.gate_up(_rms_norm(layer.post_attention_layernorm, x, ops)).split([lp.inter, lp.inter], dim=-1)
+def _mlp_block(layer: Any, lp: _LayerPlan, x: Tensor, ops: bool = False, silu: bool = False) -> Tensor:
+    """With ``ops`` and ``silu`` (the model's act_fn is SiLU), the activation is the library's one op."""
+    gate_up = lp.gate_up(_rms_norm(layer.post_attention_layernorm, x, ops))
+    if ops and silu and _ops_take(gate_up) and lp.inter % 8 == 0:
+        return x + lp.down(torch.ops.tokenpipe.silu_mul(gate_up))
+    gate, up = gate_up.split([lp.inter, lp.inter], dim=-1)
     return x + lp.down(layer.mlp.act_fn(gate) * up)
 
 
@@ -260,9 +264,9 @@ def decode_step(model: Any, cache: PagedKVCache, tokens: Tensor, positions: Tens
     positions ``slots [B]``; attention reads the blocks of ``tables [B, n]`` (padded with the
     scratch block; a fixed ``n`` keeps every shape static). Returns ``[B, V]``.
 
-    Attention takes the plan's kernel over the pool up to its ``paged_attention_rows``, RMSNorm and
-    the cache write the library's ops where the plan has them (``step_ops``; few rows: a prefill's
-    many take torch's vectorized ones), unless ``kernels`` is False: a compiled step
+    Attention takes the plan's kernel over the pool up to its ``paged_attention_rows``; RMSNorm, RoPE
+    with the cache write and SiLU(gate) * up the library's ops where the plan has them (``step_ops``;
+    a prefill's many rows take torch's vectorized ones), unless ``kernels`` is False: a compiled step
     (:mod:`generator.compiled`) fuses the torch ops into its own code, where the whole non-projection
     part of a one-row step costs less than the kernels' calls alone (bench/RESULTS.md, "issue 21, part 11").
     """
@@ -273,6 +277,13 @@ def decode_step(model: Any, cache: PagedKVCache, tokens: Tensor, positions: Tens
     paged = kernels and plan.paged_attention_rows >= B
     ops = kernels and plan.step_ops
     fp32_rows = plan.attention_fp32_rows
+    hd = cache.head_dim
+    # q and k rotated and k, v written by one op, q going straight to the attention kernel (not Qwen3's
+    # per-head norms before RoPE)
+    rope_op = paged and ops and hd % 16 == 0 and not hasattr(inner.layers[0].self_attn, "q_norm") and \
+        _ops_take(x, rot[0], cache.kv[0])
+    cos, ssin = rot[0].reshape(B, hd), rot[1].reshape(B, hd)
+    silu = str(getattr(model.config, "hidden_act", "")) in ("silu", "swish")
     bias: Tensor | None = None  # the torch ops' mask and value bags; the kernel reads positions itself
     bags: tuple[Tensor, Tensor] | None = None
     if not paged:
@@ -282,7 +293,13 @@ def decode_step(model: Any, cache: PagedKVCache, tokens: Tensor, positions: Tens
             tables, int(model.config.num_attention_heads) // cache.kv_heads)
     for li, (layer, lp) in enumerate(zip(inner.layers, plan.layers, strict=True)):
         attn = layer.self_attn
-        q, k, v = _qkv(attn, lp, _rms_norm(layer.input_layernorm, x, ops), rot, cache.head_dim)  # q [B,H,1,hd]
+        if rope_op:  # generator/pointwise.c, then attention.c
+            qkv = lp.qkv(_rms_norm(layer.input_layernorm, x, ops))[:, 0]  # [B, (H + 2G) * hd]
+            q3 = torch.ops.tokenpipe.rope_write(qkv, cos, ssin, cache.kv[li], slots, lp.q_size // hd)  # [B, H, hd]
+            o = torch.ops.tokenpipe.paged_attention(q3, cache.k[li], cache.v[li], tables, positions, attn.scaling)
+            x = _mlp_block(layer, lp, x + lp.o(o.reshape(B, 1, -1)), ops, silu)
+            continue
+        q, k, v = _qkv(attn, lp, _rms_norm(layer.input_layernorm, x, ops), rot, hd)  # q [B, H, 1, hd]
         if ops and _ops_take(k, cache.kv[li]):
             torch.ops.tokenpipe.kv_write(cache.kv[li], k[:, :, 0], v[:, :, 0], slots)
         else:
@@ -296,5 +313,5 @@ def decode_step(model: Any, cache: PagedKVCache, tokens: Tensor, positions: Tens
         elif bags is not None and bias is not None:
             o = _bagged_attention(q, cache, li, tables, bags, bias, attn.scaling).transpose(1, 2)
         x = x + lp.o(o.reshape(B, 1, -1))
-        x = _mlp_block(layer, lp, x, ops)
+        x = _mlp_block(layer, lp, x, ops, silu)
     return plan.lm_head(_rms_norm(inner.norm, x[:, 0], ops))  # [B, V]

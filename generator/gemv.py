@@ -20,8 +20,9 @@ op bindings ``gemv_op.cpp`` against torch's headers with ``$CXX``) and cached in
 version; the library registers the ops ``torch.ops.tokenpipe.gemv_q4`` / ``gemv_q8`` / ``gemm8``, which
 torch.compile keeps opaque. The step's other ops are built into it too, for the eager forward
 (:mod:`generator.forward`): ``paged_attention`` and ``kv_write`` (``attention.c``: decode
-attention read from the KV pool in place, this step's K/V written into it) and ``rms_norm``
-(``norm.c``). Where there is no AVX2/FMA or no compiler the kernel is simply not a candidate
+attention read from the KV pool in place, this step's K/V written into it), ``rms_norm``
+(``norm.c``), ``rope_write`` and ``silu_mul`` (``pointwise.c``). Where there is no AVX2/FMA or no
+compiler the kernel is simply not a candidate
 (logged). Which kernel serves which row counts is measured like the others (:mod:`generator.kernels`).
 """
 
@@ -47,9 +48,9 @@ __all__ = ["AVX512_FLAGS", "FLAGS", "VNNI_FLAGS", "BlockedWeight", "GemvLib", "Q
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("gemv.c")
-# built alongside: the eager forward's other ops (decode attention over the paged pool and the cache write;
-# RMSNorm)
-OTHER_SOURCES = tuple(Path(__file__).with_name(n) for n in ("gemm8.c", "attention.c", "norm.c"))
+# built alongside: gemm8 (several rows) and the eager forward's other ops (decode attention over the paged pool
+# and the cache write; RMSNorm; RoPE with the cache write, SiLU * up)
+OTHER_SOURCES = tuple(Path(__file__).with_name(n) for n in ("gemm8.c", "attention.c", "norm.c", "pointwise.c"))
 HEADER = Path(__file__).with_name("rows.h")  # the fp32/bf16 row helpers the C sources share
 OP_SOURCE = Path(__file__).with_name("gemv_op.cpp")
 GROUP = 32

@@ -1,7 +1,7 @@
 // generator/gemv.c's kernels as the torch ops tokenpipe::gemv_q4 and tokenpipe::gemv_q8, generator/gemm8.c's
 // as tokenpipe::gemm8,
 // generator/attention.c's as tokenpipe::paged_attention and kv_write, generator/norm.c's as
-// tokenpipe::rms_norm: called
+// tokenpipe::rms_norm, generator/pointwise.c's as rope_write and silu_mul: called
 // through torch's dispatcher from C++, an op costs ~35 us less per call than a Python-defined
 // one, which at 121 projections a step is most of what the kernel saves (issue 21, part 4).
 #include <ATen/Parallel.h>
@@ -10,6 +10,7 @@
 #include <torch/library.h>
 
 #include <new>
+#include <vector>
 
 extern "C" {
 int tp_gemv_q4(const uint8_t *w, const float *d, const float *m, const void *x, void *y, long M, long K, long N,
@@ -22,6 +23,9 @@ int tp_paged_attention(const void *q, const void *k, const void *v, const int64_
                        void *out, long B, long H, long G, long hd, long nblocks, long width, float scale, int threads,
                        int bf16);
 void tp_rms_norm(const void *x, const void *w, void *y, long rows, long dim, float eps, int threads, int bf16);
+void tp_rope_write(const void *qkv, const void *cos, const void *ssin, void *q, char *kv, const int64_t *slots,
+                   long B, long H, long G, long hd, long positions, int bf16);
+void tp_silu_mul(const void *gu, void *y, long rows, long inter, int threads, int bf16);
 void tp_kv_write(char *kv, const char *k, const char *v, long kb, long kg, long vb, long vg, const int64_t *slots,
                  long B, long G, long positions, long hd, long elt);
 }
@@ -146,6 +150,45 @@ void kv_write(const at::Tensor &kv, const at::Tensor &k, const at::Tensor &v, co
                 k.size(0), k.size(1), positions, k.size(2), kv.element_size());
 }
 
+// qkv [B, (H + 2G) * hd] -> q [B, H, hd] rotated; k rotated and v into one layer's pool kv [2, G, blocks, 16, hd]
+// at the flat positions slots [B]; cos, ssin [B, hd] (forward._rotary's, squeezed)
+at::Tensor rope_write(const at::Tensor &qkv, const at::Tensor &cos, const at::Tensor &ssin, const at::Tensor &kv,
+                      const at::Tensor &slots, int64_t heads) {
+    TORCH_CHECK(kv.dim() == 5 && kv.size(0) == 2 && kv.is_contiguous() && qkv.dim() == 2, "rope_write: kv [2, G, "
+                "blocks, 16, hd] (contiguous) and qkv [B, (H + 2G) * hd] expected, got ", kv.sizes(), ", ", qkv.sizes());
+    const int64_t B = qkv.size(0), G = kv.size(1), hd = kv.size(4), positions = kv.size(2) * kv.size(3);
+    TORCH_CHECK(hd % 16 == 0 && qkv.size(1) == (heads + 2 * G) * hd && cos.sizes() == ssin.sizes() &&
+                cos.dim() == 2 && cos.size(0) == B && cos.size(1) == hd, "rope_write: shapes do not fit: qkv ",
+                qkv.sizes(), ", cos ", cos.sizes(), ", ", heads, " heads of ", hd, " (a multiple of 16)");
+    TORCH_CHECK(qkv.scalar_type() == kv.scalar_type() && cos.scalar_type() == kv.scalar_type() &&
+                ssin.scalar_type() == kv.scalar_type() && (kv.scalar_type() == at::kBFloat16 ||
+                kv.scalar_type() == at::kFloat), "rope_write: one dtype, fp32 or bf16");
+    at::Tensor sl = slots.to(at::kLong).contiguous(), x = qkv.contiguous(), c = cos.contiguous(), s = ssin.contiguous();
+    TORCH_CHECK(sl.numel() == B, "rope_write: one slot per row expected");
+    const int64_t *p = sl.data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; b++)
+        TORCH_CHECK(p[b] >= 0 && p[b] < positions, "rope_write: slot ", p[b], " outside the pool");
+    at::Tensor q = at::empty({B, heads, hd}, qkv.options());
+    tp_rope_write(x.data_ptr(), c.data_ptr(), s.data_ptr(), q.data_ptr(), static_cast<char *>(kv.data_ptr()), p, B,
+                  heads, G, hd, positions, kv.scalar_type() == at::kBFloat16);
+    return q;
+}
+
+// gu [..., 2 * inter] (gate, up) -> silu(gate) * up [..., inter]
+at::Tensor silu_mul(const at::Tensor &gu) {
+    TORCH_CHECK(gu.dim() >= 1 && gu.size(-1) % 16 == 0 && (gu.scalar_type() == at::kBFloat16 ||
+                gu.scalar_type() == at::kFloat), "silu_mul: [..., 2 * inter] fp32 or bf16 with inter a multiple of "
+                "8 expected, got ", gu.sizes(), " ", gu.scalar_type());
+    at::Tensor x = gu.contiguous();
+    std::vector<int64_t> shape(gu.sizes().begin(), gu.sizes().end());
+    const int64_t inter = shape.back() / 2;
+    shape.back() = inter;
+    at::Tensor y = at::empty(shape, gu.options());
+    tp_silu_mul(x.data_ptr(), y.data_ptr(), inter ? x.numel() / (2 * inter) : 0, inter, at::get_num_threads(),
+                gu.scalar_type() == at::kBFloat16);
+    return y;
+}
+
 // shapes only, for torch.compile's tracing
 at::Tensor gemv_q4_meta(const at::Tensor &x2, const at::Tensor &nibbles, const at::Tensor &, const at::Tensor &) {
     return at::empty({x2.size(0), nibbles.size(0)}, x2.options());
@@ -169,6 +212,17 @@ at::Tensor rms_norm_meta(const at::Tensor &x, const at::Tensor &, double) {
     return at::empty(x.sizes(), x.options());
 }
 
+at::Tensor rope_write_meta(const at::Tensor &qkv, const at::Tensor &, const at::Tensor &, const at::Tensor &kv,
+                           const at::Tensor &, int64_t heads) {
+    return at::empty({qkv.size(0), heads, kv.size(4)}, qkv.options());
+}
+
+at::Tensor silu_mul_meta(const at::Tensor &gu) {
+    std::vector<int64_t> shape(gu.sizes().begin(), gu.sizes().end());
+    shape.back() /= 2;
+    return at::empty(shape, gu.options());
+}
+
 void kv_write_meta(const at::Tensor &, const at::Tensor &, const at::Tensor &, const at::Tensor &) {}
 
 }  // namespace
@@ -181,6 +235,8 @@ TORCH_LIBRARY(tokenpipe, lib) {
     lib.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor tables, Tensor positions, float scale) -> Tensor");
     lib.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
     lib.def("kv_write(Tensor(a!) kv, Tensor k, Tensor v, Tensor slots) -> ()");
+    lib.def("rope_write(Tensor qkv, Tensor cos, Tensor ssin, Tensor(a!) kv, Tensor slots, int heads) -> Tensor");
+    lib.def("silu_mul(Tensor gu) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenpipe, CPU, lib) {
@@ -190,6 +246,8 @@ TORCH_LIBRARY_IMPL(tokenpipe, CPU, lib) {
     lib.impl("paged_attention", &paged_attention);
     lib.impl("rms_norm", &rms_norm);
     lib.impl("kv_write", &kv_write);
+    lib.impl("rope_write", &rope_write);
+    lib.impl("silu_mul", &silu_mul);
 }
 
 TORCH_LIBRARY_IMPL(tokenpipe, Meta, lib) {
@@ -199,4 +257,6 @@ TORCH_LIBRARY_IMPL(tokenpipe, Meta, lib) {
     lib.impl("paged_attention", &paged_attention_meta);
     lib.impl("rms_norm", &rms_norm_meta);
     lib.impl("kv_write", &kv_write_meta);
+    lib.impl("rope_write", &rope_write_meta);
+    lib.impl("silu_mul", &silu_mul_meta);
 }

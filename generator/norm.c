@@ -16,15 +16,6 @@
 
 #define PARALLEL_ELEMENTS (1L << 16) /* below this one thread beats waking the team */
 
-/* round_bf16 of 8 lanes, as 8 bf16 values */
-static inline __m128i round_bf16_8(__m256 v) {
-    const __m256i u = _mm256_castps_si256(v);
-    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), odd), 16);
-    /* packus works per 128-bit lane: the permute brings lane 1's four values next to lane 0's */
-    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08));
-}
-
 static void one_row(const void *x, const void *w, void *y, long dim, float eps, int bf16) {
     __m256 acc = _mm256_setzero_ps();
     long i = 0;

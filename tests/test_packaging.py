@@ -62,13 +62,13 @@ def test_base_install_has_the_sdk_and_no_torch_transformers_or_web_server(base_v
 
 
 def test_the_wheel_ships_the_gemv_kernels_sources(base_venv: Path) -> None:
-    """generator/gemv.py compiles gemv.c, gemm8.c, attention.c, norm.c (with rows.h) and gemv_op.cpp at start-up: an
-    installed generator must have them."""
+    """generator/gemv.py compiles gemv.c, gemm8.c, attention.c, norm.c, pointwise.c (with rows.h) and gemv_op.cpp
+    at start-up: an installed generator must have them."""
     probe = "import importlib.util as u, pathlib; print(pathlib.Path(u.find_spec('generator').origin).parent)"
     got = _run(base_venv / "bin" / "python", "-c", probe, cwd=base_venv)
     assert got.returncode == 0, got.stderr
     installed = Path(got.stdout.strip())
-    for name in ("gemv.c", "gemm8.c", "attention.c", "norm.c", "rows.h", "gemv_op.cpp"):
+    for name in ("gemv.c", "gemm8.c", "attention.c", "norm.c", "pointwise.c", "rows.h", "gemv_op.cpp"):
         assert (installed / name).read_text() == (ROOT / "generator" / name).read_text(), name
 
 

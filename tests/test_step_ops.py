@@ -139,6 +139,54 @@ def test_the_norm_op_rounds_as_the_torch_code_it_replaces(lib: GemvLib, dtype: t
         assert (got == ref).float().mean() > 0.98
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_write_rotates_q_and_k_as_the_torch_ops_and_writes_k_v_at_the_slots(lib: GemvLib,
+                                                                                 dtype: torch.dtype) -> None:
+    """``rope_write`` against ``_rope`` on the fused projection's q and k (rounded as its two ops round) and
+    the pool written as ``kv_write`` writes it; a slot outside the pool is refused."""
+    from generator.forward import _rope, _rotary
+
+    B, H, G, hd, blocks = 3, 9, 3, 64, 4
+    gen = torch.Generator().manual_seed(1)
+    qkv = torch.randn(B, (H + 2 * G) * hd, generator=gen).to(dtype)
+    cos, sin = (torch.randn(B, 1, hd, generator=gen).to(dtype) for _ in range(2))
+    rot = _rotary(cos, sin)
+    kv = torch.zeros(2, G, blocks, BLOCK_SIZE, hd, dtype=dtype)
+    slots = torch.tensor([5, 40, 17])
+    q = lib_rope(qkv, rot, kv, slots, H)
+    ref = _rope(qkv[:, :(H + G) * hd].view(B, 1, H + G, hd), rot)[:, 0]  # [B, H + G, hd]
+    assert q.shape == (B, H, hd) and q.dtype == dtype and torch.equal(q, ref[:, :H])
+    flat = kv.view(2, G, -1, hd)
+    assert torch.equal(flat[0, :, slots].transpose(0, 1), ref[:, H:])
+    assert torch.equal(flat[1, :, slots].transpose(0, 1), qkv[:, (H + G) * hd:].view(B, G, hd))
+    assert int((flat != 0).any(-1).sum()) == 2 * B * G  # nothing else written
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        lib_rope(qkv, rot, kv, torch.tensor([0, 1, blocks * BLOCK_SIZE]), H)
+
+
+def lib_rope(qkv: torch.Tensor, rot: tuple[torch.Tensor, torch.Tensor], kv: torch.Tensor, slots: torch.Tensor,
+             heads: int) -> torch.Tensor:
+    B, hd = qkv.shape[0], kv.shape[-1]
+    out: torch.Tensor = torch.ops.tokenpipe.rope_write(qkv, rot[0].reshape(B, hd), rot[1].reshape(B, hd), kv, slots,
+                                                       heads)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_is_the_activation_times_up_rounded_as_torch_rounds(lib: GemvLib, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(2)
+    gu = (torch.randn(5, 1, 2 * 1536, generator=gen) * 4).to(dtype)
+    gu[0, 0, :4] = torch.tensor([-200.0, 200.0, 0.0, -0.0])  # e^x's clamps: silu is -0, 200, 0, -0
+    gate, up = gu.split([1536, 1536], dim=-1)
+    got, ref = torch.ops.tokenpipe.silu_mul(gu), torch.nn.functional.silu(gate) * up
+    assert got.shape == ref.shape and got.dtype == dtype and torch.isfinite(got).all()
+    if dtype == torch.float32:
+        assert torch.allclose(got, ref, rtol=1e-5, atol=1e-6)
+    else:  # the exp's last bit may round silu to the next bf16 now and then
+        assert (got == ref).float().mean() > 0.99
+        assert torch.allclose(got.float(), ref.float(), rtol=2 ** -7, atol=1e-6)
+
+
 def test_kv_write_puts_each_rows_heads_at_its_slot_and_refuses_slots_outside_the_pool(lib: GemvLib) -> None:
     kv = torch.zeros(2, 3, 4, BLOCK_SIZE, 8)
     k, v = torch.randn(2, 3, 8), torch.randn(2, 3, 8)
