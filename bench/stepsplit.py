@@ -64,9 +64,9 @@ def weight_bytes(mod: nn.Module, rows: int) -> int:
             return _bytes(mod.packed)
         if kernel == "gemv" and mod.gemv is not None and mod.gemv_lib is not None:
             return sum(_bytes(t) for t in vars(mod.gemv).values())
-        if kernel == "gemm8" and mod.blocked is not None:
+        if kernel in ("gemm8", "amx") and mod.blocked is not None:
             return sum(_bytes(t) for t in vars(mod.blocked).values() if isinstance(t, torch.Tensor))
-        if kernel in ("gemv", "gemm8"):
+        if kernel in ("gemv", "gemm8", "amx"):
             kernel = "quant"  # QuantLinear.run's stand-in where gemv is not built
         if kernel != "quant" or mod.fallback:
             return _bytes(mod.dense)

@@ -72,7 +72,7 @@ def apply_table(plan: Plan, table: KernelTable, *, keep_packed: bool = False) ->
                     mod.pack()
                 elif not keep_packed:
                     mod.packed = None
-                if "gemm8" in uses:
+                if uses & {"gemm8", "amx"}:
                     mod.block()
                 elif not keep_packed:
                     mod.blocked = None
@@ -103,7 +103,7 @@ def tune_plan(model: Any, plan: Plan, *, name: str, dtype: torch.dtype, dense_ro
                 if lib is None:
                     mod.gemv = None  # its weights cost memory only where the kernel can run
     plan.step_ops = lib is not None  # fewer calls for the same arithmetic: nothing to choose between
-    if setting in ("gemv", "gemm8") and lib is None:
+    if setting in ("gemv", "gemm8", "amx") and lib is None:
         log.warning("TOKENPIPE_KERNELS=%s, but tokenpipe's kernels are not available here: torch's quantized "
                     "kernel serves instead", setting)
     if setting in KERNEL_CHOICES:
@@ -269,7 +269,8 @@ def measure_table(model: Any, plan: Plan, rules: KernelTable, counts: tuple[int,
             mods = [m for m in plan.projections(role) if isinstance(m, QuantLinear)]
             first = mods[0]
             kernels = ["quant", "dense"] + (["packed"] if all([m.pack() for m in mods]) else []) + \
-                (["gemv", "gemm8"] if all([m.block() for m in mods]) else [])
+                (["gemv", "gemm8"] if all([m.block() for m in mods]) else []) + \
+                (["amx"] if first.gemv_lib is not None and first.blocked is not None and first.gemv_lib.tiles() else [])
             times_us[role], choices[role] = {}, {}
             for rows in counts:
                 x = torch.randn(rows, first.in_features, dtype=dtype)

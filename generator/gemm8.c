@@ -72,12 +72,13 @@ static inline vi dot4(vi acc, vi w, vi x) {
 int tp_gemm8_lanes(void) { return LANES; }
 
 /* x[M, K] -> x8 (int8 per group of 32, |q| <= xmax), sx (each group's scale), xs (its sum as quantized) */
-static int quantize8(const void *x, int bf16, long M, long K, int xmax, int8_t **x8, float **sx, float **xs) {
-    const long G = K / GROUP;
-    *x8 = malloc(M * K + 64);
-    *sx = malloc(sizeof(float) * M * G * 2);
+static int quantize8(const void *x, int bf16, long M, long Mp, long K, int xmax, int8_t **x8, float **sx,
+                     float **xs) {
+    const long G = K / GROUP; /* rows M..Mp-1 (AMX tiles' padding) are zeros */
+    *x8 = calloc(Mp * K + 64, 1);
+    *sx = calloc(Mp * G * 2, sizeof(float));
     if (!*x8 || !*sx) { free(*x8); free(*sx); return -1; }
-    *xs = *sx + M * G;
+    *xs = *sx + Mp * G;
     const __m256 sign = _mm256_set1_ps(-0.f);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for (long i = 0; i < M * G; i++) {
@@ -148,16 +149,126 @@ static inline __attribute__((always_inline)) void block_tile(
 
 #define TILE_CASE(B, R) block_tile(wb, db, mb, B, x0, sx0, xs0, G, K, R, out)
 
+#if defined(__AMX_INT8__) && LANES == 16
+/* The same product on AMX tiles (built where the CPU lists amx_int8, generator/gemv.py), for more
+ * rows: one TDPBSUD multiplies 16 rows of int8 x by a block's group of 32 unsigned weights (16
+ * features) into 16 x 16 int32 sums, where the VNNI loop above spends 8 instructions per row. The
+ * group's scales then apply per row as above, 16 accumulators in registers; the block's weights for
+ * the next 16 rows are unpacked again (a few ops per group). Rows go in tiles of 16, x padded with
+ * zero rows. A thread must configure its tiles before use, and Linux grants a process the tiles'
+ * state only when asked (arch_prctl), once. */
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+int tp_gemm8_tiles(void) {
+    static int state; /* 0 unasked, 1 granted, -1 refused */
+    if (!__atomic_load_n(&state, __ATOMIC_ACQUIRE))
+        __atomic_store_n(&state, syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) ? -1 : 1,
+                         __ATOMIC_RELEASE);
+    return __atomic_load_n(&state, __ATOMIC_ACQUIRE) == 1;
+}
+
+/* tile 0: 16 rows of x (32 int8 of one group), 1: the group's weights (8 rows of 4 k x 16 features), 2: sums */
+static void configure_tiles(void) {
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    cfg.rows[0] = 16, cfg.colsb[0] = GROUP;
+    cfg.rows[1] = GROUP / 4, cfg.colsb[1] = 64;
+    cfg.rows[2] = 16, cfg.colsb[2] = 64;
+    _tile_loadconfig(&cfg);
+}
+
+/* One block of 16 features against rows r0..r0+15 of x8: out[r][l] (r < 16) */
+static inline void block_tiles(const uint8_t *wb, const float *db, const float *mb, int bits, const int8_t *x8,
+                               const float *sx, const float *xs, long G, long K, float out[16][16]) {
+    __m512 acc[16];
+    int32_t sums[16][16] __attribute__((aligned(64)));
+    uint8_t wt[GROUP / 4][64] __attribute__((aligned(64)));
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
+    for (long g = 0; g < G; g++) {
+        if (bits == 4) { /* chunk c's low nibbles are k = 4c.., its high ones k = 16 + 4c..: tile rows c, 4 + c */
+            const uint8_t *p = wb + g * 16 * 16;
+            for (int c = 0; c < 4; c++) {
+                const __m512i v = _mm512_loadu_si512(p + c * 64);
+                _mm512_store_si512(wt[c], _mm512_and_si512(v, low));
+                _mm512_store_si512(wt[4 + c], _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+            }
+            _tile_loadd(1, wt, 64);
+        } else { /* the 8 chunks are the tile's rows as stored */
+            _tile_loadd(1, wb + g * 16 * 32, 64);
+        }
+        _tile_loadd(0, x8 + g * GROUP, K);
+        _tile_zero(2);
+        _tile_dpbsud(2, 0, 1);
+        _tile_stored(2, sums, 64);
+        const __m512 d = _mm512_loadu_ps(db + g * 16), m = _mm512_loadu_ps(mb + g * 16);
+        for (int r = 0; r < 16; r++) {
+            const __m512 sum = _mm512_cvtepi32_ps(_mm512_load_si512(sums[r]));
+            acc[r] = _mm512_fmadd_ps(sum, _mm512_mul_ps(d, _mm512_set1_ps(sx[r * G + g])), acc[r]);
+            acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[r * G + g]), acc[r]);
+        }
+    }
+    for (int r = 0; r < 16; r++) _mm512_storeu_ps(out[r], acc[r]);
+}
+
+static int gemm8_tiles(const uint8_t *w, const float *d, const float *m, int bits, const void *x, void *y, long M,
+                       long K, long N, int threads, int bf16) {
+    const long Mp = (M + 15) / 16 * 16;
+    int8_t *x8;
+    float *sx, *xs;
+    if (quantize8(x, bf16, M, Mp, K, 127, &x8, &sx, &xs)) return -1;
+    const long G = K / GROUP, blocks = (N + 15) / 16, gbytes = 16 * (bits == 4 ? 16 : 32);
+    #pragma omp parallel num_threads(threads)
+    {
+        configure_tiles();
+        #pragma omp for schedule(static)
+        for (long blk = 0; blk < blocks; blk++) {
+            const long n0 = blk * 16, width = N - n0 < 16 ? N - n0 : 16;
+            for (long r0 = 0; r0 < M; r0 += 16) {
+                float out[16][16];
+                block_tiles(w + blk * G * gbytes, d + blk * G * 16, m + blk * G * 16, bits, x8 + r0 * K,
+                            sx + r0 * G, xs + r0 * G, G, K, out);
+                const long R = M - r0 < 16 ? M - r0 : 16;
+                for (long r = 0; r < R; r++)
+                    for (long l = 0; l < width; l++) put(y, (r0 + r) * N + n0 + l, out[r][l], bf16);
+            }
+        }
+        _tile_release();
+    }
+    free(x8);
+    free(sx);
+    return 0;
+}
+#else
+int tp_gemm8_tiles(void) { return 0; }
+#endif
+
 /* Returns 0, or -1 when out of memory. K must be a multiple of 32; ``bits`` 4 or 8; x and y are bf16
- * with ``bf16``, else fp32. */
+ * with ``bf16``, else fp32. ``tiles``: on AMX where built and granted (tp_gemm8_tiles), else the loop above. */
 int tp_gemm8(const uint8_t *w, const float *d, const float *m, int bits, const void *x, void *y, long M, long K,
-             long N, int threads, int bf16)
+             long N, int threads, int bf16, int tiles)
 {
+#if defined(__AMX_INT8__) && LANES == 16
+    if (tiles && tp_gemm8_tiles()) return gemm8_tiles(w, d, m, bits, x, y, M, K, N, threads, bf16);
+#else
+    (void)tiles;
+#endif
     /* AVX2's int16 pair sums saturate past 32767: 255 * 64 * 2 stays below, 255 * 127 * 2 would not */
     const int xmax = bits == 8 && LANES == 8 ? 64 : 127;
     int8_t *x8;
     float *sx, *xs;
-    if (quantize8(x, bf16, M, K, xmax, &x8, &sx, &xs)) return -1;
+    if (quantize8(x, bf16, M, M, K, xmax, &x8, &sx, &xs)) return -1;
     const long G = K / GROUP, blocks = (N + LANES - 1) / LANES, gbytes = LANES * (bits == 4 ? 16 : 32);
     #pragma omp parallel for schedule(static) num_threads(threads)
     for (long blk = 0; blk < blocks; blk++) {

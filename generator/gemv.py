@@ -42,8 +42,8 @@ from torch import Tensor
 
 from .kernels import cpu_info
 
-__all__ = ["AVX512_FLAGS", "FLAGS", "VNNI_FLAGS", "BlockedWeight", "GemvLib", "Q4Weight", "Q8Weight", "block_q4",
-           "block_q8", "build_flags", "load_gemv", "pack_q4", "pack_q8"]
+__all__ = ["AMX_FLAGS", "AVX512_FLAGS", "FLAGS", "VNNI_FLAGS", "BlockedWeight", "GemvLib", "Q4Weight", "Q8Weight",
+           "block_q4", "block_q8", "build_flags", "load_gemv", "pack_q4", "pack_q8"]
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +60,7 @@ FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC")  # gemv.c's
 # with a CPU without them builds its own.
 AVX512_FLAGS = ("-mavx512f", "-mavx512bw")
 VNNI_FLAGS = ("-mavx512vnni",)
+AMX_FLAGS = ("-mamx-tile", "-mamx-int8")  # gemm8's tiles, where the CPU lists them (with VNNI)
 
 
 def build_flags(cpu_flags: list[str] | None) -> tuple[str, ...]:
@@ -67,7 +68,9 @@ def build_flags(cpu_flags: list[str] | None) -> tuple[str, ...]:
     have = set(cpu_flags or ())
     if "avx512bw" not in have:
         return FLAGS
-    return FLAGS + AVX512_FLAGS + (VNNI_FLAGS if "avx512_vnni" in have else ())
+    if "avx512_vnni" not in have:
+        return FLAGS + AVX512_FLAGS
+    return FLAGS + AVX512_FLAGS + VNNI_FLAGS + (AMX_FLAGS if {"amx_tile", "amx_int8"} <= have else ())
 
 
 @dataclass(frozen=True)
@@ -163,10 +166,15 @@ class GemvLib:
         return int(torch.ops.tokenpipe.gemm8_lanes())
 
     @staticmethod
-    def run(x2: Tensor, w: Q4Weight | Q8Weight | BlockedWeight) -> Tensor:
-        """``x2 [M, K] -> [M, N]`` in ``x2``'s dtype (computed in fp32)."""
+    def tiles() -> bool:
+        """Whether ``gemm8`` can run on AMX tiles here (built with them, and Linux granted their state)."""
+        return bool(torch.ops.tokenpipe.gemm8_tiles())
+
+    @staticmethod
+    def run(x2: Tensor, w: Q4Weight | Q8Weight | BlockedWeight, tiles: bool = False) -> Tensor:
+        """``x2 [M, K] -> [M, N]`` in ``x2``'s dtype (computed in fp32); ``tiles``: gemm8 on AMX where it can."""
         if isinstance(w, BlockedWeight):
-            blocked: Tensor = torch.ops.tokenpipe.gemm8(x2, w.w, w.d, w.m, w.bits, w.n)
+            blocked: Tensor = torch.ops.tokenpipe.gemm8(x2, w.w, w.d, w.m, w.bits, w.n, tiles)
             return blocked
         if isinstance(w, Q4Weight):
             out: Tensor = torch.ops.tokenpipe.gemv_q4(x2, w.nibbles, w.d, w.m)

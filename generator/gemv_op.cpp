@@ -17,8 +17,9 @@ int tp_gemv_q4(const uint8_t *w, const float *d, const float *m, const void *x, 
                int threads, int bf16);
 int tp_gemv_q8(const int8_t *w, const float *s, const void *x, void *y, long M, long K, long N, int threads, int bf16);
 int tp_gemm8(const uint8_t *w, const float *d, const float *m, int bits, const void *x, void *y, long M, long K,
-             long N, int threads, int bf16);
+             long N, int threads, int bf16, int tiles);
 int tp_gemm8_lanes(void);
+int tp_gemm8_tiles(void);
 int tp_paged_attention(const void *q, const void *k, const void *v, const int64_t *tables, const int64_t *positions,
                        void *out, long B, long H, long G, long hd, long nblocks, long width, float scale, int threads,
                        int bf16);
@@ -67,7 +68,7 @@ at::Tensor gemv_q8(const at::Tensor &x2, const at::Tensor &q, const at::Tensor &
 
 // w [blocks, G * LANES * bits * 4] uint8, d, m [blocks, G, LANES] (generator/gemm8.c's layout) -> [M, n]
 at::Tensor gemm8(const at::Tensor &x2, const at::Tensor &w, const at::Tensor &d, const at::Tensor &m, int64_t bits,
-                 int64_t n) {
+                 int64_t n, bool tiles) {
     const int64_t lanes = tp_gemm8_lanes();
     TORCH_CHECK(d.dim() == 3 && d.size(2) == lanes && m.sizes() == d.sizes() && w.dim() == 2 &&
                 w.size(0) == d.size(0) && (bits == 4 || bits == 8) && w.size(1) == d.size(1) * lanes * bits * 4 &&
@@ -80,12 +81,14 @@ at::Tensor gemm8(const at::Tensor &x2, const at::Tensor &w, const at::Tensor &d,
     const bool bf16 = x.scalar_type() == at::kBFloat16;
     at::Tensor y = at::empty({x.size(0), n}, x.options());
     if (tp_gemm8(w.data_ptr<uint8_t>(), d.data_ptr<float>(), m.data_ptr<float>(), static_cast<int>(bits), x.data_ptr(),
-                 y.data_ptr(), x.size(0), x.size(1), n, at::get_num_threads(), bf16))
+                 y.data_ptr(), x.size(0), x.size(1), n, at::get_num_threads(), bf16, tiles))
         throw std::bad_alloc();
     return finish(y, x2);
 }
 
 int64_t gemm8_lanes() { return tp_gemm8_lanes(); }
+
+bool gemm8_tiles() { return tp_gemm8_tiles() != 0; }
 
 // q [B, H, hd]; k, v one layer's pool [G, num_blocks, 16, hd]; tables [B, width]; positions [B] -> [B, H, hd]
 at::Tensor paged_attention(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, const at::Tensor &tables,
@@ -199,7 +202,7 @@ at::Tensor gemv_q8_meta(const at::Tensor &x2, const at::Tensor &q, const at::Ten
 }
 
 at::Tensor gemm8_meta(const at::Tensor &x2, const at::Tensor &, const at::Tensor &, const at::Tensor &, int64_t,
-                      int64_t n) {
+                      int64_t n, bool) {
     return at::empty({x2.size(0), n}, x2.options());
 }
 
@@ -230,7 +233,8 @@ void kv_write_meta(const at::Tensor &, const at::Tensor &, const at::Tensor &, c
 TORCH_LIBRARY(tokenpipe, lib) {
     lib.def("gemv_q4(Tensor x, Tensor nibbles, Tensor d, Tensor m) -> Tensor");
     lib.def("gemv_q8(Tensor x, Tensor q, Tensor s) -> Tensor");
-    lib.def("gemm8(Tensor x, Tensor w, Tensor d, Tensor m, int bits, int n) -> Tensor");
+    lib.def("gemm8(Tensor x, Tensor w, Tensor d, Tensor m, int bits, int n, bool tiles=False) -> Tensor");
+    lib.def("gemm8_tiles() -> bool", &gemm8_tiles);  // AMX built here and granted by the kernel
     lib.def("gemm8_lanes() -> int", &gemm8_lanes);  // no tensor to dispatch on: one kernel for every key
     lib.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor tables, Tensor positions, float scale) -> Tensor");
     lib.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");

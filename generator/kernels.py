@@ -13,7 +13,8 @@ Candidates: ``quant`` (torch's int4/int8 kernel), ``dense`` (the float weight th
 ``packed`` (that weight pre-packed once for oneDNN, ``torch.ops.mkldnn._reorder_linear_weight``,
 kept only for the roles whose bands use it), ``gemv`` (our AVX2/AVX-512 kernel with int16 rows over its
 own copy of the quantized weight, :mod:`generator.gemv`, kept wherever that kernel can run) and ``gemm8``
-(ours with int8 rows, over that weight blocked by output feature: kept only for the roles that use it).
+(ours with int8 rows, over that weight blocked by output feature: kept only for the roles that use it),
+and ``amx`` (gemm8 on AMX tiles, where the CPU has them: the same blocked weight, the same results).
 int8 beside int4 and fp32 beside a bf16 model are not candidates: each would keep another copy
 of the weights. The default is today's rule (``quant`` up
 to :data:`generator.quant.DENSE_ROWS` rows, or :data:`~generator.quant.BF16_DENSE_ROWS` with
@@ -41,12 +42,12 @@ __all__ = ["KERNEL_CHOICES", "MARGIN", "ROW_COUNTS", "Band", "KernelTable", "ban
 
 log = logging.getLogger(__name__)
 
-Kernel = Literal["quant", "dense", "packed", "gemv", "gemm8"]
+Kernel = Literal["quant", "dense", "packed", "gemv", "gemm8", "amx"]
 KERNEL_CHOICES: tuple[str, ...] = get_args(Kernel)
 ROW_COUNTS = (1, 2, 4, 8, 12, 16, 24, 32)  # the decode batch sizes measured (rows between take the next one's)
 ROLES = ("qkv", "o", "gate_up", "down", "lm_head")
 MARGIN = 0.10  # a measured kernel replaces the default only when this much faster
-TABLE_VERSION = 4  # 2: the gemv kernel is a candidate; 3: the paged attention kernel; 4: gemm8
+TABLE_VERSION = 4  # 2: the gemv kernel is a candidate; 3: the paged attention kernel; 4: gemm8 and amx
 
 Band = tuple[int, str]  # (up to this many rows, kernel)
 

@@ -171,12 +171,12 @@ class QuantLinear(nn.Module):
         return self.blocked is not None
 
     def run(self, x2: Tensor, kernel: str) -> Tensor:
-        """``x2 [M, K] -> [M, N]`` (no bias) on ``kernel`` (``quant``, ``dense``, ``packed``, ``gemv``, ``gemm8``)
-        where it can."""
-        if kernel == "gemm8":
+        """``x2 [M, K] -> [M, N]`` (no bias) on ``kernel`` (``quant``, ``dense``, ``packed``, ``gemv``, ``gemm8``,
+        ``amx``: gemm8 on AMX tiles) where it can."""
+        if kernel in ("gemm8", "amx"):
             if self.block():
                 assert self.gemv_lib is not None and self.blocked is not None
-                return self.gemv_lib.run(x2, self.blocked)
+                return self.gemv_lib.run(x2, self.blocked, tiles=kernel == "amx")  # no tiles: gemm8's loop
             kernel = "quant"  # not built here (logged at start): the other quantized kernel
         if kernel == "gemv":
             if self.gemv is not None and self.gemv_lib is not None:

@@ -13,6 +13,7 @@ from generator.autotune import tune_plan
 from generator.engine import Engine
 from generator.forward import build_plan, plan_for
 from generator.gemv import (
+    AMX_FLAGS,
     AVX512_FLAGS,
     FLAGS,
     VNNI_FLAGS,
@@ -26,7 +27,7 @@ from generator.gemv import (
     pack_q4,
     pack_q8,
 )
-from generator.kernels import ROLES
+from generator.kernels import ROLES, cpu_info
 from generator.models import LoadedModel, load_model
 from generator.quant import QuantLinear, _quant_int4, _quant_int8
 from tests.test_engine import GREEDY, TEXTS, hf_greedy, prompts_of, run_all
@@ -138,6 +139,19 @@ def test_gemm8_is_the_product_with_rows_rounded_to_int8(gemv: GemvLib, rows: int
         assert 1e-4 < _rel_err(got, x @ dense.T) < 2e-2  # int8 rows: coarser than gemv's int16 ones, as llama.cpp's
 
 
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 33])
+def test_gemm8_on_amx_tiles_gives_the_loops_results_where_the_cpu_has_them(gemv: GemvLib, rows: int) -> None:
+    """``tiles=True`` runs on AMX exactly where the CPU lists it (and VNNI), else the loop; either way the very
+    same numbers (int32 sums per group, scaled in the same order): rows in tiles of 16, the last padded."""
+    info = cpu_info()
+    assert info is not None
+    assert gemv.tiles() == ({"avx512bw", "avx512_vnni", "amx_tile", "amx_int8"} <= set(info[1]))
+    x, w4, w8 = _gemm8_case(rows, 37, 96, rows + 5)
+    for blocked in (block_q4(w4, gemv.lanes()), block_q8(w8, gemv.lanes())):
+        for xx in (x, x.bfloat16()):
+            assert torch.equal(gemv.run(xx, blocked, tiles=True), gemv.run(xx, blocked))
+
+
 def test_gemm8_reads_and_writes_bf16_rows(gemv: GemvLib) -> None:
     x, w4, _ = _gemm8_case(5, 37, 576, 7)
     xb = x.bfloat16()
@@ -164,6 +178,9 @@ def test_the_avx512_loop_is_built_only_for_cpus_that_list_it() -> None:
     assert build_flags(["avx2", "fma", "avx512f", "avx512bw"]) == FLAGS + AVX512_FLAGS
     assert build_flags(["avx2", "fma", "avx512f", "avx512bw", "avx512_vnni"]) == FLAGS + AVX512_FLAGS + VNNI_FLAGS
     assert build_flags(["avx2", "fma", "avx512_vnni"]) == FLAGS  # VNNI's fused adds only inside the AVX-512 loop
+    amx = ["avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "amx_tile", "amx_int8"]
+    assert build_flags(amx) == FLAGS + AVX512_FLAGS + VNNI_FLAGS + AMX_FLAGS
+    assert build_flags([f for f in amx if f != "avx512_vnni"]) == FLAGS + AVX512_FLAGS  # tiles only beside VNNI
     assert build_flags(None) == FLAGS
 
 

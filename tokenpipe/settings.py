@@ -23,7 +23,7 @@ ENV_PREFIX = "TOKENPIPE_"
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"]
 Quant = Literal["auto", "none", "int8", "int4"]
-Kernels = Literal["auto", "rules", "quant", "dense", "packed", "gemv", "gemm8"]
+Kernels = Literal["auto", "rules", "quant", "dense", "packed", "gemv", "gemm8", "amx"]
 EngineProcess = Literal["auto", "on", "off"]
 CudaGraphs = Literal["auto", "on", "off"]
 DecodeCompile = Literal["on", "off"]
@@ -110,14 +110,15 @@ class Settings:
         default="auto",
         metadata=_doc("which kernel serves a quantized projection at each decode batch size: `auto` times "
                       "torch's quantized kernel, the float weight, the oneDNN pre-packed float weight and "
-                      "tokenpipe's own kernels (`gemv` with int16 rows, `gemm8` with int8 rows; built with "
+                      "tokenpipe's own kernels (`gemv` with int16 rows, `gemm8` with int8 rows, `amx`: gemm8 on "
+                      "AMX tiles where the CPU has them; built with "
                       "`$CC`/`$CXX` at the first start, ~15 s) on the "
                       "engine's threads (a few seconds, once: cached in `<data dir>/kernels/` per CPU, threads, "
                       "torch and model; one process measures at a time, and a table measured while other "
                       "processes held over a quarter of the CPUs is not trusted: the rules serve that run) and "
                       "switches from the rule only on a ≥ 10 % win; `rules` (the "
                       "quantized kernel up to 16 rows with native bf16, else 32); `quant`, `dense`, `packed`, "
-                      "`gemv`, `gemm8`: that one for every decode step"))
+                      "`gemv`, `gemm8`, `amx`: that one for every decode step"))
     engine_process: EngineProcess = field(
         default="auto",
         metadata=_doc("run the engine (steps, sampling, detokenizing) in its own engine-core process, fed and "
