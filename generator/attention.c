@@ -57,11 +57,12 @@ static inline __attribute__((always_inline)) void weigh(float *acc, const float 
 }
 
 /* The group's query heads together: each K and V row is read (and widened from bf16) once for up to
- * RH heads instead of once per head, PB positions scored at a time, in vectors of VW floats (16 where
- * built with AVX-512, else 8). hd must be a multiple of VW: one_task below takes the other cases. */
-#define RH 3  /* query heads at a time: RH * PB score sums (and RH * NC sums of V) stay in registers */
-#define PB 4  /* positions scored at a time */
-#define NC 4  /* vectors of V (and of out) summed at a time */
+ * TILE_HEADS heads instead of once per head, TILE_POSITIONS positions scored at a time, in vectors of
+ * VW floats (16 where built with AVX-512, else 8). hd must be a multiple of VW: one_task below takes
+ * the other cases. The tiles' sums stay in registers: heads x positions score sums, heads x vectors of V. */
+#define TILE_HEADS 3
+#define TILE_POSITIONS 4
+#define TILE_VECTORS 4
 
 #if defined(__AVX512F__)
 #define VW 16
@@ -98,16 +99,16 @@ static inline __m128 sums4(const vw_t *a) {
     return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
 }
 
-/* s[r * S + p] = qf[r] · K row p of kp, for p < PB and the NH heads at qf (constant: registers) */
+/* s[r * S + p] = qf[r] · K row p of kp, for p < TILE_POSITIONS and the NH heads at qf (constant: registers) */
 static inline __attribute__((always_inline)) void scores_tile(const float *qf, const char *kp, long hd, long elt,
                                                              int bf16, float *s, long S, const int NH) {
-    vw_t a[RH][PB];
+    vw_t a[TILE_HEADS][TILE_POSITIONS];
     for (int r = 0; r < NH; r++)
-        for (int p = 0; p < PB; p++) a[r][p] = VW_ZERO();
+        for (int p = 0; p < TILE_POSITIONS; p++) a[r][p] = VW_ZERO();
     for (long i = 0; i < hd; i += VW) {
-        vw_t qv[RH];
+        vw_t qv[TILE_HEADS];
         for (int r = 0; r < NH; r++) qv[r] = VW_LOAD(qf + r * hd + i);
-        for (int p = 0; p < PB; p++) {
+        for (int p = 0; p < TILE_POSITIONS; p++) {
             const vw_t kv = loadw(kp + p * hd * elt, i, bf16);
             for (int r = 0; r < NH; r++) a[r][p] = VW_FMA(qv[r], kv, a[r][p]);
         }
@@ -119,11 +120,11 @@ static inline __attribute__((always_inline)) void scores_tile(const float *qf, c
 static inline __attribute__((always_inline)) void weigh_tile(float *acc, const float *w, long S, const char *vb,
                                                             long n, long hd, long elt, int bf16, long c0,
                                                             const int NH, const int N) {
-    vw_t a[RH][NC];
+    vw_t a[TILE_HEADS][TILE_VECTORS];
     for (int r = 0; r < NH; r++)
         for (int c = 0; c < N; c++) a[r][c] = VW_LOAD(acc + r * hd + c0 + c * VW);
     for (long t = 0; t < n; t++) {
-        vw_t wt[RH];
+        vw_t wt[TILE_HEADS];
         for (int r = 0; r < NH; r++) wt[r] = VW_SET1(w[r * S + t]);
         for (int c = 0; c < N; c++) {
             const vw_t vv = loadw(vb + t * hd * elt, c0 + c * VW, bf16);
@@ -138,23 +139,23 @@ static void scores_heads(const float *qf, const char *kp, long hd, long elt, int
     switch (nh) {
     case 1: scores_tile(qf, kp, hd, elt, bf16, s, S, 1); break;
     case 2: scores_tile(qf, kp, hd, elt, bf16, s, S, 2); break;
-    default: scores_tile(qf, kp, hd, elt, bf16, s, S, RH); break;
+    default: scores_tile(qf, kp, hd, elt, bf16, s, S, TILE_HEADS); break;
     }
 }
 
 static void weigh_heads(float *acc, const float *w, long S, const char *vb, long n, long hd, long elt, int bf16,
                         long nh) {
-    for (long c0 = 0; c0 < hd; c0 += NC * VW) {
+    for (long c0 = 0; c0 < hd; c0 += TILE_VECTORS * VW) {
         const long left = (hd - c0) / VW;
 #define WEIGH(NH) \
-        if (left >= NC) weigh_tile(acc, w, S, vb, n, hd, elt, bf16, c0, NH, NC); \
+        if (left >= TILE_VECTORS) weigh_tile(acc, w, S, vb, n, hd, elt, bf16, c0, NH, TILE_VECTORS); \
         else if (left == 3) weigh_tile(acc, w, S, vb, n, hd, elt, bf16, c0, NH, 3); \
         else if (left == 2) weigh_tile(acc, w, S, vb, n, hd, elt, bf16, c0, NH, 2); \
         else weigh_tile(acc, w, S, vb, n, hd, elt, bf16, c0, NH, 1);
         switch (nh) {
         case 1: WEIGH(1) break;
         case 2: WEIGH(2) break;
-        default: WEIGH(RH) break;
+        default: WEIGH(TILE_HEADS) break;
         }
 #undef WEIGH
     }
@@ -187,7 +188,7 @@ static inline void prefetch_block(const char *p, long bytes) {
     for (long i = 0; i < bytes; i += 64) _mm_prefetch(p + i, _MM_HINT_T0);
 }
 
-/* One (row b, kv head g) as one_task below, the group's heads RH at a time (hd a multiple of VW). */
+/* One (row b, kv head g) as one_task below, the group's heads TILE_HEADS at a time (hd a multiple of VW). */
 static void one_task_grouped(const void *q, const char *k, const char *v, const int64_t *table, long T, void *out,
                              long b, long g, long H, long R, long hd, long nblocks, float scale, int bf16, float *buf) {
     const long elt = bf16 ? 2 : 4, S = (T + BLOCK - 1) / BLOCK * BLOCK, blocks = S / BLOCK;
@@ -200,10 +201,10 @@ static void one_task_grouped(const void *q, const char *k, const char *v, const 
     for (long j = 0; j < blocks; j++) {
         const char *kb = k + (head + table[j]) * bytes;
         if (j + 1 < blocks) prefetch_block(k + (head + table[j + 1]) * bytes, bytes);
-        for (long r0 = 0; r0 < R; r0 += RH)
-            for (int p0 = 0; p0 < BLOCK; p0 += PB)
+        for (long r0 = 0; r0 < R; r0 += TILE_HEADS)
+            for (int p0 = 0; p0 < BLOCK; p0 += TILE_POSITIONS)
                 scores_heads(qf + r0 * hd, kb + p0 * hd * elt, hd, elt, bf16, s + r0 * S + j * BLOCK + p0, S,
-                             R - r0 < RH ? R - r0 : RH);
+                             R - r0 < TILE_HEADS ? R - r0 : TILE_HEADS);
     }
     softmax_rows(s, R, T, S);
     memset(acc, 0, sizeof(float) * R * hd);
@@ -211,8 +212,9 @@ static void one_task_grouped(const void *q, const char *k, const char *v, const 
         const char *vb = v + (head + table[j]) * bytes;
         const long n = T - j * BLOCK < BLOCK ? T - j * BLOCK : BLOCK;
         if (j + 1 < blocks) prefetch_block(v + (head + table[j + 1]) * bytes, bytes);
-        for (long r0 = 0; r0 < R; r0 += RH)
-            weigh_heads(acc + r0 * hd, s + r0 * S + j * BLOCK, S, vb, n, hd, elt, bf16, R - r0 < RH ? R - r0 : RH);
+        for (long r0 = 0; r0 < R; r0 += TILE_HEADS)
+            weigh_heads(acc + r0 * hd, s + r0 * S + j * BLOCK, S, vb, n, hd, elt, bf16,
+                        R - r0 < TILE_HEADS ? R - r0 : TILE_HEADS);
     }
     for (long r = 0; r < R; r++)
         for (long i = 0; i < hd; i++) put(out, (b * H + g * R + r) * hd + i, acc[r * hd + i], bf16);

@@ -158,7 +158,8 @@ void kv_write(const at::Tensor &kv, const at::Tensor &k, const at::Tensor &v, co
 at::Tensor rope_write(const at::Tensor &qkv, const at::Tensor &cos, const at::Tensor &ssin, const at::Tensor &kv,
                       const at::Tensor &slots, int64_t heads) {
     TORCH_CHECK(kv.dim() == 5 && kv.size(0) == 2 && kv.is_contiguous() && qkv.dim() == 2, "rope_write: kv [2, G, "
-                "blocks, 16, hd] (contiguous) and qkv [B, (H + 2G) * hd] expected, got ", kv.sizes(), ", ", qkv.sizes());
+                "blocks, 16, hd] (contiguous) and qkv [B, (H + 2G) * hd] expected, got ", kv.sizes(), ", ",
+                qkv.sizes());
     const int64_t B = qkv.size(0), G = kv.size(1), hd = kv.size(4), positions = kv.size(2) * kv.size(3);
     TORCH_CHECK(hd % 16 == 0 && qkv.size(1) == (heads + 2 * G) * hd && cos.sizes() == ssin.sizes() &&
                 cos.dim() == 2 && cos.size(0) == B && cos.size(1) == hd, "rope_write: shapes do not fit: qkv ",

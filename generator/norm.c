@@ -4,8 +4,8 @@
  * dispatch and allocation, not its arithmetic: torch's CPU rms_norm takes 15-25 us for one row of
  * 576 (~41 us with the cast and multiply around it), 61 times a step: ~2.5 ms of a ~16 ms eager
  * one-row step on a 2-core AMX Xeon (bench/RESULTS.md, "issue 21, part 11"). Math in fp32, rounded
- * where the torch code it replaces rounds (bf16 in and out), 8 floats a vector. RoPE and SiLU * up written the same way,
- * element by element, lost to torch's vectorized ops at every row count: they stay torch's.
+ * where the torch code it replaces rounds (bf16 in and out), 8 floats a vector. RoPE and SiLU * up
+ * are generator/pointwise.c's (written element by element at first, they lost to torch's vectorized ops).
  */
 #include <immintrin.h>
 #include <math.h>

@@ -52,7 +52,8 @@ void tp_silu_mul(const void *gu, void *y, long rows, long inter, int threads, in
         char *out = (char *)y + r * inter * elt;
         for (long i = 0; i < inter; i += 8) {
             const __m256 gv = load8(g, i, bf16);
-            __m256 sv = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+            __m256 sv = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.f), e));
             if (bf16) sv = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(round_bf16_8(sv)), 16));
             store8(out, i, _mm256_mul_ps(sv, load8(u, i, bf16)), bf16);
         }
