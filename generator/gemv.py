@@ -1,4 +1,4 @@
-"""Our own kernel for quantized projections at few rows on x86 CPUs with AVX2, or AVX-512 (``gemv.c``).
+"""Our own kernels for quantized projections on x86 CPUs with AVX2, or AVX-512 (``gemv.c``, ``gemm8.c``).
 
 torch's int4 kernel for the CPU takes bf16 activations and, without AVX-512, converts every
 weight to a float before multiplying: at one decode row it streams the weights at well under
@@ -12,7 +12,8 @@ AVX-512BW (and VNNI), one row's int4 loop takes four groups a step without byte 
 
 For several rows ``gemm8.c`` (the op ``gemm8``) trades that exactness for speed, as llama.cpp does: rows
 rounded to int8 per group of 32, four 4-bit weights multiplied per int32 lane by one VNNI instruction,
-over a copy of the weights in blocks of output features (:func:`block_q4`, :func:`block_q8`).
+over a copy of the weights in blocks of output features (:func:`block_q4`, :func:`block_q8`); on AMX
+tiles, 16 rows a group per instruction, where the CPU has them (``tiles``).
 
 It is compiled when the engine starts, once per machine (~15 s: ``gemv.c`` with ``$CC``, the
 op bindings ``gemv_op.cpp`` against torch's headers with ``$CXX``) and cached in
@@ -22,8 +23,8 @@ torch.compile keeps opaque. The step's other ops are built into it too, for the 
 (:mod:`generator.forward`): ``paged_attention`` and ``kv_write`` (``attention.c``: decode
 attention read from the KV pool in place, this step's K/V written into it), ``rms_norm``
 (``norm.c``), ``rope_write`` and ``silu_mul`` (``pointwise.c``). Where there is no AVX2/FMA or no
-compiler the kernel is simply not a candidate
-(logged). Which kernel serves which row counts is measured like the others (:mod:`generator.kernels`).
+compiler the kernels are simply not candidates (logged). Which kernel serves which row counts is
+measured like the others (:mod:`generator.kernels`).
 """
 
 from __future__ import annotations

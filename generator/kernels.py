@@ -12,8 +12,8 @@ under a key of CPU model, flags, cores, threads, torch version and model.
 Candidates: ``quant`` (torch's int4/int8 kernel), ``dense`` (the float weight the model keeps),
 ``packed`` (that weight pre-packed once for oneDNN, ``torch.ops.mkldnn._reorder_linear_weight``,
 kept only for the roles whose bands use it), ``gemv`` (our AVX2/AVX-512 kernel with int16 rows over its
-own copy of the quantized weight, :mod:`generator.gemv`, kept wherever that kernel can run) and ``gemm8``
-(ours with int8 rows, over that weight blocked by output feature: kept only for the roles that use it),
+own copy of the quantized weight, :mod:`generator.gemv`, kept wherever that kernel can run), ``gemm8``
+(ours with int8 rows, over that weight blocked by output feature: kept only for the roles that use it)
 and ``amx`` (gemm8 on AMX tiles, where the CPU has them: the same blocked weight, the same results).
 int8 beside int4 and fp32 beside a bf16 model are not candidates: each would keep another copy
 of the weights. The default is today's rule (``quant`` up
