@@ -58,8 +58,9 @@ static inline __attribute__((always_inline)) void weigh(float *acc, const float 
 
 /* The group's query heads together: each K and V row is read (and widened from bf16) once for up to
  * TILE_HEADS heads instead of once per head, TILE_POSITIONS positions scored at a time, in vectors of
- * VW floats (16 where built with AVX-512, else 8). hd must be a multiple of VW: one_task below takes
- * the other cases. The tiles' sums stay in registers: heads x positions score sums, heads x vectors of V. */
+ * VW floats (16 where built with AVX-512, else 8). hd must be a multiple of VW: block_scores and
+ * block_weigh below take the other cases one head at a time. The tiles' sums stay in registers:
+ * heads x positions score sums, heads x vectors of V. */
 #define TILE_HEADS 3
 #define TILE_POSITIONS 4
 #define TILE_VECTORS 4
@@ -188,41 +189,37 @@ static inline void prefetch_block(const char *p, long bytes) {
     for (long i = 0; i < bytes; i += 64) _mm_prefetch(p + i, _MM_HINT_T0);
 }
 
-/* One (row b, kv head g) as one_task below, the group's heads TILE_HEADS at a time (hd a multiple of VW). */
-static void one_task_grouped(const void *q, const char *k, const char *v, const int64_t *table, long T, void *out,
-                             long b, long g, long H, long R, long hd, long nblocks, float scale, int bf16, float *buf) {
-    const long elt = bf16 ? 2 : 4, S = (T + BLOCK - 1) / BLOCK * BLOCK, blocks = S / BLOCK;
-    float *qf = buf, *acc = buf + R * hd, *s = buf + 2 * R * hd; /* [R, hd], [R, hd], [R, S] */
-    const __m256 sc = _mm256_set1_ps(scale);
-    for (long r = 0; r < R; r++)
-        for (long i = 0; i < hd; i += 8)
-            _mm256_storeu_ps(qf + r * hd + i, _mm256_mul_ps(sc, load8(q, (b * H + g * R + r) * hd + i, bf16)));
-    const long head = g * nblocks, bytes = BLOCK * hd * elt;
-    for (long j = 0; j < blocks; j++) {
-        const char *kb = k + (head + table[j]) * bytes;
-        if (j + 1 < blocks) prefetch_block(k + (head + table[j + 1]) * bytes, bytes);
+/* The scores of the R heads at qf against one block's K rows kb: s[r * S + p], p < BLOCK. The group's heads
+ * TILE_HEADS at a time where hd is a multiple of VW, else one head at a time in 8-float vectors. */
+static void block_scores(const float *qf, const char *kb, long R, long hd, long elt, int bf16, float *s, long S) {
+    if (hd % VW == 0) {
         for (long r0 = 0; r0 < R; r0 += TILE_HEADS)
             for (int p0 = 0; p0 < BLOCK; p0 += TILE_POSITIONS)
-                scores_heads(qf + r0 * hd, kb + p0 * hd * elt, hd, elt, bf16, s + r0 * S + j * BLOCK + p0, S,
+                scores_heads(qf + r0 * hd, kb + p0 * hd * elt, hd, elt, bf16, s + r0 * S + p0, S,
                              R - r0 < TILE_HEADS ? R - r0 : TILE_HEADS);
-    }
-    softmax_rows(s, R, T, S);
-    memset(acc, 0, sizeof(float) * R * hd);
-    for (long j = 0; j < blocks; j++) {
-        const char *vb = v + (head + table[j]) * bytes;
-        const long n = T - j * BLOCK < BLOCK ? T - j * BLOCK : BLOCK;
-        if (j + 1 < blocks) prefetch_block(v + (head + table[j + 1]) * bytes, bytes);
-        for (long r0 = 0; r0 < R; r0 += TILE_HEADS)
-            weigh_heads(acc + r0 * hd, s + r0 * S + j * BLOCK, S, vb, n, hd, elt, bf16,
-                        R - r0 < TILE_HEADS ? R - r0 : TILE_HEADS);
+        return;
     }
     for (long r = 0; r < R; r++)
-        for (long i = 0; i < hd; i++) put(out, (b * H + g * R + r) * hd + i, acc[r * hd + i], bf16);
+        for (int p0 = 0; p0 < BLOCK; p0 += 8)
+            _mm256_storeu_ps(s + r * S + p0, scores8(qf + r * hd, kb + p0 * hd * elt, hd, elt, bf16));
 }
 
-/* One (row b, kv head g): the R = H / G query heads of g's group over positions 0..T-1, one head at a
- * time in 8-float vectors (where hd is not a multiple of VW). Scores are taken for whole blocks (a
- * block's unused positions are allocated, their scores ignored). */
+/* acc[r * hd ..] += Σ_t w[r * S + t] · V row t of block vb, t < n, for the R heads (as block_scores groups them) */
+static void block_weigh(float *acc, const float *w, long S, const char *vb, long n, long R, long hd, long elt,
+                        int bf16) {
+    if (hd % VW == 0) {
+        for (long r0 = 0; r0 < R; r0 += TILE_HEADS)
+            weigh_heads(acc + r0 * hd, w + r0 * S, S, vb, n, hd, elt, bf16, R - r0 < TILE_HEADS ? R - r0 : TILE_HEADS);
+        return;
+    }
+    for (long r = 0; r < R; r++) {
+        if (hd % 64 == 0) weigh(acc + r * hd, w + r * S, vb, n, hd, elt, bf16, 8);
+        else weigh(acc + r * hd, w + r * S, vb, n, hd, elt, bf16, 1);
+    }
+}
+
+/* One (row b, kv head g): the R = H / G query heads of g's group over positions 0..T-1. Scores are taken
+ * for whole blocks (a block's unused positions are allocated, their scores ignored). */
 static void one_task(const void *q, const char *k, const char *v, const int64_t *table, long T, void *out,
                      long b, long g, long H, long R, long hd, long nblocks, float scale, int bf16, float *buf) {
     const long elt = bf16 ? 2 : 4, S = (T + BLOCK - 1) / BLOCK * BLOCK, blocks = S / BLOCK;
@@ -231,22 +228,17 @@ static void one_task(const void *q, const char *k, const char *v, const int64_t 
     for (long r = 0; r < R; r++)
         for (long i = 0; i < hd; i += 8)
             _mm256_storeu_ps(qf + r * hd + i, _mm256_mul_ps(sc, load8(q, (b * H + g * R + r) * hd + i, bf16)));
-    const long head = g * nblocks;
+    const long head = g * nblocks, bytes = BLOCK * hd * elt;
     for (long j = 0; j < blocks; j++) {
-        const char *kb = k + (head + table[j]) * BLOCK * hd * elt;
-        for (long r = 0; r < R; r++)
-            for (int p0 = 0; p0 < BLOCK; p0 += 8)
-                _mm256_storeu_ps(s + r * S + j * BLOCK + p0, scores8(qf + r * hd, kb + p0 * hd * elt, hd, elt, bf16));
+        if (j + 1 < blocks) prefetch_block(k + (head + table[j + 1]) * bytes, bytes);
+        block_scores(qf, k + (head + table[j]) * bytes, R, hd, elt, bf16, s + j * BLOCK, S);
     }
     softmax_rows(s, R, T, S);
     memset(acc, 0, sizeof(float) * R * hd);
     for (long j = 0; j < blocks; j++) {
-        const char *vb = v + (head + table[j]) * BLOCK * hd * elt;
+        if (j + 1 < blocks) prefetch_block(v + (head + table[j + 1]) * bytes, bytes);
         const long n = T - j * BLOCK < BLOCK ? T - j * BLOCK : BLOCK;
-        for (long r = 0; r < R; r++) {
-            if (hd % 64 == 0) weigh(acc + r * hd, s + r * S + j * BLOCK, vb, n, hd, elt, bf16, 8);
-            else weigh(acc + r * hd, s + r * S + j * BLOCK, vb, n, hd, elt, bf16, 1);
-        }
+        block_weigh(acc, s + j * BLOCK, S, v + (head + table[j]) * bytes, n, R, hd, elt, bf16);
     }
     for (long r = 0; r < R; r++)
         for (long i = 0; i < hd; i++) put(out, (b * H + g * R + r) * hd + i, acc[r * hd + i], bf16);
@@ -270,11 +262,7 @@ int tp_paged_attention(const void *q, const void *k, const void *v, const int64_
         for (long task = 0; task < tasks; task++) {
             if (!buf) continue;
             const long b = task / G, g = task % G;
-            if (hd % VW == 0)
-                one_task_grouped(q, k, v, tables + b * width, positions[b] + 1, out, b, g, H, R, hd, nblocks, scale,
-                                 bf16, buf);
-            else
-                one_task(q, k, v, tables + b * width, positions[b] + 1, out, b, g, H, R, hd, nblocks, scale, bf16, buf);
+            one_task(q, k, v, tables + b * width, positions[b] + 1, out, b, g, H, R, hd, nblocks, scale, bf16, buf);
         }
         free(buf);
     }
