@@ -147,7 +147,23 @@ static inline __attribute__((always_inline)) void block_tile(
     for (int r = 0; r < R; r++) VF_STORE(out[r], acc[r]);
 }
 
-#define TILE_CASE(B, R) block_tile(wb, db, mb, B, x0, sx0, xs0, G, K, R, out)
+/* block_tile with the row count as a constant (bits is one where called), so each tile keeps its
+ * accumulators in registers */
+static inline __attribute__((always_inline)) void block_rows(
+    const uint8_t *wb, const float *db, const float *mb, const int bits, const int8_t *x8, const float *sx,
+    const float *xs, long G, long K, int R, float out[RT][LANES])
+{
+    switch (R) {
+    case 1: block_tile(wb, db, mb, bits, x8, sx, xs, G, K, 1, out); break;
+    case 2: block_tile(wb, db, mb, bits, x8, sx, xs, G, K, 2, out); break;
+    case 3: block_tile(wb, db, mb, bits, x8, sx, xs, G, K, 3, out); break;
+    case 4: block_tile(wb, db, mb, bits, x8, sx, xs, G, K, 4, out); break;
+    case 5: block_tile(wb, db, mb, bits, x8, sx, xs, G, K, 5, out); break;
+    case 6: block_tile(wb, db, mb, bits, x8, sx, xs, G, K, 6, out); break;
+    case 7: block_tile(wb, db, mb, bits, x8, sx, xs, G, K, 7, out); break;
+    default: block_tile(wb, db, mb, bits, x8, sx, xs, G, K, RT, out); break;
+    }
+}
 
 #if defined(__AMX_INT8__) && LANES == 16
 /* The same product on AMX tiles (built where the CPU lists amx_int8, generator/gemv.py), for more
@@ -280,30 +296,8 @@ int tp_gemm8(const uint8_t *w, const float *d, const float *m, int bits, const v
             const int8_t *x0 = x8 + r0 * K;
             const float *sx0 = sx + r0 * G, *xs0 = xs + r0 * G;
             float out[RT][LANES];
-            /* constant row counts and widths, so each tile keeps its accumulators in registers */
-            if (bits == 4) {
-                switch (R) {
-                case 1: TILE_CASE(4, 1); break;
-                case 2: TILE_CASE(4, 2); break;
-                case 3: TILE_CASE(4, 3); break;
-                case 4: TILE_CASE(4, 4); break;
-                case 5: TILE_CASE(4, 5); break;
-                case 6: TILE_CASE(4, 6); break;
-                case 7: TILE_CASE(4, 7); break;
-                default: TILE_CASE(4, RT); break;
-                }
-            } else {
-                switch (R) {
-                case 1: TILE_CASE(8, 1); break;
-                case 2: TILE_CASE(8, 2); break;
-                case 3: TILE_CASE(8, 3); break;
-                case 4: TILE_CASE(8, 4); break;
-                case 5: TILE_CASE(8, 5); break;
-                case 6: TILE_CASE(8, 6); break;
-                case 7: TILE_CASE(8, 7); break;
-                default: TILE_CASE(8, RT); break;
-                }
-            }
+            if (bits == 4) block_rows(wb, db, mb, 4, x0, sx0, xs0, G, K, R, out);
+            else block_rows(wb, db, mb, 8, x0, sx0, xs0, G, K, R, out);
             for (int r = 0; r < R; r++)
                 for (long l = 0; l < width; l++) put(y, (r0 + r) * N + n0 + l, out[r][l], bf16);
         }

@@ -36,9 +36,8 @@ static void one_row(const void *x, const void *w, void *y, long dim, float eps, 
     }
     uint16_t *yb = y;
     for (i = 0; i + 8 <= dim; i += 8) {
-        const __m128i n = round_bf16_8(_mm256_mul_ps(load8(x, i, 1), iv)); /* the normalised row, rounded */
-        const __m256 nf = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(n), 16));
-        _mm_storeu_si128((__m128i *)(yb + i), round_bf16_8(_mm256_mul_ps(nf, load8(w, i, 1))));
+        const __m256 n = round_to_bf16(_mm256_mul_ps(load8(x, i, 1), iv)); /* the normalised row, rounded */
+        store8(yb, i, _mm256_mul_ps(n, load8(w, i, 1)), 1);
     }
     for (; i < dim; i++) {
         const uint16_t n = round_bf16(get(x, i, 1) * inv);

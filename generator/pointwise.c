@@ -20,7 +20,7 @@ static inline void rotate(const void *x, const void *cos, const void *ssin, void
     const long half = hd / 2;
     for (long i = 0; i < hd; i += 8) {
         __m256 a = _mm256_mul_ps(load8(x, i, bf16), load8(cos, i, bf16));
-        if (bf16) a = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(round_bf16_8(a)), 16));
+        if (bf16) a = round_to_bf16(a);
         store8(y, i, _mm256_fmadd_ps(load8(x, (i + half) % hd, bf16), load8(ssin, i, bf16), a), bf16);
     }
 }
@@ -54,7 +54,7 @@ void tp_silu_mul(const void *gu, void *y, long rows, long inter, int threads, in
             const __m256 gv = load8(g, i, bf16);
             const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
             __m256 sv = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.f), e));
-            if (bf16) sv = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(round_bf16_8(sv)), 16));
+            if (bf16) sv = round_to_bf16(sv);
             store8(out, i, _mm256_mul_ps(sv, load8(u, i, bf16)), bf16);
         }
     }

@@ -74,6 +74,11 @@ static inline __m128i round_bf16_8(__m256 v) {
     return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08));
 }
 
+/* v rounded to bf16 and kept as fp32: where the torch code rounds between two ops */
+static inline __m256 round_to_bf16(__m256 v) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(round_bf16_8(v)), 16));
+}
+
 /* elements i..i+7 of a row set to v's lanes (rounded to bf16 with ``bf16``) */
 static inline void store8(void *y, long i, __m256 v, int bf16) {
     if (bf16) _mm_storeu_si128((__m128i *)((uint16_t *)y + i), round_bf16_8(v));
