@@ -169,10 +169,7 @@ static void softmax_rows(float *s, long R, long T, long S) {
         for (long t = T; t < S; t++) sr[t] = -INFINITY;
         __m256 mv = _mm256_set1_ps(-INFINITY), sum = _mm256_setzero_ps();
         for (long t = 0; t < S; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(sr + t));
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-        const __m256 mx = _mm256_set1_ps(_mm_cvtss_f32(m4));
+        const __m256 mx = _mm256_set1_ps(hmax(mv));
         for (long t = 0; t < S; t += 8) {
             const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sr + t), mx));
             _mm256_storeu_ps(sr + t, e);

@@ -268,9 +268,10 @@ def measure_table(model: Any, plan: Plan, rules: KernelTable, counts: tuple[int,
         for i, role in enumerate(ROLES):
             mods = [m for m in plan.projections(role) if isinstance(m, QuantLinear)]
             first = mods[0]
+            ours = all([m.block() for m in mods])  # the library is built here (each blocked copy made)
+            tiles = ours and first.gemv_lib is not None and first.gemv_lib.tiles()
             kernels = ["quant", "dense"] + (["packed"] if all([m.pack() for m in mods]) else []) + \
-                (["gemv", "gemm8"] if all([m.block() for m in mods]) else []) + \
-                (["amx"] if first.gemv_lib is not None and first.blocked is not None and first.gemv_lib.tiles() else [])
+                (["gemv", "gemm8"] if ours else []) + (["amx"] if tiles else [])
             times_us[role], choices[role] = {}, {}
             for rows in counts:
                 x = torch.randn(rows, first.in_features, dtype=dtype)

@@ -87,9 +87,7 @@ static int quantize8(const void *x, int bf16, long M, long Mp, long K, int xmax,
             v[j] = load8(x, i * GROUP + 8 * j, bf16);
             amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
         }
-        __m128 a = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-        a = _mm_max_ps(a, _mm_movehl_ps(a, a));
-        const float am = _mm_cvtss_f32(_mm_max_ss(a, _mm_movehdup_ps(a)));
+        const float am = hmax(amax);
         const __m256 inv = _mm256_set1_ps(am > 0.f ? (float)xmax / am : 0.f);
         __m256i q[4];
         for (int j = 0; j < 4; j++) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv)); /* nearest even */

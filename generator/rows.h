@@ -46,6 +46,13 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* the largest of v's 8 lanes */
+static inline float hmax(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
 /* e^x, 8 lanes (Cephes' polynomial, as avx_mathfun): ~1e-7 relative, x clamped to [-87, 88].
  * libm's expf one value at a time was the largest part of the attention kernel's time. */
 static inline __m256 exp8(__m256 x) {
