@@ -14,8 +14,6 @@
 
 #include "rows.h"
 
-#define PARALLEL_ELEMENTS (1L << 16) /* below this one thread beats waking the team */
-
 static void one_row(const void *x, const void *w, void *y, long dim, float eps, int bf16) {
     __m256 acc = _mm256_setzero_ps();
     long i = 0;

@@ -12,8 +12,6 @@
 
 #include "rows.h"
 
-#define PARALLEL_ELEMENTS (1L << 16) /* below this one thread beats waking the team */
-
 /* x[0..hd) rotated into y: x * cos + roll(x, hd / 2) * ssin (forward._rope), rounded after each as its
  * torch ops round; hd a multiple of 16, so a vector of the rolled half never wraps */
 static inline void rotate(const void *x, const void *cos, const void *ssin, void *y, long hd, int bf16) {

@@ -9,6 +9,9 @@
 #include <stdint.h>
 #include <string.h>
 
+/* elements below which an element-wise op (norm.c, pointwise.c) runs on one thread: waking the team costs more */
+#define PARALLEL_ELEMENTS (1L << 16)
+
 /* v's bf16 bits, rounded to nearest even */
 static inline uint16_t round_bf16(float v) {
     uint32_t u;
