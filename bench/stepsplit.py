@@ -12,7 +12,9 @@ Python dispatch. The projections' part is the difference, and with it each proje
 (dispatch, its output's allocation, under ``--compile`` the graph wrapper's call): the rest is a
 lower bound (bench/RESULTS.md, "issue 21, part 5"). (Timing the projections alone in a
 loop and subtracting instead overstated the rest by ~40 %: back to back they run faster than
-between the other ops.) At one row it also reports the bytes of weights a step reads
+between the other ops.) Where the decoder layers run as one call (generator/stack.py), the stubbed step is
+that call with every projection writing zeros, and a third timing each round, the same step op by op,
+gives what the one call saves (``stack x``). At one row it also reports the bytes of weights a step reads
 (the kernel each projection runs at that row count) against this machine's read bandwidth
 (a 1 GiB fp32 sum on the engine's threads): the share of the ceiling the step reaches.
 
@@ -104,9 +106,16 @@ def projections_stubbed(plan: Plan, hidden: int, vocab: int) -> Iterator[None]:
         lp.qkv, lp.o = _Zeros(lp.q_size + 2 * lp.kv_size), _Zeros(hidden)
         lp.gate_up, lp.down = _Zeros(2 * lp.inter), _Zeros(hidden)
     plan.lm_head = _Zeros(vocab)
+    # the layers in one call (generator/stack.py): its projections write zeros (getattr: a checkout before the
+    # stack is timed with this file too)
+    stack = getattr(plan, "stack", None)
+    if stack is not None:
+        stack.projections_off = True
     try:
         yield
     finally:
+        if stack is not None:
+            stack.projections_off = False
         for lp, (qkv, o, gate_up, down) in zip(plan.layers, saved[0], strict=True):
             lp.qkv, lp.o, lp.gate_up, lp.down = qkv, o, gate_up, down
         plan.lm_head = saved[1]
@@ -138,17 +147,28 @@ def split(lm: LoadedModel, rows: int, rounds: int, steps: int, compiled: bool = 
             one(i, through)
         return (time.perf_counter() - t0) / steps * 1e3
 
+    stack = None if compiled else getattr(plan, "stack", None)
+    op_by_op_ms: list[float] = []
     for r in range(-1, rounds):  # round -1 warms both up (and compiles both graphs)
         step = steps_ms(graphs)
         with projections_stubbed(plan, int(cfg.hidden_size), int(cfg.vocab_size)):
             rest = steps_ms(stub_graphs)
+        if stack is not None:  # the same step without generator/stack.py, alternated: what the stack saves
+            plan.stack = None
+            try:
+                op_by_op = steps_ms(None)
+            finally:
+                plan.stack = stack
         if r >= 0:
             step_ms.append(step)
             rest_ms.append(rest)
+            if stack is not None:
+                op_by_op_ms.append(op_by_op)
     step, rest = statistics.median(step_ms), statistics.median(rest_ms)
     return {"rows": rows, "step_ms": step, "projections_ms": step - rest, "rest_ms": rest,
             "rest_share": rest / step, "tok_s": rows * 1e3 / step, "step_rounds_ms": step_ms,
-            "rest_rounds_ms": rest_ms}
+            "rest_rounds_ms": rest_ms, "op_by_op_ms": statistics.median(op_by_op_ms) if op_by_op_ms else None,
+            "op_by_op_rounds_ms": op_by_op_ms}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -168,12 +188,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{lm.name} {lm.quant} {str(lm.dtype).removeprefix('torch.')}", flush=True)
     rows_list = [int(r) for r in args.rows.split(",")]
     results = []
-    print(f"{'rows':>5} {'step ms':>9} {'proj ms':>9} {'rest ms':>9} {'rest %':>7} {'tok/s':>8}")
+    print(f"{'rows':>5} {'step ms':>9} {'proj ms':>9} {'rest ms':>9} {'rest %':>7} {'tok/s':>8} {'op-by-op ms':>12} "
+          f"{'stack x':>8}")
     for rows in rows_list:
         res = split(lm, rows, args.rounds, args.steps, compiled=args.compile)
         results.append(res)
+        obo = res["op_by_op_ms"]
         print(f"{rows:>5} {res['step_ms']:>9.2f} {res['projections_ms']:>9.2f} {res['rest_ms']:>9.2f} "
-              f"{res['rest_share'] * 100:>6.0f}% {res['tok_s']:>8.1f}", flush=True)
+              f"{res['rest_share'] * 100:>6.0f}% {res['tok_s']:>8.1f} "
+              + (f"{obo:>12.2f} {obo / res['step_ms']:>7.2f}x" if obo else f"{'-':>12} {'-':>8}"), flush=True)
     mods = [m for lp in plan.layers for m in (lp.qkv, lp.o, lp.gate_up, lp.down)] + [plan.lm_head]
     per_token = sum(weight_bytes(m, 1) for m in mods)
     bw = read_gb_s()

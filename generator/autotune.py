@@ -43,6 +43,8 @@ from .kernels import (
 )
 from .kvcache import BLOCK_SIZE, PagedKVCache, bytes_per_position
 from .quant import QuantLinear
+from .stack import ROLES as STACK_ROLES
+from .stack import STACK_KERNELS, build_stack
 
 __all__ = ["BUSY_SHARE", "OthersLoad", "apply_table", "measure_table", "tune_plan"]
 
@@ -76,6 +78,8 @@ def apply_table(plan: Plan, table: KernelTable, *, keep_packed: bool = False) ->
                     mod.block()
                 elif not keep_packed:
                     mod.blocked = None
+    if plan.stack is not None:
+        plan.stack.refresh()
     plan.attention_fp32_rows = table.attention_fp32_rows
     plan.paged_attention_rows = table.paged_attention_rows
 
@@ -103,6 +107,7 @@ def tune_plan(model: Any, plan: Plan, *, name: str, dtype: torch.dtype, dense_ro
                 if lib is None:
                     mod.gemv = None  # its weights cost memory only where the kernel can run
     plan.step_ops = lib is not None  # fewer calls for the same arithmetic: nothing to choose between
+    plan.stack = build_stack(model, plan) if lib is not None else None  # the same again, fewer calls still
     if setting in ("gemv", "gemm8", "amx") and lib is None:
         log.warning("TOKENPIPE_KERNELS=%s, but tokenpipe's kernels are not available here: torch's quantized "
                     "kernel serves instead", setting)
@@ -297,9 +302,11 @@ def _round_robin(mods: list[QuantLinear], x: torch.Tensor, kernel: str) -> Any:
 
 def _confirm(model: Any, plan: Plan, rules: KernelTable, measured: KernelTable, counts: tuple[int, ...],
              dtype: torch.dtype) -> KernelTable:
-    """Whole decode steps, alternating: the measured kernels against the rules' at each row count where
-    they differ (kept only if the step is faster), then the paged attention kernel against the torch ops
-    (kept unless they win clearly), and fp32 attention against native at the few rows left to those."""
+    """Whole decode steps, alternating, at each row count: the measured kernels against the rules' where they
+    differ, and where a layer projection's fastest call was one of torch's kernels, against the library's
+    fastest (which keep the step in one call: generator/stack.py); the fastest step is kept. Then the paged
+    attention kernel against the torch ops (kept unless they win clearly), and fp32 attention against native
+    at the few rows left to those."""
     cache = PagedKVCache(model, (_CONTEXT + 2 * BLOCK_SIZE) * bytes_per_position(model, dtype),
                          torch.device("cpu"), dtype, min_positions=_CONTEXT)
     blocks = torch.arange(1, _CONTEXT // BLOCK_SIZE + 1)
@@ -314,18 +321,30 @@ def _confirm(model: Any, plan: Plan, rules: KernelTable, measured: KernelTable, 
     steps_ms: dict[str, dict[str, float]] = {}
     final: dict[str, dict[int, str]] = {role: {r: kernel_for(measured.bands[role], r) for r in counts}
                                         for role in ROLES}
+
+    def one_band(rows: int, kernels: dict[str, str]) -> KernelTable:
+        return KernelTable({role: ((rows, kernels[role]),) for role in ROLES}, rules.attention_fp32_rows,
+                           paged_attention_rows=rules.paged_attention_rows)
+
     for rows in counts:
-        new = KernelTable({role: ((rows, final[role][rows]),) for role in ROLES}, rules.attention_fp32_rows,
-                          paged_attention_rows=rules.paged_attention_rows)
-        old = KernelTable({role: ((rows, kernel_for(rules.bands[role], rows)),) for role in ROLES},
-                          rules.attention_fp32_rows, paged_attention_rows=rules.paged_attention_rows)
-        if new.bands == old.bands:
+        variants = {"rules": one_band(rows, {role: kernel_for(rules.bands[role], rows) for role in ROLES}),
+                    "measured": one_band(rows, {role: final[role][rows] for role in ROLES})}
+        if plan.stack is not None and any(final[role][rows] not in STACK_KERNELS for role in STACK_ROLES):
+            calls = {role: measured.times_us.get(role, {}).get(str(rows), {}) for role in STACK_ROLES}
+            ours = {role: min((k for k in STACK_KERNELS if k in t), key=t.__getitem__, default=final[role][rows])
+                    for role, t in calls.items()}
+            library = one_band(rows, {role: ours.get(role, final[role][rows]) for role in ROLES})
+            if library.bands != variants["measured"].bands:
+                variants["library"] = library
+        if variants["measured"].bands == variants["rules"].bands:
+            del variants["measured"]
+        if len(variants) == 1:
             continue
-        got = _time_tables(plan, {"rules": old, "measured": new}, step(rows))
+        got = _time_tables(plan, variants, step(rows))
         steps_ms[str(rows)] = {k: round(v * 1e3, 3) for k, v in got.items()}
-        if got["measured"] >= got["rules"]:
-            for role in ROLES:
-                final[role][rows] = kernel_for(rules.bands[role], rows)
+        best = min(got, key=lambda k: got[k])
+        for role in ROLES:
+            final[role][rows] = kernel_for(variants[best].bands[role], rows)
     bands = {role: bands_from(final[role]) for role in ROLES}
     paged_rows = 0
     for rows in (r for r in counts if r <= rules.paged_attention_rows):

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from .kvcache import BLOCK_SIZE, PagedKVCache
 from .quant import DENSE_ROWS, QuantMode, quantize_weight
+from .stack import LayerStack
 
 __all__ = ["FP32_ATTENTION_ROWS", "Plan", "attention_bias", "build_plan", "decode_step", "plan_for", "prefill"]
 
@@ -52,6 +53,9 @@ class Plan:
     # the eager decode step's RMSNorm, RoPE with the cache write, and SiLU(gate) * up through the library's
     # ops (norm.c, pointwise.c; attention.c's cache write) where it is loaded
     step_ops: bool = False
+    # with step_ops, the decoder layers of a step in one call where every projection runs the library's kernels
+    # (generator/stack.py)
+    stack: LayerStack | None = None
 
     def projections(self, role: str) -> list[nn.Module]:
         """The plan's modules of one role (``qkv``, ``o``, ``gate_up``, ``down``, ``lm_head``)."""
@@ -291,6 +295,11 @@ def decode_step(model: Any, cache: PagedKVCache, tokens: Tensor, positions: Tens
         bias = attention_bias(cols[None, :] <= positions[:, None])  # [B, T]
         bags = None if fp32_rows >= B else cache.value_bags(
             tables, int(model.config.num_attention_heads) // cache.kv_heads)
+    stack = plan.stack if rope_op and plan.stack is not None and plan.stack.dtype == x.dtype else None
+    codes = stack.kernels(B) if stack is not None else None
+    if stack is not None and codes is not None:  # generator/stack_op.cpp: the ops below in one call
+        x2 = stack.step(x[:, 0], cos, ssin, cache.kv, slots, tables, positions, codes)  # [B, D]
+        return plan.lm_head(_rms_norm(inner.norm, x2, ops))  # [B, V]
     for li, (layer, lp) in enumerate(zip(inner.layers, plan.layers, strict=True)):
         attn = layer.self_attn
         if rope_op:  # generator/pointwise.c, then attention.c

@@ -52,8 +52,10 @@ SOURCE = Path(__file__).with_name("gemv.c")
 # built alongside: gemm8 (several rows) and the eager forward's other ops (decode attention over the paged pool
 # and the cache write; RMSNorm; RoPE with the cache write, SiLU * up)
 OTHER_SOURCES = tuple(Path(__file__).with_name(n) for n in ("gemm8.c", "attention.c", "norm.c", "pointwise.c"))
-HEADER = Path(__file__).with_name("rows.h")  # the fp32/bf16 row helpers the C sources share
-OP_SOURCE = Path(__file__).with_name("gemv_op.cpp")
+# the fp32/bf16 row helpers the C sources share; the C entry points the C++ calls
+HEADERS = tuple(Path(__file__).with_name(n) for n in ("rows.h", "library.h"))
+# the torch ops, and the decoder layers of an eager decode step in one call (tokenpipe.DecodeStack)
+OP_SOURCES = tuple(Path(__file__).with_name(n) for n in ("gemv_op.cpp", "stack_op.cpp"))
 GROUP = 32
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC")  # gemv.c's
 # Added where the CPU lists ``avx512bw`` (gemv.c's one-row int4 loop on AVX-512), and VNNI's fused
@@ -219,7 +221,7 @@ def load_gemv(data_dir: str | os.PathLike[str]) -> GemvLib | None:
     try:
         versions = "".join(subprocess.run([c, "--version"], capture_output=True, text=True, timeout=30).stdout
                            for c in (compiler, cxx_path))
-        sources = b"".join(p.read_bytes() for p in (SOURCE, *OTHER_SOURCES, HEADER, OP_SOURCE))
+        sources = b"".join(p.read_bytes() for p in (SOURCE, *OTHER_SOURCES, *HEADERS, *OP_SOURCES))
         digest = hashlib.sha256(sources + versions.encode() + " ".join(flags).encode() +
                                 torch.__version__.encode()).hexdigest()[:16]
         path = Path(data_dir) / "kernels" / f"gemv-{digest}.so"
@@ -251,11 +253,18 @@ def _build(cc: str, cxx: str, path: Path, flags: tuple[str, ...]) -> None:
         subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=600)
 
     objects = [f"{tmp}.{i}.o" for i in range(1 + len(OTHER_SOURCES))]
+    cpp_objects = [f"{tmp}.{i}.cpp.o" for i in range(len(OP_SOURCES))]
+    # the C++ against torch's headers takes most of the build: its sources compile side by side
+    cpp = [subprocess.Popen([cxx, "-O2", "-std=c++20", "-fPIC", abi, *(f"-I{p}" for p in include_paths()), "-c",
+                             str(src), "-o", obj], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+           for src, obj in zip(OP_SOURCES, cpp_objects, strict=True)]
     for src, obj in zip((SOURCE, *OTHER_SOURCES), objects, strict=True):
         run(cc, *flags, "-c", str(src), "-o", obj)
-    run(cxx, "-O2", "-std=c++20", "-fPIC", abi, *(f"-I{p}" for p in include_paths()), "-c", str(OP_SOURCE), "-o",
-        f"{tmp}.cpp.o")
-    run(cxx, "-shared", "-fopenmp", f"{tmp}.cpp.o", *objects, f"-L{lib}", "-lc10", "-ltorch_cpu", "-lm", "-o", str(tmp))
-    for obj in (*objects, f"{tmp}.cpp.o"):
+    for proc in cpp:
+        out, err = proc.communicate(timeout=600)
+        if proc.returncode:
+            raise subprocess.CalledProcessError(proc.returncode, proc.args, out, err)
+    run(cxx, "-shared", "-fopenmp", *cpp_objects, *objects, f"-L{lib}", "-lc10", "-ltorch_cpu", "-lm", "-o", str(tmp))
+    for obj in (*objects, *cpp_objects):
         Path(obj).unlink()
     tmp.replace(path)  # atomic: another process never loads half a library

@@ -47,7 +47,8 @@ KERNEL_CHOICES: tuple[str, ...] = get_args(Kernel)
 ROW_COUNTS = (1, 2, 4, 8, 12, 16, 24, 32)  # the decode batch sizes measured (rows between take the next one's)
 ROLES = ("qkv", "o", "gate_up", "down", "lm_head")
 MARGIN = 0.10  # a measured kernel replaces the default only when this much faster
-TABLE_VERSION = 4  # 2: the gemv kernel is a candidate; 3: the paged attention kernel; 4: gemm8 and amx
+TABLE_VERSION = 5  # 2: the gemv kernel is a candidate; 3: the paged attention kernel; 4: gemm8 and amx;
+# 5: steps through the stack (generator/stack.py) confirm the library's kernels
 
 Band = tuple[int, str]  # (up to this many rows, kernel)
 

@@ -57,3 +57,11 @@ void tp_silu_mul(const void *gu, void *y, long rows, long inter, int threads, in
         }
     }
 }
+
+/* x[0..n) += a[0..n), rounded as torch's x + a rounds (the residual adds of stack_op.cpp's step); one thread:
+ * a step's residual is at most a few ten thousand elements */
+void tp_add_rows(void *x, const void *a, long n, int bf16) {
+    long i = 0;
+    for (; i + 8 <= n; i += 8) store8(x, i, _mm256_add_ps(load8(x, i, bf16), load8(a, i, bf16)), bf16);
+    for (; i < n; i++) put(x, i, get(x, i, bf16) + get(a, i, bf16), bf16);
+}

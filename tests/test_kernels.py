@@ -32,6 +32,7 @@ from generator.kernels import (
 )
 from generator.models import LoadedModel, load_model
 from generator.quant import QuantLinear
+from generator.stack import ROLES as STACK_ROLES
 from tests.test_engine import GREEDY, TEXTS, hf_greedy, prompts_of, run_all
 from tokenpipe.errors import ConfigError
 from tokenpipe.settings import Settings
@@ -284,3 +285,23 @@ def test_kernels_benchmark_runs_end_to_end(data_dir: Path, tmp_path: Path, monke
     assert result["startup_s"] > 0 and set(result["table"]["bands"]) == set(ROLES)
     assert set(result["decode"]) == {"1", "4"}
     assert all(len(result["decode"][r]["rounds"][v]) == 2 for r in ("1", "4") for v in ("rules", "measured"))
+
+
+def test_confirming_steps_weigh_the_librarys_kernels_where_a_torch_kernel_won_a_layers_call(
+        int4_tiny: LoadedModel, tmp_path: Path) -> None:
+    """One torch kernel in a layer role sends the whole step op by op (generator/stack.py): the confirming
+    steps also time the library's fastest kernel for every layer role, and keep the fastest step."""
+    plan = plan_for(int4_tiny.model)
+    _tune(int4_tiny, tmp_path, setting="gemv", max_batch=1)  # the library loaded: the stack is built
+    assert plan.stack is not None
+    rules = rule_table((1,), 32, quantized=True, attention_fp32_rows=0, paged_attention_rows=1)
+    times = {role: {"1": {"quant": 10.0, "gemv": 30.0, "gemm8": 20.0}} for role in ROLES}
+    measured = KernelTable(dict(rules.bands), 0, source="measured", times_us=times, paged_attention_rows=1)
+    table = autotune._confirm(int4_tiny.model, plan, rules, measured, (1,), int4_tiny.dtype)
+    assert {"rules", "library"} <= set(table.steps_ms["1"]) and "measured" not in table.steps_ms["1"]
+    library = {role: "gemm8" for role in STACK_ROLES} | {"lm_head": "quant"}  # lm_head is not in the stack
+    kept = {role: kernel_for(table.bands[role], 1) for role in ROLES}
+    assert kept in ({role: "quant" for role in ROLES}, library)
+    plan.stack = None  # without the stack a torch kernel costs the step nothing more: no third variant
+    assert "library" not in autotune._confirm(int4_tiny.model, plan, rules, measured, (1,),
+                                              int4_tiny.dtype).steps_ms.get("1", {})
