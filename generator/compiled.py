@@ -13,7 +13,9 @@ ever waits for a compile). Steps of more rows, where projections dominate, run e
 Each graph is C++ end to end (inductor's ``cpp_wrapper``: the code that calls the kernels is
 C++ too). Compiling costs about 3 min a graph on 2 cores the first time and about 12 s from inductor's
 on-disk cache (``TORCHINDUCTOR_CACHE_DIR``, which the generator points into its data dir), so
-``TOKENPIPE_DECODE_COMPILE`` is ``off`` unless asked for.
+``TOKENPIPE_DECODE_COMPILE`` is ``off`` unless asked for. Where the kernel library is built, the eager
+one-row step runs its decoder layers in one call (:mod:`generator.stack`) and beats the compiled step
+(bench/RESULTS.md, "issue 21, part 13"); compiling pays where the library is not built.
 """
 
 from __future__ import annotations

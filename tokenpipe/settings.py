@@ -134,10 +134,11 @@ class Settings:
     decode_compile: DecodeCompile = field(
         default="off",
         metadata=_doc("on a CPU, compile the one-row decode step with torch.compile, one graph per attended "
-                      "length (128, 256, … positions), all at start: about 0.6–0.7× the eager step at one stream "
-                      "(2-vCPU AMD EPYC, AVX2/FMA only, SmolLM2), about 0.5× on a 2-vCPU AMX Xeon, for about 3 min "
-                      "a graph the first time (each graph is C++ end to end, its wrapper too) and ~12 s from the "
-                      "cache in the data dir; `on` is refused on CUDA; steps of more rows stay eager"))
+                      "length (128, 256, … positions), all at start, for about 3 min a graph the first time (each "
+                      "graph is C++ end to end, its wrapper too) and ~12 s from the cache in the data dir; `on` is "
+                      "refused on CUDA; steps of more rows stay eager. Where tokenpipe's kernel library serves the "
+                      "eager step (its decoder layers in one call) that step is faster: 1.24× the compiled one at "
+                      "one stream on a 2-vCPU AMX Xeon, SmolLM2"))
     max_batch: int = field(
         default=32, metadata=_doc("most concurrent sequences per generator; free KV-cache blocks decide below it"))
     kv_cache_mb: float = field(
