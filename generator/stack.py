@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import Tensor
 
-from .gemv import Q4Weight
+from .gemv import BlockedWeight, Q4Weight
 from .kernels import kernel_for
 from .quant import QuantLinear
 
@@ -42,6 +42,7 @@ class LayerStack:
         self._model, self._plan = model, plan
         self.dtype: torch.dtype = model.model.layers[0].input_layernorm.weight.dtype
         self._blocked: dict[str, bool] = {}
+        self._layouts: list[BlockedWeight | None] = []  # each module's gemm8 copy the script holds
         self._script: Any = None
         self.refresh()
         # bench/stepsplit.py's steps without projections: every projection writes zeros
@@ -49,7 +50,13 @@ class LayerStack:
 
     def refresh(self) -> None:
         """Take the projections' layouts as they are now (after generator.autotune.apply_table made or
-        dropped gemm8's copies: a dropped copy is freed only once the stack lets go of it too)."""
+        dropped gemm8's copies: a dropped copy is freed only once the stack lets go of it too). Rebuilding
+        costs ~1 ms; the kernel table's timed steps apply a table before each step, so an unchanged
+        plan is not rebuilt."""
+        layouts = [m.blocked for role in ROLES for m in self._modules(role)]
+        if self._script is not None and all(a is b for a, b in zip(layouts, self._layouts, strict=True)):
+            return
+        self._layouts = layouts
         self._blocked = {role: all(m.blocked is not None for m in self._modules(role)) for role in ROLES}
         self._script = self._build()
 
@@ -89,8 +96,7 @@ class LayerStack:
             if code > 0 and not self._blocked[role]:
                 if not all(m.block() for m in mods):
                     return None
-                self._blocked[role] = True
-                self._script = self._build()
+                self.refresh()
             codes.append(code)
         return codes
 

@@ -4,15 +4,20 @@ every kernel a projection can run, in fp32 and bf16; what it cannot take goes op
 
 from __future__ import annotations
 
+import gc
+import weakref
 from pathlib import Path
 
 import pytest
 import torch
 
+from generator.autotune import apply_table
 from generator.forward import decode_step, plan_for
 from generator.gemv import GemvLib, load_gemv
+from generator.kernels import row_counts, rule_table
 from generator.kvcache import BLOCK_SIZE, PagedKVCache, bytes_per_position
 from generator.models import LoadedModel, load_model
+from generator.quant import QuantLinear
 from generator.stack import ROLES, LayerStack
 
 
@@ -78,7 +83,8 @@ def test_a_role_on_a_torch_kernel_sends_the_step_op_by_op(lib: GemvLib, data_dir
     plan = plan_for(lm.model)
     assert plan.stack is not None and plan.stack.kernels(1) == [0] * len(ROLES)
     for mod in plan.projections("down"):
-        mod.bands = ((1, "gemv"), (32, "quant"))  # type: ignore[assignment]
+        assert isinstance(mod, QuantLinear)
+        mod.bands = ((1, "gemv"), (32, "quant"))
     assert plan.stack.kernels(1) == [0] * len(ROLES) and plan.stack.kernels(2) is None
 
 
@@ -107,3 +113,21 @@ def test_bad_input_is_refused_with_the_reason(lib: GemvLib, data_dir: Path) -> N
         stack.step(x, rot, rot, cache.kv[:1], slot[0], tables, pos, codes)
     with pytest.raises(RuntimeError, match="not built"):
         stack.step(x, rot, rot, cache.kv, slot[0], tables, pos, [1] * len(ROLES))  # gemm8's layout not made
+
+
+def test_a_gemm8_copy_the_table_drops_is_freed_with_the_stack_holding_it_no_more(lib: GemvLib,
+                                                                                  data_dir: Path) -> None:
+    lm = load_model("tiny-random", device="cpu", dtype="float32", data_dir=data_dir, quant="int4", kernels="gemm8")
+    plan = plan_for(lm.model)
+    assert plan.stack is not None and plan.stack.kernels(1) == [1] * len(ROLES)
+    down = plan.projections("down")[0]
+    assert isinstance(down, QuantLinear) and down.blocked is not None
+    blocked = down.blocked
+    copy = weakref.ref(blocked.w)
+    del blocked
+    counts = row_counts(4)
+    apply_table(plan, rule_table(counts, 32, quantized=True, attention_fp32_rows=0, forced="gemv",
+                                 paged_attention_rows=max(counts)))
+    gc.collect()
+    assert copy() is None  # neither the module nor the stack holds it
+    assert plan.stack.kernels(1) == [0] * len(ROLES)
