@@ -270,9 +270,11 @@ def decode_step(model: Any, cache: PagedKVCache, tokens: Tensor, positions: Tens
 
     Attention takes the plan's kernel over the pool up to its ``paged_attention_rows``; RMSNorm, RoPE
     with the cache write and SiLU(gate) * up the library's ops where the plan has them (``step_ops``;
-    a prefill's many rows take torch's vectorized ones), unless ``kernels`` is False: a compiled step
-    (:mod:`generator.compiled`) fuses the torch ops into its own code, where the whole non-projection
-    part of a one-row step costs less than the kernels' calls alone (bench/RESULTS.md, "issue 21, part 11").
+    a prefill's many rows take torch's vectorized ones); with those, where the plan has a stack and every layer
+    projection's kernel at ``B`` rows is the library's, the decoder layers are one call (:mod:`generator.stack`,
+    the same results to the bit). ``kernels`` False keeps the torch ops for a compiled step
+    (:mod:`generator.compiled`), which fuses them into its own code: cheaper than the kernels called op by
+    op, dearer than the stack (bench/RESULTS.md, "issue 21", parts 11 and 13).
     """
     inner, plan = model.model, plan_for(model)
     B = tokens.shape[0]

@@ -258,13 +258,18 @@ def _build(cc: str, cxx: str, path: Path, flags: tuple[str, ...]) -> None:
     cpp = [subprocess.Popen([cxx, "-O2", "-std=c++20", "-fPIC", abi, *(f"-I{p}" for p in include_paths()), "-c",
                              str(src), "-o", obj], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
            for src, obj in zip(OP_SOURCES, cpp_objects, strict=True)]
-    for src, obj in zip((SOURCE, *OTHER_SOURCES), objects, strict=True):
-        run(cc, *flags, "-c", str(src), "-o", obj)
-    for proc in cpp:
-        out, err = proc.communicate(timeout=600)
-        if proc.returncode:
-            raise subprocess.CalledProcessError(proc.returncode, proc.args, out, err)
-    run(cxx, "-shared", "-fopenmp", *cpp_objects, *objects, f"-L{lib}", "-lc10", "-ltorch_cpu", "-lm", "-o", str(tmp))
-    for obj in (*objects, *cpp_objects):
-        Path(obj).unlink()
+    try:
+        try:
+            for src, obj in zip((SOURCE, *OTHER_SOURCES), objects, strict=True):
+                run(cc, *flags, "-c", str(src), "-o", obj)
+        finally:  # a failed C compile still waits for the C++ ones: no compiler left running behind it
+            done = [(proc, *proc.communicate(timeout=600)) for proc in cpp]
+        for proc, out, err in done:
+            if proc.returncode:
+                raise subprocess.CalledProcessError(proc.returncode, proc.args, out, err)
+        run(cxx, "-shared", "-fopenmp", *cpp_objects, *objects, f"-L{lib}", "-lc10", "-ltorch_cpu", "-lm", "-o",
+            str(tmp))
+    finally:
+        for obj in (*objects, *cpp_objects):
+            Path(obj).unlink(missing_ok=True)
     tmp.replace(path)  # atomic: another process never loads half a library
