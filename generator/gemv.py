@@ -52,8 +52,8 @@ SOURCE = Path(__file__).with_name("gemv.c")
 # built alongside: gemm8 (several rows) and the eager forward's other ops (decode attention over the paged pool
 # and the cache write; RMSNorm; RoPE with the cache write, SiLU * up)
 OTHER_SOURCES = tuple(Path(__file__).with_name(n) for n in ("gemm8.c", "attention.c", "norm.c", "pointwise.c"))
-# the fp32/bf16 row helpers the C sources share; the C entry points the C++ calls
-HEADERS = tuple(Path(__file__).with_name(n) for n in ("rows.h", "library.h"))
+# the fp32/bf16 row helpers the C sources share; the C entry points the C++ calls; the C++'s input checks
+HEADERS = tuple(Path(__file__).with_name(n) for n in ("rows.h", "library.h", "checks.h"))
 # the torch ops, and the decoder layers of an eager decode step in one call (tokenpipe.DecodeStack)
 OP_SOURCES = tuple(Path(__file__).with_name(n) for n in ("gemv_op.cpp", "stack_op.cpp"))
 GROUP = 32

@@ -12,6 +12,7 @@
 #include <new>
 #include <vector>
 
+#include "checks.h"
 #include "library.h"
 
 namespace {
@@ -52,14 +53,7 @@ at::Tensor gemv_q8(const at::Tensor &x2, const at::Tensor &q, const at::Tensor &
 // w [blocks, G * LANES * bits * 4] uint8, d, m [blocks, G, LANES] (generator/gemm8.c's layout) -> [M, n]
 at::Tensor gemm8(const at::Tensor &x2, const at::Tensor &w, const at::Tensor &d, const at::Tensor &m, int64_t bits,
                  int64_t n, bool tiles) {
-    const int64_t lanes = tp_gemm8_lanes();
-    TORCH_CHECK(d.dim() == 3 && d.size(2) == lanes && m.sizes() == d.sizes() && w.dim() == 2 &&
-                w.size(0) == d.size(0) && (bits == 4 || bits == 8) && w.size(1) == d.size(1) * lanes * bits * 4 &&
-                n > (d.size(0) - 1) * lanes && n <= d.size(0) * lanes, "gemm8: a weight blocked for ", lanes,
-                " lanes expected, got w ", w.sizes(), ", d ", d.sizes(), ", bits ", bits, ", n ", n);
-    TORCH_CHECK(w.is_contiguous() && d.is_contiguous() && m.is_contiguous() && w.scalar_type() == at::kByte &&
-                d.scalar_type() == at::kFloat && m.scalar_type() == at::kFloat, "gemm8: contiguous uint8 w and fp32 "
-                "d, m expected");
+    tokenpipe::check_blocked("gemm8", w, d, m, bits, n);
     at::Tensor x = rows_of(x2, d.size(1) * 32);
     const bool bf16 = x.scalar_type() == at::kBFloat16;
     at::Tensor y = at::empty({x.size(0), n}, x.options());
@@ -89,13 +83,7 @@ at::Tensor paged_attention(const at::Tensor &q, const at::Tensor &k, const at::T
                 "width] and positions [B] expected, got ", tables.sizes(), ", ", positions.sizes());
     at::Tensor qc = q.contiguous(), tab = tables.to(at::kLong).contiguous(), pos = positions.to(at::kLong).contiguous();
     const int64_t *p = pos.data_ptr<int64_t>(), *t = tab.data_ptr<int64_t>();
-    for (int64_t b = 0; b < B; b++) {
-        TORCH_CHECK(p[b] >= 0 && p[b] < width * 16, "paged_attention: row ", b, " attends position ", p[b],
-                    " beyond its table of ", width, " blocks");
-        for (int64_t j = 0; j <= p[b] / 16; j++)
-            TORCH_CHECK(t[b * width + j] >= 0 && t[b * width + j] < k.size(1), "paged_attention: block id ",
-                        t[b * width + j], " outside the pool");
-    }
+    tokenpipe::check_attended("paged_attention", p, t, B, width, k.size(1));
     at::Tensor out = at::empty({B, H, hd}, q.options());
     if (tp_paged_attention(qc.data_ptr(), k.data_ptr(), v.data_ptr(), t, p, out.data_ptr(), B, H, G, hd, k.size(1),
                            width, static_cast<float>(scale), at::get_num_threads(),
@@ -129,8 +117,7 @@ void kv_write(const at::Tensor &kv, const at::Tensor &k, const at::Tensor &v, co
     at::Tensor sl = slots.to(at::kLong).contiguous();
     const int64_t positions = kv.size(2) * kv.size(3), *p = sl.data_ptr<int64_t>();
     TORCH_CHECK(sl.numel() == k.size(0), "kv_write: one slot per row expected");
-    for (int64_t b = 0; b < sl.numel(); b++)
-        TORCH_CHECK(p[b] >= 0 && p[b] < positions, "kv_write: slot ", p[b], " outside the pool");
+    tokenpipe::check_slots("kv_write", p, sl.numel(), positions);
     tp_kv_write(static_cast<char *>(kv.data_ptr()), static_cast<const char *>(k.data_ptr()),
                 static_cast<const char *>(v.data_ptr()), k.stride(0), k.stride(1), v.stride(0), v.stride(1), p,
                 k.size(0), k.size(1), positions, k.size(2), kv.element_size());
@@ -153,8 +140,7 @@ at::Tensor rope_write(const at::Tensor &qkv, const at::Tensor &cos, const at::Te
     at::Tensor sl = slots.to(at::kLong).contiguous(), x = qkv.contiguous(), c = cos.contiguous(), s = ssin.contiguous();
     TORCH_CHECK(sl.numel() == B, "rope_write: one slot per row expected");
     const int64_t *p = sl.data_ptr<int64_t>();
-    for (int64_t b = 0; b < B; b++)
-        TORCH_CHECK(p[b] >= 0 && p[b] < positions, "rope_write: slot ", p[b], " outside the pool");
+    tokenpipe::check_slots("rope_write", p, B, positions);
     at::Tensor q = at::empty({B, heads, hd}, qkv.options());
     tp_rope_write(x.data_ptr(), c.data_ptr(), s.data_ptr(), q.data_ptr(), static_cast<char *>(kv.data_ptr()), p, B,
                   heads, G, hd, positions, kv.scalar_type() == at::kBFloat16);

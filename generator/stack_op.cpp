@@ -18,6 +18,7 @@
 #include <new>
 #include <vector>
 
+#include "checks.h"
 #include "library.h"
 
 namespace {
@@ -44,14 +45,10 @@ Projection projection(const std::vector<at::Tensor> &t) {
     p.a = t[0].contiguous(), p.b = t[1].contiguous(), p.c = t[2].contiguous();
     p.n = t[0].size(0), p.k = p.q8 ? t[0].size(1) : 2 * t[0].size(1);
     if (t[3].numel()) {
-        const int64_t lanes = tp_gemm8_lanes(), bits = p.q8 ? 8 : 4;
-        TORCH_CHECK(t[3].scalar_type() == at::kByte && t[4].dim() == 3 && t[4].size(2) == lanes &&
-                    t[5].sizes() == t[4].sizes() && t[3].size(1) == t[4].size(1) * lanes * bits * 4 &&
-                    t[4].size(1) * 32 == p.k && t[4].size(0) == (p.n + lanes - 1) / lanes &&
-                    t[4].scalar_type() == at::kFloat && t[5].scalar_type() == at::kFloat,
-                    "DecodeStack: a weight blocked for ", lanes, " lanes expected, got ", t[3].sizes(), ", ",
-                    t[4].sizes());
-        p.bw = t[3].contiguous(), p.bd = t[4].contiguous(), p.bm = t[5].contiguous();
+        tokenpipe::check_blocked("DecodeStack", t[3], t[4], t[5], p.q8 ? 8 : 4, p.n);
+        TORCH_CHECK(t[4].size(1) * 32 == p.k, "DecodeStack: a blocked weight of ", t[4].size(1), " groups for ",
+                    p.k, " inputs");
+        p.bw = t[3], p.bd = t[4], p.bm = t[5];
     }
     return p;
 }
@@ -146,14 +143,9 @@ class DecodeStack : public torch::CustomClassHolder {
                     "DecodeStack: slots [B], positions [B], tables [B, width] expected");
         const int64_t width = tab.size(1), *s = sl.data_ptr<int64_t>(), *p = pos.data_ptr<int64_t>(),
                       *t = tab.data_ptr<int64_t>();
-        for (int64_t b = 0; b < B; b++) {  // paged_attention's and rope_write's checks, once a step
-            TORCH_CHECK(s[b] >= 0 && s[b] < pool, "DecodeStack: slot ", s[b], " outside the pool");
-            TORCH_CHECK(p[b] >= 0 && p[b] < width * 16, "DecodeStack: row ", b, " attends position ", p[b],
-                        " beyond its table of ", width, " blocks");
-            for (int64_t j = 0; j <= p[b] / 16; j++)
-                TORCH_CHECK(t[b * width + j] >= 0 && t[b * width + j] < nblocks, "DecodeStack: block id ",
-                            t[b * width + j], " outside the pool");
-        }
+        // rope_write's and paged_attention's checks, once a step
+        tokenpipe::check_slots("DecodeStack", s, B, pool);
+        tokenpipe::check_attended("DecodeStack", p, t, B, width, nblocks);
         const at::Tensor c = cos.contiguous(), ss = ssin.contiguous();
         const int threads = at::get_num_threads(), bf16 = dtype == at::kBFloat16;
         const auto opts = x.options();
