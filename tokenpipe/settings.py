@@ -138,7 +138,7 @@ class Settings:
                       "graph is C++ end to end, its wrapper too) and ~12 s from the cache in the data dir; `on` is "
                       "refused on CUDA; steps of more rows stay eager. Where tokenpipe's kernel library serves the "
                       "eager step (its decoder layers in one call) that step is faster: 1.24× the compiled one at "
-                      "one stream on a 2-vCPU AMX Xeon, SmolLM2"))
+                      "one stream on a 2-vCPU Intel Xeon (AVX-512, BF16, AMX), SmolLM2"))
     max_batch: int = field(
         default=32, metadata=_doc("most concurrent sequences per generator; free KV-cache blocks decide below it"))
     kv_cache_mb: float = field(
