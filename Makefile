@@ -44,6 +44,7 @@ bench: install
 	$(PY) -m bench.kvcache
 	$(PY) -m bench.kernels
 	$(PY) -m bench.stepsplit
+	$(PY) -m bench.gemvrows
 	$(PY) -m bench.attention
 	$(PY) -m bench.accuracy
 	$(PY) -m bench.sampling

@@ -107,78 +107,121 @@ static inline __attribute__((always_inline)) void q8_tile(
     for (int r = 0; r < R; r++) put(y, r * N + n, sn * hsum(acc[r]), bf16);
 }
 
-/* One row of x (a one-stream decode step). Not the tiles above with R = 1: there each group's
- * scale is a scalar multiply and broadcast and its offset a scalar multiply-add, each on one
- * accumulator's chain. Here a row's scales (d * dx) and its offset term (sum of m * xs) are
- * computed 8 groups at a time first, each group's scale is a broadcast load, two accumulators
- * alternate, and the weights a few rows ahead are prefetched: 16-29 % less time for a step's
- * projections called back to back (bench/RESULTS.md, "issue 21, part 5"). */
-#define CHUNK 64 /* groups whose scales are prepared at once (K up to 2048 in one) */
-#define AHEAD 2048 /* bytes of weights prefetched ahead: the next rows of this thread's share */
+/* One row of x (a one-stream decode step): ROWS rows of W a step. Not the tiles above with R = 1:
+ * there each group's scale is a scalar multiply and broadcast on one accumulator's chain, and each
+ * output its own reduction. Here the rows share each load of x and of its group scales, a group's
+ * scale is a broadcast load, a row's offset term (sum of m * xs) is 8 or 16 groups an instruction, the
+ * rows' accumulators are summed by one reduction, and the weights ahead are prefetched. Row by row, a
+ * row of K = 576 (18 groups) spent about two thirds of its time outside its dot products: with the
+ * weights in cache the K = 576 shapes ran ~1.5x faster four rows at a time (bench/RESULTS.md, "issue 21,
+ * part 14"; python -m bench.gemvrows). */
+#define ROWS 4 /* rows of W per step */
+#define AHEAD 2048 /* bytes of weights prefetched ahead, at least: the next rows of this thread's share */
 
-static inline __m256 q4_group(const uint8_t *p, const int16_t *xg) {
-    __m256i wa, wb;
-    q4_unpack(p, &wa, &wb);
-    return group_dot(wa, wb, xg);
+/* the lane sums of h[0..ROWS) */
+static inline __m128 reduce_rows(const __m256 *h) {
+    const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(h[0], h[1]), _mm256_hadd_ps(h[2], h[3]));
+    return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
 }
 
-static inline __m256 q8_group(const int8_t *p, const int16_t *xg) {
-    __m256i wa, wb;
-    q8_unpack(p, &wa, &wb);
-    return group_dot(wa, wb, xg);
+static inline void put_rows(void *y, long n, __m128 v, int R, int bf16) {
+    float o[ROWS];
+    _mm_storeu_ps(o, v);
+    for (int r = 0; r < R; r++) put(y, n + r, o[r], bf16);
 }
 
-/* sc[g] = dn[g] * dx[g] for g < G; returns the sum of mn[g] * xs[g] */
-static inline float row_scales(const float *dn, const float *mn, const float *dx, const float *xs, float *sc, long G) {
-    __m256 mv = _mm256_setzero_ps();
-    long g = 0;
-    for (; g + 8 <= G; g += 8) {
-        _mm256_storeu_ps(sc + g, _mm256_mul_ps(_mm256_loadu_ps(dn + g), _mm256_loadu_ps(dx + g)));
-        mv = _mm256_fmadd_ps(_mm256_loadu_ps(mn + g), _mm256_loadu_ps(xs + g), mv);
+/* each of the N / ROWS steps, and a last one of the N % ROWS rows left: R a constant in each call */
+#define FOR_ROWS(N, threads, CALL)                                    \
+    _Pragma("omp parallel for schedule(static) num_threads(threads)") \
+    for (long i = 0; i < ((N) + ROWS - 1) / ROWS; i++) {              \
+        const long n = i * ROWS;                                      \
+        switch ((N) - n < ROWS ? (N) - n : ROWS) {                    \
+        case 1: CALL(1); break;                                       \
+        case 2: CALL(2); break;                                       \
+        case 3: CALL(3); break;                                       \
+        default: CALL(ROWS); break;                                   \
+        }                                                             \
     }
-    float macc = hsum(mv);
-    for (; g < G; g++) { sc[g] = dn[g] * dx[g]; macc += mn[g] * xs[g]; }
-    return macc;
+
+/* lanes below ``left`` (of 8) */
+static inline __m256i first_lanes(long left) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(left < 8 ? left : 8)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
-static inline float q4_row(const uint8_t *wn, const float *dn, const float *mn, const int16_t *x16, const float *dx,
-                           const float *xs, long G) {
-    float sc[CHUNK], macc = 0.f;
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    _mm_prefetch((const char *)(dn + AHEAD / 2), _MM_HINT_T0);
-    _mm_prefetch((const char *)(mn + AHEAD / 2), _MM_HINT_T0);
-    for (long g0 = 0; g0 < G; g0 += CHUNK) {
-        const long len = G - g0 < CHUNK ? G - g0 : CHUNK;
-        macc += row_scales(dn + g0, mn + g0, dx + g0, xs + g0, sc, len);
-        long j = 0;
-        for (; j + 2 <= len; j += 2) {
-            const long g = g0 + j;
-            _mm_prefetch((const char *)(wn + g * 16 + AHEAD), _MM_HINT_T0);
-            acc0 = _mm256_fmadd_ps(q4_group(wn + g * 16, x16 + g * GROUP), _mm256_broadcast_ss(sc + j), acc0);
-            acc1 = _mm256_fmadd_ps(q4_group(wn + g * 16 + 16, x16 + g * GROUP + GROUP), _mm256_broadcast_ss(sc + j + 1), acc1);
+/* y[n..n+R) for one row of x on AVX2, R <= ROWS (a constant where inlined): x as x16, its group scales dx
+ * and sums xs */
+static inline __attribute__((always_inline)) void q4_rows256(
+    const uint8_t *w, const float *d, const float *m, const int16_t *x16, const float *dx, const float *xs,
+    long G, long n, int R, void *y, int bf16)
+{
+    const long ahead = R * G * 16 > AHEAD ? R * G * 16 : AHEAD; /* at least the same row of the next step */
+    __m256 acc[ROWS];
+    for (int r = 0; r < ROWS; r++) acc[r] = _mm256_setzero_ps();
+    for (long g = 0; g < G; g += 8) { /* the offset term */
+        const __m256i k = first_lanes(G - g);
+        const __m256 xsv = _mm256_maskload_ps(xs + g, k);
+        for (int r = 0; r < R; r++) acc[r] = _mm256_fmadd_ps(_mm256_maskload_ps(m + (n + r) * G + g, k), xsv, acc[r]);
+    }
+    for (long g = 0; g < G; g++) {
+        const __m256i xa = _mm256_loadu_si256((const __m256i *)(x16 + g * GROUP));
+        const __m256i xb = _mm256_loadu_si256((const __m256i *)(x16 + g * GROUP + 16));
+        const __m256 dxg = _mm256_broadcast_ss(dx + g);
+        for (int r = 0; r < R; r++) {
+            const uint8_t *wr = w + ((n + r) * G + g) * 16;
+            if (!(g & 1)) _mm_prefetch((const char *)(wr + ahead), _MM_HINT_T0);
+            __m256i wa, wb;
+            q4_unpack(wr, &wa, &wb);
+            const __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(wa, xa), _mm256_madd_epi16(wb, xb)));
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dot, dxg), _mm256_broadcast_ss(d + (n + r) * G + g), acc[r]);
         }
-        if (j < len)
-            acc0 = _mm256_fmadd_ps(q4_group(wn + (g0 + j) * 16, x16 + (g0 + j) * GROUP), _mm256_broadcast_ss(sc + j), acc0);
     }
-    return hsum(_mm256_add_ps(acc0, acc1)) + macc;
+    put_rows(y, n, reduce_rows(acc), R, bf16);
+}
+
+/* the same for int8 rows of W (scale s[n]) */
+static inline __attribute__((always_inline)) void q8_rows256(
+    const int8_t *w, const float *s, const int16_t *x16, const float *dx, long K, long n, int R, void *y, int bf16)
+{
+    const long G = K / GROUP, ahead = R * K > AHEAD ? R * K : AHEAD;
+    __m256 acc[ROWS];
+    for (int r = 0; r < ROWS; r++) acc[r] = _mm256_setzero_ps();
+    for (long g = 0; g < G; g++) {
+        const __m256i xa = _mm256_loadu_si256((const __m256i *)(x16 + g * GROUP));
+        const __m256i xb = _mm256_loadu_si256((const __m256i *)(x16 + g * GROUP + 16));
+        const __m256 dxg = _mm256_broadcast_ss(dx + g);
+        for (int r = 0; r < R; r++) {
+            const int8_t *wr = w + (n + r) * K + g * GROUP;
+            _mm_prefetch((const char *)(wr + ahead), _MM_HINT_T0);
+            __m256i wa, wb;
+            q8_unpack(wr, &wa, &wb);
+            const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(wa, xa), _mm256_madd_epi16(wb, xb));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), dxg, acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) acc[r] = _mm256_mul_ps(acc[r], _mm256_set1_ps(s[n + r]));
+    put_rows(y, n, reduce_rows(acc), R, bf16);
 }
 
 #if defined(__AVX512BW__)
-/* The one-row int4 loop on AVX-512 (built where the CPU has it, generator/gemv.py): four groups
- * (64 bytes, 128 weights) a step and no byte shuffle. Read as 32 lanes of 16 bits, the bytes 2i,
- * 2i+1 of a group hold q[2i], q[2i+16] (low, high nibble of the first) and q[2i+1], q[2i+17]: a
- * mask and three shifts give the four nibbles of every lane, where the AVX2 loop spends two
- * cross-lane widenings per group. x is laid out to match, once per call (interleave_x). Each group
- * owns four of the sum's 16 int32 lanes, so one permute spreads four groups' scales over them. */
+/* The one-row loops on AVX-512 (built where the CPU has it, generator/gemv.py). int4: four groups
+ * (64 bytes, 128 weights) a step and no byte shuffle. Read as 32 lanes of 16 bits, the bytes 2i, 2i+1
+ * of a group hold q[2i], q[2i+16] (low, high nibble of the first) and q[2i+1], q[2i+17]: a mask and
+ * three shifts give the four nibbles of every lane, where the AVX2 loop spends two cross-lane
+ * widenings per group. x is laid out to match, once per call (interleave_x). Each group owns four of
+ * the sum's 16 int32 lanes, so one permute spreads four groups' scales over them. A row whose groups
+ * are not a multiple of four ends with a block read under a mask. */
 #define BLOCK 4 /* groups per step */
 
 /* xp, per block of 4 groups, 4 vectors of 32: X0[8h + i] = x[32h + 2i], X1 = x[32h + 2i + 16],
- * X2 = x[32h + 2i + 1], X3 = x[32h + 2i + 17] (h the group in the block, i < 8) */
-static void interleave_x(const int16_t *x16, int16_t *xp, long blocks) {
-    for (long b = 0; b < blocks; b++) {
+ * X2 = x[32h + 2i + 1], X3 = x[32h + 2i + 17] (h the group in the block, i < 8); a last block of
+ * fewer groups is padded with zeros */
+static void interleave_x(const int16_t *x16, int16_t *xp, long G) {
+    for (long b = 0; b * BLOCK < G; b++) {
         const int16_t *xb = x16 + b * BLOCK * GROUP;
+        const long groups = G - b * BLOCK < BLOCK ? G - b * BLOCK : BLOCK;
         int16_t *o = xp + b * BLOCK * GROUP;
-        for (int h = 0; h < BLOCK; h++)
+        memset(o, 0, sizeof(int16_t) * BLOCK * GROUP);
+        for (int h = 0; h < groups; h++)
             for (int i = 0; i < 8; i++) {
                 o[0 * 32 + 8 * h + i] = xb[32 * h + 2 * i];
                 o[1 * 32 + 8 * h + i] = xb[32 * h + 2 * i + 16];
@@ -188,8 +231,8 @@ static void interleave_x(const int16_t *x16, int16_t *xp, long blocks) {
     }
 }
 
-static inline __m512i q4_block_dot(const uint8_t *p, const int16_t *xq) {
-    const __m512i low = _mm512_set1_epi16(0x0F), u = _mm512_loadu_si512(p);
+static inline __m512i q4_block_dot(__m512i u, const int16_t *xq) {
+    const __m512i low = _mm512_set1_epi16(0x0F);
     const __m512i v0 = _mm512_and_si512(u, low), v1 = _mm512_and_si512(_mm512_srli_epi16(u, 4), low);
     const __m512i v2 = _mm512_and_si512(_mm512_srli_epi16(u, 8), low), v3 = _mm512_srli_epi16(u, 12);
     __m512i s = _mm512_madd_epi16(v0, _mm512_loadu_si512(xq));
@@ -205,51 +248,66 @@ static inline __m512i q4_block_dot(const uint8_t *p, const int16_t *xq) {
     return s; /* lanes 4h..4h+3: group h's partial sums */
 }
 
-static inline float q4_row512(const uint8_t *wn, const float *dn, const float *mn, const int16_t *x16,
-                              const int16_t *xp, const float *dx, const float *xs, long G) {
-    float sc[CHUNK], macc = 0.f;
-    const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-    __m256 tail = _mm256_setzero_ps();
-    _mm_prefetch((const char *)(dn + AHEAD / 2), _MM_HINT_T0);
-    _mm_prefetch((const char *)(mn + AHEAD / 2), _MM_HINT_T0);
-    for (long g0 = 0; g0 < G; g0 += CHUNK) { /* CHUNK is a multiple of BLOCK: blocks never straddle */
-        const long len = G - g0 < CHUNK ? G - g0 : CHUNK;
-        macc += row_scales(dn + g0, mn + g0, dx + g0, xs + g0, sc, len);
-        long j = 0;
-        for (; j + 2 * BLOCK <= len; j += 2 * BLOCK) {
-            const long g = g0 + j;
-            _mm_prefetch((const char *)(wn + g * 16 + AHEAD), _MM_HINT_T0);
-            _mm_prefetch((const char *)(wn + g * 16 + AHEAD + 64), _MM_HINT_T0);
-            const __m512 s0 = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(sc + j)));
-            const __m512 s1 = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(sc + j + BLOCK)));
-            acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q4_block_dot(wn + g * 16, xp + g * GROUP)), s0, acc0);
-            acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q4_block_dot(wn + g * 16 + 64, xp + (g + BLOCK) * GROUP)), s1,
-                                   acc1);
-        }
-        for (; j + BLOCK <= len; j += BLOCK) {
-            const long g = g0 + j;
-            const __m512 s0 = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(sc + j)));
-            acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q4_block_dot(wn + g * 16, xp + g * GROUP)), s0, acc0);
-        }
-        for (; j < len; j++) /* the last groups of a row not a multiple of BLOCK: x in its own order */
-            tail = _mm256_fmadd_ps(q4_group(wn + (g0 + j) * 16, x16 + (g0 + j) * GROUP), _mm256_broadcast_ss(sc + j), tail);
-    }
-    return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)) + hsum(tail) + macc;
+/* the lane sums of a[0..ROWS) */
+static inline __m128 reduce_rows512(const __m512 *a) {
+    __m256 h[ROWS];
+    for (int r = 0; r < ROWS; r++)
+        h[r] = _mm256_add_ps(_mm512_castps512_ps256(a[r]), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[r]), 1)));
+    return reduce_rows(h);
 }
-#endif
 
-static inline float q8_row(const int8_t *wn, const int16_t *x16, const float *dx, long G) {
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    long g = 0;
-    for (; g + 2 <= G; g += 2) {
-        _mm_prefetch((const char *)(wn + g * GROUP + AHEAD), _MM_HINT_T0);
-        acc0 = _mm256_fmadd_ps(q8_group(wn + g * GROUP, x16 + g * GROUP), _mm256_broadcast_ss(dx + g), acc0);
-        acc1 = _mm256_fmadd_ps(q8_group(wn + g * GROUP + GROUP, x16 + g * GROUP + GROUP), _mm256_broadcast_ss(dx + g + 1), acc1);
+/* y[n..n+R) for one row of x, R <= ROWS (a constant where inlined): x as xp, its group scales dx and sums xs */
+static inline __attribute__((always_inline)) void q4_rows512(
+    const uint8_t *w, const float *d, const float *m, const int16_t *xp, const float *dx, const float *xs,
+    long G, long n, int R, void *y, int bf16)
+{
+    const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    const long ahead = R * G * 16 > AHEAD ? R * G * 16 : AHEAD; /* at least the same row of the next step */
+    __m512 acc[ROWS];
+    for (int r = 0; r < ROWS; r++) acc[r] = _mm512_setzero_ps();
+    for (long g = 0; g < G; g += 16) { /* the offset term: the sum of m * xs */
+        const __mmask16 k = G - g >= 16 ? 0xFFFF : (__mmask16)((1u << (G - g)) - 1);
+        const __m512 xsv = _mm512_maskz_loadu_ps(k, xs + g);
+        for (int r = 0; r < R; r++) acc[r] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, m + (n + r) * G + g), xsv, acc[r]);
     }
-    if (g < G) acc0 = _mm256_fmadd_ps(q8_group(wn + g * GROUP, x16 + g * GROUP), _mm256_broadcast_ss(dx + g), acc0);
-    return hsum(_mm256_add_ps(acc0, acc1));
+    for (long g = 0; g < G; g += BLOCK) {
+        const long groups = G - g < BLOCK ? G - g : BLOCK;
+        const __mmask64 kw = groups == BLOCK ? ~(__mmask64)0 : ((__mmask64)1 << (groups * 16)) - 1;
+        const __mmask16 kd = (__mmask16)((1u << groups) - 1);
+        const __m512 dxv = _mm512_permutexvar_ps(spread, _mm512_maskz_loadu_ps(kd, dx + g));
+        for (int r = 0; r < R; r++) {
+            const uint8_t *wr = w + ((n + r) * G + g) * 16;
+            _mm_prefetch((const char *)(wr + ahead), _MM_HINT_T0);
+            const __m512 dot = _mm512_cvtepi32_ps(q4_block_dot(_mm512_maskz_loadu_epi8(kw, wr), xp + g * GROUP));
+            const __m512 dr = _mm512_permutexvar_ps(spread, _mm512_maskz_loadu_ps(kd, d + (n + r) * G + g));
+            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dot, dxv), dr, acc[r]);
+        }
+    }
+    put_rows(y, n, reduce_rows512(acc), R, bf16);
 }
+
+/* the same for int8 rows of W (scale s[n]): one group of 32 a step, x in its own order */
+static inline __attribute__((always_inline)) void q8_rows512(
+    const int8_t *w, const float *s, const int16_t *x16, const float *dx, long K, long n, int R, void *y, int bf16)
+{
+    const long G = K / GROUP, ahead = R * K > AHEAD ? R * K : AHEAD;
+    __m512 acc[ROWS];
+    for (int r = 0; r < ROWS; r++) acc[r] = _mm512_setzero_ps();
+    for (long g = 0; g < G; g++) {
+        const __m512i xg = _mm512_loadu_si512(x16 + g * GROUP);
+        const __m512 dxg = _mm512_set1_ps(dx[g]);
+        for (int r = 0; r < R; r++) {
+            const int8_t *wr = w + (n + r) * K + g * GROUP;
+            _mm_prefetch((const char *)(wr + ahead), _MM_HINT_T0);
+            const __m512i wv = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)wr));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_madd_epi16(wv, xg)), dxg, acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) acc[r] = _mm512_mul_ps(acc[r], _mm512_set1_ps(s[n + r]));
+    put_rows(y, n, reduce_rows512(acc), R, bf16);
+}
+
+#endif
 
 /* Returns 0, or -1 when out of memory. K must be a multiple of 32; x and y are bf16 with ``bf16``,
  * else fp32. */
@@ -261,17 +319,17 @@ int tp_gemv_q4(const uint8_t *w, const float *d, const float *m, const void *x, 
     const long G = K / GROUP;
     if (M == 1) {
 #if defined(__AVX512BW__)
-        int16_t *xp = malloc(sizeof(int16_t) * (G / BLOCK) * BLOCK * GROUP + 64);
+        int16_t *xp = malloc(sizeof(int16_t) * ((G + BLOCK - 1) / BLOCK) * BLOCK * GROUP);
         if (!xp) { free(x16); free(dx); return -1; }
-        interleave_x(x16, xp, G / BLOCK);
-        #pragma omp parallel for schedule(static) num_threads(threads)
-        for (long n = 0; n < N; n++)
-            put(y, n, q4_row512(w + n * (K / 2), d + n * G, m + n * G, x16, xp, dx, xs, G), bf16);
+        interleave_x(x16, xp, G);
+#define Q4_ROWS(R) q4_rows512(w, d, m, xp, dx, xs, G, n, R, y, bf16)
+        FOR_ROWS(N, threads, Q4_ROWS)
         free(xp);
 #else
-        #pragma omp parallel for schedule(static) num_threads(threads)
-        for (long n = 0; n < N; n++) put(y, n, q4_row(w + n * (K / 2), d + n * G, m + n * G, x16, dx, xs, G), bf16);
+#define Q4_ROWS(R) q4_rows256(w, d, m, x16, dx, xs, G, n, R, y, bf16)
+        FOR_ROWS(N, threads, Q4_ROWS)
 #endif
+#undef Q4_ROWS
         free(x16); free(dx);
         return 0;
     }
@@ -304,8 +362,13 @@ int tp_gemv_q8(const int8_t *w, const float *s, const void *x, void *y, long M, 
     if (quantize_rows(x, bf16, M, K, &x16, &dx, &xs)) return -1;
     const long G = K / GROUP;
     if (M == 1) {
-        #pragma omp parallel for schedule(static) num_threads(threads)
-        for (long n = 0; n < N; n++) put(y, n, s[n] * q8_row(w + n * K, x16, dx, G), bf16);
+#if defined(__AVX512BW__)
+#define Q8_ROWS(R) q8_rows512(w, s, x16, dx, K, n, R, y, bf16)
+#else
+#define Q8_ROWS(R) q8_rows256(w, s, x16, dx, K, n, R, y, bf16)
+#endif
+        FOR_ROWS(N, threads, Q8_ROWS)
+#undef Q8_ROWS
         free(x16); free(dx);
         return 0;
     }

@@ -146,6 +146,17 @@ def test_step_split_benchmark_times_the_step_and_the_rest(tmp_path: Path, data_d
     assert result["weight_bytes_per_token"] > 0 and result["bandwidth_share_one_row"] > 0
 
 
+def test_gemv_rows_benchmark_checks_and_times_each_one_row_kernel(tmp_path: Path, data_dir: Path) -> None:
+    """`bench.gemvrows`: each shape's product checked against the dequantized weight, then timed cached and streamed."""
+    out = tmp_path / "gemvrows.json"
+    proc = _run(["bench.gemvrows", "--data-dir", str(data_dir), "--rounds", "1", "--cached-mb", "0.1",
+                 "--streamed-mb", "0.4", "--out", str(out)])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert [(r["kind"], r["k"]) for r in result["shapes"]] == [("int4", 576), ("int4", 1536), ("int8", 576)]
+    assert all(r["rel_err"] < 1e-2 and r["cached_gb_s"] > 0 and r["streamed_gb_s"] > 0 for r in result["shapes"])
+
+
 def test_attention_benchmark_times_the_torch_ops_and_the_kernel(tmp_path: Path, data_dir: Path) -> None:
     """`bench.attention`: one layer's decode attention three ways, each checked against the kernel's result."""
     out = tmp_path / "attention.json"

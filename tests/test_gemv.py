@@ -68,12 +68,13 @@ def test_int8_kernel_is_the_dequantized_weights_product(gemv: GemvLib, rows: int
     assert _rel_err(gemv.run(x, pack_q8(q, s)), x @ (q.float() * s[:, None]).T) < 2e-4
 
 
-@pytest.mark.parametrize("groups", [67, 18, 8, 4])
-def test_one_row_kernels_hold_rows_wider_than_one_chunk_of_scales(gemv: GemvLib, groups: int) -> None:
-    """One row runs its own loop, preparing its scales 64 groups at a time: 67 groups (two
-    chunks, an odd count) must give the product as the tiles do, for int4 and int8. On AVX-512 the
-    int4 loop takes 4 groups a step, two steps at a time, then the groups left one by one: 18
-    (SmolLM2's 576 inputs) ends on two single groups, 8 and 4 on none."""
+@pytest.mark.parametrize("groups", [67, 18, 8, 4, 1])
+def test_one_row_kernels_hold_every_count_of_groups_and_rows(gemv: GemvLib, groups: int) -> None:
+    """One row runs its own loop, four rows of W a step: 19 outputs end on a step of three rows. Its
+    offset terms take 8 (AVX2) or 16 (AVX-512) groups at a time, the last ones under a mask: 67 and 18
+    (SmolLM2's 576 inputs) end on a partial one. On AVX-512 the int4 loop takes 4 groups a step, the
+    last step masked: 67 ends on three groups, 18 on two, 1 on one, 8 and 4 on none. Each must give
+    the product as the tiles do, for int4 and int8."""
     gen = torch.Generator().manual_seed(groups)
     K = groups * 32
     q = torch.randint(0, 16, (19, K), generator=gen)
