@@ -112,9 +112,9 @@ static inline __attribute__((always_inline)) void q8_tile(
  * output its own reduction. Here the rows share each load of x and of its group scales, a group's
  * scale is a broadcast load, a row's offset term (sum of m * xs) is 8 or 16 groups an instruction, the
  * rows' accumulators are summed by one reduction, and the weights ahead are prefetched. Row by row, a
- * row of K = 576 (18 groups) spent about two thirds of its time outside its dot products: with the
- * weights in cache the K = 576 shapes ran ~1.5x faster four rows at a time (bench/RESULTS.md, "issue 21,
- * part 14"; python -m bench.gemvrows). */
+ * row of K = 576 (18 groups) spent about two thirds of its time outside its dot products: four rows at
+ * a time, the AVX-512 build runs those shapes ~1.4x faster from cache and ~1.1x from memory on an AMX
+ * Xeon (bench/RESULTS.md, "issue 21, part 14"; python -m bench.gemvrows). */
 #define ROWS 4 /* rows of W per step */
 #define AHEAD 2048 /* bytes of weights prefetched ahead, at least: the next rows of this thread's share */
 
