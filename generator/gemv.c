@@ -148,36 +148,6 @@ static inline __m256i first_lanes(long left) {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(left < 8 ? left : 8)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
-/* y[n..n+R) for one row of x on AVX2, R <= ROWS (a constant where inlined): x as x16, its group scales dx
- * and sums xs */
-static inline __attribute__((always_inline)) void q4_rows256(
-    const uint8_t *w, const float *d, const float *m, const int16_t *x16, const float *dx, const float *xs,
-    long G, long n, int R, void *y, int bf16)
-{
-    const long ahead = R * G * 16 > AHEAD ? R * G * 16 : AHEAD; /* at least the same row of the next step */
-    __m256 acc[ROWS];
-    for (int r = 0; r < ROWS; r++) acc[r] = _mm256_setzero_ps();
-    for (long g = 0; g < G; g += 8) { /* the offset term */
-        const __m256i k = first_lanes(G - g);
-        const __m256 xsv = _mm256_maskload_ps(xs + g, k);
-        for (int r = 0; r < R; r++) acc[r] = _mm256_fmadd_ps(_mm256_maskload_ps(m + (n + r) * G + g, k), xsv, acc[r]);
-    }
-    for (long g = 0; g < G; g++) {
-        const __m256i xa = _mm256_loadu_si256((const __m256i *)(x16 + g * GROUP));
-        const __m256i xb = _mm256_loadu_si256((const __m256i *)(x16 + g * GROUP + 16));
-        const __m256 dxg = _mm256_broadcast_ss(dx + g);
-        for (int r = 0; r < R; r++) {
-            const uint8_t *wr = w + ((n + r) * G + g) * 16;
-            if (!(g & 1)) _mm_prefetch((const char *)(wr + ahead), _MM_HINT_T0);
-            __m256i wa, wb;
-            q4_unpack(wr, &wa, &wb);
-            const __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(wa, xa), _mm256_madd_epi16(wb, xb)));
-            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dot, dxg), _mm256_broadcast_ss(d + (n + r) * G + g), acc[r]);
-        }
-    }
-    put_rows(y, n, reduce_rows(acc), R, bf16);
-}
-
 /* the same for int8 rows of W (scale s[n]) */
 static inline __attribute__((always_inline)) void q8_rows256(
     const int8_t *w, const float *s, const int16_t *x16, const float *dx, long K, long n, int R, void *y, int bf16)
@@ -202,17 +172,20 @@ static inline __attribute__((always_inline)) void q8_rows256(
     put_rows(y, n, reduce_rows(acc), R, bf16);
 }
 
+/* The int4 one-row loops need no byte shuffle. Read as lanes of 16 bits, the bytes 2i, 2i+1 of a group
+ * hold q[2i], q[2i+16] (low, high nibble of the first) and q[2i+1], q[2i+17]: a mask and three shifts give
+ * the four nibbles of every lane, where the tiles above spend two cross-lane widenings per group. x is
+ * laid out to match, once per call (interleave_x), in blocks of BLOCK groups: one vector of weights (two
+ * groups on AVX2, four on AVX-512). Each group owns four of a block's int32 sums, so a block's scales are
+ * spread over them. A row whose groups are not a multiple of BLOCK ends with a block read under a mask. */
 #if defined(__AVX512BW__)
-/* The one-row loops on AVX-512 (built where the CPU has it, generator/gemv.py). int4: four groups
- * (64 bytes, 128 weights) a step and no byte shuffle. Read as 32 lanes of 16 bits, the bytes 2i, 2i+1
- * of a group hold q[2i], q[2i+16] (low, high nibble of the first) and q[2i+1], q[2i+17]: a mask and
- * three shifts give the four nibbles of every lane, where the AVX2 loop spends two cross-lane
- * widenings per group. x is laid out to match, once per call (interleave_x). Each group owns four of
- * the sum's 16 int32 lanes, so one permute spreads four groups' scales over them. A row whose groups
- * are not a multiple of four ends with a block read under a mask. */
 #define BLOCK 4 /* groups per step */
+#else
+#define BLOCK 2
+#endif
+#define LANES (8 * BLOCK) /* 16-bit lanes in a vector of one block */
 
-/* xp, per block of 4 groups, 4 vectors of 32: X0[8h + i] = x[32h + 2i], X1 = x[32h + 2i + 16],
+/* xp, per block of BLOCK groups, 4 vectors of LANES: X0[8h + i] = x[32h + 2i], X1 = x[32h + 2i + 16],
  * X2 = x[32h + 2i + 1], X3 = x[32h + 2i + 17] (h the group in the block, i < 8); a last block of
  * fewer groups is padded with zeros */
 static void interleave_x(const int16_t *x16, int16_t *xp, long G) {
@@ -223,13 +196,75 @@ static void interleave_x(const int16_t *x16, int16_t *xp, long G) {
         memset(o, 0, sizeof(int16_t) * BLOCK * GROUP);
         for (int h = 0; h < groups; h++)
             for (int i = 0; i < 8; i++) {
-                o[0 * 32 + 8 * h + i] = xb[32 * h + 2 * i];
-                o[1 * 32 + 8 * h + i] = xb[32 * h + 2 * i + 16];
-                o[2 * 32 + 8 * h + i] = xb[32 * h + 2 * i + 1];
-                o[3 * 32 + 8 * h + i] = xb[32 * h + 2 * i + 17];
+                o[0 * LANES + 8 * h + i] = xb[32 * h + 2 * i];
+                o[1 * LANES + 8 * h + i] = xb[32 * h + 2 * i + 16];
+                o[2 * LANES + 8 * h + i] = xb[32 * h + 2 * i + 1];
+                o[3 * LANES + 8 * h + i] = xb[32 * h + 2 * i + 17];
             }
     }
 }
+
+#if !defined(__AVX512BW__)
+/* the int32 sums of a block's weights u with xq: lanes 4h..4h+3 group h's */
+static inline __m256i q4_block_dot(__m256i u, const __m256i *xq) {
+    const __m256i low = _mm256_set1_epi16(0x0F);
+    const __m256i v0 = _mm256_and_si256(u, low), v1 = _mm256_and_si256(_mm256_srli_epi16(u, 4), low);
+    const __m256i v2 = _mm256_and_si256(_mm256_srli_epi16(u, 8), low), v3 = _mm256_srli_epi16(u, 12);
+    return _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(v0, xq[0]), _mm256_madd_epi16(v1, xq[1])),
+                            _mm256_add_epi32(_mm256_madd_epi16(v2, xq[2]), _mm256_madd_epi16(v3, xq[3])));
+}
+
+/* p[0] on lanes 0-3, p[1] on 4-7 (0 where the block has one group): a block's scales over its sums */
+static inline __m256 spread2(const float *p, long groups) {
+    return _mm256_blend_ps(_mm256_broadcast_ss(p), groups == BLOCK ? _mm256_broadcast_ss(p + 1) : _mm256_setzero_ps(),
+                           0xF0);
+}
+
+/* acc[r] += the dot of row n + r of W with x over the block at group g, r < R; ``groups`` (BLOCK, or 1 for a
+ * last odd group) and R are constants where inlined, so the loop has no branch per row */
+static inline __attribute__((always_inline)) void q4_step256(
+    const uint8_t *w, const float *d, const int16_t *xp, const float *dx, long G, long n, int R, long g, int groups,
+    __m256 *acc)
+{
+    __m256i xq[4];
+    for (int j = 0; j < 4; j++) xq[j] = _mm256_loadu_si256((const __m256i *)(xp + g * GROUP + j * LANES));
+    const __m256 dxv = spread2(dx + g, groups);
+    for (int r = 0; r < R; r++) {
+        const uint8_t *wr = w + ((n + r) * G + g) * 16;
+        const __m256i u = groups == BLOCK ? _mm256_loadu_si256((const __m256i *)wr)
+                                          : _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)wr));
+        const __m256 dot = _mm256_cvtepi32_ps(q4_block_dot(u, xq));
+        acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dot, dxv), spread2(d + (n + r) * G + g, groups), acc[r]);
+    }
+}
+
+/* y[n..n+R) for one row of x on AVX2, R <= ROWS (a constant where inlined): x as xp, its group scales dx
+ * and sums xs */
+static inline __attribute__((always_inline)) void q4_rows256(
+    const uint8_t *w, const float *d, const float *m, const int16_t *xp, const float *dx, const float *xs,
+    long G, long n, int R, void *y, int bf16)
+{
+    const long ahead = R * G * 16 > AHEAD ? R * G * 16 : AHEAD; /* at least the same row of the next step */
+    __m256 acc[ROWS];
+    for (int r = 0; r < ROWS; r++) acc[r] = _mm256_setzero_ps();
+    for (long g = 0; g < G; g += 8) { /* the offset term: the sum of m * xs */
+        const __m256i k = first_lanes(G - g);
+        const __m256 xsv = _mm256_maskload_ps(xs + g, k);
+        for (int r = 0; r < R; r++) acc[r] = _mm256_fmadd_ps(_mm256_maskload_ps(m + (n + r) * G + g, k), xsv, acc[r]);
+    }
+    long g = 0;
+    for (; g + BLOCK <= G; g += BLOCK) {
+        if (!(g & 2)) /* a cache line of each row every two steps */
+            for (int r = 0; r < R; r++) _mm_prefetch((const char *)(w + ((n + r) * G + g) * 16 + ahead), _MM_HINT_T0);
+        q4_step256(w, d, xp, dx, G, n, R, g, BLOCK, acc);
+    }
+    if (g < G) q4_step256(w, d, xp, dx, G, n, R, g, 1, acc);
+    put_rows(y, n, reduce_rows(acc), R, bf16);
+}
+
+#else
+/* The one-row loops on AVX-512 (built where the CPU has it, generator/gemv.py): int4 four groups (64
+ * bytes, 128 weights) a step, one permute spreading four groups' scales over their sums. */
 
 static inline __m512i q4_block_dot(__m512i u, const int16_t *xq) {
     const __m512i low = _mm512_set1_epi16(0x0F);
@@ -318,17 +353,16 @@ int tp_gemv_q4(const uint8_t *w, const float *d, const float *m, const void *x, 
     if (quantize_rows(x, bf16, M, K, &x16, &dx, &xs)) return -1;
     const long G = K / GROUP;
     if (M == 1) {
-#if defined(__AVX512BW__)
         int16_t *xp = malloc(sizeof(int16_t) * ((G + BLOCK - 1) / BLOCK) * BLOCK * GROUP);
         if (!xp) { free(x16); free(dx); return -1; }
         interleave_x(x16, xp, G);
+#if defined(__AVX512BW__)
 #define Q4_ROWS(R) q4_rows512(w, d, m, xp, dx, xs, G, n, R, y, bf16)
+#else
+#define Q4_ROWS(R) q4_rows256(w, d, m, xp, dx, xs, G, n, R, y, bf16)
+#endif
         FOR_ROWS(N, threads, Q4_ROWS)
         free(xp);
-#else
-#define Q4_ROWS(R) q4_rows256(w, d, m, x16, dx, xs, G, n, R, y, bf16)
-        FOR_ROWS(N, threads, Q4_ROWS)
-#endif
 #undef Q4_ROWS
         free(x16); free(dx);
         return 0;

@@ -7,8 +7,8 @@ few activation rows to int16 per group of 32 and multiplies 4-bit (or 8-bit) wei
 integers, exactly, scaling each group's sum once, as llama.cpp does with its 8-bit rows (int16
 here, so the result stays within ~1e-5 of fp32 instead of a bf16 cast's ~4e-3). A bf16 model's
 rows are read and written in bf16 by the kernel itself (no float copies). Where the CPU lists
-AVX-512BW (and VNNI), one row's int4 loop takes four groups a step without byte shuffles
-(:func:`build_flags`; 1.3-1.9x the AVX2 loop per projection on an AMX Xeon, "issue 21, part 10").
+AVX-512BW (and VNNI), one row's int4 loop takes four groups a step (:func:`build_flags`; AVX2: two);
+both read the nibbles with a mask and shifts, without byte shuffles ("issue 21", parts 10 and 15).
 
 For several rows ``gemm8.c`` (the op ``gemm8``) trades that exactness for speed, as llama.cpp does: rows
 rounded to int8 per group of 32, four 4-bit weights multiplied per int32 lane by one VNNI instruction,
