@@ -177,7 +177,8 @@ static inline __attribute__((always_inline)) void q8_rows256(
  * the four nibbles of every lane, where the tiles above spend two cross-lane widenings per group. x is
  * laid out to match, once per call (interleave_x), in blocks of BLOCK groups: one vector of weights (two
  * groups on AVX2, four on AVX-512). Each group owns four of a block's int32 sums, so a block's scales are
- * spread over them. A row whose groups are not a multiple of BLOCK ends with a block read under a mask. */
+ * spread over them. A row whose groups are not a multiple of BLOCK ends with a shorter block: on AVX-512
+ * read under a mask, on AVX2 one group's 16 bytes in a zeroed vector. */
 #if defined(__AVX512BW__)
 #define BLOCK 4 /* groups per step */
 #else
