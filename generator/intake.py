@@ -87,13 +87,15 @@ class RequestIntake:
                                                          "was_ack_wait_s": have.ack_wait})
 
     async def subscribe(self) -> None:
-        await self._update_consumer()
-        self._psub = await self.bus.js.pull_subscribe(
+        """Bind the model's durable consumer (creating or updating it). Tried again while JetStream does
+        not answer (a cluster still electing its leaders at start): a generator exited on it before."""
+        await through_elections(self._update_consumer)
+        self._psub = await through_elections(lambda: self.bus.js.pull_subscribe(
             model_request_filter(self.model),
             durable=consumer_name(self.model),
             stream=REQUESTS_STREAM,
             config=self._consumer_config(),
-        )
+        ))
         # One worker per model (queue group) reports requests that ran out of delivery attempts.
         self._advisories = await self.bus.nc.subscribe(
             f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{REQUESTS_STREAM}.{consumer_name(self.model)}",

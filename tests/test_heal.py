@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 import os
 import signal
 import socket
@@ -25,7 +26,7 @@ from nats.js.api import DeliverPolicy
 
 from generator.models import LoadedModel
 from producer import aiter_sse
-from tokenpipe.subjects import RELAY_OWNER, TOKENS_STREAM, token_subject
+from tokenpipe.subjects import RELAY_OWNER, REQUESTS_STREAM, TOKENS_STREAM, consumer_name, token_subject
 from tokenpipe.wire import Request, TokenBatch
 from tokenpipe_cli.upprocess import UpProcess
 
@@ -414,6 +415,40 @@ async def test_a_starting_generator_updates_the_ack_wait_of_an_existing_consumer
     finally:
         await intake.close()
         await bus.js.delete_consumer(REQUESTS_STREAM, consumer_name(model))
+
+
+async def test_a_generator_binding_its_consumer_while_nats_does_not_answer_tries_again(
+        tmp_path: Path, settings: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """Regression: a generator started on a 3-node cluster still electing its leaders asked for its
+    consumer, got no answer in time (nats-py's TimeoutError) and exited, so CI's cluster fixture waited
+    for a generator that was gone. It now tries again, as its other JetStream calls do."""
+    from generator.intake import RequestIntake
+    from tokenpipe.bus import connect
+    from tokenpipe_cli.natsserver import NatsServer
+
+    server = NatsServer(tmp_path / "nats").start()
+    bus = None
+    try:
+        own = settings.replace(nats_url=server.url)
+        bus = await connect(own, name="test-unanswered-intake")
+        intake = RequestIntake(bus, "tiny-random", own)
+        assert server.pid is not None
+        os.kill(server.pid, signal.SIGSTOP)  # connected, and no answer to anything now
+        try:
+            with caplog.at_level(logging.WARNING, logger="tokenpipe.retry"):
+                task = asyncio.create_task(intake.subscribe())
+                await wait_until(lambda: task.done() or any("retrying" in r.getMessage() for r in caplog.records),
+                                 30, "a failed or a retried bind")
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+        await asyncio.wait_for(task, 30)  # raised here before the fix
+        info = await bus.js.consumer_info(REQUESTS_STREAM, consumer_name("tiny-random"))
+        assert info.config.ack_wait == own.ack_wait_s
+        await intake.close()
+    finally:
+        if bus is not None:
+            await bus.close()
+        server.stop()
 
 
 async def test_a_stream_whose_catch_up_keeps_failing_ends_with_an_error(tmp_path: Path, settings: Any) -> None:
