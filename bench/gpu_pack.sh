@@ -14,7 +14,9 @@ PY=${PY:-.venv/bin/python}
 OUT=.gpu-carry
 rm -rf "$OUT" && mkdir -p "$OUT/whl" "$OUT/data/models/smollm2-135m"
 # What the project needs beyond the device image's packages, at the versions tested here.
-PKGS=$("$PY" -m pip freeze 2>/dev/null | grep -i -E '^(fastapi|starlette|pydantic|pydantic[-_]core|annotated[-_]types|typing[-_]inspection|uvicorn|httptools|nats[-_]py|nats[-_]server[-_]bin|orjson|opentelemetry[-_][a-z_-]+|googleapis[-_]common[-_]protos|protobuf|gguf)==')
+# websockets: the producer SDK imports it (producer.RelaySocket), so bench.pipeline does; missing from
+# the pack, every pipeline run of bench/gpu.sh failed at import on the H200 (2026-12-04).
+PKGS=$("$PY" -m pip freeze 2>/dev/null | grep -i -E '^(fastapi|starlette|pydantic|pydantic[-_]core|annotated[-_]types|typing[-_]inspection|uvicorn|httptools|nats[-_]py|nats[-_]server[-_]bin|orjson|opentelemetry[-_][a-z_-]+|googleapis[-_]common[-_]protos|protobuf|gguf|websockets)==')
 PLATFORMS=""
 for n in 17 27 28 31 34 35; do PLATFORMS="$PLATFORMS --platform manylinux_2_${n}_x86_64"; done
 # shellcheck disable=SC2086
