@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import resource
 import time
 from pathlib import Path
@@ -29,6 +28,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from generator.models import resolve_threads
 from tokenpipe.settings import Settings
 
 from .ceilings import cpu_summary
@@ -83,9 +83,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         if name == "generator":
             loop = per.pop(pids["generator"])  # the main thread runs the event loop
             busy = sorted(per.values(), key=lambda r: -r["cpu_ms"])
+            team = resolve_threads(Settings.load().threads)  # the engine thread and its OpenMP team, the busiest
             rows["generator: event loop"] = loop
-            rows["generator: engine threads"] = _sum(busy[:os.cpu_count() or 1])  # the engine thread and its team
-            rows["generator: other threads"] = _sum(busy[os.cpu_count() or 1:])
+            rows["generator: engine threads"] = _sum(busy[:team])
+            rows["generator: other threads"] = _sum(busy[team:])
         else:
             rows[name] = _sum(list(per.values()))
     rows["client (this process)"] = _delta(client0, client1, tokens)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import multiprocessing.sharedctypes
 import queue
 import statistics
 import threading
@@ -49,14 +48,11 @@ def _burst(on_us: float, period_us: float) -> None:
     time.sleep(max(0.0, (period_us - on_us) / 1e6))
 
 
-def _neighbour(pattern: Any, stop: Any) -> None:
-    """The child process: bursts while ``pattern`` holds one (on, period), idle otherwise."""
-    while not stop.value:
-        on, period = pattern[0], pattern[1]
-        if on > 0:
-            _burst(on, period)
-        else:
-            time.sleep(0.002)
+def _neighbour(pattern: Any, go: Any, stop: Any) -> None:
+    """The child process: bursts of ``pattern`` (on, period) while ``go`` is set, blocked otherwise."""
+    while not stop.is_set():
+        if go.wait(0.1):
+            _burst(pattern[0], pattern[1])
 
 
 class Engine:
@@ -97,9 +93,9 @@ class Engine:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     bursts = [tuple(float(v) for v in b.split("/")) for b in args.bursts.split(",")]
-    pattern = mp.Array("d", [0.0, 0.0])
-    stop = mp.Value("i", 0)
-    child = mp.get_context("fork").Process(target=_neighbour, args=(pattern, stop), daemon=True)
+    ctx = mp.get_context("fork")
+    pattern, go, stop = ctx.Array("d", [0.0, 0.0]), ctx.Event(), ctx.Event()
+    child = ctx.Process(target=_neighbour, args=(pattern, go, stop), daemon=True)
     child.start()
     engine = Engine(args)
     tok_s: dict[str, list[float]] = {}
@@ -109,15 +105,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             tok_s.setdefault("quiet", []).append(engine.decode())
             for on, period in bursts:
                 pattern[0], pattern[1] = on, period
+                go.set()
                 tok_s.setdefault(f"{on:g}/{period:g}", []).append(engine.decode())
-                pattern[0] = 0.0
+                go.clear()
                 if args.gil:
                     tok_s.setdefault(f"{on:g}/{period:g} gil", []).append(engine.decode((on, period)))
             print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in tok_s.items()),
                   flush=True)
     finally:
         engine.close()
-        stop.value = 1
+        go.clear()
+        stop.set()
         child.join(timeout=5)
     quiet = statistics.median(tok_s["quiet"])
     rows = []
