@@ -153,7 +153,7 @@ def test_cpu_split_benchmark_reads_every_process_cpu_per_token(tmp_path: Path, d
 
 def test_steal_cost_benchmark_times_the_engine_quiet_and_beside_each_burst_pattern(tmp_path: Path,
                                                                                   data_dir: Path) -> None:
-    """`bench.stealcost`: the engine's one stream quiet, beside a bursting process, and beside bursts holding its GIL."""
+    """`bench.stealcost`: one stream quiet, beside a bursting process, and beside bursts holding its GIL."""
     out = tmp_path / "stealcost.json"
     proc = _run(["bench.stealcost", "--model", "tiny-random", "--data-dir", str(data_dir), "--rounds", "1",
                  "--max-tokens", "8", "--bursts", "100/1000", "--gil", "--out", str(out)])
