@@ -55,7 +55,7 @@ def _neighbour(pattern: Any, go: Any, stop: Any) -> None:
             _burst(pattern[0], pattern[1])
 
 
-class Engine:
+class EngineThread:
     """The engine on its own thread: every torch call there (the generator's rule, generator.runner.torch_thread)."""
 
     def __init__(self, args: argparse.Namespace) -> None:
@@ -92,24 +92,26 @@ class Engine:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    bursts = [tuple(float(v) for v in b.split("/")) for b in args.bursts.split(",")]
+    bursts = {b: tuple(float(v) for v in b.split("/")) for b in args.bursts.split(",")}  # "on/period": (on, period)
     ctx = mp.get_context("fork")
     pattern, go, stop = ctx.Array("d", [0.0, 0.0]), ctx.Event(), ctx.Event()
     child = ctx.Process(target=_neighbour, args=(pattern, go, stop), daemon=True)
     child.start()
-    engine = Engine(args)
+    engine = EngineThread(args)
     tok_s: dict[str, list[float]] = {}
+    duty = {"quiet": 0.0}
     try:
         engine.decode()  # warm-up
         for r in range(args.rounds):
             tok_s.setdefault("quiet", []).append(engine.decode())
-            for on, period in bursts:
+            for name, (on, period) in bursts.items():
                 pattern[0], pattern[1] = on, period
                 go.set()
-                tok_s.setdefault(f"{on:g}/{period:g}", []).append(engine.decode())
+                tok_s.setdefault(name, []).append(engine.decode())
                 go.clear()
+                duty[name] = duty[f"{name} gil"] = on / period
                 if args.gil:
-                    tok_s.setdefault(f"{on:g}/{period:g} gil", []).append(engine.decode((on, period)))
+                    tok_s.setdefault(f"{name} gil", []).append(engine.decode((on, period)))
             print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in tok_s.items()),
                   flush=True)
     finally:
@@ -118,11 +120,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         stop.set()
         child.join(timeout=5)
     quiet = statistics.median(tok_s["quiet"])
-    rows = []
-    for name, values in tok_s.items():
-        on, period = (float(v) for v in name.split()[0].split("/")) if name != "quiet" else (0.0, 1.0)
-        rows.append({"bursts": name, "duty": on / period, "tok_s": statistics.median(values), "runs": values,
-                     "vs_quiet": statistics.median(values) / quiet})
+    rows = [{"bursts": name, "duty": duty[name], "tok_s": statistics.median(values), "runs": values,
+             "vs_quiet": statistics.median(values) / quiet} for name, values in tok_s.items()]
     return {"rows": rows}
 
 
