@@ -56,6 +56,7 @@ bench: install
 # tokenpipe against transformers serve and llama.cpp's server on this machine (see bench/peers.py).
 bench-peers: install
 	$(PY) -m bench.peers $(ARGS)
+	-$(PY) -m bench.llamaraw  # llama.cpp's own decode loop beside its server (exit 2: not installed)
 
 lint: install
 	$(VENV)/bin/ruff check .
