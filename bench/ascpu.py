@@ -13,8 +13,8 @@ What decides the kernels sees only the profile's extensions:
   oneDNN's ``ONEDNN_MAX_CPU_ISA``, MKL's ``MKL_ENABLE_INSTRUCTIONS``.
 
 The cores, caches and memory stay this machine's: a figure measured so holds for this CPU running
-that instruction set, not for the CPU model it stands in for, and says so in every table it heads
-(the flags shown are the profile's). llama.cpp, to compare with, is built for the profile apart
+that instruction set, not for the CPU model it stands in for (a benchmark's CPU line names this CPU's
+model with the profile's flags). llama.cpp, to compare with, is built for the profile apart
 (``bench.peers --llama-python``; its build flags are in bench/RESULTS.md).
 
 ``avx2`` also keeps ``TOKENPIPE_DECODE_COMPILE`` off: torch.compile's generated C++ under
