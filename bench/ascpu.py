@@ -18,8 +18,8 @@ model with the profile's flags). llama.cpp, to compare with, is built for the pr
 (``bench.peers --llama-python``; its build flags are in bench/RESULTS.md).
 
 ``avx2`` also keeps ``TOKENPIPE_DECODE_COMPILE`` off: torch.compile's generated C++ under
-``ATEN_CPU_CAPABILITY=avx2`` on a CPU with AVX-512 computed wrong results here (half of each 16-wide
-pointwise loop left undone; torch 2.13), which a real AVX2-only CPU does not do.
+``ATEN_CPU_CAPABILITY=avx2`` on a CPU with AVX-512 computed wrong results here (two of the library's
+ops around an in-place ReLU; torch 2.13), a path a real AVX2-only CPU does not take.
 """
 
 from __future__ import annotations
