@@ -34,7 +34,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["PROFILES", "Profile", "masked_cpuinfo", "run_as"]
+__all__ = ["PROFILES", "Profile", "masked_cpuinfo", "run_as", "unavailable"]
 
 
 @dataclass(frozen=True)
@@ -69,11 +69,22 @@ def masked_cpuinfo(text: str, profile: Profile) -> str:
     return "\n".join(out) + "\n"
 
 
+def unavailable() -> str | None:
+    """Why flags cannot be hidden here (None: they can): it takes root, ``unshare(1)`` and a kernel that
+    grants a private mount namespace (a container without ``CAP_SYS_ADMIN`` does not)."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        return "hiding CPU flags needs root and unshare(1) (a private mount namespace over /proc/cpuinfo)"
+    probe = subprocess.run(["unshare", "--mount", "true"], capture_output=True, text=True, check=False)
+    if probe.returncode != 0:
+        return f"no private mount namespace here: {probe.stderr.strip() or f'unshare exited {probe.returncode}'}"
+    return None
+
+
 def run_as(profile: Profile, command: list[str]) -> int:
     """Run ``command`` under ``profile`` and return its exit status (2 with a reason where it cannot)."""
-    if os.geteuid() != 0 or shutil.which("unshare") is None:
-        print("bench.ascpu: hiding CPU flags needs root and unshare(1) (a private mount namespace over "
-              "/proc/cpuinfo)", file=sys.stderr)
+    reason = unavailable()
+    if reason is not None:
+        print(f"bench.ascpu: {reason}", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory(prefix="ascpu-") as tmp:
         fake = Path(tmp) / "cpuinfo"
