@@ -34,7 +34,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["PROFILES", "Profile", "masked_cpuinfo", "run_as", "unavailable"]
+__all__ = ["PROFILES", "Profile", "masked_cpuinfo", "missing", "run_as", "unavailable"]
 
 
 @dataclass(frozen=True)
@@ -43,15 +43,18 @@ class Profile:
 
     name: str
     stands_for: str
+    needs: tuple[str, ...]  # flags the CPU must have: a profile hides extensions, it cannot add them
     hide: str  # a regular expression over whole flag names
     env: dict[str, str] = field(default_factory=dict)
 
 
 PROFILES = {p.name: p for p in (
-    Profile("avx2", "an AVX2-only x86 CPU (AMD EPYC Zen 2/3)", r"avx512\w*|amx\w*|avx_vnni\w*|avx_ifma|avx_ne_convert",
+    Profile("avx2", "an AVX2-only x86 CPU (AMD EPYC Zen 2/3)", ("avx2", "fma"),
+            r"avx512\w*|amx\w*|avx_vnni\w*|avx_ifma|avx_ne_convert",
             {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
              "TOKENPIPE_DECODE_COMPILE": "off"}),
     Profile("avx512-bf16", "AVX-512 with BF16 and VNNI but no AMX (AMD EPYC Zen 4)",
+            ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni"),
             r"amx\w*|avx512_fp16|avx_vnni\w*|avx_ifma|avx_ne_convert",
             {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16", "MKL_ENABLE_INSTRUCTIONS": "AVX512"}),
 )}
@@ -67,6 +70,13 @@ def masked_cpuinfo(text: str, profile: Profile) -> str:
             line = f"{key}: " + " ".join(f for f in value.split() if not hidden.fullmatch(f))
         out.append(line)
     return "\n".join(out) + "\n"
+
+
+def missing(profile: Profile, cpuinfo: str) -> list[str]:
+    """The flags ``profile`` needs that the first ``flags`` line of ``cpuinfo`` lacks."""
+    have = next((v.split() for k, _, v in (line.partition(":") for line in cpuinfo.splitlines())
+                 if k.strip() == "flags"), [])
+    return [f for f in profile.needs if f not in have]
 
 
 def unavailable() -> str | None:
@@ -86,9 +96,15 @@ def run_as(profile: Profile, command: list[str]) -> int:
     if reason is not None:
         print(f"bench.ascpu: {reason}", file=sys.stderr)
         return 2
+    real = Path("/proc/cpuinfo").read_text()
+    lacking = missing(profile, real)
+    if lacking:
+        print(f"bench.ascpu: this CPU lacks {' '.join(lacking)}: it cannot run as {profile.stands_for}",
+              file=sys.stderr)
+        return 2
     with tempfile.TemporaryDirectory(prefix="ascpu-") as tmp:
         fake = Path(tmp) / "cpuinfo"
-        fake.write_text(masked_cpuinfo(Path("/proc/cpuinfo").read_text(), profile))
+        fake.write_text(masked_cpuinfo(real, profile))
         env = {**os.environ, **profile.env}
         print(f"bench.ascpu: as {profile.stands_for}: flags /{profile.hide}/ hidden, "
               + " ".join(f"{k}={v}" for k, v in profile.env.items()), file=sys.stderr, flush=True)

@@ -16,7 +16,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from bench.ascpu import PROFILES, masked_cpuinfo, unavailable
+from bench.ascpu import PROFILES, masked_cpuinfo, missing, unavailable
 from bench.rawhttp import SSEResponse
 from generator.gemv import FLAGS as GEMV_FLAGS
 from generator.models import LoadedModel
@@ -274,6 +274,10 @@ def test_as_cpu_masks_only_the_flags_lines_and_only_the_profiles_flags() -> None
     assert flags["avx2"] == ["fpu", "avx", "avx2", "fma"]
     assert flags["avx512-bf16"] == ["fpu", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni"]
     assert masked_cpuinfo(text, PROFILES["avx2"]).splitlines()[0] == "model name\t: Some CPU avx512f"
+    # a profile hides extensions and cannot add them: an AVX2-only CPU cannot stand in for Zen 4
+    assert missing(PROFILES["avx2"], text) == [] and missing(PROFILES["avx512-bf16"], text) == []
+    assert missing(PROFILES["avx512-bf16"], masked_cpuinfo(text, PROFILES["avx2"])) == [
+        "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni"]
 
 
 def test_as_cpu_runs_a_command_that_sees_an_avx2_only_cpu_in_every_layer() -> None:
