@@ -11,10 +11,15 @@ __all__ = ["ThreadTimes", "cpu_seconds", "rss_kib", "thread_times"]
 _TICKS = os.sysconf("SC_CLK_TCK")
 
 
+def _user_sys_s(stat: Path) -> tuple[float, float]:
+    """User and system CPU seconds from a process's or a thread's ``stat`` (after the command's ``)``)."""
+    fields = stat.read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) / _TICKS, int(fields[12]) / _TICKS
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds used so far (clock-tick resolution)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / _TICKS
+    return sum(_user_sys_s(Path(f"/proc/{pid}/stat")))
 
 
 def rss_kib(pid: int) -> int:
@@ -38,11 +43,11 @@ def thread_times(pid: int) -> dict[int, ThreadTimes]:
     out: dict[int, ThreadTimes] = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
-            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            user_s, sys_s = _user_sys_s(task / "stat")
             status = (task / "status").read_text().splitlines()
         except OSError:
             continue
         switches = sum(int(line.split()[1]) for line in status
                        if line.split(":")[0] in ("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches"))
-        out[int(task.name)] = ThreadTimes(int(fields[11]) / _TICKS, int(fields[12]) / _TICKS, switches)
+        out[int(task.name)] = ThreadTimes(user_s, sys_s, switches)
     return out
