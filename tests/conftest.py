@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
@@ -25,6 +26,13 @@ from tokenpipe_cli.launch import free_port
 from tokenpipe_cli.natsserver import NatsServer
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_bench(args: list[str], timeout: float = 240,
+              env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``python -m <args>`` from the repository root (bench/ is not installed: its modules run from there)."""
+    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          env={**os.environ, **(env or {})})
 # The converted SmolLM2 cache outlives one run (it takes ~20 s to build); CI starts from nothing.
 MODEL_CACHE = Path(os.environ.get("TOKENPIPE_TEST_DATA_DIR", ROOT / ".tokenpipe" / "test-data"))
 

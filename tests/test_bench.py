@@ -26,7 +26,7 @@ from tokenpipe_cli.loadgen import LoadConfig, run_load
 from tokenpipe_cli.report import plot
 from tokenpipe_cli.stats import summarize
 
-from .conftest import ROOT, RelayServer
+from .conftest import RelayServer, run_bench
 
 
 @pytest.mark.parametrize("api", ["native", "openai", "sdk"])
@@ -64,16 +64,10 @@ def test_the_minimal_http_client_reads_a_chunked_event_stream_split_anywhere(tex
     assert [(e.event, e.id, e.json()) for e in events] == [("tokens", str(i), {"text": t}) for i, t in enumerate(texts)]
 
 
-def _run(args: list[str], timeout: float = 240, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    # bench/ is not installed: its modules run from the repository root.
-    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                          env={**os.environ, **(env or {})})
-
-
 def test_pipeline_benchmark_and_gpu_summary_run_end_to_end(tmp_path: Path, data_dir: Path) -> None:
     """`make bench` and bench/gpu.sh's plumbing, on the tiny model (the real runs take minutes)."""
     out = tmp_path / "pipeline.json"
-    proc = _run(["bench.pipeline", "--model", "tiny-random", "--dtype", "float32", "--streams", "4",
+    proc = run_bench(["bench.pipeline", "--model", "tiny-random", "--dtype", "float32", "--streams", "4",
                  "--engine-batches", "2,4", "--max-tokens", "12", "--ttft-requests", "3", "--baseline-tokens", "4",
                  "--data-dir", str(data_dir), "--out", str(out)])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -81,7 +75,7 @@ def test_pipeline_benchmark_and_gpu_summary_run_end_to_end(tmp_path: Path, data_
     assert result["pipeline"]["all_finished"] and result["pipeline"]["tokens"] == 4 * 12
     assert set(result["goals"]) >= {"pipeline_vs_engine>=0.95", "added_ttft_p50<=2ms"}
     summary = tmp_path / "gpu.json"
-    proc = _run(["bench.gpu_summary", str(out), "--out", str(summary)])
+    proc = run_bench(["bench.gpu_summary", str(out), "--out", str(summary)])
     assert proc.returncode == 0, proc.stderr
     [row] = json.loads(summary.read_text())
     assert row["model"] == "tiny-random" and row["pipeline_tok_s"] > 0 and set(row["sweep"]) == {"2", "4"}
@@ -90,7 +84,7 @@ def test_pipeline_benchmark_and_gpu_summary_run_end_to_end(tmp_path: Path, data_
 def test_pipeline_benchmark_ttft_only_reports_the_added_ttft_and_its_stages(tmp_path: Path, data_dir: Path) -> None:
     """`bench.pipeline --only ttft`: the TTFT phase alone, no in-process engine."""
     out = tmp_path / "ttft.json"
-    proc = _run(["bench.pipeline", "--only", "ttft", "--model", "tiny-random", "--dtype", "float32",
+    proc = run_bench(["bench.pipeline", "--only", "ttft", "--model", "tiny-random", "--dtype", "float32",
                  "--ttft-requests", "3", "--data-dir", str(data_dir), "--out", str(out)])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
@@ -101,7 +95,7 @@ def test_pipeline_benchmark_ttft_only_reports_the_added_ttft_and_its_stages(tmp_
 
 def test_fanout_benchmark_forwards_every_batch(tmp_path: Path) -> None:
     out = tmp_path / "fanout.json"
-    proc = _run(["bench.fanout", "--scenario", "20:4:50", "--out", str(out)])
+    proc = run_bench(["bench.fanout", "--scenario", "20:4:50", "--out", str(out)])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     runs = json.loads(out.read_text())["scenarios"]
     assert len(runs) == 1
@@ -115,7 +109,7 @@ def test_fanout_benchmark_forwards_every_batch(tmp_path: Path) -> None:
 def test_appends_benchmark_runs_both_variants(tmp_path: Path) -> None:
     """`bench.appends`: the conditional append against the old unconditional publish, one run."""
     out = tmp_path / "appends.json"
-    proc = _run(["bench.appends", "--streams", "4", "--batches", "10", "--first", "5", "--out", str(out)])
+    proc = run_bench(["bench.appends", "--streams", "4", "--batches", "10", "--first", "5", "--out", str(out)])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     for variant in ("unconditional", "conditional"):
@@ -127,7 +121,7 @@ def test_fence_cost_benchmark_runs_the_pipeline_with_and_without_the_single_writ
                                                                                          data_dir: Path) -> None:
     """`bench.fencecost`: whole pipelines A/B, and each variant is what it says (the condition stored or not)."""
     out = tmp_path / "fencecost.json"
-    proc = _run(["bench.fencecost", "--model", "tiny-random", "--data-dir", str(data_dir), "--streams", "2",
+    proc = run_bench(["bench.fencecost", "--model", "tiny-random", "--data-dir", str(data_dir), "--streams", "2",
                  "--max-tokens", "8", "--rounds", "1", "--ttft-requests", "2", "--out", str(out)])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rounds = json.loads(out.read_text())["rounds"]
@@ -139,7 +133,7 @@ def test_fence_cost_benchmark_runs_the_pipeline_with_and_without_the_single_writ
 def test_cpu_split_benchmark_reads_every_process_cpu_per_token(tmp_path: Path, data_dir: Path) -> None:
     """`bench.cpusplit`: streams one after another through a real pipeline; each process's CPU per token."""
     out = tmp_path / "cpusplit.json"
-    proc = _run(["bench.cpusplit", "--model", "tiny-random", "--data-dir", str(data_dir), "--streams", "3",
+    proc = run_bench(["bench.cpusplit", "--model", "tiny-random", "--data-dir", str(data_dir), "--streams", "3",
                  "--max-tokens", "16", "--out", str(out)])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
@@ -157,7 +151,7 @@ def test_steal_cost_benchmark_times_the_engine_quiet_and_beside_each_burst_patte
                                                                                   data_dir: Path) -> None:
     """`bench.stealcost`: one stream quiet, beside a bursting process, and beside bursts holding its GIL."""
     out = tmp_path / "stealcost.json"
-    proc = _run(["bench.stealcost", "--model", "tiny-random", "--data-dir", str(data_dir), "--rounds", "1",
+    proc = run_bench(["bench.stealcost", "--model", "tiny-random", "--data-dir", str(data_dir), "--rounds", "1",
                  "--max-tokens", "8", "--bursts", "100/1000", "--gil", "--out", str(out)])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = {r["bursts"]: r for r in json.loads(out.read_text())["rows"]}
@@ -169,7 +163,7 @@ def test_steal_cost_benchmark_times_the_engine_quiet_and_beside_each_burst_patte
 def test_step_split_benchmark_times_the_step_and_the_rest(tmp_path: Path, data_dir: Path) -> None:
     """`bench.stepsplit`: whole steps and the rest (projections stubbed), and the bytes a step reads."""
     out = tmp_path / "stepsplit.json"
-    proc = _run(["bench.stepsplit", "--model", "tiny-random", "--data-dir", str(data_dir), "--rows", "1,2",
+    proc = run_bench(["bench.stepsplit", "--model", "tiny-random", "--data-dir", str(data_dir), "--rows", "1,2",
                  "--rounds", "1", "--steps", "2", "--out", str(out)])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
@@ -181,7 +175,7 @@ def test_step_split_benchmark_times_the_step_and_the_rest(tmp_path: Path, data_d
 def test_gemv_rows_benchmark_checks_and_times_each_one_row_kernel(tmp_path: Path, data_dir: Path) -> None:
     """`bench.gemvrows`: each shape's product checked against the dequantized weight, then timed cached and streamed."""
     out = tmp_path / "gemvrows.json"
-    proc = _run(["bench.gemvrows", "--data-dir", str(data_dir), "--rounds", "1", "--cached-mb", "0.1",
+    proc = run_bench(["bench.gemvrows", "--data-dir", str(data_dir), "--rounds", "1", "--cached-mb", "0.1",
                  "--streamed-mb", "0.4", "--out", str(out)])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
@@ -192,7 +186,7 @@ def test_gemv_rows_benchmark_checks_and_times_each_one_row_kernel(tmp_path: Path
 def test_attention_benchmark_times_the_torch_ops_and_the_kernel(tmp_path: Path, data_dir: Path) -> None:
     """`bench.attention`: one layer's decode attention three ways, each checked against the kernel's result."""
     out = tmp_path / "attention.json"
-    proc = _run(["bench.attention", "--model", "tiny-random", "--data-dir", str(data_dir), "--rows", "1,3",
+    proc = run_bench(["bench.attention", "--model", "tiny-random", "--data-dir", str(data_dir), "--rows", "1,3",
                  "--context", "40", "--rounds", "1", "--out", str(out)])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
@@ -203,7 +197,7 @@ def test_attention_benchmark_times_the_torch_ops_and_the_kernel(tmp_path: Path, 
 def test_accuracy_benchmark_scores_each_kernel_on_the_same_text(tmp_path: Path, data_dir: Path) -> None:
     """`bench.accuracy`: the loss of one text under each forced kernel; the float weight agrees with itself."""
     out = tmp_path / "accuracy.json"
-    proc = _run(["bench.accuracy", "--model", "tiny-random", "--data-dir", str(data_dir), "--rows", "2",
+    proc = run_bench(["bench.accuracy", "--model", "tiny-random", "--data-dir", str(data_dir), "--rows", "2",
                  "--tokens", "6", "--kernels", "dense,gemv,gemm8", "--out", str(out)],
                 env={"TOKENPIPE_QUANT": "int4", "TOKENPIPE_DTYPE": "float32"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -215,7 +209,7 @@ def test_accuracy_benchmark_scores_each_kernel_on_the_same_text(tmp_path: Path, 
 def test_sampling_benchmark_times_every_mode_and_row_count(tmp_path: Path, data_dir: Path) -> None:
     """`bench.sampling`: each sampling mode at each row count, against a step of as many rows."""
     out = tmp_path / "sampling.json"
-    proc = _run(["bench.sampling", "--model", "tiny-random", "--data-dir", str(data_dir), "--rows", "1,3",
+    proc = run_bench(["bench.sampling", "--model", "tiny-random", "--data-dir", str(data_dir), "--rows", "1,3",
                  "--rounds", "1", "--calls", "2", "--out", str(out)])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
@@ -289,7 +283,7 @@ def test_as_cpu_runs_a_command_that_sees_an_avx2_only_cpu_in_every_layer() -> No
              "print(json.dumps({'avx512': [f for f in flags if f.startswith(('avx512', 'amx'))], "
              "'build': list(gemv.build_flags(flags)), 'bf16': models.cpu_has_fast_bf16(), "
              "'aten': torch.backends.cpu.get_cpu_capability()}))")
-    proc = _run(["bench.ascpu", "avx2", "--", sys.executable, "-c", probe], timeout=120)
+    proc = run_bench(["bench.ascpu", "avx2", "--", sys.executable, "-c", probe], timeout=120)
     reason = unavailable()
     if reason is not None:
         assert proc.returncode == 2 and reason in proc.stderr and proc.stdout == ""
@@ -303,7 +297,7 @@ def test_llama_raw_benchmark_without_llama_cpp_says_how_to_install_it(tmp_path: 
     """`bench.llamaraw` with no llama-cpp-python virtualenv: exit 2, the path it looked at and where the
     install command is, and no JSON written."""
     out = tmp_path / "llamaraw.json"
-    proc = _run(["bench.llamaraw", "--llama-python", str(tmp_path / "none" / "python"), "--out", str(out)],
+    proc = run_bench(["bench.llamaraw", "--llama-python", str(tmp_path / "none" / "python"), "--out", str(out)],
                 timeout=120)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert str(tmp_path / "none" / "python") in proc.stdout and "bench/peers.py" in proc.stdout

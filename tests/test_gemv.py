@@ -4,7 +4,6 @@ fp32, a candidate of the measured kernel table, opaque under torch.compile."""
 from __future__ import annotations
 
 import logging
-import subprocess
 import sys
 from pathlib import Path
 
@@ -33,6 +32,7 @@ from generator.gemv import (
 from generator.kernels import ROLES, cpu_info
 from generator.models import LoadedModel, load_model
 from generator.quant import QuantLinear, _quant_int4, _quant_int8
+from tests.conftest import run_bench
 from tests.test_engine import GREEDY, TEXTS, hf_greedy, prompts_of, run_all
 
 
@@ -102,11 +102,9 @@ def test_the_kernel_tests_pass_as_on_an_avx2_only_cpu() -> None:
     takes two groups a step, an odd last group alone; `gemm8` without VNNI), fp32 activations, torch's
     AVX2 kernels; every test run, none failed or skipped. Where the wrapper cannot hide flags (no root, no
     mount namespace) it refuses with the reason and runs nothing."""
-    root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run([sys.executable, "-m", "bench.ascpu", "avx2", "--", sys.executable, "-m", "pytest", "-q",
-                           "-p", "no:cacheprovider", "-k", _AVX2_ONLY_RUN, "tests/test_gemv.py",
-                           "tests/test_decode_stack.py", "tests/test_step_ops.py"],
-                          capture_output=True, text=True, timeout=600, cwd=root)
+    proc = run_bench(["bench.ascpu", "avx2", "--", sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                      "-k", _AVX2_ONLY_RUN, "tests/test_gemv.py", "tests/test_decode_stack.py",
+                      "tests/test_step_ops.py"], timeout=600)
     reason = unavailable()
     if reason is not None:
         assert proc.returncode == 2 and reason in proc.stderr and proc.stdout == ""
