@@ -3,19 +3,15 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from .conftest import run_bench
 
 
 def test_transports_benchmark_delivers_every_batch_over_both_transports(tmp_path: Path) -> None:
     out = tmp_path / "transports.json"
-    # bench/ is not installed: its modules run from the repository root.
-    proc = subprocess.run([sys.executable, "-m", "bench.transports", "--streams", "20", "--sockets", "4",
-                           "--batches", "5", "--rate", "200", "--repeats", "1", "--out", str(out)],
-                          capture_output=True, text=True, timeout=240, cwd=ROOT)
+    proc = run_bench(["bench.transports", "--streams", "20", "--sockets", "4", "--batches", "5", "--rate", "200",
+                      "--repeats", "1", "--out", str(out)])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     runs = result["runs"]
