@@ -16,10 +16,6 @@ The cores, caches and memory stay this machine's: a figure measured so holds for
 that instruction set, not for the CPU model it stands in for (a benchmark's CPU line names this CPU's
 model with the profile's flags). llama.cpp, to compare with, is built for the profile apart
 (``bench.peers --llama-python``; its build flags are in bench/RESULTS.md).
-
-``avx2`` also keeps ``TOKENPIPE_DECODE_COMPILE`` off: torch.compile's generated C++ under
-``ATEN_CPU_CAPABILITY=avx2`` on a CPU with AVX-512 computed wrong results here (two of the library's
-ops around an in-place ReLU; torch 2.13), a path a real AVX2-only CPU does not take.
 """
 
 from __future__ import annotations
@@ -51,8 +47,7 @@ class Profile:
 PROFILES = {p.name: p for p in (
     Profile("avx2", "an AVX2-only x86 CPU (AMD EPYC Zen 2/3)", ("avx2", "fma"),
             r"avx512\w*|amx\w*|avx_vnni\w*|avx_ifma|avx_ne_convert",
-            {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
-             "TOKENPIPE_DECODE_COMPILE": "off"}),
+            {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}),
     Profile("avx512-bf16", "AVX-512 with BF16 and VNNI but no AMX (AMD EPYC Zen 4)",
             ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni"),
             r"amx\w*|avx512_fp16|avx_vnni\w*|avx_ifma|avx_ne_convert",

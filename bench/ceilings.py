@@ -165,11 +165,9 @@ class EngineRun:
 
 
 def engine_tok_s(lm: LoadedModel, prompts: list[list[int]], new_tokens: int, max_batch: int,
-                 cuda_graphs: str = "off", decode_compile: str = "off", max_seq_len: int = 2048) -> EngineRun:
-    """Our engine in-process: all prompts submitted at t=0, run to completion (with ``decode_compile``
-    on, its graphs are compiled before the clock starts)."""
-    engine = Engine(lm, max_batch=max_batch, max_seq_len=max_seq_len, cuda_graphs=cuda_graphs,
-                    decode_compile=decode_compile)
+                 cuda_graphs: str = "off", max_seq_len: int = 2048) -> EngineRun:
+    """Our engine in-process: all prompts submitted at t=0, run to completion."""
+    engine = Engine(lm, max_batch=max_batch, max_seq_len=max_seq_len, cuda_graphs=cuda_graphs)
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     seqs = [engine.new_sequence(f"r{i}", p, params) for i, p in enumerate(prompts)]
     t0 = time.perf_counter()

@@ -58,9 +58,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--cuda-graphs", default=Settings.load().cuda_graphs, choices=["auto", "on", "off"],
                         help="the in-process engine's decode step captured as CUDA graphs (default: "
                              "TOKENPIPE_CUDA_GRAPHS, which the generator reads too)")
-    parser.add_argument("--decode-compile", default=Settings.load().decode_compile, choices=["on", "off"],
-                        help="the one-row decode step compiled, in-process and in the generator alike (default: "
-                             "TOKENPIPE_DECODE_COMPILE)")
     parser.add_argument("--max-seq-len", type=int, default=Settings.load().max_seq_len,
                         help="the in-process engine's and the generator's (TOKENPIPE_MAX_SEQ_LEN)")
     parser.add_argument("--repeats", type=int, default=2, help="rounds of the concurrent-streams phase (mean)")
@@ -88,7 +85,7 @@ def measure(args: argparse.Namespace, console: Console) -> tuple[dict[str, Any],
         # The generator takes every stream at once, as the in-process engine does: with the default
         # max batch (32) a 64-stream run queued half its requests behind the other half.
         extra_env = {"TOKENPIPE_QUANT": args.quant, "TOKENPIPE_MAX_BATCH": str(max(args.streams, 1)),
-                     "TOKENPIPE_DECODE_COMPILE": args.decode_compile, "TOKENPIPE_MAX_SEQ_LEN": str(args.max_seq_len),
+                     "TOKENPIPE_MAX_SEQ_LEN": str(args.max_seq_len),
                      **dict(kv.split("=", 1) for kv in args.gen_env)}
         with Pipeline(args.model, args.data_dir, extra_env, args.device, args.dtype) as pipe:
             runs = asyncio.run(drive(pipe.url, args, progress))

@@ -61,7 +61,7 @@ def measure_engine(lm: LoadedModel, args: argparse.Namespace, progress: Progress
     progress.advance(task)
     out["ceiling_tok_s"] = max(out["raw_forward_fp32_tok_s"], out["raw_forward_bf16_tok_s"])
     run = ceilings.engine_tok_s(lm, prompts[: args.streams], args.max_tokens, max_batch=args.streams,
-                                 cuda_graphs=args.cuda_graphs, **_compiled(args))
+                                 cuda_graphs=args.cuda_graphs, max_seq_len=args.max_seq_len)
     out["engine_tok_s_before"] = run.tok_s
     out["engine_wall_s"] = run.wall_s
     progress.advance(task)
@@ -77,16 +77,10 @@ def measure_engine(lm: LoadedModel, args: argparse.Namespace, progress: Progress
     return out
 
 
-def _compiled(args: argparse.Namespace) -> dict[str, Any]:
-    """The compiled one-row step for the runs the pipeline is compared with, as the generator has it
-    (the sweep and TTFT runs stay eager: one-row graphs do not serve them, and each engine compiles)."""
-    return {"decode_compile": args.decode_compile, "max_seq_len": args.max_seq_len}
-
-
 def engine_again(lm: LoadedModel, eng: dict[str, Any], args: argparse.Namespace) -> None:
     """The engine once more, after the pipeline: this machine's speed drifts (shared cores), so
     the pipeline is compared with the mean of the engine measured before and after it."""
     after = ceilings.engine_tok_s(lm, prompt_ids(lm, args.streams), args.max_tokens, max_batch=args.streams,
-                                 cuda_graphs=args.cuda_graphs, **_compiled(args))
+                                 cuda_graphs=args.cuda_graphs, max_seq_len=args.max_seq_len)
     eng["engine_tok_s_after"] = after.tok_s
     eng["engine_tok_s"] = (eng["engine_tok_s_before"] + after.tok_s) / 2

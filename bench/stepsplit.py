@@ -1,7 +1,7 @@
 """Where a decode step's time goes: the projections against the rest, and the bandwidth share at one row.
 
     python -m bench.stepsplit [--rows 1,32] [--rounds 7] [--steps 16] [--label NAME] [--model M]
-                              [--compile] [--out bench/out/stepsplit.json]
+                              [--out bench/out/stepsplit.json]
 
 Loads the default model as a generator does (``TOKENPIPE_DTYPE``/``TOKENPIPE_QUANT``/``TOKENPIPE_KERNELS``),
 fills a context of 104 (as bench.kernels) and, per row count, alternates two timings each round:
@@ -9,7 +9,7 @@ whole decode steps (``generator.forward.decode_step``), and the same steps with 
 (qkv, o, gate_up, down per layer, lm_head) swapped for a stub that returns zeros of its output's
 shape: *the rest* — norms, RoPE, attention over the KV cache, residuals, the cache write and
 Python dispatch. The projections' part is the difference, and with it each projection's call
-(dispatch, its output's allocation, under ``--compile`` the graph wrapper's call): the rest is a
+(dispatch, its output's allocation): the rest is a
 lower bound (bench/RESULTS.md, "issue 21, part 5"). (Timing the projections alone in a
 loop and subtracting instead overstated the rest by ~40 %: back to back they run faster than
 between the other ops.) Where the decoder layers run as one call (generator/stack.py), the stubbed step is
@@ -23,10 +23,6 @@ Another checkout is timed by copying this file into it and running ``python -m b
 ``kernels.py`` shadows the ``kernels`` package transformers looks for): the way a change to the
 forward pass is compared, rounds of the two alternated by the caller. The machine may be
 shared: only ratios mean anything.
-
-``--compile`` times the one-row step as ``TOKENPIPE_DECODE_COMPILE=on`` runs it
-(:class:`generator.compiled.CompiledDecode`, its table padded to the graph's width), whole and
-stubbed alike (each its own graph: two compiles first, minutes on 2 cores); rows must be 1.
 """
 
 from __future__ import annotations
@@ -44,10 +40,8 @@ import torch
 from torch import nn
 
 from bench.kvstep import RawSteps, add_model_args, load_as_generator
-from generator.compiled import CompiledDecode
 from generator.forward import Plan, plan_for
 from generator.kernels import kernel_for
-from generator.kvcache import BLOCK_SIZE
 from generator.models import LoadedModel
 from generator.quant import QuantLinear
 
@@ -121,42 +115,30 @@ def projections_stubbed(plan: Plan, hidden: int, vocab: int) -> Iterator[None]:
         plan.lm_head = saved[1]
 
 
-def split(lm: LoadedModel, rows: int, rounds: int, steps: int, compiled: bool = False) -> dict[str, Any]:
+def split(lm: LoadedModel, rows: int, rounds: int, steps: int) -> dict[str, Any]:
     raw = RawSteps(lm, rows, CONTEXT + steps + 1)
     raw.prefill(torch.randint(0, 1000, (rows, CONTEXT)))
     tokens = torch.randint(0, 1000, (rows,))
     plan, cfg = plan_for(lm.model), lm.model.config
     step_ms: list[float] = []
     rest_ms: list[float] = []
-    # The whole and the stubbed step each through graphs of their own: a graph does not guard the
-    # model's modules (generator.compiled), so it must only ever meet the projections it was traced with.
-    graphs, stub_graphs = ((CompiledDecode(lm.model, raw.cache, max_seq_len=CONTEXT + steps + 1) for _ in range(2))
-                           if compiled else (None, None))
-    blocks = raw.tables[0].tolist()
 
-    def one(i: int, through: CompiledDecode | None) -> None:
-        if through is None:
-            raw.decode(tokens, torch.full((rows,), CONTEXT + i), CONTEXT + i + 1)
-            return
-        pos = CONTEXT + i
-        through.decode(int(tokens[0]), pos, blocks[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE, blocks)
-
-    def steps_ms(through: CompiledDecode | None) -> float:
+    def steps_ms() -> float:
         t0 = time.perf_counter()
         for i in range(steps):
-            one(i, through)
+            raw.decode(tokens, torch.full((rows,), CONTEXT + i), CONTEXT + i + 1)
         return (time.perf_counter() - t0) / steps * 1e3
 
-    stack = None if compiled else getattr(plan, "stack", None)
+    stack = getattr(plan, "stack", None)
     op_by_op_ms: list[float] = []
-    for r in range(-1, rounds):  # round -1 warms both up (and compiles both graphs)
-        step = steps_ms(graphs)
+    for r in range(-1, rounds):  # round -1 warms both up
+        step = steps_ms()
         with projections_stubbed(plan, int(cfg.hidden_size), int(cfg.vocab_size)):
-            rest = steps_ms(stub_graphs)
+            rest = steps_ms()
         if stack is not None:  # the same step without generator/stack.py, alternated: what the stack saves
             plan.stack = None
             try:
-                op_by_op = steps_ms(None)
+                op_by_op = steps_ms()
             finally:
                 plan.stack = stack
         if r >= 0:
@@ -178,11 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--label", default="")
     add_model_args(ap)
-    ap.add_argument("--compile", action="store_true", help="the one-row step compiled (TOKENPIPE_DECODE_COMPILE)")
     ap.add_argument("--out", default="bench/out/stepsplit.json")
     args = ap.parse_args(argv)
-    if args.compile and args.rows != "1":
-        ap.error("--compile times one-row steps: pass --rows 1")
     lm, cpu = load_as_generator(args, "bench.stepsplit")
     plan = plan_for(lm.model)
     print(f"{lm.name} {lm.quant} {str(lm.dtype).removeprefix('torch.')}", flush=True)
@@ -191,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'rows':>5} {'step ms':>9} {'proj ms':>9} {'rest ms':>9} {'rest %':>7} {'tok/s':>8} {'op-by-op ms':>12} "
           f"{'stack x':>8}")
     for rows in rows_list:
-        res = split(lm, rows, args.rounds, args.steps, compiled=args.compile)
+        res = split(lm, rows, args.rounds, args.steps)
         results.append(res)
         obo = res["op_by_op_ms"]
         print(f"{rows:>5} {res['step_ms']:>9.2f} {res['projections_ms']:>9.2f} {res['rest_ms']:>9.2f} "
@@ -208,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
               f"(ceiling {bw * 1e9 / per_token:.0f} tok/s); the step reaches {share * 100:.0f}% of it")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"label": args.label, "compiled": args.compile, "cpu": cpu,
+    out.write_text(json.dumps({"label": args.label, "cpu": cpu,
                                "threads": torch.get_num_threads(),
                                "torch": torch.__version__, "model": lm.name, "quant": lm.quant,
                                "dtype": str(lm.dtype), "context": CONTEXT, "splits": results,

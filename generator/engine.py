@@ -19,7 +19,6 @@ import torch
 from tokenpipe.errors import InvalidRequest
 from tokenpipe.wire import FinishReason, SamplingParams
 
-from .compiled import CompiledDecode, resolve_decode_compile
 from .cudagraph import StaticDecode, resolve_cuda_graphs, sample_on_device
 from .forward import decode_step, prefill
 from .kvcache import BLOCK_SIZE, ROOT_KEY, SCRATCH, PagedKVCache, auto_budget_bytes, bytes_per_position, prefix_keys
@@ -80,8 +79,7 @@ class Engine:
 
     def __init__(self, loaded: LoadedModel, *, max_batch: int = 32, max_seq_len: int = 2048,
                  prefill_token_budget: int = 4096, max_prompt_tokens: int = 0, kv_cache_mb: float = 0,
-                 prefix_caching: bool = True, admit_reserve_tokens: int = 256, cuda_graphs: str = "off",
-                 decode_compile: str = "off") -> None:
+                 prefix_caching: bool = True, admit_reserve_tokens: int = 256, cuda_graphs: str = "off") -> None:
         self.loaded = loaded
         self.model = loaded.model
         self.device = loaded.device
@@ -109,11 +107,6 @@ class Engine:
                                   device=self.device)
             if static.capture(strict=cuda_graphs == "on"):
                 self.static = static
-        # One-row steps through graphs compiled at start (generator.compiled); None: eager.
-        self.compiled: CompiledDecode | None = None
-        if resolve_decode_compile(decode_compile, self.device):
-            self.compiled = CompiledDecode(self.model, self.cache, max_seq_len=self.max_seq_len)
-            self.compiled.warm()
 
     # -- admission -------------------------------------------------------------------
     def new_sequence(self, seq_id: str, prompt: list[int], params: SamplingParams, carried: int = 0) -> Sequence:
@@ -305,8 +298,6 @@ class Engine:
         logits = None
         if self.static is not None:
             logits = self.static.decode(last, positions, slots, [s.blocks for s in seqs])  # [B, V]
-        elif self.compiled is not None and len(seqs) == 1:
-            logits = self.compiled.decode(last[0], positions[0], slots[0], seqs[0].blocks)  # [1, V] or None
         if logits is None:
             tables = self._tables(seqs, max(positions) + 1)
             dev = self.device

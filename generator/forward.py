@@ -263,7 +263,7 @@ def _bagged_attention(q: Tensor, cache: PagedKVCache, layer: int, tables: Tensor
 
 @torch.inference_mode()
 def decode_step(model: Any, cache: PagedKVCache, tokens: Tensor, positions: Tensor, slots: Tensor,
-                tables: Tensor, *, kernels: bool = True) -> Tensor:
+                tables: Tensor) -> Tensor:
     """One token for each row: ``tokens [B]`` at ``positions [B]``, K/V written at the flat cache
     positions ``slots [B]``; attention reads the blocks of ``tables [B, n]`` (padded with the
     scratch block; a fixed ``n`` keeps every shape static). Returns ``[B, V]``.
@@ -272,16 +272,14 @@ def decode_step(model: Any, cache: PagedKVCache, tokens: Tensor, positions: Tens
     with the cache write and SiLU(gate) * up the library's ops where the plan has them (``step_ops``;
     a prefill's many rows take torch's vectorized ones); with those, where the plan has a stack and every layer
     projection's kernel at ``B`` rows is the library's, the decoder layers are one call (:mod:`generator.stack`,
-    the same results to the bit). ``kernels`` False keeps the torch ops for a compiled step
-    (:mod:`generator.compiled`), which fuses them into its own code: cheaper than the kernels called op by
-    op, dearer than the stack (bench/RESULTS.md, "issue 21", parts 11 and 13).
+    the same results to the bit).
     """
     inner, plan = model.model, plan_for(model)
     B = tokens.shape[0]
     x = inner.embed_tokens(tokens[:, None])  # [B, 1, D]
     rot = _rotary(*inner.rotary_emb(x, positions[:, None]))  # cos/sin [B, 1, hd]
-    paged = kernels and plan.paged_attention_rows >= B
-    ops = kernels and plan.step_ops
+    paged = plan.paged_attention_rows >= B
+    ops = plan.step_ops
     fp32_rows = plan.attention_fp32_rows
     hd = cache.head_dim
     # q and k rotated and k, v written by one op, q going straight to the attention kernel (not Qwen3's

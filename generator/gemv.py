@@ -18,13 +18,12 @@ tiles, 16 rows a group per instruction, where the CPU has them (``tiles``).
 It is compiled when the engine starts, once per machine (~15 s: ``gemv.c`` with ``$CC``, the
 op bindings ``gemv_op.cpp`` against torch's headers with ``$CXX``) and cached in
 ``<data dir>/kernels/`` under a digest of the sources, the compilers, the flags and torch's
-version; the library registers the ops ``torch.ops.tokenpipe.gemv_q4`` / ``gemv_q8`` / ``gemm8``, which
-torch.compile keeps opaque. The step's other ops are built into it too, for the eager forward
-(:mod:`generator.forward`): ``paged_attention`` and ``kv_write`` (``attention.c``: decode
-attention read from the KV pool in place, this step's K/V written into it), ``rms_norm``
-(``norm.c``), ``rope_write`` and ``silu_mul`` (``pointwise.c``). Where there is no AVX2/FMA or no
-compiler the kernels are simply not candidates (logged). Which kernel serves which row counts is
-measured like the others (:mod:`generator.kernels`).
+version; the library registers the ops ``torch.ops.tokenpipe.gemv_q4`` / ``gemv_q8`` / ``gemm8``. The
+step's other ops are built into it too, for :mod:`generator.forward`: ``paged_attention`` and
+``kv_write`` (``attention.c``: decode attention read from the KV pool in place, this step's K/V
+written into it), ``rms_norm`` (``norm.c``), ``rope_write`` and ``silu_mul`` (``pointwise.c``).
+Where there is no AVX2/FMA or no compiler the kernels are simply not candidates (logged). Which
+kernel serves which row counts is measured like the others (:mod:`generator.kernels`).
 """
 
 from __future__ import annotations

@@ -203,9 +203,6 @@ class PagedKVCache:
                 "(raise TOKENPIPE_KV_CACHE_MB or lower TOKENPIPE_MAX_SEQ_LEN)")
         self.pool = BlockPool(num_blocks, caching=caching)
         shape = (2, self.kv_heads, num_blocks, BLOCK_SIZE, self.head_dim)
-        # One tensor per layer, not views of one: a compiled step (generator.compiled) that writes
-        # views of a shared base gets the write re-expressed as a scatter into the whole base,
-        # the entire pool copied every step (5x slower than eager with a 750 MB pool).
         self.kv = [_lazy_zeros(shape, dtype) if device.type == "cpu" else torch.zeros(shape, dtype=dtype, device=device)
                    for _ in range(self.layers)]  # [2, G, num_blocks, BLOCK_SIZE, hd] each
         self.k = [kv[0] for kv in self.kv]

@@ -17,7 +17,6 @@ from tokenpipe.metrics import GeneratorMetrics
 from tokenpipe.settings import Settings
 from tokenpipe.telemetry import setup_tracing
 
-from .compiled import resolve_decode_compile
 from .cudagraph import resolve_cuda_graphs
 from .engineproc import EngineProcess, use_engine_process
 from .health import StatusServer
@@ -41,10 +40,6 @@ def load_for(settings: Settings) -> LoadedModel:
 async def serve(settings: Settings) -> None:
     """Load the model, connect, serve until SIGINT/SIGTERM, then drain."""
     resolve_cuda_graphs(settings.cuda_graphs, resolve_device(settings.device))  # refused before anything loads
-    if resolve_decode_compile(settings.decode_compile, resolve_device(settings.device)):
-        # Inductor's compiled graphs kept beside the converted models (its default is under /tmp);
-        # set before the engine (or its process, which inherits it) compiles anything.
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(settings.data_dir) / "inductor"))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -152,14 +152,13 @@ class Runner:
                  on_step: Callable[[int], None] | None = None, max_batch: int = 32,
                  max_seq_len: int = 2048, prefill_token_budget: int = 4096, max_prompt_tokens: int = 0,
                  torch_thread: Executor | None = None, admission_hold_s: float = 0.01, kv_cache_mb: float = 0,
-                 prefix_caching: bool = True, cuda_graphs: str = "off", decode_compile: str = "off") -> None:
+                 prefix_caching: bool = True, cuda_graphs: str = "off") -> None:
         self.loaded = loaded
         self.admission_hold_s = admission_hold_s
         self.torch_thread = torch_thread
         make = partial(Engine, loaded, max_batch=max_batch, max_seq_len=max_seq_len,
                        prefill_token_budget=prefill_token_budget, max_prompt_tokens=max_prompt_tokens,
-                       kv_cache_mb=kv_cache_mb, prefix_caching=prefix_caching, cuda_graphs=cuda_graphs,
-                       decode_compile=decode_compile)
+                       kv_cache_mb=kv_cache_mb, prefix_caching=prefix_caching, cuda_graphs=cuda_graphs)
         # The KV cache is allocated where the steps will run (see :func:`torch_thread`).
         self.engine = make() if torch_thread is None else torch_thread.submit(make).result()
         self.on_emit = on_emit
@@ -181,7 +180,7 @@ class Runner:
                    prefill_token_budget=settings.prefill_token_budget, max_prompt_tokens=settings.max_prompt_tokens,
                    torch_thread=torch_thread, admission_hold_s=settings.admission_hold_ms / 1000,
                    kv_cache_mb=settings.kv_cache_mb, prefix_caching=settings.prefix_caching,
-                   cuda_graphs=settings.cuda_graphs, decode_compile=settings.decode_compile)
+                   cuda_graphs=settings.cuda_graphs)
 
     # -- thread-safe API -------------------------------------------------------------
 

@@ -17,7 +17,7 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 from .cluster import parse_replicas, server_list
 from .errors import ConfigError
 
-__all__ = ["CudaGraphs", "DecodeCompile", "Dtype", "EngineProcess", "Kernels", "Quant", "Settings", "default_data_dir"]
+__all__ = ["CudaGraphs", "Dtype", "EngineProcess", "Kernels", "Quant", "Settings", "default_data_dir"]
 
 ENV_PREFIX = "TOKENPIPE_"
 
@@ -26,7 +26,6 @@ Quant = Literal["auto", "none", "int8", "int4"]
 Kernels = Literal["auto", "rules", "quant", "dense", "packed", "gemv", "gemm8", "amx"]
 EngineProcess = Literal["auto", "on", "off"]
 CudaGraphs = Literal["auto", "on", "off"]
-DecodeCompile = Literal["on", "off"]
 
 
 def default_data_dir() -> str:
@@ -131,14 +130,6 @@ class Settings:
         metadata=_doc("capture the decode step as CUDA graphs, one per batch-size bucket (1, 2, 4, … 64), "
                       "replayed each step: `auto` (on with CUDA, off on CPU), `on` (refused without a CUDA "
                       "device), `off`"))
-    decode_compile: DecodeCompile = field(
-        default="off",
-        metadata=_doc("on a CPU, compile the one-row decode step with torch.compile, one graph per attended "
-                      "length (128, 256, … positions), all at start, for about 3 min a graph the first time (each "
-                      "graph is C++ end to end, its wrapper too) and ~12 s from the cache in the data dir; `on` is "
-                      "refused on CUDA; steps of more rows stay eager. Where tokenpipe's kernel library serves the "
-                      "eager step (its decoder layers in one call) that step is faster: 1.24× the compiled one at "
-                      "one stream on a 2-vCPU Intel Xeon (AVX-512, BF16, AMX), SmolLM2"))
     max_batch: int = field(
         default=32, metadata=_doc("most concurrent sequences per generator; free KV-cache blocks decide below it"))
     kv_cache_mb: float = field(

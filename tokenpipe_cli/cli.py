@@ -75,7 +75,6 @@ def build_parser() -> argparse.ArgumentParser:
     _setting(gen, "max_batch")
     _setting(gen, "engine_process")
     _setting(gen, "cuda_graphs")
-    _setting(gen, "decode_compile")
     _setting(gen, "metrics_port")
 
     relay = sub.add_parser("relay", help="run the HTTP/SSE relay")

@@ -34,7 +34,6 @@ __all__ = ["Supervisor"]
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.2
-_COMPILE_ALLOWANCE_S = 900.0
 
 
 class _GiveUp(Exception):
@@ -204,9 +203,7 @@ class Supervisor:
                     self._start(role)
             self._write_status()
             started = time.monotonic()
-            # A generator compiling its decode graphs (TOKENPIPE_DECODE_COMPILE) is not ready before
-            # they all are: up to 8 of ~90 s each on 2 cores the first time.
-            timeout = self.ready_timeout + (_COMPILE_ALLOWANCE_S if self.settings.decode_compile == "on" else 0)
+            timeout = self.ready_timeout
             while self._stop_signal is None:
                 self._tick()
                 if self._state == "starting" and time.monotonic() - started > timeout:
