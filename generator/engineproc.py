@@ -57,10 +57,8 @@ def use_engine_process(mode: str, device: str) -> bool:
     """Whether ``TOKENPIPE_ENGINE_PROCESS`` puts the engine in its own process.
 
     ``auto`` is on with CUDA, where the engine thread's Python is what launches the kernels and
-    the loop must not stall it, and off on CPU: on the 2-vCPU host the A/B did not show a
-    consistent throughput win for the process (``python -m bench.enginecore``, bench/RESULTS.md:
-    0.76x and 1.6x at 32 streams in two runs on a machine loaded 6-12), where its two processes
-    and torch's threads compete for the same two cores whichever process they are in."""
+    the loop must not stall it, and off on CPU, where the A/B showed no consistent throughput win
+    for the process (``python -m bench.enginecore``, bench/RESULTS.md)."""
     if mode not in ("auto", "on", "off"):
         raise ConfigError(f"TOKENPIPE_ENGINE_PROCESS={mode!r}: use one of auto, on, off", param="engine_process")
     if mode != "auto":

@@ -149,16 +149,13 @@ class Runner:
     """Owns an :class:`Engine` on a dedicated thread."""
 
     def __init__(self, loaded: LoadedModel, on_emit: Callable[[list[Emission]], None], *,
-                 on_step: Callable[[int], None] | None = None, max_batch: int = 32,
-                 max_seq_len: int = 2048, prefill_token_budget: int = 4096, max_prompt_tokens: int = 0,
-                 torch_thread: Executor | None = None, admission_hold_s: float = 0.01, kv_cache_mb: float = 0,
-                 prefix_caching: bool = True, cuda_graphs: str = "off") -> None:
+                 on_step: Callable[[int], None] | None = None, torch_thread: Executor | None = None,
+                 admission_hold_s: float = 0.01, **engine_args: Any) -> None:
+        """``engine_args`` are :class:`Engine`'s keyword arguments (``max_batch``, ``max_seq_len``, …)."""
         self.loaded = loaded
         self.admission_hold_s = admission_hold_s
         self.torch_thread = torch_thread
-        make = partial(Engine, loaded, max_batch=max_batch, max_seq_len=max_seq_len,
-                       prefill_token_budget=prefill_token_budget, max_prompt_tokens=max_prompt_tokens,
-                       kv_cache_mb=kv_cache_mb, prefix_caching=prefix_caching, cuda_graphs=cuda_graphs)
+        make = partial(Engine, loaded, **engine_args)
         # The KV cache is allocated where the steps will run (see :func:`torch_thread`).
         self.engine = make() if torch_thread is None else torch_thread.submit(make).result()
         self.on_emit = on_emit
