@@ -264,8 +264,7 @@ def measure_table(model: Any, plan: Plan, rules: KernelTable, counts: tuple[int,
     only at a clear win (:data:`generator.kernels.MARGIN`), then keep each changed row count only where
     a whole decode step confirms it. Each call takes the next layer's module, as a step does: one
     module called again and again keeps its weight in the core's cache, which flattered the kernels with
-    the largest weights (gate_up at 32 rows: oneDNN's pre-packed bf16 101 µs against gemm8's 125 so,
-    192 against 145 round robin; bench/RESULTS.md, "issue 21, part 12")."""
+    the largest weights (bench/RESULTS.md, "issue 21, part 12")."""
     t0 = time.monotonic()
     times_us: dict[str, dict[str, dict[str, float]]] = {}
     choices: dict[str, dict[int, str]] = {}

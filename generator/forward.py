@@ -223,9 +223,8 @@ def _decode_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: floa
 
     In bf16, two small batched matmuls: for one query token several times faster on CPU than
     SDPA's flash kernel with a mask, and no repeat of K/V per query head. In fp32 on CPU, SDPA
-    (GQA, the bias as its mask): 42 against 85 µs per layer at one row and 112 positions on an
-    AVX2-only EPYC, where the matmul path's eight ops cost more in dispatch than in arithmetic
-    (bench/RESULTS.md, "The other half of the step"). A bf16 cache is read in fp32 for up to
+    (GQA, the bias as its mask), where the matmul path's eight ops cost more in dispatch than in
+    arithmetic (bench/RESULTS.md, "The other half of the step"). A bf16 cache is read in fp32 for up to
     ``fp32_rows`` rows (:data:`FP32_ATTENTION_ROWS` by rule, else the plan's measured figure,
     :mod:`generator.kernels`): CPU bf16 matmuls this small cost more than the cast.
     q [B, H, 1, hd]; k, v [G, B, T, hd] (as gathered from the blocks); bias [B, T]

@@ -223,7 +223,6 @@ async def keep(msg: Msg, request_id: str | None) -> None:
         log.warning("in-progress ack failed", extra={"request_id": request_id, "error": repr(exc)})
 
 
-
 def _owner(subject: str) -> str | None:
     try:
         return owner_of_request(subject)
