@@ -21,9 +21,9 @@ from typing import Any
 
 import httpx
 
-from tokenpipe.errors import InvalidRequest, Overloaded, TokenpipeError, TransportError, error_class
+from tokenpipe.errors import TransportError
 
-from .relay_socket import RelaySocket
+from .relay_socket import RelaySocket, relay_error
 from .sse import SSEEvent, SSEParser
 
 __all__ = ["RelayClient", "aiter_sse"]
@@ -137,8 +137,4 @@ def _raise_for_error(resp: httpx.Response) -> None:
         message, code, param = str(err["message"]), err.get("code"), err.get("param")
     except (ValueError, KeyError, TypeError):
         message, code, param = resp.text or resp.reason_phrase, None, None
-    if code == Overloaded.code:
-        raise Overloaded(message, retry_after=int(resp.headers.get("retry-after", "1")), param=param)
-    # The relay's error body carries the class's own ``code`` slug: read back into the same class.
-    cls = error_class(code or "") or (InvalidRequest if 400 <= resp.status_code < 500 else TokenpipeError)
-    raise cls(message, param=param)
+    raise relay_error(message, code, param, status=resp.status_code, retry_after=resp.headers.get("retry-after", "1"))
