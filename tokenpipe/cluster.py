@@ -19,15 +19,12 @@ Running clustered nats-server processes is the launcher's job: :mod:`tokenpipe_c
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from .errors import ConfigError
 
 __all__ = ["MAX_REPLICAS", "cluster_size", "connected_server", "parse_replicas",
            "replicas_to_keep", "resolve_replicas", "server_list"]
-
-log = logging.getLogger(__name__)
 
 MAX_REPLICAS = 5  # JetStream's own limit on a stream's replicas
 

@@ -177,27 +177,26 @@ async def stored_count(bus: Bus, stream_id: str, *, owner: str | None = None) ->
     (a node thawed after a freeze, catching up) answers from what it has — a read after a
     freeze got 48 of 49 messages from one — so "nothing more is stored" from a direct get or a
     consumer on any replica is not to be trusted."""
-    subject = token_subject(owner or bus.owner, stream_id)
-    try:
-        # Bounded well below the 10 s API timeout: while the stream is between leaders nobody
-        # answers, and a caller that retries should do so soon after the new leader is in.
-        info = await asyncio.wait_for(bus.js.stream_info(TOKENS_STREAM, subjects_filter=subject),
-                                      timeout=_COUNT_TIMEOUT_S)
-    except Exception as exc:
-        raise TransportError(f"could not read stream history: {exc}") from exc
-    return int((info.state.subjects or {}).get(subject, 0))
+    return await _leader_count(bus, TOKENS_STREAM, token_subject(owner or bus.owner, stream_id),
+                               "could not read stream history")
 
 
 async def pending_requests(bus: Bus, model: str, owner: str | None = None) -> int:
     """How many of ``owner``'s requests for ``model`` the work queue holds: queued, or running (a
     generator acks a request only after its final batch is stored). 0 means none of them can still
     store a batch. Asked of the stream's leader, like :func:`stored_count`."""
-    subject = request_subject(model, owner or bus.owner)
+    return await _leader_count(bus, REQUESTS_STREAM, request_subject(model, owner or bus.owner),
+                               "could not read the request queue")
+
+
+async def _leader_count(bus: Bus, stream: str, subject: str, failed: str) -> int:
+    """How many messages ``stream`` holds on ``subject``, as its leader counts them (STREAM.INFO)."""
     try:
-        info = await asyncio.wait_for(bus.js.stream_info(REQUESTS_STREAM, subjects_filter=subject),
-                                      timeout=_COUNT_TIMEOUT_S)
+        # Bounded well below the 10 s API timeout: while the stream is between leaders nobody
+        # answers, and a caller that retries should do so soon after the new leader is in.
+        info = await asyncio.wait_for(bus.js.stream_info(stream, subjects_filter=subject), timeout=_COUNT_TIMEOUT_S)
     except Exception as exc:
-        raise TransportError(f"could not read the request queue: {exc}") from exc
+        raise TransportError(f"{failed}: {exc}") from exc
     return int((info.state.subjects or {}).get(subject, 0))
 
 
@@ -296,11 +295,7 @@ def named_consumer() -> js_api.ConsumerConfig:
     """A consumer config with a name: nats-py then puts the filter subject into the create
     request's subject (``$JS.API.CONSUMER.CREATE.<stream>.<name>.<filter>``), which is what lets
     NATS permissions confine a reader to its owner's token subjects (tokenpipe.natsauth)."""
-    return js_api.ConsumerConfig(name=nuid_name())
-
-
-def nuid_name() -> str:
-    return f"tp{secrets.token_hex(10)}"
+    return js_api.ConsumerConfig(name=f"tp{secrets.token_hex(10)}")
 
 
 async def _unsubscribe(sub: Any, stream_id: str) -> None:
