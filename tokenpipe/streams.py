@@ -1,10 +1,6 @@
-"""Stream operations over NATS shared by the relay and the producer SDK.
-
-``submit`` records who owns a stream (the meta bucket) and publishes the request to
-the work queue with ``Nats-Msg-Id`` = request id (idempotent resubmission).
-``follow`` yields a stream's batches from the beginning (or after a given ``seq``)
-and then live, from one ordered JetStream consumer: history and live come through
-the same cursor, so nothing arriving during the switch can be lost or repeated.
+"""Stream operations over NATS shared by the relay and the producer SDK: :func:`submit`, :func:`cancel`,
+reads of what is stored, and :func:`follow`, from one ordered JetStream consumer: history and live
+come through the same cursor, so nothing arriving during the switch can be lost or repeated.
 """
 
 from __future__ import annotations
@@ -200,18 +196,20 @@ async def _leader_count(bus: Bus, stream: str, subject: str, failed: str) -> int
     return int((info.state.subjects or {}).get(subject, 0))
 
 
-async def _open_history(bus: Bus, stream_id: str, owner: str | None) -> Any:
-    """An ordered consumer over ``stream_id``'s stored batches, from the first."""
+async def _open_history(bus: Bus, stream_id: str, owner: str | None, *, failed: str = "could not read stream history",
+                        timeout: float | None = _CONSUMER_CREATE_TIMEOUT_S, **options: Any) -> Any:
+    """An ordered consumer over ``stream_id``'s stored batches, from the first (``options``: more of
+    ``js.subscribe``'s)."""
     try:
         # Bounded: while TP_TOKENS is between leaders nobody answers the consumer create, and a
         # caller that retries (a reader filling a hole) should do so well before a 10 s API timeout.
         return await asyncio.wait_for(
             bus.js.subscribe(token_subject(owner or bus.owner, stream_id), stream=TOKENS_STREAM,
                              ordered_consumer=True, deliver_policy=js_api.DeliverPolicy.ALL,
-                             config=named_consumer()),
-            timeout=_CONSUMER_CREATE_TIMEOUT_S)
+                             config=named_consumer(), **options),
+            timeout=timeout)
     except Exception as exc:
-        raise TransportError(f"could not read stream history: {exc}") from exc
+        raise TransportError(f"{failed}: {exc}") from exc
 
 
 async def stored(bus: Bus, stream_id: str, *,
@@ -335,17 +333,8 @@ async def follow(bus: Bus, stream_id: str, *, after_seq: int = -1, idle: float |
     ``reorder_wait`` seconds) until it arrives, so consumers always see contiguous batches, or
     an explicit :class:`Gap`.
     """
-    try:
-        sub = await bus.js.subscribe(
-            token_subject(bus.owner, stream_id),
-            stream=TOKENS_STREAM,
-            ordered_consumer=True,
-            deliver_policy=js_api.DeliverPolicy.ALL,
-            idle_heartbeat=5.0,
-            config=named_consumer(),
-        )
-    except Exception as exc:
-        raise TransportError(f"could not follow stream: {exc}") from exc
+    sub = await _open_history(bus, stream_id, None, failed="could not follow stream", timeout=None,
+                              idle_heartbeat=5.0)
     buf = Reorder(after_seq, wait=reorder_wait, trace_headers=trace_headers)
     oldest: TokenBatch | None = None
     try:
