@@ -20,7 +20,7 @@ import json
 import os
 import secrets
 import ssl
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -77,12 +77,10 @@ class Permissions:
     allow_responses: bool = False  # may answer a request it received (on the asker's inbox)
 
     def as_config(self) -> dict[str, Any]:
-        perms: dict[str, Any] = {
-            "publish": {"allow": list(self.publish_allow), **({"deny": list(self.publish_deny)}
-                                                               if self.publish_deny else {})},
-            "subscribe": {"allow": list(self.subscribe_allow), **({"deny": list(self.subscribe_deny)}
-                                                                   if self.subscribe_deny else {})},
-        }
+        perms: dict[str, Any] = {}
+        for op, allow, deny in (("publish", self.publish_allow, self.publish_deny),
+                                ("subscribe", self.subscribe_allow, self.subscribe_deny)):
+            perms[op] = {"allow": list(allow), **({"deny": list(deny)} if deny else {})}
         if self.allow_responses:
             perms["allow_responses"] = True
         return perms
@@ -179,8 +177,7 @@ class Credential:
     inbox_prefix: str = ""
 
     def to_json(self) -> str:
-        return json.dumps({"user": self.user, "password": self.password, "owner": self.owner,
-                           "inbox_prefix": self.inbox_prefix}, indent=1)
+        return json.dumps(asdict(self), indent=1)
 
     @property
     def role(self) -> str:
