@@ -51,14 +51,12 @@ class RelayClient:
             raise ValueError(f"transport must be 'sse' or 'websocket', not {transport!r}")
         self.transport = transport
         self._socket: RelaySocket | None = None
+        self._owned = http is None
         if http is None:
             if url is None:
                 raise ValueError("RelayClient needs the relay's url or an httpx client")
             headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
             http = httpx.AsyncClient(base_url=url, timeout=timeout, headers=headers)
-            self._owned = True
-        else:
-            self._owned = False
         self.http = http
         auth = http.headers.get("authorization", "")
         self._api_key = api_key or (auth.partition(" ")[2] or None)
