@@ -357,8 +357,6 @@ async def follow(bus: Bus, stream_id: str, *, after_seq: int = -1, idle: float |
                     oldest = batch  # the lowest seq the stream still holds (read from its start)
                 now = time.monotonic()
                 buf.feed(batch, msg.headers, now=now)
-                # Retention removed the start only if the oldest stored batch is old: a young one
-                # may still be waiting for earlier ones to be stored (republished after a leader change).
                 if msg.metadata.num_pending == 0 and emitted_before(oldest, reorder_wait):
                     buf.caught_up(oldest.seq, now=now)
             for item in buf.ready():
