@@ -21,9 +21,9 @@ from typing import Any
 
 import httpx
 
-from tokenpipe.errors import InvalidRequest, Overloaded, TokenpipeError, TransportError, error_class
+from tokenpipe.errors import TransportError
 
-from .relay_socket import RelaySocket
+from .relay_socket import RelaySocket, relay_error
 from .sse import SSEEvent, SSEParser
 
 __all__ = ["RelayClient", "aiter_sse"]
@@ -51,14 +51,12 @@ class RelayClient:
             raise ValueError(f"transport must be 'sse' or 'websocket', not {transport!r}")
         self.transport = transport
         self._socket: RelaySocket | None = None
+        self._owned = http is None
         if http is None:
             if url is None:
                 raise ValueError("RelayClient needs the relay's url or an httpx client")
             headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
             http = httpx.AsyncClient(base_url=url, timeout=timeout, headers=headers)
-            self._owned = True
-        else:
-            self._owned = False
         self.http = http
         auth = http.headers.get("authorization", "")
         self._api_key = api_key or (auth.partition(" ")[2] or None)
@@ -137,8 +135,4 @@ def _raise_for_error(resp: httpx.Response) -> None:
         message, code, param = str(err["message"]), err.get("code"), err.get("param")
     except (ValueError, KeyError, TypeError):
         message, code, param = resp.text or resp.reason_phrase, None, None
-    if code == Overloaded.code:
-        raise Overloaded(message, retry_after=int(resp.headers.get("retry-after", "1")), param=param)
-    # The relay's error body carries the class's own ``code`` slug: read back into the same class.
-    cls = error_class(code or "") or (InvalidRequest if 400 <= resp.status_code < 500 else TokenpipeError)
-    raise cls(message, param=param)
+    raise relay_error(message, code, param, status=resp.status_code, retry_after=resp.headers.get("retry-after", "1"))

@@ -27,19 +27,19 @@ from tokenpipe.errors import InvalidRequest, Overloaded, TokenpipeError, Transpo
 
 from .sse import SSEEvent
 
-__all__ = ["RelaySocket"]
+__all__ = ["RelaySocket", "relay_error"]
 
 _STREAM_FRAMES = frozenset({"tokens", "gap", "done", "error"})
 _CLOSED = None  # queued to every stream when the socket goes away
 
 
-def _error(frame: Mapping[str, Any]) -> TokenpipeError:
-    """An ``error`` frame as the exception its ``code`` names (as ``RelayClient`` reads HTTP errors)."""
-    message, code, param = str(frame.get("message")), frame.get("code") or "", frame.get("param")
+def relay_error(message: str, code: str | None, param: str | None, *, status: int,
+                retry_after: str | int) -> TokenpipeError:
+    """A relay's error (an HTTP error body, or an ``error`` frame) as the exception its ``code`` names:
+    the relay sends the class's own ``code`` slug; without one, ``status`` picks the class."""
     if code == Overloaded.code:
-        return Overloaded(message, retry_after=int(frame.get("retry_after") or 1), param=param)
-    status = int(frame.get("status") or 500)
-    cls = error_class(code) or (InvalidRequest if 400 <= status < 500 else TokenpipeError)
+        return Overloaded(message, retry_after=int(retry_after), param=param)
+    cls = error_class(code or "") or (InvalidRequest if 400 <= status < 500 else TokenpipeError)
     return cls(message, param=param)
 
 
@@ -136,7 +136,8 @@ class RelaySocket:
             raise TransportError(f"could not send to the relay: {exc!r}") from exc
         reply = await future
         if reply.get("type") == "error":
-            raise _error(reply)
+            raise relay_error(str(reply.get("message")), reply.get("code"), reply.get("param"),
+                              status=int(reply.get("status") or 500), retry_after=reply.get("retry_after") or 1)
         return reply
 
     async def create(self, body: Mapping[str, Any] | None = None, **fields: Any) -> str:

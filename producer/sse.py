@@ -61,13 +61,7 @@ class SSEParser:
             self._skip_lf = buf.endswith(b"\r")
             buf = buf.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
         *lines, self._rest = buf.split(b"\n")
-        out = []
-        line_ = self._line  # the loop runs once per line of every event: a local is cheaper
-        for line in lines:
-            event = line_(line)
-            if event is not None:
-                out.append(event)
-        return out
+        return [event for event in map(self._line, lines) if event is not None]
 
     def feed_line(self, line: str) -> SSEEvent | None:
         """One line without its terminator (as ``httpx.Response.aiter_lines`` yields them);

@@ -26,12 +26,8 @@ class SyncProducer:
 
     def generate(self, model: str, **kw: Any) -> Result:
         """Submit and wait for the whole result."""
-
-        async def run() -> Result:
-            handle = await self._producer.submit(model, **kw)
-            return await handle.result()
-
-        return self._call(run())  # type: ignore[no-any-return]
+        handle = self._call(self._producer.submit(model, **kw))
+        return self._call(handle.result())  # type: ignore[no-any-return]
 
     def stream(self, model: str, **kw: Any) -> Iterator[str]:
         """Submit and yield text deltas as they arrive."""

@@ -43,7 +43,7 @@ from .subjects import TOKENS_STREAM, live_subject, token_subject
 from .wire import TokenBatch
 
 __all__ = ["EXPECTED_LAST", "LiveCopies", "StreamLost", "WRONG_LAST_SEQUENCE", "append_once", "conditional",
-           "live_headers", "refused_at", "send_live", "stored_as"]
+           "refused_at", "send_live", "stored_as"]
 
 log = logging.getLogger(__name__)
 
@@ -83,16 +83,12 @@ def conditional(headers: Mapping[str, str], expected_last: int) -> dict[str, str
     return {**headers, EXPECTED_LAST: str(expected_last)}
 
 
-def live_headers(headers: Mapping[str, str]) -> dict[str, str]:
-    """The headers of a batch's live copy: the condition belongs to the store alone (an app's own
-    copy of its tokens stores the live copies, and would check it against its own sequences)."""
-    return {k: v for k, v in headers.items() if k != EXPECTED_LAST}
-
-
 async def send_live(bus: Bus, owner: str, stream_id: str, data: bytes, headers: Mapping[str, str]) -> None:
     """The live copy of a batch the store accepted (core NATS, at most once: readers fill what
-    they miss from the store)."""
-    await bus.nc.publish(live_subject(owner, stream_id), data, headers=live_headers(headers) or None)
+    they miss from the store). Without the condition, which belongs to the store alone (an app's
+    own copy of its tokens stores the live copies, and would check it against its own sequences)."""
+    live = {k: v for k, v in headers.items() if k != EXPECTED_LAST}
+    await bus.nc.publish(live_subject(owner, stream_id), data, headers=live or None)
 
 
 @dataclass(frozen=True, slots=True)

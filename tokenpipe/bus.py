@@ -173,15 +173,8 @@ async def _ensure_stream(js: JetStreamContext, config: js_api.StreamConfig, sett
         log.error("stream is sealed", extra={"stream": config.name, "action": _SEALED_ACTION.format(config.name)})
         return
     config.num_replicas = replicas_to_keep(have.num_replicas or 1, config.num_replicas or 1, settings.replicas)
-    wanted: dict[str, Any] = {
-        "subjects": config.subjects,
-        "max_age": config.max_age,
-        "max_bytes": config.max_bytes,
-        "duplicate_window": config.duplicate_window,
-        "allow_direct": config.allow_direct,
-        "num_replicas": config.num_replicas,
-    }
-    if any(getattr(have, k) != v for k, v in wanted.items() if v is not None):
+    wanted = ("subjects", "max_age", "max_bytes", "duplicate_window", "allow_direct", "num_replicas")
+    if any(getattr(have, k) != getattr(config, k) for k in wanted if getattr(config, k) is not None):
         # Retention/storage can't change in place; the rest can (replicas included), so settings apply.
         await _update_stream(js, config, have.num_replicas or 1)
 

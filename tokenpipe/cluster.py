@@ -1,33 +1,21 @@
-"""tokenpipe on a NATS cluster: the server list, the replica count, retries through elections.
+"""tokenpipe on a NATS cluster: the server list and the replica count.
 
 The distributed engine is NATS itself: a JetStream cluster (Raft, R3 streams and KV) is the
-unit of durability, and every role takes a server list and reconnects across its nodes. This
-module is the one place that knows about clusters:
-
-- :func:`server_list` reads ``TOKENPIPE_NATS_URL`` (one URL, or a comma-separated seed list);
-- :func:`resolve_replicas` turns ``TOKENPIPE_REPLICAS`` (``auto`` or 1..5) into the replica
-  count the streams and the KV bucket are provisioned with: ``auto`` is 3 when the connected
-  server belongs to a cluster of at least three JetStream servers, else 1.
-
-The request consumer's ``ack_wait`` is the same on one node and a cluster: who writes a stream
-is decided by the store (:mod:`tokenpipe.append`), never by a timeout.
-
-Retrying through leader elections is :mod:`tokenpipe.retry`'s.
-
-Running clustered nats-server processes is the launcher's job: :mod:`tokenpipe_cli.cluster`.
+unit of durability, and every role takes a server list and reconnects across its nodes. The
+request consumer's ``ack_wait`` is the same on one node and a cluster: who writes a stream is
+decided by the store (:mod:`tokenpipe.append`), never by a timeout. Retrying through leader
+elections is :mod:`tokenpipe.retry`'s; running clustered nats-server processes,
+:mod:`tokenpipe_cli.cluster`'s.
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from .errors import ConfigError
 
 __all__ = ["MAX_REPLICAS", "cluster_size", "connected_server", "parse_replicas",
            "replicas_to_keep", "resolve_replicas", "server_list"]
-
-log = logging.getLogger(__name__)
 
 MAX_REPLICAS = 5  # JetStream's own limit on a stream's replicas
 

@@ -1,8 +1,6 @@
 """Who may do what on the bus: per-role NATS permissions, credentials, and connection options.
 
-The permission table is data (:func:`permissions`): nats-server's configuration
-(:func:`server_config`) and docs/architecture.md's table (:func:`permission_table`) are both
-rendered from it, and the tests check the document against it.
+The permission table is data (:func:`permissions`), rendered by :mod:`tokenpipe.natsconfig`.
 
 Roles: ``relay`` (publishes requests and cancels as owner ``relay``, reads its own token
 streams, the only reader/writer of the ``tp_streams`` registry), ``generator`` (pulls its
@@ -22,7 +20,7 @@ import json
 import os
 import secrets
 import ssl
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -79,12 +77,10 @@ class Permissions:
     allow_responses: bool = False  # may answer a request it received (on the asker's inbox)
 
     def as_config(self) -> dict[str, Any]:
-        perms: dict[str, Any] = {
-            "publish": {"allow": list(self.publish_allow), **({"deny": list(self.publish_deny)}
-                                                               if self.publish_deny else {})},
-            "subscribe": {"allow": list(self.subscribe_allow), **({"deny": list(self.subscribe_deny)}
-                                                                   if self.subscribe_deny else {})},
-        }
+        perms: dict[str, Any] = {}
+        for op, allow, deny in (("publish", self.publish_allow, self.publish_deny),
+                                ("subscribe", self.subscribe_allow, self.subscribe_deny)):
+            perms[op] = {"allow": list(allow), **({"deny": list(deny)} if deny else {})}
         if self.allow_responses:
             perms["allow_responses"] = True
         return perms
@@ -181,16 +177,19 @@ class Credential:
     inbox_prefix: str = ""
 
     def to_json(self) -> str:
-        return json.dumps({"user": self.user, "password": self.password, "owner": self.owner,
-                           "inbox_prefix": self.inbox_prefix}, indent=1)
+        return json.dumps(asdict(self), indent=1)
 
     @property
     def role(self) -> str:
         return "app" if self.user.startswith("app-") else self.user
 
 
-def _new(user: str, owner: str = RELAY_OWNER) -> Credential:
-    return Credential(user, secrets.token_urlsafe(24), owner, inbox_prefix(user))
+def _ensure(d: Path, user: str, owner: str) -> Path:
+    """``d``/``user``.json, written with a new password unless it exists."""
+    path = d / f"{user}.json"
+    if not path.exists():
+        _write_private(path, Credential(user, secrets.token_urlsafe(24), owner, inbox_prefix(user)).to_json())
+    return path
 
 
 def _write_private(path: Path, text: str) -> None:
@@ -224,9 +223,7 @@ def ensure_credentials(creds_dir: str | os.PathLike[str],
     out: dict[str, Credential] = {}
     for user, owner in [("relay", RELAY_OWNER), ("generator", RELAY_OWNER), ("admin", RELAY_OWNER),
                         *((app_user(a), a) for a in apps)]:
-        path = d / f"{user}.json"
-        if not path.exists():
-            _write_private(path, _new(user, owner).to_json())
+        _ensure(d, user, owner)
     for path in sorted(d.glob("*.json")):
         cred = load_credential(path)
         out[cred.user] = cred
@@ -235,11 +232,7 @@ def ensure_credentials(creds_dir: str | os.PathLike[str],
 
 def add_app(creds_dir: str | os.PathLike[str], name: str) -> Path:
     """Create (or keep) application ``name``'s credentials file; its path."""
-    user = app_user(name)
-    path = _creds_dir(creds_dir) / f"{user}.json"
-    if not path.exists():
-        _write_private(path, _new(user, name).to_json())
-    return path
+    return _ensure(_creds_dir(creds_dir), app_user(name), name)
 
 
 @dataclass(frozen=True)
@@ -305,18 +298,14 @@ def _endpoints(nats_url: str) -> set[tuple[str, int]]:
 _LOOPBACK = frozenset({"localhost", "127.0.0.1", "::1", "0.0.0.0", ""})
 
 
-def _tls_context(settings: Settings) -> ssl.SSLContext:
+def connect_options(settings: Settings) -> dict[str, Any]:
+    """TLS keyword arguments for ``nats.connect`` (a ``tls://`` URL, a CA, a client certificate)."""
+    if not (settings.nats_ca or settings.nats_cert or settings.nats_url.startswith("tls://")):
+        return {}
     ctx = ssl.create_default_context(cafile=settings.nats_ca or None)
     if settings.nats_cert:
         ctx.load_cert_chain(settings.nats_cert, settings.nats_key or None)
-    return ctx
-
-
-def connect_options(settings: Settings) -> dict[str, Any]:
-    """TLS keyword arguments for ``nats.connect`` (a ``tls://`` URL, a CA, a client certificate)."""
-    if settings.nats_ca or settings.nats_cert or settings.nats_url.startswith("tls://"):
-        return {"tls": _tls_context(settings)}
-    return {}
+    return {"tls": ctx}
 
 
 def identity(settings: Settings, role: str) -> Identity:

@@ -91,9 +91,7 @@ class SamplingParams:
         return validated(_SAMPLING, data, "params")
 
     def to_map(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["stop"] = list(self.stop)
-        return out
+        return {**asdict(self), "stop": list(self.stop)}
 
 
 @with_config(ConfigDict(extra="ignore"))
@@ -109,7 +107,7 @@ class CoalesceParams:
         return validated(_COALESCE, data, "coalesce", nested=True)
 
     def to_map(self) -> dict[str, Any]:
-        return {"max_tokens": self.max_tokens, "max_delay_ms": self.max_delay_ms}
+        return asdict(self)
 
 
 _SAMPLING = TypeAdapter(SamplingParams)

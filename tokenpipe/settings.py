@@ -298,11 +298,7 @@ def _parse(name: str, typ: Any, raw: str) -> Any:
             if low in ("0", "false", "no", "off", ""):
                 return False
             raise ValueError(raw)
-        if typ is int:
-            return int(raw)
-        if typ is float:
-            return float(raw)
-        return raw
+        return typ(raw) if typ in (int, float) else raw
     except ValueError as exc:
         raise ConfigError(f"{ENV_PREFIX}{name.upper()}={raw!r} is not a valid {typ.__name__}", param=name) from exc
 

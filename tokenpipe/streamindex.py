@@ -64,6 +64,15 @@ def _parse(subject: str) -> IndexEntry | None:
     return IndexEntry(id=parts[6], model=parts[5], created_at=int(parts[4]))
 
 
+async def _subjects(bus: Bus, subjects_filter: str, failed: str) -> dict[str, int]:
+    """The meta bucket's subjects matching ``subjects_filter`` (names and counts: no value is read)."""
+    try:
+        info = await through_elections(lambda: bus.js.stream_info(META_STREAM, subjects_filter=subjects_filter))
+    except Exception as exc:
+        raise TransportError(f"{failed}: {exc}") from exc
+    return info.state.subjects or {}
+
+
 async def record(bus: Bus, request: Request, traceparent: str = "") -> None:
     """Add a relay stream to its tenant's index. A failure is logged, not raised: the stream
     itself is served all the same; only listings miss it."""
@@ -77,12 +86,8 @@ async def record(bus: Bus, request: Request, traceparent: str = "") -> None:
 
 async def list_entries(bus: Bus, tenant: str) -> list[IndexEntry]:
     """The tenant's indexed streams, newest first (names only: no value is read)."""
-    subjects_filter = f"$KV.{META_BUCKET}.{_PREFIX}.{tenant_token(tenant)}.>"
-    try:
-        info = await through_elections(lambda: bus.js.stream_info(META_STREAM, subjects_filter=subjects_filter))
-    except Exception as exc:
-        raise TransportError(f"could not list streams: {exc}") from exc
-    entries = [e for e in map(_parse, info.state.subjects or {}) if e is not None]
+    subjects = await _subjects(bus, f"$KV.{META_BUCKET}.{_PREFIX}.{tenant_token(tenant)}.>", "could not list streams")
+    entries = [e for e in map(_parse, subjects) if e is not None]
     entries.sort(key=lambda e: (e.created_at, e.id), reverse=True)
     return entries
 
@@ -97,11 +102,8 @@ async def stream_ids(bus: Bus) -> list[str]:
     that can both say "done" early (nats.py #842, #995); on a loaded machine it answered
     "no keys" for a bucket of 30 (1 listing in 40 here) and ``tokenpipe streams`` left out the
     stream just made. One answer names at most 100,000 subjects (the server's page)."""
-    try:
-        info = await through_elections(lambda: bus.js.stream_info(META_STREAM, subjects_filter=f"$KV.{META_BUCKET}.*"))
-    except Exception as exc:
-        raise TransportError(f"could not list streams: {exc}") from exc
-    return [subject.rsplit(".", 1)[1] for subject in info.state.subjects or {}]
+    subjects = await _subjects(bus, f"$KV.{META_BUCKET}.*", "could not list streams")
+    return [subject.rsplit(".", 1)[1] for subject in subjects]
 
 
 async def read_request(bus: Bus, meta: StreamMeta) -> IndexedRequest | None:
@@ -129,12 +131,9 @@ async def rebuild_meta(bus: Bus, stream_id: str, tenant: str) -> StreamMeta | No
     such entry (someone else's stream, or none). For an entry that no longer decodes: junk stored
     over it must not lock its owner out of the stream."""
     check_stream_id(stream_id)
-    subjects_filter = f"$KV.{META_BUCKET}.{_PREFIX}.{tenant_token(tenant)}.*.*.{stream_id}"
-    try:
-        info = await through_elections(lambda: bus.js.stream_info(META_STREAM, subjects_filter=subjects_filter))
-    except Exception as exc:
-        raise TransportError(f"could not read the stream index: {exc}") from exc
-    found = [e for e in map(_parse, info.state.subjects or {}) if e is not None and e.id == stream_id]
+    subjects = await _subjects(bus, f"$KV.{META_BUCKET}.{_PREFIX}.{tenant_token(tenant)}.*.*.{stream_id}",
+                               "could not read the stream index")
+    found = [e for e in map(_parse, subjects) if e is not None and e.id == stream_id]
     if not found:
         return None
     entry = found[0]

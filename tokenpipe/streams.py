@@ -1,10 +1,6 @@
-"""Stream operations over NATS shared by the relay and the producer SDK.
-
-``submit`` records who owns a stream (the meta bucket) and publishes the request to
-the work queue with ``Nats-Msg-Id`` = request id (idempotent resubmission).
-``follow`` yields a stream's batches from the beginning (or after a given ``seq``)
-and then live, from one ordered JetStream consumer: history and live come through
-the same cursor, so nothing arriving during the switch can be lost or repeated.
+"""Stream operations over NATS shared by the relay and the producer SDK: :func:`submit`, :func:`cancel`,
+reads of what is stored, and :func:`follow`, from one ordered JetStream consumer: history and live
+come through the same cursor, so nothing arriving during the switch can be lost or repeated.
 """
 
 from __future__ import annotations
@@ -177,42 +173,43 @@ async def stored_count(bus: Bus, stream_id: str, *, owner: str | None = None) ->
     (a node thawed after a freeze, catching up) answers from what it has — a read after a
     freeze got 48 of 49 messages from one — so "nothing more is stored" from a direct get or a
     consumer on any replica is not to be trusted."""
-    subject = token_subject(owner or bus.owner, stream_id)
-    try:
-        # Bounded well below the 10 s API timeout: while the stream is between leaders nobody
-        # answers, and a caller that retries should do so soon after the new leader is in.
-        info = await asyncio.wait_for(bus.js.stream_info(TOKENS_STREAM, subjects_filter=subject),
-                                      timeout=_COUNT_TIMEOUT_S)
-    except Exception as exc:
-        raise TransportError(f"could not read stream history: {exc}") from exc
-    return int((info.state.subjects or {}).get(subject, 0))
+    return await _leader_count(bus, TOKENS_STREAM, token_subject(owner or bus.owner, stream_id),
+                               "could not read stream history")
 
 
 async def pending_requests(bus: Bus, model: str, owner: str | None = None) -> int:
     """How many of ``owner``'s requests for ``model`` the work queue holds: queued, or running (a
     generator acks a request only after its final batch is stored). 0 means none of them can still
     store a batch. Asked of the stream's leader, like :func:`stored_count`."""
-    subject = request_subject(model, owner or bus.owner)
+    return await _leader_count(bus, REQUESTS_STREAM, request_subject(model, owner or bus.owner),
+                               "could not read the request queue")
+
+
+async def _leader_count(bus: Bus, stream: str, subject: str, failed: str) -> int:
+    """How many messages ``stream`` holds on ``subject``, as its leader counts them (STREAM.INFO)."""
     try:
-        info = await asyncio.wait_for(bus.js.stream_info(REQUESTS_STREAM, subjects_filter=subject),
-                                      timeout=_COUNT_TIMEOUT_S)
+        # Bounded well below the 10 s API timeout: while the stream is between leaders nobody
+        # answers, and a caller that retries should do so soon after the new leader is in.
+        info = await asyncio.wait_for(bus.js.stream_info(stream, subjects_filter=subject), timeout=_COUNT_TIMEOUT_S)
     except Exception as exc:
-        raise TransportError(f"could not read the request queue: {exc}") from exc
+        raise TransportError(f"{failed}: {exc}") from exc
     return int((info.state.subjects or {}).get(subject, 0))
 
 
-async def _open_history(bus: Bus, stream_id: str, owner: str | None) -> Any:
-    """An ordered consumer over ``stream_id``'s stored batches, from the first."""
+async def _open_history(bus: Bus, stream_id: str, owner: str | None, *, failed: str = "could not read stream history",
+                        timeout: float | None = _CONSUMER_CREATE_TIMEOUT_S, **options: Any) -> Any:
+    """An ordered consumer over ``stream_id``'s stored batches, from the first (``options``: more of
+    ``js.subscribe``'s)."""
     try:
         # Bounded: while TP_TOKENS is between leaders nobody answers the consumer create, and a
         # caller that retries (a reader filling a hole) should do so well before a 10 s API timeout.
         return await asyncio.wait_for(
             bus.js.subscribe(token_subject(owner or bus.owner, stream_id), stream=TOKENS_STREAM,
                              ordered_consumer=True, deliver_policy=js_api.DeliverPolicy.ALL,
-                             config=named_consumer()),
-            timeout=_CONSUMER_CREATE_TIMEOUT_S)
+                             config=named_consumer(), **options),
+            timeout=timeout)
     except Exception as exc:
-        raise TransportError(f"could not read stream history: {exc}") from exc
+        raise TransportError(f"{failed}: {exc}") from exc
 
 
 async def stored(bus: Bus, stream_id: str, *,
@@ -296,11 +293,7 @@ def named_consumer() -> js_api.ConsumerConfig:
     """A consumer config with a name: nats-py then puts the filter subject into the create
     request's subject (``$JS.API.CONSUMER.CREATE.<stream>.<name>.<filter>``), which is what lets
     NATS permissions confine a reader to its owner's token subjects (tokenpipe.natsauth)."""
-    return js_api.ConsumerConfig(name=nuid_name())
-
-
-def nuid_name() -> str:
-    return f"tp{secrets.token_hex(10)}"
+    return js_api.ConsumerConfig(name=f"tp{secrets.token_hex(10)}")
 
 
 async def _unsubscribe(sub: Any, stream_id: str) -> None:
@@ -340,17 +333,8 @@ async def follow(bus: Bus, stream_id: str, *, after_seq: int = -1, idle: float |
     ``reorder_wait`` seconds) until it arrives, so consumers always see contiguous batches, or
     an explicit :class:`Gap`.
     """
-    try:
-        sub = await bus.js.subscribe(
-            token_subject(bus.owner, stream_id),
-            stream=TOKENS_STREAM,
-            ordered_consumer=True,
-            deliver_policy=js_api.DeliverPolicy.ALL,
-            idle_heartbeat=5.0,
-            config=named_consumer(),
-        )
-    except Exception as exc:
-        raise TransportError(f"could not follow stream: {exc}") from exc
+    sub = await _open_history(bus, stream_id, None, failed="could not follow stream", timeout=None,
+                              idle_heartbeat=5.0)
     buf = Reorder(after_seq, wait=reorder_wait, trace_headers=trace_headers)
     oldest: TokenBatch | None = None
     try:
@@ -373,8 +357,6 @@ async def follow(bus: Bus, stream_id: str, *, after_seq: int = -1, idle: float |
                     oldest = batch  # the lowest seq the stream still holds (read from its start)
                 now = time.monotonic()
                 buf.feed(batch, msg.headers, now=now)
-                # Retention removed the start only if the oldest stored batch is old: a young one
-                # may still be waiting for earlier ones to be stored (republished after a leader change).
                 if msg.metadata.num_pending == 0 and emitted_before(oldest, reorder_wait):
                     buf.caught_up(oldest.seq, now=now)
             for item in buf.ready():

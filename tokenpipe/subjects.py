@@ -33,7 +33,6 @@ __all__ = [
     "owner_of_request",
     "token_subject",
     "live_subject",
-    "owner_live",
     "LIVE_WILDCARD",
     "owner_tokens",
     "cancel_subject",
@@ -68,29 +67,25 @@ DISCOVER_SUBJECT = "tp.gen.discover"
 RELAY_OWNER = "relay"
 
 # Subject tokens may not contain '.', '*', '>' or whitespace; keep names boring.
-_MODEL_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
-_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
-_OWNER_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def _checked(name: str, message: str, param: str) -> str:
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
+        raise InvalidRequest(message, param=param)
+    return name
 
 
 def check_model_name(model: str) -> str:
-    if not isinstance(model, str) or not _MODEL_RE.fullmatch(model):
-        raise InvalidRequest(
-            "model names use 1-64 of A-Z a-z 0-9 _ - (no dots or spaces)", param="model"
-        )
-    return model
+    return _checked(model, "model names use 1-64 of A-Z a-z 0-9 _ - (no dots or spaces)", "model")
 
 
 def check_stream_id(stream_id: str) -> str:
-    if not isinstance(stream_id, str) or not _ID_RE.fullmatch(stream_id):
-        raise InvalidRequest("malformed stream id", param="id")
-    return stream_id
+    return _checked(stream_id, "malformed stream id", "id")
 
 
 def check_owner(owner: str) -> str:
-    if not isinstance(owner, str) or not _OWNER_RE.fullmatch(owner):
-        raise InvalidRequest("owner (app) names use 1-64 of A-Z a-z 0-9 _ -", param="owner")
-    return owner
+    return _checked(owner, "owner (app) names use 1-64 of A-Z a-z 0-9 _ -", "owner")
 
 
 def request_subject(model: str, owner: str) -> str:
@@ -122,11 +117,6 @@ def owner_tokens(owner: str) -> str:
 def live_subject(owner: str, stream_id: str) -> str:
     """Where a stream's batches go live, each once the store accepted it (never a refused one)."""
     return f"tp.live.{check_owner(owner)}.{check_stream_id(stream_id)}"
-
-
-def owner_live(owner: str) -> str:
-    """Every live subject of ``owner``'s streams (exported to an app's account as its ``tp.tok``)."""
-    return f"tp.live.{check_owner(owner)}.>"
 
 
 def cancel_subject(owner: str, stream_id: str) -> str:

@@ -27,11 +27,9 @@ INSTRUMENTATION = "tokenpipe"
 def setup_tracing(service_name: str, env: Mapping[str, str] | None = None) -> TracerProvider:
     """Return a tracer provider configured from ``OTEL_*``; a no-op one if tracing is off."""
     env = os.environ if env is None else env
-    exporter_names = [e.strip() for e in env.get("OTEL_TRACES_EXPORTER", "").split(",") if e.strip()]
-    exporter_names = [e for e in exporter_names if e != "none"]
-    if not exporter_names and not env.get("OTEL_EXPORTER_OTLP_ENDPOINT") and not env.get(
-        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
-    ):
+    listed = env.get("OTEL_TRACES_EXPORTER", "").split(",")
+    exporter_names = [e.strip() for e in listed if e.strip() not in ("", "none")]
+    if not (exporter_names or env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")):
         return trace.NoOpTracerProvider()
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider as SdkProvider
@@ -67,10 +65,10 @@ def get_tracer(provider: TracerProvider) -> Tracer:
     return provider.get_tracer(INSTRUMENTATION)
 
 
-def inject_headers(headers: dict[str, str] | None = None, *, span: Span | None = None) -> dict[str, str]:
-    """W3C trace context of ``span`` (default: the current span), as NATS headers."""
-    headers = {} if headers is None else headers
-    propagate.inject(headers, context=trace.set_span_in_context(span) if span is not None else None)
+def inject_headers(*, span: Span) -> dict[str, str]:
+    """W3C trace context of ``span``, as NATS headers."""
+    headers: dict[str, str] = {}
+    propagate.inject(headers, context=trace.set_span_in_context(span))
     return headers
 
 

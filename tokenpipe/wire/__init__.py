@@ -1,12 +1,10 @@
 """The wire contract: every shape that crosses a process boundary, encoded and versioned.
 
-Requests and token batches are msgpack maps (:mod:`.request`, :mod:`.batch`). The control-plane
-shapes (:mod:`.control`: a generator's announcement, a stream's meta and index entries, a cancel)
-are JSON maps: operators read them with ``nats sub`` and ``nats kv get``, and entries written
-before the version field existed must stay readable. Every map has a ``v`` field (the JSON shapes
-accept its absence: older peers wrote none); decoders ignore unknown keys so newer peers can add
-fields, and ``v`` bumps only on an incompatible change. These are pure functions over bytes: no
-transport is imported here. Import the shapes from this package; each is defined in one submodule.
+Requests and token batches are msgpack maps (:mod:`.request`, :mod:`.batch`), the control-plane
+shapes JSON maps (:mod:`.control`, which says why). Every map has a ``v`` field; decoders ignore
+unknown keys so newer peers can add fields, and ``v`` bumps only on an incompatible change. These
+are pure functions over bytes: no transport is imported here. Import the shapes from this package;
+each is defined in one submodule.
 """
 
 from ..params import CoalesceParams, SamplingParams

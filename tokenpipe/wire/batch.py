@@ -4,7 +4,7 @@ its final batch carries."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from ..errors import WireFormatError
@@ -26,11 +26,7 @@ class Usage:
         return self.prompt_tokens + self.completion_tokens
 
     def to_map(self) -> dict[str, int]:
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.total_tokens,
-        }
+        return {**asdict(self), "total_tokens": self.total_tokens}
 
 
 @dataclass(frozen=True, slots=True)

@@ -50,18 +50,19 @@ def unpack(data: bytes, what: str) -> dict[str, Any]:
         obj = msgpack.unpackb(data, raw=False, strict_map_key=True)
     except _MSGPACK_ERRORS as exc:
         raise WireFormatError(f"{what}: not valid msgpack ({exc})") from exc
+    return _versioned(obj, what, "msgpack map", "missing integer version field 'v'", None)
+
+
+def _versioned(obj: Any, what: str, kind: str, bad_version: str, absent: int | None) -> dict[str, Any]:
+    """``obj`` if it is a map whose version field (``absent`` when missing) this side can read."""
     if not isinstance(obj, dict):
-        raise WireFormatError(f"{what}: expected a msgpack map, got {type(obj).__name__}")
-    version = obj.get("v")
+        raise WireFormatError(f"{what}: expected a {kind}, got {type(obj).__name__}")
+    version = obj.get("v", absent)
     if not isinstance(version, int) or isinstance(version, bool):
-        raise WireFormatError(f"{what}: missing integer version field 'v'")
-    _check_version(version, what)
-    return obj
-
-
-def _check_version(version: int, what: str) -> None:
+        raise WireFormatError(f"{what}: {bad_version}")
     if version > WIRE_VERSION:
         raise WireFormatError(f"{what}: wire version {version} is newer than supported {WIRE_VERSION}")
+    return obj
 
 
 def dump_json(obj: dict[str, Any]) -> bytes:
@@ -74,10 +75,4 @@ def load_json(data: bytes, what: str) -> dict[str, Any]:
         obj = json.loads(data)
     except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError alike
         raise WireFormatError(f"{what}: not valid JSON ({exc})") from exc
-    if not isinstance(obj, dict):
-        raise WireFormatError(f"{what}: expected a JSON object, got {type(obj).__name__}")
-    version = obj.get("v", 1)
-    if not isinstance(version, int) or isinstance(version, bool):
-        raise WireFormatError(f"{what}: version field 'v' must be an integer")
-    _check_version(version, what)
-    return obj
+    return _versioned(obj, what, "JSON object", "version field 'v' must be an integer", 1)

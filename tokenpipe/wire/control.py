@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import MISSING, dataclass, fields
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 from ..errors import InvalidRequest, WireFormatError
 from .codec import WIRE_VERSION, dump_json, load_json
@@ -18,43 +18,40 @@ if TYPE_CHECKING:
 
 __all__ = ["Announcement", "Cancel", "IndexedRequest", "StreamMeta"]
 
-T = TypeVar("T", bound="DataclassInstance")
-
 # How a field of each declared type is read from JSON (a field's type is its annotation's text).
 _READ: dict[str, Callable[[Any], Any]] = {"str": str, "int": int, "float": float, "bool": bool,
                                           "tuple[str, ...]": lambda v: tuple(str(s) for s in v or ())}
 
 
-def _encode_fields(obj: DataclassInstance) -> bytes:
-    """A flat shape (:class:`StreamMeta`, :class:`Announcement`) as its JSON map, field by field."""
-    return dump_json({"v": WIRE_VERSION, **{f.name: getattr(obj, f.name) for f in fields(obj)}})
+class _Flat:
+    """A flat shape (:class:`StreamMeta`, :class:`Announcement`): its JSON map is its fields, each
+    read back as its declared type, an absent one its default. ``_what`` names it in errors."""
 
+    __slots__ = ()
+    _what: ClassVar[str]
 
-def _decode_fields(cls: type[T], data: bytes, what: str) -> T:
-    """A flat shape from JSON: each field read as its declared type, an absent one its default."""
-    obj = load_json(data, what)
-    try:
-        return cls(**{f.name: _READ[str(f.type)](obj[f.name]) for f in fields(cls)
-                      if f.name in obj or f.default is MISSING})
-    except (KeyError, TypeError, ValueError) as exc:
-        raise WireFormatError(f"{what}: bad field ({exc})") from exc
+    def encode(self: DataclassInstance) -> bytes:
+        return dump_json({"v": WIRE_VERSION, **{f.name: getattr(self, f.name) for f in fields(self)}})
+
+    @classmethod
+    def decode(cls, data: bytes) -> Self:
+        obj = load_json(data, cls._what)
+        try:
+            return cls(**{f.name: _READ[str(f.type)](obj[f.name]) for f in fields(cls)  # type: ignore[arg-type]
+                          if f.name in obj or f.default is MISSING})
+        except (KeyError, TypeError, ValueError) as exc:
+            raise WireFormatError(f"{cls._what}: bad field ({exc})") from exc
 
 
 @dataclass(frozen=True, slots=True)
-class StreamMeta:
+class StreamMeta(_Flat):
     """Who owns a stream: its entry in the meta bucket, keyed by stream id (JSON)."""
 
+    _what = "stream meta"
     id: str
     tenant: str
     model: str
     created_at: int
-
-    def encode(self) -> bytes:
-        return _encode_fields(self)
-
-    @classmethod
-    def decode(cls, data: bytes) -> StreamMeta:
-        return _decode_fields(cls, data, "stream meta")
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,13 +100,14 @@ class IndexedRequest:
 
 
 @dataclass(frozen=True, slots=True)
-class Announcement:
+class Announcement(_Flat):
     """A generator saying it serves ``model`` (``ready``) or is leaving, and how loaded it is.
 
     Published on ``tp.gen.announce.<worker>`` every few seconds and in answer to
     ``tp.gen.discover`` (JSON); a relay forgets it ``ttl_s`` seconds after the last one.
     """
 
+    _what = "announcement"
     worker: str
     model: str
     ready: bool = True
@@ -123,10 +121,3 @@ class Announcement:
     ts: float = 0.0  # wall-clock seconds when sent
     free_blocks: int = 0  # KV-cache blocks a new sequence could get now (free or cached, unheld)
     block_size: int = 0  # positions per KV block
-
-    def encode(self) -> bytes:
-        return _encode_fields(self)
-
-    @classmethod
-    def decode(cls, data: bytes) -> Announcement:
-        return _decode_fields(cls, data, "announcement")
