@@ -22,10 +22,9 @@ def uvicorn_config(settings: Settings, provider: TracerProvider, **kw: object) -
                           timeout_graceful_shutdown=3, **{**server_options(settings), **kw})
 
 
-# The cyclic GC's default young-generation threshold (700 allocations) made collections run
-# hundreds of times a second under load, each walking a heap that grows with every open SSE
-# stream: at 10,000 streams it doubled the relay's CPU per forwarded batch (bench/RESULTS.md,
-# "Relay fan-out"). Cycles are still collected, just in larger, rarer rounds.
+# The cyclic GC's default young-generation threshold (700 allocations) made collections walk a heap
+# that grows with every open SSE stream hundreds of times a second (bench/RESULTS.md, "Relay
+# fan-out"). Cycles are still collected, just in larger, rarer rounds.
 _GC_THRESHOLDS = (200_000, 50, 100)
 
 
