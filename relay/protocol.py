@@ -38,7 +38,7 @@ from tokenpipe.wire import Request as TpRequest
 
 __all__ = ["Bodies", "NativeCreate", "ChatCompletionRequest", "CompletionRequest", "StreamCreated",
            "StreamCancelled", "ModelList", "ModelCard", "ChatCompletion", "Completion", "Usage", "ErrorResponse",
-           "NativeEvent", "OpenAIEvent", "ERROR_STATUSES", "ID_PATTERN"]
+           "NativeEvent", "OpenAIEvent", "ERROR_STATUSES", "ID_PATTERN", "parse"]
 
 ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"  # stream ids and model names: NATS subject tokens
 StreamId = Annotated[str, StringConstraints(pattern=ID_PATTERN)]
@@ -47,6 +47,7 @@ PromptText = Annotated[str, StringConstraints(strict=True, min_length=1)]  # an 
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 Flag = Annotated[bool, Field(strict=True)]
 B = TypeVar("B", bound="_Create")
+M = TypeVar("M", bound=BaseModel)
 SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
 
 if TYPE_CHECKING:
@@ -222,12 +223,16 @@ class Bodies:
                                   prompt=(_completion_prompt(prompt), ...))
 
     def parse_native(self, body: Any) -> NativeCreate:
-        """A native create body (parsed JSON: a WebSocket ``create`` frame) validated as
-        ``POST /v1/streams`` validates it, or an :class:`InvalidRequest` naming the field."""
-        try:
-            return self.native.model_validate(body)
-        except ValidationError as exc:
-            raise invalid_request(exc.errors()) from exc
+        """A native create body (a WebSocket ``create`` frame) validated as ``POST /v1/streams`` validates it."""
+        return parse(self.native, body)
+
+
+def parse(model: type[M], body: Any) -> M:
+    """``body`` (parsed JSON) as ``model``, or an :class:`InvalidRequest` naming the field."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise invalid_request(exc.errors()) from exc
 
 
 # --- responses --------------------------------------------------------------------------------

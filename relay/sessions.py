@@ -81,8 +81,7 @@ class Session:
 
 
 class Forwarder:
-    """Stream operations of one relay process. ``fanout`` (live batches) is set by the relay's
-    start-up, once it is connected."""
+    """Stream operations of one relay process; ``fanout`` is set once the relay is connected."""
 
     def __init__(self, settings: Settings, tracer: Tracer, metrics: RelayMetrics, admission: Admission,
                  bus: Callable[[], Bus]) -> None:
@@ -103,7 +102,6 @@ class Forwarder:
         self._created: OrderedDict[str, StreamMeta] = OrderedDict()
 
     async def start(self) -> None:
-        """Answer other relays asking whether a stream has a live reader here."""
         self._readers_sub = await self._bus().nc.subscribe(READERS_WILDCARD, cb=self._on_readers_query)
 
     async def stop(self) -> None:
@@ -180,31 +178,27 @@ class Forwarder:
         return True
 
     async def submit(self, request: Request, *, follow: bool = False) -> LiveStream | None:
-        """Enqueue inside a PRODUCER span, a child of the current (HTTP server) span. With
-        ``follow``, a live reader is registered first and returned (for :class:`Session`)."""
+        """Enqueue inside a PRODUCER span (a child of the HTTP server span); with ``follow``, a live
+        reader is registered first and returned."""
         live = self._fanout().open(request.id) if follow else None
         try:
             with producer_span(self.tracer, request_subject(request.model, RELAY_OWNER),
                                {"gen_ai.request.model": request.model, "tokenpipe.stream.id": request.id}) as headers:
-                await self._submit(request, headers)
+                # Retried while NATS is away: a nats-server restart takes a second or two, an election 4-9 s.
+                bus = self._bus()
+                meta = await submit(bus, request, headers, retry=ELECTIONS.within(self.settings.submit_retry_s))
         except BaseException:
             if live is not None:
                 live.close()
             self.admission.release(request.tenant, request.id)  # a stream never created holds no slot
             raise
-        log.info("stream created", extra={"request_id": request.id, "model": request.model,
-                                          "tenant": request.tenant})
-        return live
-
-    async def _submit(self, request: Request, headers: dict[str, str]) -> None:
-        """Enqueue, retried for up to ``submit_retry_s`` while NATS is away (a nats-server restart
-        takes a second or two; a stream leader's election 4-9 s)."""
-        bus = self._bus()
-        meta = await submit(bus, request, headers, retry=ELECTIONS.within(self.settings.submit_retry_s))
         if bus.owner == RELAY_OWNER:  # the record is in the meta bucket (tokenpipe.streams.submit)
             self._created[meta.id] = meta
             while len(self._created) > _CREATED_HERE:
                 self._created.popitem(last=False)
+        log.info("stream created", extra={"request_id": request.id, "model": request.model,
+                                          "tenant": request.tenant})
+        return live
 
     def _fanout(self) -> Fanout:
         if self.fanout is None:
@@ -267,8 +261,11 @@ class Forwarder:
         except WireFormatError:
             return True
 
-    async def cancel(self, stream_id: str) -> None:
+    async def cancel(self, stream_id: str, tenant: str) -> None:
+        """The owner's explicit cancel (404 to anyone else), which also frees the stream's slot."""
+        await self.owned_meta(stream_id, tenant)
         await cancel(self._bus(), stream_id)
+        self.admission.release(tenant, stream_id)
 
     def _forward_span(self, session: Session, trace_headers: dict[str, str], *, resumed: bool) -> Span:
         """Live forwarding continues the generation's trace (the batches carry its context);

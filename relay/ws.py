@@ -1,17 +1,11 @@
 """The WebSocket transport, ``/v1/ws``: one socket carries any number of its tenant's streams.
 
-Frames are JSON text. Client → server: ``auth``, ``create`` (the native POST body), ``attach``,
-``cancel``, ``ping``. Server → client: ``authenticated``, ``created``, ``attached``,
-``cancelled``, ``pong``, then per stream ``tokens``, ``gap``, ``done`` or ``error`` (the SSE
-events' data plus ``type`` and ``id``). Every client frame gets a reply or an ``error`` frame;
-a bad frame never closes the socket (README, "WebSocket").
-
-Streams are read through the same :class:`relay.sessions.Session` and ``Forwarder.batches`` as
-SSE, created through :func:`relay.native.start_stream` from a body validated by the same model
-(:meth:`relay.protocol.Bodies.parse_native`), so tenancy, admission (429), viewer rules
-and cancellation are the HTTP API's. One writer task per socket sends what its streams queue;
-a socket whose write blocks longer than ``slow_client_timeout_s`` is dropped by the relay's
-:class:`relay.http.WriteWatchdog` (its streams keep generating and can be re-attached).
+Frames are JSON text (README, "WebSocket"); every client frame gets a reply or an ``error``
+frame, and a bad frame never closes the socket. Streams are created, read and cancelled through
+the HTTP API's own paths (:func:`relay.native.start_stream`, ``Forwarder.batches``,
+``Forwarder.cancel``), so tenancy, admission, viewer rules and cancellation are the same. One
+writer task per socket sends what its streams queue; a socket whose write blocks too long is
+dropped by the :class:`relay.http.WriteWatchdog` (its streams keep generating and can be re-attached).
 """
 
 from __future__ import annotations
@@ -22,22 +16,21 @@ import json
 import logging
 import time
 from decimal import Decimal
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any
 
 import orjson
 from fastapi import APIRouter, WebSocket
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, StringConstraints, ValidationError
+from pydantic import BaseModel, BeforeValidator, Field, Strict, StringConstraints
 from starlette.websockets import WebSocketDisconnect
 
 from tokenpipe.errors import InvalidRequest, TokenpipeError
-from tokenpipe.params import invalid_request
 from tokenpipe.streams import Gap
 from tokenpipe.wire import TokenBatch
 
 from . import native
 from .auth import Unauthorized, authorization_header
 from .http import RequestTooLarge, parse_json
-from .protocol import ID_PATTERN, Bodies
+from .protocol import ID_PATTERN, Bodies, parse
 from .sessions import Session
 from .state import RelayState
 
@@ -93,7 +86,6 @@ Flag = Annotated[bool, Strict()]
 class _Cancel(BaseModel):
     """A ``cancel`` frame (and the part of an ``attach`` that names the stream)."""
 
-    model_config = ConfigDict(extra="ignore")
     id: Annotated[str, StringConstraints(strict=True, pattern=ID_PATTERN)]
 
 
@@ -104,16 +96,6 @@ class _Attach(_Cancel):
     replay: Flag = False
     speed: Annotated[native.Speed, BeforeValidator(_a_number)] = 1.0  # the SSE route's ``speed`` rule
     cancel_on_disconnect: Flag = True
-
-
-F = TypeVar("F", bound=BaseModel)
-
-
-def _parsed(model: type[F], frame: dict[str, Any]) -> F:
-    try:
-        return model.model_validate(frame)
-    except ValidationError as exc:
-        raise invalid_request(exc.errors()) from exc
 
 
 class Connection:
@@ -141,24 +123,21 @@ class Connection:
             await self.ws.send_text(error_frame(exc))
             await self._close_socket(_POLICY_VIOLATION)
             return
-        self._writer = asyncio.get_running_loop().create_task(self._write(), name="ws-writer")
+        writer = self._writer = asyncio.get_running_loop().create_task(self._write(), name="ws-writer")
         reader = asyncio.get_running_loop().create_task(self._read(), name="ws-reader")
         try:
-            await asyncio.wait({reader, self._writer}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({reader, writer}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            await self._close(reader)
+            await self._close(reader, writer)
 
-    async def _close(self, reader: asyncio.Task[None]) -> None:
+    async def _close(self, reader: asyncio.Task[None], writer: asyncio.Task[None]) -> None:
         if self.dropped:
             log.warning("dropping slow WebSocket client: a write blocked too long",
                         extra={"streams": len(self.streams), "send_timeout_s": self.state.watchdog.timeout})
             self.state.metrics.errors.labels(kind="ws_slow_client").inc()
-        tasks = [reader] + [task for _, task in self.streams.values()]
-        for session, _ in self.streams.values():
-            if self.dropped:
+            for session, _ in self.streams.values():
                 session.cancel_on_exit = False  # a slow client is cut off, not its generations: it may re-attach
-        if self._writer is not None:
-            tasks.append(self._writer)
+        tasks = [reader, *(task for _, task in self.streams.values()), writer]
         for task in tasks:
             task.cancel()
         for task in tasks:
@@ -260,17 +239,16 @@ class Connection:
 
     async def _create(self, frame: dict[str, Any], ref: Ref, tenant: str) -> None:
         body = self.bodies.parse_native({k: v for k, v in frame.items() if k not in ("type", "ref")})
-        req = await native.start_stream(self.state, body, tenant)  # exactly POST /v1/streams' path
-        sid = req.id
-        await self.outbox.put(_dumps({"type": "created", "ref": ref, "id": sid, "model": req.model}))
-        self._follow(Session(sid, tenant), after=-1, speed=None)
+        req, session = await native.start_stream(self.state, body, tenant)  # exactly POST /v1/streams' path
+        await self.outbox.put(_dumps({"type": "created", "ref": ref, "id": req.id, "model": req.model}))
+        self._follow(session, after=-1, speed=None)
 
     async def _attach(self, frame: dict[str, Any], ref: Ref, tenant: str, text: str) -> None:
         if isinstance(frame.get("speed"), float):
             # Judged on the exact decimal, as the query's speed is: the float parse already read 1e-400
             # as 0.0 ("as fast as possible"). Read again (the frame is small, an attach rare).
             frame = {**frame, "speed": json.loads(text, parse_float=Decimal)["speed"]}
-        attach = _parsed(_Attach, frame)
+        attach = parse(_Attach, frame)
         sid, replay = attach.id, attach.replay
         forwarder = self.state.forwarder
         meta = await forwarder.owned_meta(sid, tenant)
@@ -284,10 +262,8 @@ class Connection:
         self._follow(session, after=after, speed=attach.speed if replay else None)
 
     async def _cancel(self, frame: dict[str, Any], ref: Ref, tenant: str) -> None:
-        sid = _parsed(_Cancel, frame).id
-        await self.state.forwarder.owned_meta(sid, tenant)
-        await self.state.forwarder.cancel(sid)
-        self.state.admission.release(tenant, sid)
+        sid = parse(_Cancel, frame).id
+        await self.state.forwarder.cancel(sid, tenant)
         await self.outbox.put(_dumps({"type": "cancelled", "ref": ref, "id": sid}))
 
     # -- streams -----------------------------------------------------------------------------
@@ -299,8 +275,8 @@ class Connection:
     async def _forward(self, session: Session, after: int, speed: float | None) -> None:
         sid = session.stream_id
         try:
-            # Idle pings send no frame (the socket has its own keepalive); they let an attach whose
-            # history is gone end with an error frame (Forwarder.batches).
+            # An idle Ping needs no frame (the socket has its own keepalive); asking for pings lets an
+            # attach whose history is gone end with an error frame (Forwarder.batches).
             async for item in self.state.forwarder.batches(session, after=after, speed=speed,
                                                            idle=self.state.settings.keepalive_s):
                 if isinstance(item, TokenBatch):
@@ -308,7 +284,6 @@ class Connection:
                         await self.outbox.put(frame)
                 elif isinstance(item, Gap):
                     await self.outbox.put(_dumps({"type": "gap", "id": sid, **native.gap_event(item)}))
-                # a Ping (idle stream) needs no frame: the socket has its own keepalive
         except TokenpipeError as exc:
             await self.outbox.put(error_frame(exc, stream_id=sid))
         finally:
