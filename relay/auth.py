@@ -101,8 +101,7 @@ class AuthMiddleware:
             try:
                 tenant = self.keys.tenant_for(authorization_header(scope.get("headers", [])))
             except Unauthorized as exc:
-                response = error_response(exc, {"WWW-Authenticate": "Bearer"})
-                await response(scope, receive, send)
+                await error_response(exc)(scope, receive, send)
                 return
             scope.setdefault("state", {})[TENANT_KEY] = tenant
         await self.app(scope, receive, send)

@@ -58,13 +58,13 @@ def stream_error(batch: TokenBatch) -> tuple[int, dict[str, Any]]:
     return status, error_body(batch.error or "generation failed", status=status, code=batch.error_code)
 
 
-def error_response(exc: TokenpipeError, headers: dict[str, str] | None = None) -> JSONResponse:
-    extra = dict(headers or {})
+def error_response(exc: TokenpipeError) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else {}
     retry = getattr(exc, "retry_after", None)
     if retry is not None:
-        extra["Retry-After"] = str(retry)
+        headers["Retry-After"] = str(retry)
     return JSONResponse(error_body(exc.message, status=exc.status, code=exc.code, param=exc.param),
-                        status_code=exc.status, headers=extra or None)
+                        status_code=exc.status, headers=headers or None)
 
 
 class ClientGone(TokenpipeError):
@@ -223,8 +223,7 @@ class WriteWatchdog:
 
 
 class SSEResponse(StreamingResponse):
-    """``text/event-stream`` whose every write has a deadline (kept by a :class:`WriteWatchdog`):
-    a write blocked longer is dropped (logged), not buffered without bound. ``on_drop`` lets the
+    """``text/event-stream`` whose writes the :class:`WriteWatchdog` cuts off. ``on_drop`` lets the
     caller keep the generation running for the client to resume; ``on_close`` runs however the
     response ends, even if the body was never read."""
 
