@@ -28,10 +28,7 @@ _LAPSED_RECENT_S = 30.0  # ... when they lapsed at most this long ago (long gone
 class GeneratorInfo:
     worker: str
     model: str
-    ready: bool
     expires: float
-    max_batch: int = 0
-    active: int = 0
 
 
 async def _nobody_to_ask() -> None:
@@ -64,13 +61,11 @@ class GeneratorRegistry:
         except WireFormatError as exc:
             log.warning("ignoring malformed generator announcement", extra={"error": exc.message})
             return
-        info = GeneratorInfo(worker=ann.worker, model=ann.model, ready=ann.ready, expires=now + ann.ttl_s,
-                             max_batch=ann.max_batch, active=ann.active)
-        if info.ready:
-            self.workers[info.worker] = info
-            self.seen_models.add(info.model)
+        if ann.ready:
+            self.workers[ann.worker] = GeneratorInfo(worker=ann.worker, model=ann.model, expires=now + ann.ttl_s)
+            self.seen_models.add(ann.model)
         else:
-            self.workers.pop(info.worker, None)
+            self.workers.pop(ann.worker, None)
 
     def live(self, now: float | None = None) -> list[GeneratorInfo]:
         now = time.monotonic() if now is None else now
