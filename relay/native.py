@@ -122,12 +122,8 @@ def router(bodies: Bodies) -> APIRouter:
         await state.forwarder.check_retained(meta)
         session = Session(stream_id, tenant, cancel_on_exit=cancel_on_disconnect and not replay, reader=not replay,
                           meta=meta)
-
-        def dropped() -> None:
-            session.cancel_on_exit = False  # a slow client is cut off, not its generation: it may resume
-
         return SSEResponse(_native_events(state, session, -1 if after is None else after, speed if replay else None),
-                           watchdog=state.watchdog, stream_id=stream_id, on_drop=dropped,
+                           watchdog=state.watchdog, stream_id=stream_id, on_drop=session.dropped,
                            on_close=session.close)
 
     @api.delete("/v1/streams/{stream_id}", operation_id="cancelStream", response_model=StreamCancelled)

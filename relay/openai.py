@@ -1,8 +1,7 @@
 """OpenAI-compatible ``/v1/chat/completions`` and ``/v1/completions`` (stream and non-stream).
 
-A coalesced batch becomes one chunk; usage counts tokens, not chunks. Every response carries
-``X-Request-Id`` = the tokenpipe stream id, so the stream can be replayed or resumed through
-the native API.
+A coalesced batch becomes one chunk; usage counts tokens, not chunks. ``X-Request-Id`` is the
+stream id, so the stream can be replayed or resumed through the native API.
 """
 
 from __future__ import annotations

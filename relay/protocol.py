@@ -1,10 +1,8 @@
-"""The relay's HTTP protocol, declared once: typed request and response bodies.
-
-FastAPI validates each request body against its model and writes the OpenAPI document from
-these models. The sampling fields are :class:`~tokenpipe.wire.SamplingParams`' own, with its
-bounds, each made optional; a body becomes the wire request in one place (``_wire``), without
-validating again. :class:`Bodies` derives the models one app serves, with its settings'
-limits (``max_tokens`` cap, longest prompt), so that its document states what it enforces.
+"""The relay's HTTP protocol, declared once: typed request and response bodies, from which FastAPI
+validates requests and writes the OpenAPI document. The sampling fields are
+:class:`~tokenpipe.wire.SamplingParams`' own, bounds included, each made optional; a body becomes
+the wire request in one place (``_wire``). :class:`Bodies` carries one app's limits into its
+document, so that the document states what the app enforces.
 """
 
 from __future__ import annotations

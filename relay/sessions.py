@@ -73,6 +73,10 @@ class Session:
     live: LiveStream | None = None  # registered before submission (nothing published can be missed)
     meta: StreamMeta | None = None  # an attach: its idle pings ask whether the stream is gone (Forwarder.batches)
 
+    def dropped(self) -> None:
+        """A slow client was cut off, not its generation: it may resume."""
+        self.cancel_on_exit = False
+
     def close(self) -> None:
         """Unregister the live reader; safe to call more than once, and needed when the response
         was cancelled before it ever read the stream."""
@@ -112,8 +116,7 @@ class Forwarder:
         self._grace.clear()
 
     async def _on_readers_query(self, msg: Msg) -> None:
-        """Answer when a live reader of the stream is here, or a reader left here within the grace
-        (this relay then decides itself, when its own grace ends)."""
+        """Answer also while a reader that left here is within its grace (this relay decides then)."""
         stream_id = msg.subject.rpartition(".")[2]
         if (self.readers.get(stream_id) or stream_id in self._grace) and msg.reply:
             await msg.respond(b"1")
@@ -236,11 +239,9 @@ class Forwarder:
             await self._check_gone(meta)
 
     async def _check_gone(self, meta: StreamMeta) -> None:
-        """Raise :class:`StreamExpired` when nothing is stored for the stream and none of the relay's
-        requests for its model is queued or running. Not yet stored (waiting in the queue, or its
-        first batch still being computed) is not gone: its request is in the work queue until its
-        final batch is stored. The queue is asked first: a stream that ends between the two looks
-        has its final batch stored before its request leaves the queue, so it is seen stored."""
+        """:class:`StreamExpired` when nothing is stored for the stream and no request for its model
+        is queued or running (a request stays in the work queue until its final batch is stored).
+        The queue is asked first, so a stream that ends between the two looks is seen stored."""
         bus = self._bus()
         try:
             if await pending_requests(bus, meta.model, RELAY_OWNER) or await self._stored_any(meta.id):

@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import time
 from decimal import Decimal
 from typing import Annotated, Any
 
@@ -55,13 +54,6 @@ def error_frame(exc: TokenpipeError, *, ref: Ref = None, stream_id: str | None =
     """An ``error`` frame: the HTTP error body's fields, plus the status and ``retry_after`` of a 429."""
     return _dumps({"type": "error", "ref": ref, "id": stream_id, "code": exc.code, "message": exc.message,
                    "param": exc.param, "status": exc.status, "retry_after": getattr(exc, "retry_after", None)})
-
-
-def batch_frames(stream_id: str, batch: TokenBatch) -> list[str]:
-    """A batch as frames: exactly the SSE events' data (:func:`relay.native.batch_events`, nulls
-    included) after ``type``, ``id`` and ``seq`` (which the final SSE events carry as their id)."""
-    return [orjson.dumps({"type": name, "id": stream_id, "seq": batch.seq, **data}).decode()
-            for name, data in native.batch_events(batch)]
 
 
 def _ref(frame: dict[str, Any]) -> Ref:
@@ -136,7 +128,7 @@ class Connection:
                         extra={"streams": len(self.streams), "send_timeout_s": self.state.watchdog.timeout})
             self.state.metrics.errors.labels(kind="ws_slow_client").inc()
             for session, _ in self.streams.values():
-                session.cancel_on_exit = False  # a slow client is cut off, not its generations: it may re-attach
+                session.dropped()  # its streams may be re-attached
         tasks = [reader, *(task for _, task in self.streams.values()), writer]
         for task in tasks:
             task.cancel()
@@ -173,21 +165,18 @@ class Connection:
                 watchdog.end(self)
 
     async def _read(self) -> None:
-        deadline = time.monotonic() + AUTH_WAIT_S
+        auth_deadline = asyncio.get_running_loop().time() + AUTH_WAIT_S
         while True:
-            if self.tenant is None:
-                try:
-                    async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
-                        message = await self.ws.receive()
-                except TimeoutError:
-                    await self.outbox.put(error_frame(Unauthorized(
-                        f"no API key within {AUTH_WAIT_S:g} s: send an auth frame first")))
-                    await self.outbox.put(_POLICY_VIOLATION)  # the writer sends what is queued, then closes
-                    if self._writer is not None:
-                        await self._writer
-                    return
-            else:
-                message = await self.ws.receive()
+            try:
+                async with asyncio.timeout_at(auth_deadline if self.tenant is None else None):
+                    message = await self.ws.receive()
+            except TimeoutError:
+                await self.outbox.put(error_frame(Unauthorized(
+                    f"no API key within {AUTH_WAIT_S:g} s: send an auth frame first")))
+                await self.outbox.put(_POLICY_VIOLATION)  # the writer sends what is queued, then closes
+                if self._writer is not None:
+                    await self._writer
+                return
             if message["type"] == "websocket.disconnect":
                 return
             text = message.get("text")
@@ -280,8 +269,9 @@ class Connection:
             async for item in self.state.forwarder.batches(session, after=after, speed=speed,
                                                            idle=self.state.settings.keepalive_s):
                 if isinstance(item, TokenBatch):
-                    for frame in batch_frames(sid, item):
-                        await self.outbox.put(frame)
+                    # Exactly the SSE events' data (nulls included) after type, id and seq (the SSE events' id).
+                    for name, data in native.batch_events(item):
+                        await self.outbox.put(orjson.dumps({"type": name, "id": sid, "seq": item.seq, **data}).decode())
                 elif isinstance(item, Gap):
                     await self.outbox.put(_dumps({"type": "gap", "id": sid, **native.gap_event(item)}))
         except TokenpipeError as exc:
