@@ -5,7 +5,6 @@ from __future__ import annotations
 import gc
 
 import uvicorn
-from opentelemetry.trace import TracerProvider
 
 from tokenpipe.settings import Settings
 from tokenpipe.telemetry import setup_tracing
@@ -13,13 +12,7 @@ from tokenpipe.telemetry import setup_tracing
 from .app import create_app
 from .connections import server_options
 
-__all__ = ["serve", "uvicorn_config"]
-
-
-def uvicorn_config(settings: Settings, provider: TracerProvider, **kw: object) -> uvicorn.Config:
-    app = create_app(settings, tracer_provider=provider)
-    return uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, access_log=False,
-                          timeout_graceful_shutdown=3, **{**server_options(settings), **kw})
+__all__ = ["serve"]
 
 
 # The cyclic GC's default young-generation threshold (700 allocations) made collections walk a heap
@@ -33,7 +26,10 @@ async def serve(settings: Settings) -> None:
     gc.freeze()  # what start-up allocated (modules, the app) is never garbage: keep it out of every collection
     provider = setup_tracing("tokenpipe-relay")
     try:
-        await uvicorn.Server(uvicorn_config(settings, provider)).serve()
+        config = uvicorn.Config(create_app(settings, tracer_provider=provider), host=settings.host, port=settings.port,
+                                log_config=None, access_log=False, timeout_graceful_shutdown=3,
+                                **server_options(settings))
+        await uvicorn.Server(config).serve()
     finally:
         shutdown = getattr(provider, "shutdown", None)
         if shutdown is not None:
