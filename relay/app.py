@@ -120,8 +120,7 @@ def create_app(settings: Settings, tracer_provider: TracerProvider | None = None
 
     @app.get("/", response_class=HTMLResponse, responses=_NOT_ALLOWED)
     async def index() -> HTMLResponse:
-        page = resources.files("relay").joinpath("static/index.html").read_text(encoding="utf-8")
-        return HTMLResponse(page)
+        return HTMLResponse(resources.files("relay").joinpath("static/index.html").read_text(encoding="utf-8"))
 
     api = [Depends(authenticate)]
     guarded = _errors(ERROR_STATUSES)

@@ -137,9 +137,7 @@ async def list_streams(
     examined = 0
     step = max(limit, 20)  # read concurrently, a chunk at a time (a filter may skip most)
     for start in range(0, len(candidates), step):
-        chunk = candidates[start:start + step]
-        items = await asyncio.gather(*(inspector.item(bus, e, now) for e in chunk))
-        for item in items:
+        for item in await asyncio.gather(*(inspector.item(bus, e, now) for e in candidates[start:start + step])):
             examined += 1
             if finish is None or item.finish == finish:
                 found.append(item)

@@ -19,7 +19,7 @@ from typing import Annotated, Any
 
 import orjson
 from fastapi import APIRouter, WebSocket
-from pydantic import BaseModel, BeforeValidator, Field, Strict, StringConstraints
+from pydantic import BaseModel, BeforeValidator, Field, StringConstraints
 from starlette.websockets import WebSocketDisconnect
 
 from tokenpipe.errors import InvalidRequest, TokenpipeError
@@ -29,7 +29,7 @@ from tokenpipe.wire import TokenBatch
 from . import native
 from .auth import Unauthorized, authorization_header
 from .http import RequestTooLarge, parse_json
-from .protocol import ID_PATTERN, Bodies, parse
+from .protocol import ID_PATTERN, Bodies, Flag, parse
 from .sessions import Session
 from .state import RelayState
 
@@ -70,9 +70,6 @@ def _a_number(value: Any) -> Any:
     if isinstance(value, bool) or not isinstance(value, int | float | Decimal):
         raise ValueError("must be a number")
     return value
-
-
-Flag = Annotated[bool, Strict()]
 
 
 class _Cancel(BaseModel):
