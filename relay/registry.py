@@ -36,12 +36,9 @@ async def _nobody_to_ask() -> None:
 
 
 class GeneratorRegistry:
-    """Tracks announcements; an entry lapses after its ``ttl_s`` without a fresh one.
-
-    ``default_model`` is the model of a request that names none (when it is served, or nothing
-    is); ``wait_s`` how long :meth:`resolve` waits for a model to be announced; ``discover``
-    asks every running generator to announce itself now.
-    """
+    """Tracks announcements; an entry lapses after its ``ttl_s`` without a fresh one. ``default_model``
+    is the model of a request that names none (when it is served, or nothing is); ``wait_s`` how long
+    :meth:`resolve` waits for a model to be announced; ``discover`` asks every generator to announce itself."""
 
     def __init__(self, *, default_model: str = "", wait_s: float = 0.0,
                  discover: Callable[[], Awaitable[None]] = _nobody_to_ask) -> None:
