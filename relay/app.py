@@ -89,8 +89,7 @@ def create_app(settings: Settings, tracer_provider: TracerProvider | None = None
 
     @app.exception_handler(TokenpipeError)
     async def _tp_error(request: Request, exc: TokenpipeError) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
-        return error_response(exc, headers)
+        return error_response(exc)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -121,8 +120,7 @@ def create_app(settings: Settings, tracer_provider: TracerProvider | None = None
 
     @app.get("/", response_class=HTMLResponse, responses=_NOT_ALLOWED)
     async def index() -> HTMLResponse:
-        page = resources.files("relay").joinpath("static/index.html").read_text(encoding="utf-8")
-        return HTMLResponse(page)
+        return HTMLResponse(resources.files("relay").joinpath("static/index.html").read_text(encoding="utf-8"))
 
     api = [Depends(authenticate)]
     guarded = _errors(ERROR_STATUSES)

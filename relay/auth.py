@@ -28,12 +28,9 @@ class Unauthorized(TokenpipeError):
 
 @dataclass
 class KeyRing:
-    """Maps bearer keys to tenants.
-
-    Sources: ``TOKENPIPE_API_KEYS`` as ``key:tenant,key2:tenant2`` (a bare ``key`` is its own
-    tenant, named by a hash of it) and/or a file with one ``key tenant`` (or ``key:tenant``)
-    per line, ``#`` comments allowed.
-    """
+    """Maps bearer keys to tenants, from ``TOKENPIPE_API_KEYS`` as ``key:tenant,key2:tenant2`` (a bare
+    ``key`` is its own tenant, named by a hash of it) and/or a file with one ``key tenant`` (or
+    ``key:tenant``) per line, ``#`` comments allowed."""
 
     keys: dict[str, str] = field(default_factory=dict)
 
@@ -101,8 +98,7 @@ class AuthMiddleware:
             try:
                 tenant = self.keys.tenant_for(authorization_header(scope.get("headers", [])))
             except Unauthorized as exc:
-                response = error_response(exc, {"WWW-Authenticate": "Bearer"})
-                await response(scope, receive, send)
+                await error_response(exc)(scope, receive, send)
                 return
             scope.setdefault("state", {})[TENANT_KEY] = tenant
         await self.app(scope, receive, send)

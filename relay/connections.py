@@ -20,7 +20,7 @@ from tokenpipe.settings import Settings
 
 from .http import error_body
 
-__all__ = ["edge_protocol", "server_options"]
+__all__ = ["server_options"]
 
 IDLE_TIMEOUT_S = 5  # uvicorn's keep-alive idle timeout, stated rather than inherited
 
@@ -79,14 +79,10 @@ class _EdgeProtocol(HttpToolsProtocol):
         self.transport.close()
 
 
-def edge_protocol(header_timeout_s: float) -> type[HttpToolsProtocol]:
-    """The HTTP protocol class for uvicorn's ``http=`` option, with this header deadline."""
-    return type("EdgeHttpProtocol", (_EdgeProtocol,), {"header_timeout_s": header_timeout_s})
-
-
 def server_options(settings: Settings) -> dict[str, Any]:
     """uvicorn options every relay server runs with (``relay.main`` and the tests' relays alike)."""
-    return {"http": edge_protocol(settings.header_timeout_s), "timeout_keep_alive": IDLE_TIMEOUT_S,
+    edge = type("EdgeHttpProtocol", (_EdgeProtocol,), {"header_timeout_s": settings.header_timeout_s})
+    return {"http": edge, "timeout_keep_alive": IDLE_TIMEOUT_S,
             # WebSocket keepalive: a protocol ping every keepalive_s; no pong within the slow-client
             # timeout closes the socket (a browser answers pings by itself)
             "ws_ping_interval": settings.keepalive_s, "ws_ping_timeout": settings.slow_client_timeout_s}

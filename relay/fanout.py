@@ -2,27 +2,18 @@
 
 A relay subscribes to ``tp.live.relay.<id>`` (the owner-scoped live subject: a batch arrives
 there only after the store accepted it, tokenpipe.append, so live readers never see a batch a
-replay would not) while it has a reader of that stream and unsubscribes after the last one, so
-NATS delivers a batch only to the relays that read its stream: adding relays adds capacity. Each
-message is decoded once and handed to that stream's readers. (A shared ``tp.tok.relay.>``
-subscription and one JetStream consumer per reader were measured against this and removed:
-``bench/RESULTS.md``, "Relay fan-out" and "Relays scaling out".)
+replay would not) while it has a reader of that stream, so NATS delivers a batch only to the
+relays that read its stream: adding relays adds capacity. Each message is decoded once and
+handed to that stream's readers. (A shared ``tp.tok.relay.>`` subscription and one JetStream
+consumer per reader were measured against this and removed: ``bench/RESULTS.md``, "Relay
+fan-out" and "Relays scaling out".)
 
-Core delivery is at-most-once, so JetStream stays the source of truth. A new subscription
-reaches the other servers of a cluster a moment after it is made, so a reader always catches up
-from JetStream when it opens, and once more ``settle_s`` later (a batch delivered just before
-the reader was registered may be stored just after the first look), as soon as a batch arrives
-out of order (a hole), within ``loss_spread_s`` of a reconnect or a slow-consumer drop (spread
-out, one second per 2,000 readers beyond that, so 10,000 readers do not ask JetStream at once),
-once more before a missing batch is declared a gap, and when nothing arrived for ``resync_s``
-(jittered). A look reads everything when messages may have been lost or nothing arrived for
-``resync_s``: the stream leader counts what is stored, so a replica that is behind cannot hide
-it; otherwise one direct get of the last batch decides. A look that fails (JetStream still
-recovering, or a read that came from a replica that is behind) is retried a second later while
-live batches keep flowing.
-
-Order, duplicates and gaps are :class:`~tokenpipe.reorder.Reorder`'s: readers see batches in
-``seq`` order, each once, or an explicit :class:`~tokenpipe.reorder.Gap`.
+Core delivery is at-most-once, so JetStream stays the source of truth: a reader catches up from
+it when it opens (a new subscription reaches a cluster's other servers a moment later), again
+``settle_s`` later, at a hole, within ``loss_spread_s`` of a reconnect or slow-consumer drop,
+before declaring a gap, and after ``resync_s`` quiet (jittered). Order, duplicates and gaps are
+:class:`~tokenpipe.reorder.Reorder`'s: readers see batches in ``seq`` order, each once, or an
+explicit :class:`~tokenpipe.reorder.Gap`.
 """
 
 from __future__ import annotations

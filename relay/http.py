@@ -25,13 +25,12 @@ from tokenpipe.wire import TokenBatch
 
 from .sse import SSE_HEADERS
 
-__all__ = ["RAW_SEND", "error_body", "error_response", "read_json", "parse_json", "check_strings", "RequestTooLarge",
-           "JSONBodyRoute", "takes", "SSEResponse", "WriteWatchdog", "Writer", "ClientGone", "error_type",
-           "stream_error"]
+__all__ = ["RAW_SEND", "error_body", "error_response", "read_json", "parse_json", "RequestTooLarge",
+           "JSONBodyRoute", "takes", "SSEResponse", "WriteWatchdog", "Writer", "ClientGone", "stream_error"]
 
 # Scope key under which the relay app leaves the server's own ``send``: an SSE body chunk then
-# skips three middleware wrappers that only ever look at the response start (their cost per
-# event: bench/RESULTS.md, "Relay per-event costs").
+# skips three middleware wrappers that only ever look at the response start (bench/RESULTS.md,
+# "Relay per-event costs").
 RAW_SEND = "tokenpipe.raw_send"
 
 log = logging.getLogger(__name__)
@@ -45,13 +44,10 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: 
                 503: "service_unavailable_error"}
 
 
-def error_type(status: int) -> str:
-    return _ERROR_TYPES.get(status, "server_error")
-
-
 def error_body(message: str, *, status: int, code: str | None = None, param: str | None = None) -> dict[str, Any]:
     """The OpenAI error shape: ``{"error": {"message", "type", "param", "code"}}``."""
-    return {"error": {"message": message, "type": error_type(status), "param": param, "code": code}}
+    return {"error": {"message": message, "type": _ERROR_TYPES.get(status, "server_error"), "param": param,
+                      "code": code}}
 
 
 def stream_error(batch: TokenBatch) -> tuple[int, dict[str, Any]]:
@@ -62,13 +58,13 @@ def stream_error(batch: TokenBatch) -> tuple[int, dict[str, Any]]:
     return status, error_body(batch.error or "generation failed", status=status, code=batch.error_code)
 
 
-def error_response(exc: TokenpipeError, headers: dict[str, str] | None = None) -> JSONResponse:
-    extra = dict(headers or {})
+def error_response(exc: TokenpipeError) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else {}
     retry = getattr(exc, "retry_after", None)
     if retry is not None:
-        extra["Retry-After"] = str(retry)
+        headers["Retry-After"] = str(retry)
     return JSONResponse(error_body(exc.message, status=exc.status, code=exc.code, param=exc.param),
-                        status_code=exc.status, headers=extra or None)
+                        status_code=exc.status, headers=headers or None)
 
 
 class ClientGone(TokenpipeError):
@@ -140,13 +136,10 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
 
 
 def parse_json(body: bytes) -> dict[str, Any]:
-    """The one boundary where untrusted JSON becomes Python values, shared by every route.
-
-    Whatever the parser accepts but nothing downstream can carry is refused here with a 400:
-    integers longer than Python's digit limit, nesting deeper than the recursion limit, and
-    lone UTF-16 surrogates (``"\\ud800"`` is valid JSON but not encodable UTF-8, so msgpack and
-    the tokenizer would fail on it later).
-    """
+    """The one boundary where untrusted JSON becomes Python values, shared by every route (and
+    WebSocket frame): what the parser accepts but nothing downstream can carry is a 400 here.
+    Integers past Python's digit limit, nesting past the recursion limit, and lone UTF-16
+    surrogates (``"\\ud800"`` is valid JSON but not UTF-8: msgpack and the tokenizer fail on it)."""
     try:
         obj = json.loads(body)
     except RecursionError as exc:
@@ -155,15 +148,14 @@ def parse_json(body: bytes) -> dict[str, Any]:
         raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
     if not isinstance(obj, dict):
         raise InvalidRequest("request body must be a JSON object")
-    check_strings(obj)
+    _check_strings(obj)
     return obj
 
 
-def check_strings(obj: Any, where: str = "") -> None:
-    """Refuse (400, naming the field) any key or string inside ``obj`` that is not valid UTF-8.
-
-    Iterative, so a deep structure cannot overflow the stack here either."""
-    stack: list[tuple[str, Any]] = [(where, obj)]
+def _check_strings(obj: Any) -> None:
+    """Refuse (400, naming the field) any key or string inside ``obj`` that is not valid UTF-8;
+    iterative, so a deep structure cannot overflow the stack here either."""
+    stack: list[tuple[str, Any]] = [("", obj)]
     while stack:
         path, value = stack.pop()
         if isinstance(value, str):
@@ -193,13 +185,10 @@ class Writer(Protocol):
 
 
 class WriteWatchdog:
-    """Ends SSE responses (and WebSockets) whose write has been blocked longer than ``timeout`` seconds.
-
-    A client that stops reading fills the socket buffers and then blocks our write. One task
-    checks every response mid-write, instead of a cancel scope around every write, which costs
-    on every event (bench/RESULTS.md, "Relay per-event costs"). A write that does not block
-    never yields to this task, so for it the bookkeeping is one dict insert and one delete.
-    """
+    """Ends SSE responses (and WebSockets) whose write has been blocked longer than ``timeout`` seconds
+    (a client that stops reading). One task checks every response mid-write, instead of a cancel
+    scope around every write (bench/RESULTS.md, "Relay per-event costs"): a write that does not
+    block never yields to it, so for that write the bookkeeping is one dict insert and one delete."""
 
     def __init__(self, timeout: float) -> None:
         self.timeout = timeout
@@ -234,19 +223,13 @@ class WriteWatchdog:
 
 
 class SSEResponse(StreamingResponse):
-    """``text/event-stream`` whose every write has a deadline (kept by a :class:`WriteWatchdog`).
-
-    After ``watchdog.timeout`` seconds of a blocked write the stream is dropped (logged)
-    instead of buffering without bound. ``on_drop`` lets the caller keep the generation running
-    so the client can resume; ``on_close`` runs however the response ends, even if the body
-    was never read.
-    """
+    """``text/event-stream`` whose writes the :class:`WriteWatchdog` cuts off. ``on_drop`` lets the
+    caller keep the generation running for the client to resume; ``on_close`` runs however the
+    response ends, even if the body was never read."""
 
     def __init__(self, content: AsyncIterator[bytes], *, watchdog: WriteWatchdog, stream_id: str,
-                 on_drop: Callable[[], None] | None = None, on_close: Callable[[], None] | None = None,
-                 headers: dict[str, str] | None = None) -> None:
-        super().__init__(content, media_type="text/event-stream",
-                         headers={**SSE_HEADERS, "X-Request-Id": stream_id, **(headers or {})})
+                 on_drop: Callable[[], None] | None = None, on_close: Callable[[], None] | None = None) -> None:
+        super().__init__(content, media_type="text/event-stream", headers={**SSE_HEADERS, "X-Request-Id": stream_id})
         self.watchdog = watchdog
         self.stream_id = stream_id
         self.on_drop = on_drop

@@ -73,7 +73,6 @@ class Inspector:
         self.firsts: OrderedDict[str, TokenBatch] = OrderedDict()
         self._reads = asyncio.Semaphore(_READS)
 
-
     async def item(self, bus: Bus, entry: IndexEntry, now_ns: int) -> StreamListItem:
         summary = self.finished.get(entry.id)
         if summary is None:
@@ -108,10 +107,6 @@ def _keep(cache: OrderedDict[str, T], key: str, value: T) -> None:
         cache.popitem(last=False)
 
 
-def inspector_of(request: Request) -> Inspector:
-    return request.app.state.inspector  # type: ignore[no-any-return]
-
-
 @router.get("/v1/streams", response_model=StreamList)
 async def list_streams(
         request: Request,
@@ -137,14 +132,12 @@ async def list_streams(
     if model is not None:
         entries = [e for e in entries if e.model == model]
     candidates = entries[:max(limit, SCAN_LIMIT) if finish is not None else limit]
-    inspector = inspector_of(request)
+    inspector: Inspector = request.app.state.inspector
     found: list[StreamListItem] = []
     examined = 0
     step = max(limit, 20)  # read concurrently, a chunk at a time (a filter may skip most)
     for start in range(0, len(candidates), step):
-        chunk = candidates[start:start + step]
-        items = await asyncio.gather(*(inspector.item(bus, e, now) for e in chunk))
-        for item in items:
+        for item in await asyncio.gather(*(inspector.item(bus, e, now) for e in candidates[start:start + step])):
             examined += 1
             if finish is None or item.finish == finish:
                 found.append(item)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import gc
 
 import uvicorn
-from opentelemetry.trace import TracerProvider
 
 from tokenpipe.settings import Settings
 from tokenpipe.telemetry import setup_tracing
@@ -13,19 +12,12 @@ from tokenpipe.telemetry import setup_tracing
 from .app import create_app
 from .connections import server_options
 
-__all__ = ["serve", "uvicorn_config"]
+__all__ = ["serve"]
 
 
-def uvicorn_config(settings: Settings, provider: TracerProvider, **kw: object) -> uvicorn.Config:
-    app = create_app(settings, tracer_provider=provider)
-    return uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, access_log=False,
-                          timeout_graceful_shutdown=3, **{**server_options(settings), **kw})
-
-
-# The cyclic GC's default young-generation threshold (700 allocations) made collections run
-# hundreds of times a second under load, each walking a heap that grows with every open SSE
-# stream: at 10,000 streams it doubled the relay's CPU per forwarded batch (bench/RESULTS.md,
-# "Relay fan-out"). Cycles are still collected, just in larger, rarer rounds.
+# The cyclic GC's default young-generation threshold (700 allocations) made collections walk a heap
+# that grows with every open SSE stream hundreds of times a second (bench/RESULTS.md, "Relay
+# fan-out"). Cycles are still collected, just in larger, rarer rounds.
 _GC_THRESHOLDS = (200_000, 50, 100)
 
 
@@ -34,7 +26,10 @@ async def serve(settings: Settings) -> None:
     gc.freeze()  # what start-up allocated (modules, the app) is never garbage: keep it out of every collection
     provider = setup_tracing("tokenpipe-relay")
     try:
-        await uvicorn.Server(uvicorn_config(settings, provider)).serve()
+        config = uvicorn.Config(create_app(settings, tracer_provider=provider), host=settings.host, port=settings.port,
+                                log_config=None, access_log=False, timeout_graceful_shutdown=3,
+                                **server_options(settings))
+        await uvicorn.Server(config).serve()
     finally:
         shutdown = getattr(provider, "shutdown", None)
         if shutdown is not None:

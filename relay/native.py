@@ -17,7 +17,16 @@ from tokenpipe.wire import Request as TpRequest
 from tokenpipe.wire import TokenBatch
 
 from .http import JSONBodyRoute, SSEResponse, takes
-from .protocol import ID_PATTERN, Bodies, NativeCreate, NativeEvent, StreamCancelled, StreamCreated
+from .protocol import (
+    ID_PATTERN,
+    Bodies,
+    ChatCompletionRequest,
+    CompletionRequest,
+    NativeCreate,
+    NativeEvent,
+    StreamCancelled,
+    StreamCreated,
+)
 from .sessions import Session
 from .sse import sse_comment, sse_event
 from .state import RelayState
@@ -72,14 +81,14 @@ def state_of(request: Request) -> RelayState:
     return request.app.state.relay  # type: ignore[no-any-return]
 
 
-async def start_stream(state: RelayState, body: NativeCreate, tenant: str) -> TpRequest:
-    """Create a stream from a validated native create body (``POST /v1/streams``; the WebSocket
-    ``create`` frame validates its body with :meth:`relay.protocol.Bodies.parse_native`)."""
+async def start_stream(state: RelayState, body: NativeCreate | ChatCompletionRequest | CompletionRequest,
+                       tenant: str, *, follow: bool = False) -> tuple[TpRequest, Session]:
+    """Create a stream from a validated body (``POST /v1/streams``, the WebSocket ``create`` frame,
+    the OpenAI routes) and a session to read it; with ``follow``, its live reader is registered first."""
     model = await state.registry.resolve(body.model)
     req = body.to_request(model, tenant)
     await state.admission.admit(tenant, model, req.id)
-    await state.forwarder.submit(req)
-    return req
+    return req, Session(req.id, tenant, live=await state.forwarder.submit(req, follow=follow))
 
 
 def router(bodies: Bodies) -> APIRouter:
@@ -90,7 +99,7 @@ def router(bodies: Bodies) -> APIRouter:
               responses={201: {"description": "the stream was created", "links": _LINKS}})
     @takes(bodies.native)
     async def create_stream(body: NativeCreate, request: Request) -> JSONResponse:
-        req = await start_stream(state_of(request), body, tenant_of(request))
+        req, _ = await start_stream(state_of(request), body, tenant_of(request))
         created = StreamCreated(id=req.id, model=req.model, stream_url=f"/v1/streams/{req.id}")
         return JSONResponse(created.model_dump(), status_code=201,
                             headers={"X-Request-Id": req.id, "Location": created.stream_url})
@@ -113,21 +122,13 @@ def router(bodies: Bodies) -> APIRouter:
         await state.forwarder.check_retained(meta)
         session = Session(stream_id, tenant, cancel_on_exit=cancel_on_disconnect and not replay, reader=not replay,
                           meta=meta)
-
-        def dropped() -> None:
-            session.cancel_on_exit = False  # a slow client is cut off, not its generation: it may resume
-
         return SSEResponse(_native_events(state, session, -1 if after is None else after, speed if replay else None),
-                           watchdog=state.watchdog, stream_id=stream_id, on_drop=dropped,
+                           watchdog=state.watchdog, stream_id=stream_id, on_drop=session.dropped,
                            on_close=session.close)
 
     @api.delete("/v1/streams/{stream_id}", operation_id="cancelStream", response_model=StreamCancelled)
     async def delete_stream(stream_id: StreamId, request: Request) -> StreamCancelled:
-        state = state_of(request)
-        tenant = tenant_of(request)
-        await state.forwarder.owned_meta(stream_id, tenant)
-        await state.forwarder.cancel(stream_id)
-        state.admission.release(tenant, stream_id)
+        await state_of(request).forwarder.cancel(stream_id, tenant_of(request))
         return StreamCancelled(id=stream_id, cancelled=True)
 
     return api

@@ -1,8 +1,7 @@
 """OpenAI-compatible ``/v1/chat/completions`` and ``/v1/completions`` (stream and non-stream).
 
-A coalesced batch becomes one chunk; usage counts tokens, not chunks. Every response carries
-``X-Request-Id`` = the tokenpipe stream id, so the stream can be replayed or resumed through
-the native API.
+A coalesced batch becomes one chunk; usage counts tokens, not chunks. ``X-Request-Id`` is the
+stream id, so the stream can be replayed or resumed through the native API.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ from tokenpipe.wire import Request as TpRequest
 from tokenpipe.wire import TokenBatch
 
 from .http import JSONBodyRoute, SSEResponse, error_body, stream_error, takes
-from .native import state_of, tenant_of
+from .native import start_stream, state_of, tenant_of
 from .protocol import (
     AssistantMessage,
     Bodies,
@@ -72,17 +71,11 @@ def router(bodies: Bodies) -> APIRouter:
 
 async def _complete(request: Request, body: Body, chat: bool) -> Response:
     state = state_of(request)
-    tenant = tenant_of(request)
-    model = await state.registry.resolve(body.model)
-    req = body.to_request(model, tenant)
-    await state.admission.admit(tenant, model, req.id)
-    live = await state.forwarder.submit(req, follow=True)
-    session = Session(req.id, req.tenant, live=live)
+    req, session = await start_stream(state, body, tenant_of(request), follow=True)
     created = int(time.time())
     if body.stream:
         return SSEResponse(_chunks(state, session, req, created, chat, body.include_usage),
-                           watchdog=state.watchdog, stream_id=req.id,
-                           on_close=session.close)
+                           watchdog=state.watchdog, stream_id=req.id, on_close=session.close)
     try:
         return await _complete_blocking(request, state, session, req, created, chat)
     finally:

@@ -1,10 +1,8 @@
-"""The relay's HTTP protocol, declared once: typed request and response bodies.
-
-FastAPI validates each request body against its model and writes the OpenAPI document from
-these models. The sampling fields are :class:`~tokenpipe.wire.SamplingParams`' own, with its
-bounds, each made optional; a body becomes the wire request in one place (``_wire``), without
-validating again. :class:`Bodies` derives the models one app serves, with its settings'
-limits (``max_tokens`` cap, longest prompt), so that its document states what it enforces.
+"""The relay's HTTP protocol, declared once: typed request and response bodies, from which FastAPI
+validates requests and writes the OpenAPI document. The sampling fields are
+:class:`~tokenpipe.wire.SamplingParams`' own, bounds included, each made optional; a body becomes
+the wire request in one place (``_wire``). :class:`Bodies` carries one app's limits into its
+document, so that the document states what the app enforces.
 """
 
 from __future__ import annotations
@@ -38,7 +36,7 @@ from tokenpipe.wire import Request as TpRequest
 
 __all__ = ["Bodies", "NativeCreate", "ChatCompletionRequest", "CompletionRequest", "StreamCreated",
            "StreamCancelled", "ModelList", "ModelCard", "ChatCompletion", "Completion", "Usage", "ErrorResponse",
-           "NativeEvent", "OpenAIEvent", "ERROR_STATUSES", "ID_PATTERN"]
+           "NativeEvent", "OpenAIEvent", "ERROR_STATUSES", "ID_PATTERN", "parse"]
 
 ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"  # stream ids and model names: NATS subject tokens
 StreamId = Annotated[str, StringConstraints(pattern=ID_PATTERN)]
@@ -47,6 +45,7 @@ PromptText = Annotated[str, StringConstraints(strict=True, min_length=1)]  # an 
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 Flag = Annotated[bool, Field(strict=True)]
 B = TypeVar("B", bound="_Create")
+M = TypeVar("M", bound=BaseModel)
 SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
 
 if TYPE_CHECKING:
@@ -222,12 +221,16 @@ class Bodies:
                                   prompt=(_completion_prompt(prompt), ...))
 
     def parse_native(self, body: Any) -> NativeCreate:
-        """A native create body (parsed JSON: a WebSocket ``create`` frame) validated as
-        ``POST /v1/streams`` validates it, or an :class:`InvalidRequest` naming the field."""
-        try:
-            return self.native.model_validate(body)
-        except ValidationError as exc:
-            raise invalid_request(exc.errors()) from exc
+        """A native create body (a WebSocket ``create`` frame) validated as ``POST /v1/streams`` validates it."""
+        return parse(self.native, body)
+
+
+def parse(model: type[M], body: Any) -> M:
+    """``body`` (parsed JSON) as ``model``, or an :class:`InvalidRequest` naming the field."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise invalid_request(exc.errors()) from exc
 
 
 # --- responses --------------------------------------------------------------------------------

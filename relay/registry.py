@@ -28,10 +28,7 @@ _LAPSED_RECENT_S = 30.0  # ... when they lapsed at most this long ago (long gone
 class GeneratorInfo:
     worker: str
     model: str
-    ready: bool
     expires: float
-    max_batch: int = 0
-    active: int = 0
 
 
 async def _nobody_to_ask() -> None:
@@ -39,12 +36,9 @@ async def _nobody_to_ask() -> None:
 
 
 class GeneratorRegistry:
-    """Tracks announcements; an entry lapses after its ``ttl_s`` without a fresh one.
-
-    ``default_model`` is the model of a request that names none (when it is served, or nothing
-    is); ``wait_s`` how long :meth:`resolve` waits for a model to be announced; ``discover``
-    asks every running generator to announce itself now.
-    """
+    """Tracks announcements; an entry lapses after its ``ttl_s`` without a fresh one. ``default_model``
+    is the model of a request that names none (when it is served, or nothing is); ``wait_s`` how long
+    :meth:`resolve` waits for a model to be announced; ``discover`` asks every generator to announce itself."""
 
     def __init__(self, *, default_model: str = "", wait_s: float = 0.0,
                  discover: Callable[[], Awaitable[None]] = _nobody_to_ask) -> None:
@@ -64,13 +58,11 @@ class GeneratorRegistry:
         except WireFormatError as exc:
             log.warning("ignoring malformed generator announcement", extra={"error": exc.message})
             return
-        info = GeneratorInfo(worker=ann.worker, model=ann.model, ready=ann.ready, expires=now + ann.ttl_s,
-                             max_batch=ann.max_batch, active=ann.active)
-        if info.ready:
-            self.workers[info.worker] = info
-            self.seen_models.add(info.model)
+        if ann.ready:
+            self.workers[ann.worker] = GeneratorInfo(worker=ann.worker, model=ann.model, expires=now + ann.ttl_s)
+            self.seen_models.add(ann.model)
         else:
-            self.workers.pop(info.worker, None)
+            self.workers.pop(ann.worker, None)
 
     def live(self, now: float | None = None) -> list[GeneratorInfo]:
         now = time.monotonic() if now is None else now

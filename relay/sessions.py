@@ -73,6 +73,10 @@ class Session:
     live: LiveStream | None = None  # registered before submission (nothing published can be missed)
     meta: StreamMeta | None = None  # an attach: its idle pings ask whether the stream is gone (Forwarder.batches)
 
+    def dropped(self) -> None:
+        """A slow client was cut off, not its generation: it may resume."""
+        self.cancel_on_exit = False
+
     def close(self) -> None:
         """Unregister the live reader; safe to call more than once, and needed when the response
         was cancelled before it ever read the stream."""
@@ -81,8 +85,7 @@ class Session:
 
 
 class Forwarder:
-    """Stream operations of one relay process. ``fanout`` (live batches) is set by the relay's
-    start-up, once it is connected."""
+    """Stream operations of one relay process; ``fanout`` is set once the relay is connected."""
 
     def __init__(self, settings: Settings, tracer: Tracer, metrics: RelayMetrics, admission: Admission,
                  bus: Callable[[], Bus]) -> None:
@@ -103,7 +106,6 @@ class Forwarder:
         self._created: OrderedDict[str, StreamMeta] = OrderedDict()
 
     async def start(self) -> None:
-        """Answer other relays asking whether a stream has a live reader here."""
         self._readers_sub = await self._bus().nc.subscribe(READERS_WILDCARD, cb=self._on_readers_query)
 
     async def stop(self) -> None:
@@ -114,8 +116,7 @@ class Forwarder:
         self._grace.clear()
 
     async def _on_readers_query(self, msg: Msg) -> None:
-        """Answer when a live reader of the stream is here, or a reader left here within the grace
-        (this relay then decides itself, when its own grace ends)."""
+        """Answer also while a reader that left here is within its grace (this relay decides then)."""
         stream_id = msg.subject.rpartition(".")[2]
         if (self.readers.get(stream_id) or stream_id in self._grace) and msg.reply:
             await msg.respond(b"1")
@@ -180,31 +181,27 @@ class Forwarder:
         return True
 
     async def submit(self, request: Request, *, follow: bool = False) -> LiveStream | None:
-        """Enqueue inside a PRODUCER span, a child of the current (HTTP server) span. With
-        ``follow``, a live reader is registered first and returned (for :class:`Session`)."""
+        """Enqueue inside a PRODUCER span (a child of the HTTP server span); with ``follow``, a live
+        reader is registered first and returned."""
         live = self._fanout().open(request.id) if follow else None
         try:
             with producer_span(self.tracer, request_subject(request.model, RELAY_OWNER),
                                {"gen_ai.request.model": request.model, "tokenpipe.stream.id": request.id}) as headers:
-                await self._submit(request, headers)
+                # Retried while NATS is away: a nats-server restart takes a second or two, an election 4-9 s.
+                bus = self._bus()
+                meta = await submit(bus, request, headers, retry=ELECTIONS.within(self.settings.submit_retry_s))
         except BaseException:
             if live is not None:
                 live.close()
             self.admission.release(request.tenant, request.id)  # a stream never created holds no slot
             raise
-        log.info("stream created", extra={"request_id": request.id, "model": request.model,
-                                          "tenant": request.tenant})
-        return live
-
-    async def _submit(self, request: Request, headers: dict[str, str]) -> None:
-        """Enqueue, retried for up to ``submit_retry_s`` while NATS is away (a nats-server restart
-        takes a second or two; a stream leader's election 4-9 s)."""
-        bus = self._bus()
-        meta = await submit(bus, request, headers, retry=ELECTIONS.within(self.settings.submit_retry_s))
         if bus.owner == RELAY_OWNER:  # the record is in the meta bucket (tokenpipe.streams.submit)
             self._created[meta.id] = meta
             while len(self._created) > _CREATED_HERE:
                 self._created.popitem(last=False)
+        log.info("stream created", extra={"request_id": request.id, "model": request.model,
+                                          "tenant": request.tenant})
+        return live
 
     def _fanout(self) -> Fanout:
         if self.fanout is None:
@@ -242,11 +239,9 @@ class Forwarder:
             await self._check_gone(meta)
 
     async def _check_gone(self, meta: StreamMeta) -> None:
-        """Raise :class:`StreamExpired` when nothing is stored for the stream and none of the relay's
-        requests for its model is queued or running. Not yet stored (waiting in the queue, or its
-        first batch still being computed) is not gone: its request is in the work queue until its
-        final batch is stored. The queue is asked first: a stream that ends between the two looks
-        has its final batch stored before its request leaves the queue, so it is seen stored."""
+        """:class:`StreamExpired` when nothing is stored for the stream and no request for its model
+        is queued or running (a request stays in the work queue until its final batch is stored).
+        The queue is asked first, so a stream that ends between the two looks is seen stored."""
         bus = self._bus()
         try:
             if await pending_requests(bus, meta.model, RELAY_OWNER) or await self._stored_any(meta.id):
@@ -267,8 +262,11 @@ class Forwarder:
         except WireFormatError:
             return True
 
-    async def cancel(self, stream_id: str) -> None:
+    async def cancel(self, stream_id: str, tenant: str) -> None:
+        """The owner's explicit cancel (404 to anyone else), which also frees the stream's slot."""
+        await self.owned_meta(stream_id, tenant)
         await cancel(self._bus(), stream_id)
+        self.admission.release(tenant, stream_id)
 
     def _forward_span(self, session: Session, trace_headers: dict[str, str], *, resumed: bool) -> Span:
         """Live forwarding continues the generation's trace (the batches carry its context);

@@ -77,19 +77,16 @@ class RelayState:
             await self._repair_once()
 
     async def _repair_once(self) -> None:
-        if self.bus is None or not self.bus.nc.is_connected:
+        bus = self.bus
+        if bus is None or not bus.nc.is_connected:
             return  # reconnecting: nothing to ask yet
         try:
-            await self._check_and_repair()
+            self.missing = await missing(bus.js, settings=self.settings)
+            if self.missing:
+                await repair(bus.js, self.settings, provision_streams=bus.provisions)
+                self.missing = await missing(bus.js, settings=self.settings)
         except TokenpipeError as exc:  # JetStream recovering or unreachable: the next round tries again
             log.warning("JetStream check failed", extra={"error": exc.message})
-
-    async def _check_and_repair(self) -> None:
-        bus = self.require_bus()
-        self.missing = await missing(bus.js, settings=self.settings)
-        if self.missing:
-            await repair(bus.js, self.settings, provision_streams=bus.provisions)
-            self.missing = await missing(bus.js, settings=self.settings)
 
     async def readiness(self) -> tuple[dict[str, Any], int]:
         """``/readyz``: 503 unless NATS is connected, tokenpipe's streams exist (looked up now; a

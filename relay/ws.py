@@ -1,17 +1,11 @@
 """The WebSocket transport, ``/v1/ws``: one socket carries any number of its tenant's streams.
 
-Frames are JSON text. Client → server: ``auth``, ``create`` (the native POST body), ``attach``,
-``cancel``, ``ping``. Server → client: ``authenticated``, ``created``, ``attached``,
-``cancelled``, ``pong``, then per stream ``tokens``, ``gap``, ``done`` or ``error`` (the SSE
-events' data plus ``type`` and ``id``). Every client frame gets a reply or an ``error`` frame;
-a bad frame never closes the socket (README, "WebSocket").
-
-Streams are read through the same :class:`relay.sessions.Session` and ``Forwarder.batches`` as
-SSE, created through :func:`relay.native.start_stream` from a body validated by the same model
-(:meth:`relay.protocol.Bodies.parse_native`), so tenancy, admission (429), viewer rules
-and cancellation are the HTTP API's. One writer task per socket sends what its streams queue;
-a socket whose write blocks longer than ``slow_client_timeout_s`` is dropped by the relay's
-:class:`relay.http.WriteWatchdog` (its streams keep generating and can be re-attached).
+Frames are JSON text (README, "WebSocket"); every client frame gets a reply or an ``error``
+frame, and a bad frame never closes the socket. Streams are created, read and cancelled through
+the HTTP API's own paths (:func:`relay.native.start_stream`, ``Forwarder.batches``,
+``Forwarder.cancel``), so tenancy, admission, viewer rules and cancellation are the same. One
+writer task per socket sends what its streams queue; a socket whose write blocks too long is
+dropped by the :class:`relay.http.WriteWatchdog` (its streams keep generating and can be re-attached).
 """
 
 from __future__ import annotations
@@ -20,24 +14,22 @@ import asyncio
 import contextlib
 import json
 import logging
-import time
 from decimal import Decimal
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any
 
 import orjson
 from fastapi import APIRouter, WebSocket
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, StringConstraints, ValidationError
+from pydantic import BaseModel, BeforeValidator, Field, StringConstraints
 from starlette.websockets import WebSocketDisconnect
 
 from tokenpipe.errors import InvalidRequest, TokenpipeError
-from tokenpipe.params import invalid_request
 from tokenpipe.streams import Gap
 from tokenpipe.wire import TokenBatch
 
 from . import native
 from .auth import Unauthorized, authorization_header
 from .http import RequestTooLarge, parse_json
-from .protocol import ID_PATTERN, Bodies
+from .protocol import ID_PATTERN, Bodies, Flag, parse
 from .sessions import Session
 from .state import RelayState
 
@@ -64,13 +56,6 @@ def error_frame(exc: TokenpipeError, *, ref: Ref = None, stream_id: str | None =
                    "param": exc.param, "status": exc.status, "retry_after": getattr(exc, "retry_after", None)})
 
 
-def batch_frames(stream_id: str, batch: TokenBatch) -> list[str]:
-    """A batch as frames: exactly the SSE events' data (:func:`relay.native.batch_events`, nulls
-    included) after ``type``, ``id`` and ``seq`` (which the final SSE events carry as their id)."""
-    return [orjson.dumps({"type": name, "id": stream_id, "seq": batch.seq, **data}).decode()
-            for name, data in native.batch_events(batch)]
-
-
 def _ref(frame: dict[str, Any]) -> Ref:
     ref = frame.get("ref")
     if ref is None or (isinstance(ref, str) and len(ref) <= _MAX_REF_CHARS):
@@ -87,13 +72,9 @@ def _a_number(value: Any) -> Any:
     return value
 
 
-Flag = Annotated[bool, Strict()]
-
-
 class _Cancel(BaseModel):
     """A ``cancel`` frame (and the part of an ``attach`` that names the stream)."""
 
-    model_config = ConfigDict(extra="ignore")
     id: Annotated[str, StringConstraints(strict=True, pattern=ID_PATTERN)]
 
 
@@ -104,16 +85,6 @@ class _Attach(_Cancel):
     replay: Flag = False
     speed: Annotated[native.Speed, BeforeValidator(_a_number)] = 1.0  # the SSE route's ``speed`` rule
     cancel_on_disconnect: Flag = True
-
-
-F = TypeVar("F", bound=BaseModel)
-
-
-def _parsed(model: type[F], frame: dict[str, Any]) -> F:
-    try:
-        return model.model_validate(frame)
-    except ValidationError as exc:
-        raise invalid_request(exc.errors()) from exc
 
 
 class Connection:
@@ -141,24 +112,21 @@ class Connection:
             await self.ws.send_text(error_frame(exc))
             await self._close_socket(_POLICY_VIOLATION)
             return
-        self._writer = asyncio.get_running_loop().create_task(self._write(), name="ws-writer")
+        writer = self._writer = asyncio.get_running_loop().create_task(self._write(), name="ws-writer")
         reader = asyncio.get_running_loop().create_task(self._read(), name="ws-reader")
         try:
-            await asyncio.wait({reader, self._writer}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({reader, writer}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            await self._close(reader)
+            await self._close(reader, writer)
 
-    async def _close(self, reader: asyncio.Task[None]) -> None:
+    async def _close(self, reader: asyncio.Task[None], writer: asyncio.Task[None]) -> None:
         if self.dropped:
             log.warning("dropping slow WebSocket client: a write blocked too long",
                         extra={"streams": len(self.streams), "send_timeout_s": self.state.watchdog.timeout})
             self.state.metrics.errors.labels(kind="ws_slow_client").inc()
-        tasks = [reader] + [task for _, task in self.streams.values()]
-        for session, _ in self.streams.values():
-            if self.dropped:
-                session.cancel_on_exit = False  # a slow client is cut off, not its generations: it may re-attach
-        if self._writer is not None:
-            tasks.append(self._writer)
+            for session, _ in self.streams.values():
+                session.dropped()  # its streams may be re-attached
+        tasks = [reader, *(task for _, task in self.streams.values()), writer]
         for task in tasks:
             task.cancel()
         for task in tasks:
@@ -194,21 +162,18 @@ class Connection:
                 watchdog.end(self)
 
     async def _read(self) -> None:
-        deadline = time.monotonic() + AUTH_WAIT_S
+        auth_deadline = asyncio.get_running_loop().time() + AUTH_WAIT_S
         while True:
-            if self.tenant is None:
-                try:
-                    async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
-                        message = await self.ws.receive()
-                except TimeoutError:
-                    await self.outbox.put(error_frame(Unauthorized(
-                        f"no API key within {AUTH_WAIT_S:g} s: send an auth frame first")))
-                    await self.outbox.put(_POLICY_VIOLATION)  # the writer sends what is queued, then closes
-                    if self._writer is not None:
-                        await self._writer
-                    return
-            else:
-                message = await self.ws.receive()
+            try:
+                async with asyncio.timeout_at(auth_deadline if self.tenant is None else None):
+                    message = await self.ws.receive()
+            except TimeoutError:
+                await self.outbox.put(error_frame(Unauthorized(
+                    f"no API key within {AUTH_WAIT_S:g} s: send an auth frame first")))
+                await self.outbox.put(_POLICY_VIOLATION)  # the writer sends what is queued, then closes
+                if self._writer is not None:
+                    await self._writer
+                return
             if message["type"] == "websocket.disconnect":
                 return
             text = message.get("text")
@@ -260,17 +225,16 @@ class Connection:
 
     async def _create(self, frame: dict[str, Any], ref: Ref, tenant: str) -> None:
         body = self.bodies.parse_native({k: v for k, v in frame.items() if k not in ("type", "ref")})
-        req = await native.start_stream(self.state, body, tenant)  # exactly POST /v1/streams' path
-        sid = req.id
-        await self.outbox.put(_dumps({"type": "created", "ref": ref, "id": sid, "model": req.model}))
-        self._follow(Session(sid, tenant), after=-1, speed=None)
+        req, session = await native.start_stream(self.state, body, tenant)  # exactly POST /v1/streams' path
+        await self.outbox.put(_dumps({"type": "created", "ref": ref, "id": req.id, "model": req.model}))
+        self._follow(session, after=-1, speed=None)
 
     async def _attach(self, frame: dict[str, Any], ref: Ref, tenant: str, text: str) -> None:
         if isinstance(frame.get("speed"), float):
             # Judged on the exact decimal, as the query's speed is: the float parse already read 1e-400
             # as 0.0 ("as fast as possible"). Read again (the frame is small, an attach rare).
             frame = {**frame, "speed": json.loads(text, parse_float=Decimal)["speed"]}
-        attach = _parsed(_Attach, frame)
+        attach = parse(_Attach, frame)
         sid, replay = attach.id, attach.replay
         forwarder = self.state.forwarder
         meta = await forwarder.owned_meta(sid, tenant)
@@ -284,10 +248,8 @@ class Connection:
         self._follow(session, after=after, speed=attach.speed if replay else None)
 
     async def _cancel(self, frame: dict[str, Any], ref: Ref, tenant: str) -> None:
-        sid = _parsed(_Cancel, frame).id
-        await self.state.forwarder.owned_meta(sid, tenant)
-        await self.state.forwarder.cancel(sid)
-        self.state.admission.release(tenant, sid)
+        sid = parse(_Cancel, frame).id
+        await self.state.forwarder.cancel(sid, tenant)
         await self.outbox.put(_dumps({"type": "cancelled", "ref": ref, "id": sid}))
 
     # -- streams -----------------------------------------------------------------------------
@@ -299,16 +261,16 @@ class Connection:
     async def _forward(self, session: Session, after: int, speed: float | None) -> None:
         sid = session.stream_id
         try:
-            # Idle pings send no frame (the socket has its own keepalive); they let an attach whose
-            # history is gone end with an error frame (Forwarder.batches).
+            # An idle Ping needs no frame (the socket has its own keepalive); asking for pings lets an
+            # attach whose history is gone end with an error frame (Forwarder.batches).
             async for item in self.state.forwarder.batches(session, after=after, speed=speed,
                                                            idle=self.state.settings.keepalive_s):
                 if isinstance(item, TokenBatch):
-                    for frame in batch_frames(sid, item):
-                        await self.outbox.put(frame)
+                    # Exactly the SSE events' data (nulls included) after type, id and seq (the SSE events' id).
+                    for name, data in native.batch_events(item):
+                        await self.outbox.put(orjson.dumps({"type": name, "id": sid, "seq": item.seq, **data}).decode())
                 elif isinstance(item, Gap):
                     await self.outbox.put(_dumps({"type": "gap", "id": sid, **native.gap_event(item)}))
-                # a Ping (idle stream) needs no frame: the socket has its own keepalive
         except TokenpipeError as exc:
             await self.outbox.put(error_frame(exc, stream_id=sid))
         finally:
