@@ -82,7 +82,6 @@ def node_args(cluster_name: str, cluster_port: int, routes: str, server_name: st
     return ClusterArgs(name=cluster_name, port=cluster_port, server_name=server_name, routes=urls)
 
 
-
 class LocalCluster:
     """N nats-server processes on loopback forming one JetStream cluster, each with its own store
     under ``data_dir/<server name>`` and a monitoring port; start/stop as a whole or node by node."""
@@ -90,9 +89,7 @@ class LocalCluster:
     def __init__(self, data_dir: str | os.PathLike[str], size: int = 3, *, host: str = "127.0.0.1",
                  name: str = "tokenpipe", first_port: int | None = None,
                  config_file: str | os.PathLike[str] | None = None) -> None:
-        """``config_file``: the nats-server configuration every node starts from (the authorization
-        of a single embedded server, :func:`tokenpipe.natsauth.write_server_config`); each node
-        gets it plus a ``cluster`` block (routes authenticated when there is one) in
+        """``config_file``: the configuration every node includes, with its ``cluster`` block, in
         ``data_dir/<server name>/nats-server.conf``."""
         if size < 1:
             raise ConfigError("a cluster needs at least one node", param="nats_cluster")
@@ -169,41 +166,27 @@ class LocalCluster:
         """``kill -9`` node ``i`` (no lame duck, no leader hand-over) and reap it."""
         node = self.nodes[i]
         child, node.child = node.child, None
-        if child is not None and child.proc.poll() is None:
-            child.proc.send_signal(signal.SIGKILL)
-            child.proc.wait()
-
-    def restart(self, i: int, *, graceful: bool = True, timeout: float = 30.0) -> None:
-        """Stop node ``i`` (SIGTERM, or SIGKILL with ``graceful=False``) and start it again on the
-        same ports and store; returns once it listens (see :meth:`wait_healthy` for caught up)."""
-        if graceful:
-            self.thaw(i)
-            self.nodes[i].stop()
-        else:
-            self.kill(i)
-        self.nodes[i].start(timeout)
+        if child is not None:
+            child.kill()
 
     def start_node(self, i: int, timeout: float = 30.0) -> None:
         self.nodes[i].start(timeout)
 
     def freeze(self, i: int) -> None:
         """SIGSTOP node ``i``: its sockets stay open but nothing answers (a hung host)."""
-        proc = self._proc(i)
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGSTOP)
+        self._signal(i, signal.SIGSTOP)
 
     def thaw(self, i: int) -> None:
-        proc = self._proc(i)
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGCONT)
+        self._signal(i, signal.SIGCONT)
 
-    def _proc(self, i: int) -> Any:
+    def _signal(self, i: int, sig: signal.Signals) -> None:
         child = self.nodes[i].child
-        return child.proc if child is not None else None
+        if child is not None and child.returncode is None:
+            child.proc.send_signal(sig)
 
     def running(self, i: int) -> bool:
-        proc = self._proc(i)
-        return proc is not None and proc.poll() is None
+        child = self.nodes[i].child
+        return child is not None and child.returncode is None
 
     # -- inspection (monitoring endpoints) ----------------------------------------------
     def monitor(self, i: int, path: str, timeout: float = 2.0) -> Any:
