@@ -11,16 +11,13 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, get_type_hints
+from typing import Any, get_type_hints
 
 from tokenpipe.errors import ConfigError, TokenpipeError
 from tokenpipe.eventloop import run
 from tokenpipe.logs import setup_logging
 from tokenpipe.settings import ENV_PREFIX, Settings
 from tokenpipe.settings_doc import shown_default
-
-if TYPE_CHECKING:
-    from .cluster import ClusterArgs
 
 __all__ = ["main"]
 
@@ -158,12 +155,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _settings(args: argparse.Namespace, **extra: Any) -> Settings:
-    overrides = {k: v for k, v in vars(args).items() if k in _FIELDS and v is not None}
-    overrides.update(extra)
-    return Settings.load(**overrides)
-
-
 # What each extra brings (pyproject.toml), by import name: a role command checks for its extra
 # before importing the role, so a base install says what to install instead of a traceback.
 _EXTRAS = {"relay": ("fastapi", "uvicorn"), "generator": ("torch", "transformers", "gguf", "safetensors")}
@@ -194,9 +185,12 @@ def main(argv: list[str] | None = None) -> int:
 def _dispatch(args: argparse.Namespace) -> int:
     require_extras(args.cmd)
     if args.cmd == "nats":
+        from .cluster import node_args
         from .natsserver import NatsServer
 
-        cluster = _cluster_args(args)
+        cluster = None
+        if args.cluster_name is not None:
+            cluster = node_args(args.cluster_name, args.cluster_port, args.routes, args.server_name)
         # Nodes of one cluster on one host must not share a store.
         default_dir = "nats" if cluster is None else f"nats-{cluster.server_name}"
         data = args.data_dir or str(Path(Settings.load().data_dir) / default_dir)
@@ -242,7 +236,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         path = prepare_smollm2(args.data_dir or Settings.load().data_dir)
         print(path)
         return 0
-    settings = _settings(args)
+    settings = Settings.load(**{k: v for k, v in vars(args).items() if k in _FIELDS and v is not None})
     setup_logging(args.cmd, settings.log_level, settings.log_json)
     if args.cmd == "up":
         from .supervisor import Supervisor
@@ -300,14 +294,6 @@ def _nats_config(args: argparse.Namespace, data: str) -> Path | None:
         path.write_text(server_config(None, tls))
         return path
     return None
-
-
-def _cluster_args(args: argparse.Namespace) -> ClusterArgs | None:
-    if args.cluster_name is None:
-        return None
-    from .cluster import node_args
-
-    return node_args(args.cluster_name, args.cluster_port, args.routes, args.server_name)
 
 
 def _bench(args: argparse.Namespace) -> int:
