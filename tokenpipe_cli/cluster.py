@@ -100,12 +100,13 @@ class LocalCluster:
         ports = [first_port or chosen[0], *chosen[1:size]]
         route_ports, monitor_ports = chosen[size:2 * size], chosen[2 * size:]
         self.nodes: list[NatsServer] = []
+        self.names = [f"{name}-{i}" for i in range(size)]  # the nodes' server names
         # With authorization on for clients, the routes get a user of their own too (a password
         # for this cluster's lifetime: every node is restarted from this object).
         password = secrets.token_urlsafe(24) if config_file is not None else ""
         for i in range(size):
             routes = tuple(f"nats-route://{host}:{p}" for j, p in enumerate(route_ports) if j != i)
-            args = ClusterArgs(name=name, port=route_ports[i], server_name=f"{name}-{i}", routes=routes,
+            args = ClusterArgs(name=name, port=route_ports[i], server_name=self.names[i], routes=routes,
                                route_user="route" if password else "", route_password=password,
                                in_config=True)
             node_dir = self.data_dir / args.server_name
@@ -127,14 +128,8 @@ class LocalCluster:
         """The seed list to give every role (``TOKENPIPE_NATS_URL``)."""
         return ",".join(n.url for n in self.nodes)
 
-    @property
-    def names(self) -> list[str]:
-        return [self.server_name(i) for i in range(len(self.nodes))]
-
     def server_name(self, i: int) -> str:
-        cluster = self.nodes[i].cluster
-        assert cluster is not None
-        return cluster.server_name
+        return self.names[i]
 
     def index(self, server_name: str) -> int:
         return self.names.index(server_name)
@@ -221,7 +216,7 @@ class LocalCluster:
         deadline = time.monotonic() + timeout
         while not all(self.healthy(i) for i in wanted):
             if time.monotonic() > deadline:
-                bad = [self.server_name(i) for i in wanted if not self.healthy(i)]
+                bad = [self.names[i] for i in wanted if not self.healthy(i)]
                 raise TransportError(f"nats cluster not healthy within {timeout}s: {', '.join(bad)}")
             time.sleep(0.1)  # polling the monitoring endpoints; they publish no event
 
