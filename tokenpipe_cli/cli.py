@@ -302,7 +302,7 @@ def _bench(args: argparse.Namespace) -> int:
 
     from .loadgen import LoadConfig, run_load
     from .report import plot, summary_table
-    from .stats import records_json, summarize
+    from .stats import summarize
 
     cfg = LoadConfig(url=args.url, api=args.api, nats_url=args.nats_url, model=args.model, api_key=args.api_key,
                      concurrency=args.concurrency, rate=args.rate, num_requests=args.num_requests,
@@ -317,7 +317,7 @@ def _bench(args: argparse.Namespace) -> int:
     if args.json_out:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_out).write_text(json.dumps({"config": vars(cfg), "summary": summary,
-                                                   "records": records_json(records)}, indent=1))
+                                                   "records": [dataclasses.asdict(r) for r in records]}, indent=1))
     if args.plot:
         plot(records, args.plot, f"{cfg.api}, {summary['succeeded']} requests")
     return 0 if summary["failed"] == 0 else 1

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import statistics
-from dataclasses import asdict
 from typing import Any
 
 from .loadgen import Record
 
-__all__ = ["latency_stats", "percentile", "records_json", "summarize"]
+__all__ = ["latency_stats", "percentile", "summarize"]
 
 
 def percentile(ordered: list[float], fraction: float) -> float:
@@ -50,7 +49,3 @@ def summarize(records: list[Record], wall: float) -> dict[str, Any]:
         "batches": sum(len(r.batch_tokens) for r in ok),
         "errors": sorted({r.error for r in records if r.error})[:5],
     }
-
-
-def records_json(records: list[Record]) -> list[dict[str, Any]]:
-    return [asdict(r) for r in records]
