@@ -45,7 +45,7 @@ class Provisioner:
         """Returns once the streams are provisioned; raises :class:`TransportError` if they could not be
         within ``timeout`` seconds."""
         self._timeout = timeout
-        self._thread = threading.Thread(target=self._main, name="provisioner", daemon=True)
+        self._thread = threading.Thread(target=asyncio.run, args=(self._run(),), name="provisioner", daemon=True)
         self._thread.start()
         if not self._ready.wait(timeout + 15):
             self.stop()
@@ -68,9 +68,6 @@ class Provisioner:
         if self._thread is not None:
             self._thread.join(10)
             self._thread = None
-
-    def _main(self) -> None:
-        asyncio.run(self._run())
 
     async def _run(self) -> None:
         self._loop = asyncio.get_running_loop()
