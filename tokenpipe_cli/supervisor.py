@@ -275,16 +275,13 @@ class Supervisor:
         gens_ready = any(r.state == "ready" for r in self.roles if r.kind == "generator")
         others_ready = all(r.state == "ready" for r in self.roles if r.kind != "generator")
         # /readyz too: the relay has heard a generator announce itself, so the first request is served.
-        if gens_ready and others_ready and self._relay_ready():
+        if gens_ready and others_ready and http_ok(f"{self._ports['relay_url']}/readyz", timeout=1.0)():
             self._state = "up"
             self._on_change()  # up.json says "up" before the line that tells a user (or a test) so
             where = f"NATS {self._ports['nats_url']}" + ("" if self.external_nats else
                                                           f", credentials in {self.settings.data_dir}/creds")
             print(f"\ntokenpipe is up: {self._ports['relay_url']}   ({where}; Ctrl-C stops)\n",
                   flush=True)
-
-    def _relay_ready(self) -> bool:
-        return http_ok(f"{self._ports['relay_url']}/readyz", timeout=1.0)()
 
     def _check_viable(self, failed: Role) -> None:
         if failed.kind in ("nats", "relay"):
