@@ -25,7 +25,7 @@ from tokenpipe.natsconfig import write_server_config
 from tokenpipe.settings import Settings
 
 from .cluster import LocalCluster
-from .launch import Child, free_port, http_ok, port_free, spawn_role
+from .launch import Child, free_port, http_ok, port_free, spawn_role, stop_all
 from .natsserver import NatsServer
 from .provisioner import Provisioner
 from .uprole import Role, RoleKind, describe_exit, write_status
@@ -314,13 +314,8 @@ class Supervisor:
     def shutdown(self) -> None:
         # The relay first (no new work, its streams end), then the generators drain together.
         children = [r.child for r in self.roles if r.kind != "nats" and r.child is not None]
-        order = sorted(children, key=lambda c: 0 if c.name == "relay" else 1)
-        for child in order:
-            child.terminate()
-            if child.name == "relay":
-                child.wait_or_kill(10)
-        for child in order:
-            child.wait_or_kill(self.settings.drain_timeout_s + 10)
+        stop_all([c for c in children if c.name == "relay"], timeout=10)
+        stop_all(children, timeout=self.settings.drain_timeout_s + 10)
         if self.provisioner is not None:
             self.provisioner.stop()
         if self.nats is not None:
