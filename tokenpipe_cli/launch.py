@@ -145,9 +145,6 @@ class Child:
             self.proc.kill()
         return self.proc.wait()
 
-    def describe(self) -> str:
-        return self.name + (f" (log: {self.log})" if self.log else "")
-
 
 def spawn(name: str, cmd: Sequence[str], *, env: Mapping[str, str] | None = None, log: Path | None = None,
           new_session: bool = False) -> Child:
@@ -215,7 +212,8 @@ def wait_ready(ready: Callable[[], bool], *, timeout: float, what: str, children
     while cancelled is None or not cancelled():
         dead = next((c for c in children if c.proc.poll() is not None), None)
         if dead is not None:
-            raise LaunchError(f"{dead.describe()} exited with {dead.proc.returncode} while waiting for {what}")
+            name = dead.name + (f" (log: {dead.log})" if dead.log else "")
+            raise LaunchError(f"{name} exited with {dead.proc.returncode} while waiting for {what}")
         if ready():
             return True
         if time.monotonic() > deadline:
