@@ -34,10 +34,8 @@ __all__ = ["Role", "RoleKind", "describe_exit", "read_status", "status_path", "w
 RoleKind = Literal["nats", "generator", "relay"]
 
 
-def describe_exit(code: int | None) -> str:
+def describe_exit(code: int) -> str:
     """``exit 2`` or ``SIGKILL`` (a negative Popen status is the signal that ended it)."""
-    if code is None:
-        return "running"
     if code < 0:
         try:
             return signal.Signals(-code).name
