@@ -355,8 +355,7 @@ async def _submit(args: argparse.Namespace, settings: Settings) -> int:
                 if args.json:
                     print(json.dumps(batch.to_json()), flush=True)
                 else:
-                    sys.stdout.write(batch.text)
-                    sys.stdout.flush()
+                    print(batch.text, end="", flush=True)
                 if batch.finish == "error":
                     print(f"\ntokenpipe: error: {batch.error}", file=sys.stderr)
                     return 1
