@@ -51,9 +51,8 @@ class Provisioner:
             self.stop()
             raise TransportError(f"tokenpipe's streams were not provisioned within {timeout:g} s")
         if self._error is not None:
-            err = self._error
             self.stop()
-            raise TransportError(f"cannot provision tokenpipe's streams: {err}") from err
+            raise TransportError(f"cannot provision tokenpipe's streams: {self._error}") from self._error
         return self
 
     def wait(self) -> None:
