@@ -205,19 +205,18 @@ def tcp_listening(host: str, port: int, timeout: float = 0.2) -> Callable[[], bo
 
 
 def wait_ready(ready: Callable[[], bool], *, timeout: float, what: str, children: Sequence[Child] = (),
-               interval: float = 0.2, cancelled: Callable[[], bool] | None = None) -> bool:
-    """Poll ``ready`` until it holds: True. False if ``cancelled`` became true first (a signal).
-    Raises :class:`LaunchError` when one of ``children`` exits meanwhile, or after ``timeout`` s."""
+               interval: float = 0.2) -> None:
+    """Poll ``ready`` until it holds. Raises :class:`LaunchError` when one of ``children`` exits
+    meanwhile, or after ``timeout`` s."""
     deadline = time.monotonic() + timeout
-    while cancelled is None or not cancelled():
+    while True:
         dead = next((c for c in children if c.proc.poll() is not None), None)
         if dead is not None:
             name = dead.name + (f" (log: {dead.log})" if dead.log else "")
             raise LaunchError(f"{name} exited with {dead.proc.returncode} while waiting for {what}")
         if ready():
-            return True
+            return
         if time.monotonic() > deadline:
             logs = ", ".join(str(c.log) for c in children if c.log)
             raise LaunchError(f"{what} not ready within {timeout:g}s" + (f"; see {logs}" if logs else ""))
         time.sleep(interval)  # polling a child process: there is no event to wait on
-    return False
