@@ -41,13 +41,8 @@ class ClusterArgs:
     # Routes authenticated with this user (every node's routes carry it).
     route_user: str = ""
     route_password: str = ""
-    # The cluster is configured by :meth:`config_block` in the node's config file, not on the
-    # command line (which cannot set the route pings).
-    in_config: bool = False
 
     def argv(self, host: str) -> list[str]:
-        if self.in_config:
-            return ["--server_name", self.server_name]
         out = ["--cluster_name", self.name, "--cluster", f"nats://{host}:{self.port}", "--server_name",
                self.server_name]
         if self.routes:
@@ -55,11 +50,12 @@ class ClusterArgs:
         return out
 
     def config_block(self, host: str) -> str:
-        """nats-server's ``cluster`` block: routes accepted only with the route user's password
-        (when there is one) and the other nodes dialled with it; route pings every second, three
-        unanswered drop the route. With nats-server's default (two minutes) the other nodes kept
-        their routes to a frozen node, and a JetStream request that went through it waited for the
-        thaw: every stream stalled as long as the freeze (bench/RESULTS.md, "A frozen NATS node")."""
+        """The node's ``server_name`` and nats-server's ``cluster`` block: routes accepted only with
+        the route user's password (when there is one) and the other nodes dialled with it; route
+        pings every second, three unanswered drop the route. With nats-server's default (two
+        minutes) the other nodes kept their routes to a frozen node, and a JetStream request that
+        went through it waited for the thaw: every stream stalled as long as the freeze
+        (bench/RESULTS.md, "A frozen NATS node")."""
         auth = f"{self.route_user}:{self.route_password}@" if self.route_user else ""
         routes = [u.replace("://", f"://{auth}", 1) for u in self.routes]
         lines = [f"  name: {json.dumps(self.name)}", f"  listen: {json.dumps(f'{host}:{self.port}')}"]
@@ -67,7 +63,7 @@ class ClusterArgs:
             user, password = json.dumps(self.route_user), json.dumps(self.route_password)
             lines.append(f"  authorization {{ user: {user}, password: {password} }}")
         lines += [f"  routes: {json.dumps(routes)}", '  ping_interval: "1s"', "  ping_max: 3"]
-        return "cluster {\n" + "\n".join(lines) + "\n}\n"
+        return f"server_name: {json.dumps(self.server_name)}\ncluster {{\n" + "\n".join(lines) + "\n}\n"
 
 
 def node_args(cluster_name: str, cluster_port: int, routes: str, server_name: str | None) -> ClusterArgs:
@@ -107,8 +103,7 @@ class LocalCluster:
         for i in range(size):
             routes = tuple(f"nats-route://{host}:{p}" for j, p in enumerate(route_ports) if j != i)
             args = ClusterArgs(name=name, port=route_ports[i], server_name=self.names[i], routes=routes,
-                               route_user="route" if password else "", route_password=password,
-                               in_config=True)
+                               route_user="route" if password else "", route_password=password)
             node_dir = self.data_dir / args.server_name
             node_dir.mkdir(parents=True, exist_ok=True)
             conf = node_dir / "nats-server.conf"
@@ -120,8 +115,9 @@ class LocalCluster:
                     shared = os.path.relpath(Path(config_file).resolve(), node_dir.resolve())
                     f.write(f"include {json.dumps(shared)}\n")
                 f.write(args.config_block(host))
+            # Configured by its config file alone: the command line cannot set the route pings.
             self.nodes.append(NatsServer(node_dir, host=host, port=ports[i], monitor_port=monitor_ports[i],
-                                         cluster=args, config_file=conf))
+                                         config_file=conf))
 
     @property
     def url(self) -> str:
