@@ -128,7 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--concurrency", type=int, default=8)
     bench.add_argument("--rate", type=float, default=None, help="Poisson arrivals, requests/s (instead of concurrency)")
     bench.add_argument("--num-requests", type=int, default=64)
-    bench.add_argument("--duration", type=float, default=None, help="stop starting requests after this many s")
+    bench.add_argument("--duration", dest="duration_s", metavar="DURATION", type=float, default=None,
+                       help="stop starting requests after this many s")
     bench.add_argument("--prompt-words", type=int, default=24)
     bench.add_argument("--output-len", default="128", help="tokens per request: N or A-B (uniform)")
     bench.add_argument("--coalesce-max-tokens", type=int, default=None)
@@ -222,8 +223,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         data_dir = Path(Settings.load().data_dir)
         creds_dir = Path(args.creds_dir) if args.creds_dir else data_dir / "creds"
-        path = add_app(creds_dir, args.name)
-        print(path)
+        print(add_app(creds_dir, args.name))
         write_accounts(creds_dir)  # the file the running servers' configuration includes
         pids = reload_servers(data_dir)
         print(f"nats-server reloaded ({len(pids)} running): the account is live" if pids else
@@ -233,8 +233,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.cmd == "prepare":
         from generator.models import prepare_smollm2
 
-        path = prepare_smollm2(args.data_dir or Settings.load().data_dir)
-        print(path)
+        print(prepare_smollm2(args.data_dir or Settings.load().data_dir))
         return 0
     settings = Settings.load(**{k: v for k, v in vars(args).items() if k in _FIELDS and v is not None})
     setup_logging(args.cmd, settings.log_level, settings.log_json)
@@ -304,10 +303,8 @@ def _bench(args: argparse.Namespace) -> int:
     from .report import plot, summary_table
     from .stats import summarize
 
-    cfg = LoadConfig(url=args.url, api=args.api, nats_url=args.nats_url, model=args.model, api_key=args.api_key,
-                     concurrency=args.concurrency, rate=args.rate, num_requests=args.num_requests,
-                     duration_s=args.duration, prompt_words=args.prompt_words, output_len=args.output_len,
-                     coalesce_max_tokens=args.coalesce_max_tokens, coalesce_max_delay_ms=args.coalesce_max_delay_ms)
+    fields = {f.name for f in dataclasses.fields(LoadConfig)}  # every one but seed is a flag of the same name
+    cfg = LoadConfig(**{k: v for k, v in vars(args).items() if k in fields})
     console = Console()
     with Progress(console=console) as progress:
         records, wall = asyncio.run(run_load(cfg, progress))
