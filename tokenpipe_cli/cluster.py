@@ -97,8 +97,7 @@ class LocalCluster:
         route_ports, monitor_ports = chosen[size:2 * size], chosen[2 * size:]
         self.nodes: list[NatsServer] = []
         self.names = [f"{name}-{i}" for i in range(size)]  # the nodes' server names
-        # With authorization on for clients, the routes get a user of their own too (a password
-        # for this cluster's lifetime: every node is restarted from this object).
+        # The route user's password lives as long as this object: every node is restarted from it.
         password = secrets.token_urlsafe(24) if config_file is not None else ""
         for i in range(size):
             routes = tuple(f"nats-route://{host}:{p}" for j, p in enumerate(route_ports) if j != i)

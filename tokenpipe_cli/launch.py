@@ -6,8 +6,6 @@
     wait_ready(http_ok(f"http://127.0.0.1:{port}/readyz"), timeout=60, what="the relay", children=[relay])
     ...
     stop_all([relay])
-
-Every child gets the Linux parent-death signal, so a killed parent leaves no orphans behind.
 """
 
 from __future__ import annotations
