@@ -204,10 +204,10 @@ class LocalCluster:
         except TransportError:
             return False
 
-    def wait_healthy(self, timeout: float = 30.0, nodes: list[int] | None = None) -> None:
-        """Until every running node (or those given) reports healthy: after a start, a restart or a
-        thaw, the cluster is whole again only when the returning node has caught up."""
-        wanted = [i for i in (nodes if nodes is not None else range(len(self.nodes))) if self.running(i)]
+    def wait_healthy(self, timeout: float = 30.0) -> None:
+        """Until every running node reports healthy: after a start, a restart or a thaw, the cluster
+        is whole again only when the returning node has caught up."""
+        wanted = self._any_running()
         deadline = time.monotonic() + timeout
         while not all(self.healthy(i) for i in wanted):
             if time.monotonic() > deadline:
