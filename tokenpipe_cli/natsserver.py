@@ -57,7 +57,6 @@ class NatsServer:
         self.host = host
         self.port = port or free_port(host)
         self.monitor_port = monitor_port
-        self.log_file = self.data_dir / LOG_FILE
         self.child: Child | None = None
         self.config_file = Path(config_file) if config_file else None
         self.tls = tls
@@ -82,7 +81,7 @@ class NatsServer:
             cmd += ["-m", str(self.monitor_port)]
         if self.cluster is not None:
             cmd += self.cluster.argv(self.host)
-        self.child = spawn("nats-server", cmd, log=self.log_file, new_session=True)
+        self.child = spawn("nats-server", cmd, log=self.data_dir / LOG_FILE, new_session=True)
         try:
             wait_ready(tcp_listening(self.host, self.port), timeout=timeout, what=f"nats-server on {self.url}",
                        children=[self.child], interval=0.02)
