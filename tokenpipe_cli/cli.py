@@ -11,16 +11,13 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, get_type_hints
+from typing import Any, get_type_hints
 
 from tokenpipe.errors import ConfigError, TokenpipeError
 from tokenpipe.eventloop import run
 from tokenpipe.logs import setup_logging
 from tokenpipe.settings import ENV_PREFIX, Settings
 from tokenpipe.settings_doc import shown_default
-
-if TYPE_CHECKING:
-    from .cluster import ClusterArgs
 
 __all__ = ["main"]
 
@@ -130,7 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--concurrency", type=int, default=8)
     bench.add_argument("--rate", type=float, default=None, help="Poisson arrivals, requests/s (instead of concurrency)")
     bench.add_argument("--num-requests", type=int, default=64)
-    bench.add_argument("--duration", type=float, default=None, help="stop starting requests after this many s")
+    bench.add_argument("--duration", dest="duration_s", metavar="DURATION", type=float, default=None,
+                       help="stop starting requests after this many s")
     bench.add_argument("--prompt-words", type=int, default=24)
     bench.add_argument("--output-len", default="128", help="tokens per request: N or A-B (uniform)")
     bench.add_argument("--coalesce-max-tokens", type=int, default=None)
@@ -155,12 +153,6 @@ def build_parser() -> argparse.ArgumentParser:
     _common(tail)
     tail.add_argument("--model", default=None, help="only this model's streams")
     return parser
-
-
-def _settings(args: argparse.Namespace, **extra: Any) -> Settings:
-    overrides = {k: v for k, v in vars(args).items() if k in _FIELDS and v is not None}
-    overrides.update(extra)
-    return Settings.load(**overrides)
 
 
 # What each extra brings (pyproject.toml), by import name: a role command checks for its extra
@@ -193,9 +185,12 @@ def main(argv: list[str] | None = None) -> int:
 def _dispatch(args: argparse.Namespace) -> int:
     require_extras(args.cmd)
     if args.cmd == "nats":
+        from .cluster import node_args
         from .natsserver import NatsServer
 
-        cluster = _cluster_args(args)
+        cluster = None
+        if args.cluster_name is not None:
+            cluster = node_args(args.cluster_name, args.cluster_port, args.routes, args.server_name)
         # Nodes of one cluster on one host must not share a store.
         default_dir = "nats" if cluster is None else f"nats-{cluster.server_name}"
         data = args.data_dir or str(Path(Settings.load().data_dir) / default_dir)
@@ -227,8 +222,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         data_dir = Path(Settings.load().data_dir)
         creds_dir = Path(args.creds_dir) if args.creds_dir else data_dir / "creds"
-        path = add_app(creds_dir, args.name)
-        print(path)
+        print(add_app(creds_dir, args.name))
         write_accounts(creds_dir)  # the file the running servers' configuration includes
         pids = reload_servers(data_dir)
         print(f"nats-server reloaded ({len(pids)} running): the account is live" if pids else
@@ -238,10 +232,9 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.cmd == "prepare":
         from generator.models import prepare_smollm2
 
-        path = prepare_smollm2(args.data_dir or Settings.load().data_dir)
-        print(path)
+        print(prepare_smollm2(args.data_dir or Settings.load().data_dir))
         return 0
-    settings = _settings(args)
+    settings = Settings.load(**{k: v for k, v in vars(args).items() if k in _FIELDS and v is not None})
     setup_logging(args.cmd, settings.log_level, settings.log_json)
     if args.cmd == "up":
         from .supervisor import Supervisor
@@ -301,26 +294,16 @@ def _nats_config(args: argparse.Namespace, data: str) -> Path | None:
     return None
 
 
-def _cluster_args(args: argparse.Namespace) -> ClusterArgs | None:
-    if args.cluster_name is None:
-        return None
-    from .cluster import node_args
-
-    return node_args(args.cluster_name, args.cluster_port, args.routes, args.server_name)
-
-
 def _bench(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import Progress
 
     from .loadgen import LoadConfig, run_load
     from .report import plot, summary_table
-    from .stats import records_json, summarize
+    from .stats import summarize
 
-    cfg = LoadConfig(url=args.url, api=args.api, nats_url=args.nats_url, model=args.model, api_key=args.api_key,
-                     concurrency=args.concurrency, rate=args.rate, num_requests=args.num_requests,
-                     duration_s=args.duration, prompt_words=args.prompt_words, output_len=args.output_len,
-                     coalesce_max_tokens=args.coalesce_max_tokens, coalesce_max_delay_ms=args.coalesce_max_delay_ms)
+    fields = {f.name for f in dataclasses.fields(LoadConfig)}  # every one but seed is a flag of the same name
+    cfg = LoadConfig(**{k: v for k, v in vars(args).items() if k in fields})
     console = Console()
     with Progress(console=console) as progress:
         records, wall = asyncio.run(run_load(cfg, progress))
@@ -330,7 +313,7 @@ def _bench(args: argparse.Namespace) -> int:
     if args.json_out:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_out).write_text(json.dumps({"config": vars(cfg), "summary": summary,
-                                                   "records": records_json(records)}, indent=1))
+                                                   "records": [dataclasses.asdict(r) for r in records]}, indent=1))
     if args.plot:
         plot(records, args.plot, f"{cfg.api}, {summary['succeeded']} requests")
     return 0 if summary["failed"] == 0 else 1
@@ -368,8 +351,7 @@ async def _submit(args: argparse.Namespace, settings: Settings) -> int:
                 if args.json:
                     print(json.dumps(batch.to_json()), flush=True)
                 else:
-                    sys.stdout.write(batch.text)
-                    sys.stdout.flush()
+                    print(batch.text, end="", flush=True)
                 if batch.finish == "error":
                     print(f"\ntokenpipe: error: {batch.error}", file=sys.stderr)
                     return 1

@@ -41,13 +41,8 @@ class ClusterArgs:
     # Routes authenticated with this user (every node's routes carry it).
     route_user: str = ""
     route_password: str = ""
-    # The cluster is configured by :meth:`config_block` in the node's config file, not on the
-    # command line (which cannot set the route pings).
-    in_config: bool = False
 
     def argv(self, host: str) -> list[str]:
-        if self.in_config:
-            return ["--server_name", self.server_name]
         out = ["--cluster_name", self.name, "--cluster", f"nats://{host}:{self.port}", "--server_name",
                self.server_name]
         if self.routes:
@@ -55,11 +50,12 @@ class ClusterArgs:
         return out
 
     def config_block(self, host: str) -> str:
-        """nats-server's ``cluster`` block: routes accepted only with the route user's password
-        (when there is one) and the other nodes dialled with it; route pings every second, three
-        unanswered drop the route. With nats-server's default (two minutes) the other nodes kept
-        their routes to a frozen node, and a JetStream request that went through it waited for the
-        thaw: every stream stalled as long as the freeze (bench/RESULTS.md, "A frozen NATS node")."""
+        """The node's ``server_name`` and nats-server's ``cluster`` block: routes accepted only with
+        the route user's password (when there is one) and the other nodes dialled with it; route
+        pings every second, three unanswered drop the route. With nats-server's default (two
+        minutes) the other nodes kept their routes to a frozen node, and a JetStream request that
+        went through it waited for the thaw: every stream stalled as long as the freeze
+        (bench/RESULTS.md, "A frozen NATS node")."""
         auth = f"{self.route_user}:{self.route_password}@" if self.route_user else ""
         routes = [u.replace("://", f"://{auth}", 1) for u in self.routes]
         lines = [f"  name: {json.dumps(self.name)}", f"  listen: {json.dumps(f'{host}:{self.port}')}"]
@@ -67,7 +63,7 @@ class ClusterArgs:
             user, password = json.dumps(self.route_user), json.dumps(self.route_password)
             lines.append(f"  authorization {{ user: {user}, password: {password} }}")
         lines += [f"  routes: {json.dumps(routes)}", '  ping_interval: "1s"', "  ping_max: 3"]
-        return "cluster {\n" + "\n".join(lines) + "\n}\n"
+        return f"server_name: {json.dumps(self.server_name)}\ncluster {{\n" + "\n".join(lines) + "\n}\n"
 
 
 def node_args(cluster_name: str, cluster_port: int, routes: str, server_name: str | None) -> ClusterArgs:
@@ -82,7 +78,6 @@ def node_args(cluster_name: str, cluster_port: int, routes: str, server_name: st
     return ClusterArgs(name=cluster_name, port=cluster_port, server_name=server_name, routes=urls)
 
 
-
 class LocalCluster:
     """N nats-server processes on loopback forming one JetStream cluster, each with its own store
     under ``data_dir/<server name>`` and a monitoring port; start/stop as a whole or node by node."""
@@ -90,9 +85,7 @@ class LocalCluster:
     def __init__(self, data_dir: str | os.PathLike[str], size: int = 3, *, host: str = "127.0.0.1",
                  name: str = "tokenpipe", first_port: int | None = None,
                  config_file: str | os.PathLike[str] | None = None) -> None:
-        """``config_file``: the nats-server configuration every node starts from (the authorization
-        of a single embedded server, :func:`tokenpipe.natsauth.write_server_config`); each node
-        gets it plus a ``cluster`` block (routes authenticated when there is one) in
+        """``config_file``: the configuration every node includes, with its ``cluster`` block, in
         ``data_dir/<server name>/nats-server.conf``."""
         if size < 1:
             raise ConfigError("a cluster needs at least one node", param="nats_cluster")
@@ -103,14 +96,13 @@ class LocalCluster:
         ports = [first_port or chosen[0], *chosen[1:size]]
         route_ports, monitor_ports = chosen[size:2 * size], chosen[2 * size:]
         self.nodes: list[NatsServer] = []
-        # With authorization on for clients, the routes get a user of their own too (a password
-        # for this cluster's lifetime: every node is restarted from this object).
+        self.names = [f"{name}-{i}" for i in range(size)]  # the nodes' server names
+        # The route user's password lives as long as this object: every node is restarted from it.
         password = secrets.token_urlsafe(24) if config_file is not None else ""
         for i in range(size):
             routes = tuple(f"nats-route://{host}:{p}" for j, p in enumerate(route_ports) if j != i)
-            args = ClusterArgs(name=name, port=route_ports[i], server_name=f"{name}-{i}", routes=routes,
-                               route_user="route" if password else "", route_password=password,
-                               in_config=True)
+            args = ClusterArgs(name=name, port=route_ports[i], server_name=self.names[i], routes=routes,
+                               route_user="route" if password else "", route_password=password)
             node_dir = self.data_dir / args.server_name
             node_dir.mkdir(parents=True, exist_ok=True)
             conf = node_dir / "nats-server.conf"
@@ -122,22 +114,17 @@ class LocalCluster:
                     shared = os.path.relpath(Path(config_file).resolve(), node_dir.resolve())
                     f.write(f"include {json.dumps(shared)}\n")
                 f.write(args.config_block(host))
+            # Configured by its config file alone: the command line cannot set the route pings.
             self.nodes.append(NatsServer(node_dir, host=host, port=ports[i], monitor_port=monitor_ports[i],
-                                         cluster=args, config_file=conf))
+                                         config_file=conf))
 
     @property
     def url(self) -> str:
         """The seed list to give every role (``TOKENPIPE_NATS_URL``)."""
         return ",".join(n.url for n in self.nodes)
 
-    @property
-    def names(self) -> list[str]:
-        return [self.server_name(i) for i in range(len(self.nodes))]
-
     def server_name(self, i: int) -> str:
-        cluster = self.nodes[i].cluster
-        assert cluster is not None
-        return cluster.server_name
+        return self.names[i]
 
     def index(self, server_name: str) -> int:
         return self.names.index(server_name)
@@ -169,41 +156,27 @@ class LocalCluster:
         """``kill -9`` node ``i`` (no lame duck, no leader hand-over) and reap it."""
         node = self.nodes[i]
         child, node.child = node.child, None
-        if child is not None and child.proc.poll() is None:
-            child.proc.send_signal(signal.SIGKILL)
-            child.proc.wait()
-
-    def restart(self, i: int, *, graceful: bool = True, timeout: float = 30.0) -> None:
-        """Stop node ``i`` (SIGTERM, or SIGKILL with ``graceful=False``) and start it again on the
-        same ports and store; returns once it listens (see :meth:`wait_healthy` for caught up)."""
-        if graceful:
-            self.thaw(i)
-            self.nodes[i].stop()
-        else:
-            self.kill(i)
-        self.nodes[i].start(timeout)
+        if child is not None:
+            child.kill()
 
     def start_node(self, i: int, timeout: float = 30.0) -> None:
         self.nodes[i].start(timeout)
 
     def freeze(self, i: int) -> None:
         """SIGSTOP node ``i``: its sockets stay open but nothing answers (a hung host)."""
-        proc = self._proc(i)
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGSTOP)
+        self._signal(i, signal.SIGSTOP)
 
     def thaw(self, i: int) -> None:
-        proc = self._proc(i)
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGCONT)
+        self._signal(i, signal.SIGCONT)
 
-    def _proc(self, i: int) -> Any:
+    def _signal(self, i: int, sig: signal.Signals) -> None:
         child = self.nodes[i].child
-        return child.proc if child is not None else None
+        if child is not None and child.returncode is None:
+            child.proc.send_signal(sig)
 
     def running(self, i: int) -> bool:
-        proc = self._proc(i)
-        return proc is not None and proc.poll() is None
+        child = self.nodes[i].child
+        return child is not None and child.returncode is None
 
     # -- inspection (monitoring endpoints) ----------------------------------------------
     def monitor(self, i: int, path: str, timeout: float = 2.0) -> Any:
@@ -231,14 +204,14 @@ class LocalCluster:
         except TransportError:
             return False
 
-    def wait_healthy(self, timeout: float = 30.0, nodes: list[int] | None = None) -> None:
-        """Until every running node (or those given) reports healthy: after a start, a restart or a
-        thaw, the cluster is whole again only when the returning node has caught up."""
-        wanted = [i for i in (nodes if nodes is not None else range(len(self.nodes))) if self.running(i)]
+    def wait_healthy(self, timeout: float = 30.0) -> None:
+        """Until every running node reports healthy: after a start, a restart or a thaw, the cluster
+        is whole again only when the returning node has caught up."""
+        wanted = self._any_running()
         deadline = time.monotonic() + timeout
         while not all(self.healthy(i) for i in wanted):
             if time.monotonic() > deadline:
-                bad = [self.server_name(i) for i in wanted if not self.healthy(i)]
+                bad = [self.names[i] for i in wanted if not self.healthy(i)]
                 raise TransportError(f"nats cluster not healthy within {timeout}s: {', '.join(bad)}")
             time.sleep(0.1)  # polling the monitoring endpoints; they publish no event
 

@@ -6,12 +6,11 @@
     wait_ready(http_ok(f"http://127.0.0.1:{port}/readyz"), timeout=60, what="the relay", children=[relay])
     ...
     stop_all([relay])
-
-Every child gets the Linux parent-death signal, so a killed parent leaves no orphans behind.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import signal
@@ -27,8 +26,8 @@ from pathlib import Path
 
 from tokenpipe.errors import TokenpipeError
 
-__all__ = ["Child", "LaunchError", "die_with_parent", "free_port", "free_ports", "http_ok", "port_free", "role_command",
-           "spawn", "spawn_role", "stop_all", "tcp_listening", "wait_ready"]
+__all__ = ["Child", "LaunchError", "die_with_parent", "free_port", "free_ports", "http_ok", "port_free", "spawn",
+           "spawn_role", "stop_all", "tcp_listening", "wait_ready"]
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +66,7 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     for _ in range(100 * n if spans else 0):
         a, b = rng.choices(spans, weights=[b - a for a, b in spans])[0]
         port = rng.randint(a, b)
-        if port not in chosen and _bindable(host, port):
+        if port not in chosen and port_free(port, host, reuse_addr=False):
             chosen.append(port)
             if len(chosen) == n:
                 return chosen
@@ -80,17 +79,6 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     return chosen
 
 
-def _bindable(host: str, port: int) -> bool:
-    """Stricter than :func:`port_free` (no ``SO_REUSEADDR``): a port whose earlier connections
-    are still in TIME_WAIT is passed over, as ``bind(host, 0)`` passed it over before."""
-    with socket.socket() as s:
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
 def _ephemeral_range() -> tuple[int, int]:
     """The ports the kernel gives outgoing connections (Linux's default where it cannot be read)."""
     try:
@@ -100,11 +88,13 @@ def _ephemeral_range() -> tuple[int, int]:
         return 32768, 60999
 
 
-def port_free(port: int, host: str = "127.0.0.1") -> bool:
+def port_free(port: int, host: str = "127.0.0.1", reuse_addr: bool = True) -> bool:
     """Whether a server could listen on ``port`` now. With ``SO_REUSEADDR``, as uvicorn and
-    nats-server bind: connections of a stack stopped a moment ago, in TIME_WAIT, do not count."""
+    nats-server bind: connections of a stack stopped a moment ago, in TIME_WAIT, do not count.
+    Without it (:func:`free_ports`), such a port is passed over, as ``bind(host, 0)`` passes it."""
     with socket.socket() as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_addr:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
         except OSError:
@@ -153,36 +143,28 @@ class Child:
             self.proc.kill()
         return self.proc.wait()
 
-    def describe(self) -> str:
-        return self.name + (f" (log: {self.log})" if self.log else "")
-
 
 def spawn(name: str, cmd: Sequence[str], *, env: Mapping[str, str] | None = None, log: Path | None = None,
           new_session: bool = False) -> Child:
     """Start ``cmd``. ``log`` (appended to: an earlier run's lines help when debugging a restart)
     takes its stdout and stderr; ``new_session`` keeps a terminal's Ctrl-C from reaching it, for a
     parent that stops its children itself, in order."""
-    if log is None:
-        proc = subprocess.Popen(list(cmd), env=dict(env) if env is not None else None,
-                                start_new_session=new_session, preexec_fn=die_with_parent)
-    else:
+    if log is not None:
         log.parent.mkdir(parents=True, exist_ok=True)
-        with open(log, "ab") as out:  # the child holds its own descriptor
-            proc = subprocess.Popen(list(cmd), env=dict(env) if env is not None else None, stdout=out,
-                                    stderr=subprocess.STDOUT, start_new_session=new_session,
-                                    preexec_fn=die_with_parent)
+    # The child holds its own descriptor of the log.
+    with open(log, "ab") if log is not None else contextlib.nullcontext() as out:
+        proc = subprocess.Popen(list(cmd), env=dict(env) if env is not None else None, stdout=out,
+                                stderr=subprocess.STDOUT if out is not None else None,
+                                start_new_session=new_session, preexec_fn=die_with_parent)
     return Child(name, proc, log)
-
-
-def role_command(role: str, *args: str) -> list[str]:
-    """The command line of ``tokenpipe <role> <args>``, with this interpreter (no PATH lookup)."""
-    return [sys.executable, "-m", "tokenpipe_cli", role, *args]
 
 
 def spawn_role(role: str, *args: str, name: str | None = None, env: Mapping[str, str] | None = None,
                log: Path | None = None, new_session: bool = False) -> Child:
-    """:func:`spawn` of ``tokenpipe <role> <args>`` (generator, relay, nats ...)."""
-    return spawn(name or role, role_command(role, *args), env=env, log=log, new_session=new_session)
+    """:func:`spawn` of ``tokenpipe <role> <args>`` (generator, relay, nats ...), with this
+    interpreter (no PATH lookup)."""
+    return spawn(name or role, [sys.executable, "-m", "tokenpipe_cli", role, *args], env=env, log=log,
+                 new_session=new_session)
 
 
 def stop_all(children: Sequence[Child], timeout: float = 20.0) -> None:
@@ -221,18 +203,18 @@ def tcp_listening(host: str, port: int, timeout: float = 0.2) -> Callable[[], bo
 
 
 def wait_ready(ready: Callable[[], bool], *, timeout: float, what: str, children: Sequence[Child] = (),
-               interval: float = 0.2, cancelled: Callable[[], bool] | None = None) -> bool:
-    """Poll ``ready`` until it holds: True. False if ``cancelled`` became true first (a signal).
-    Raises :class:`LaunchError` when one of ``children`` exits meanwhile, or after ``timeout`` s."""
+               interval: float = 0.2) -> None:
+    """Poll ``ready`` until it holds. Raises :class:`LaunchError` when one of ``children`` exits
+    meanwhile, or after ``timeout`` s."""
     deadline = time.monotonic() + timeout
-    while cancelled is None or not cancelled():
+    while True:
         dead = next((c for c in children if c.proc.poll() is not None), None)
         if dead is not None:
-            raise LaunchError(f"{dead.describe()} exited with {dead.proc.returncode} while waiting for {what}")
+            name = dead.name + (f" (log: {dead.log})" if dead.log else "")
+            raise LaunchError(f"{name} exited with {dead.proc.returncode} while waiting for {what}")
         if ready():
-            return True
+            return
         if time.monotonic() > deadline:
             logs = ", ".join(str(c.log) for c in children if c.log)
             raise LaunchError(f"{what} not ready within {timeout:g}s" + (f"; see {logs}" if logs else ""))
         time.sleep(interval)  # polling a child process: there is no event to wait on
-    return False

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 __all__ = ["NatsServer", "find_nats_server", "reload_servers"]
 
 PID_FILE = "nats-server.pid"  # in each server's data dir: `tokenpipe creds add-app` reloads them
+LOG_FILE = "nats-server.log"  # beside it: where a reload is seen done
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +47,6 @@ class NatsServer:
         host: str = "127.0.0.1",
         port: int = 0,
         monitor_port: int | None = None,
-        log_file: str | os.PathLike[str] | None = None,
         config_file: str | os.PathLike[str] | None = None,
         tls: bool = False,
         cluster: ClusterArgs | None = None,
@@ -57,7 +57,6 @@ class NatsServer:
         self.host = host
         self.port = port or free_port(host)
         self.monitor_port = monitor_port
-        self.log_file = Path(log_file) if log_file else self.data_dir / "nats-server.log"
         self.child: Child | None = None
         self.config_file = Path(config_file) if config_file else None
         self.tls = tls
@@ -82,7 +81,7 @@ class NatsServer:
             cmd += ["-m", str(self.monitor_port)]
         if self.cluster is not None:
             cmd += self.cluster.argv(self.host)
-        self.child = spawn("nats-server", cmd, log=self.log_file, new_session=True)
+        self.child = spawn("nats-server", cmd, log=self.data_dir / LOG_FILE, new_session=True)
         try:
             wait_ready(tcp_listening(self.host, self.port), timeout=timeout, what=f"nats-server on {self.url}",
                        children=[self.child], interval=0.02)
@@ -126,7 +125,7 @@ def reload_servers(data_dir: str | os.PathLike[str], timeout: float = 15.0) -> l
             continue  # a stale file of a server that is gone
         if b"nats-server" not in cmdline:
             continue  # the pid was reused by something else
-        server_log = pid_file.parent / "nats-server.log"
+        server_log = pid_file.parent / LOG_FILE
         try:
             for _ in range(2):
                 _reload_once(pid, server_log, timeout)

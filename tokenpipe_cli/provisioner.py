@@ -45,15 +45,14 @@ class Provisioner:
         """Returns once the streams are provisioned; raises :class:`TransportError` if they could not be
         within ``timeout`` seconds."""
         self._timeout = timeout
-        self._thread = threading.Thread(target=self._main, name="provisioner", daemon=True)
+        self._thread = threading.Thread(target=asyncio.run, args=(self._run(),), name="provisioner", daemon=True)
         self._thread.start()
         if not self._ready.wait(timeout + 15):
             self.stop()
             raise TransportError(f"tokenpipe's streams were not provisioned within {timeout:g} s")
         if self._error is not None:
-            err = self._error
             self.stop()
-            raise TransportError(f"cannot provision tokenpipe's streams: {err}") from err
+            raise TransportError(f"cannot provision tokenpipe's streams: {self._error}") from self._error
         return self
 
     def wait(self) -> None:
@@ -68,9 +67,6 @@ class Provisioner:
         if self._thread is not None:
             self._thread.join(10)
             self._thread = None
-
-    def _main(self) -> None:
-        asyncio.run(self._run())
 
     async def _run(self) -> None:
         self._loop = asyncio.get_running_loop()

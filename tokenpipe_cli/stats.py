@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import statistics
-from dataclasses import asdict
 from typing import Any
 
 from .loadgen import Record
 
-__all__ = ["latency_stats", "percentile", "records_json", "summarize"]
+__all__ = ["latency_stats", "percentile", "summarize"]
 
 
 def percentile(ordered: list[float], fraction: float) -> float:
@@ -21,10 +20,8 @@ def percentile(ordered: list[float], fraction: float) -> float:
 def latency_stats(values: list[float], scale: float = 1e3) -> dict[str, float]:
     """Mean, p50, p90 and p99 of ``values`` times ``scale`` (seconds to ms by default), NaNs left out."""
     vals = sorted(v * scale for v in values if v == v)
-    if not vals:
-        return {"mean": float("nan"), "p50": float("nan"), "p90": float("nan"), "p99": float("nan")}
-    return {"mean": statistics.fmean(vals), "p50": percentile(vals, 0.5), "p90": percentile(vals, 0.9),
-            "p99": percentile(vals, 0.99)}
+    return {"mean": statistics.fmean(vals) if vals else float("nan"), "p50": percentile(vals, 0.5),
+            "p90": percentile(vals, 0.9), "p99": percentile(vals, 0.99)}  # percentile: NaN when empty
 
 
 def summarize(records: list[Record], wall: float) -> dict[str, Any]:
@@ -50,7 +47,3 @@ def summarize(records: list[Record], wall: float) -> dict[str, Any]:
         "batches": sum(len(r.batch_tokens) for r in ok),
         "errors": sorted({r.error for r in records if r.error})[:5],
     }
-
-
-def records_json(records: list[Record]) -> list[dict[str, Any]]:
-    return [asdict(r) for r in records]

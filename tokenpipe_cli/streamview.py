@@ -42,8 +42,7 @@ async def replay(bus: Bus, stream_id: str, *, speed: float, as_json: bool, from_
         if as_json:
             print(json.dumps(item.to_json()), flush=True)
         else:
-            sys.stdout.write(item.text)
-            sys.stdout.flush()
+            print(item.text, end="", flush=True)
         final = item
     if not as_json:
         print()

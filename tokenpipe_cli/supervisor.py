@@ -14,6 +14,7 @@ import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -24,7 +25,7 @@ from tokenpipe.natsconfig import write_server_config
 from tokenpipe.settings import Settings
 
 from .cluster import LocalCluster
-from .launch import Child, free_port, http_ok, port_free, spawn_role
+from .launch import Child, free_port, http_ok, port_free, spawn_role, stop_all
 from .natsserver import NatsServer
 from .provisioner import Provisioner
 from .uprole import Role, RoleKind, describe_exit, write_status
@@ -48,7 +49,6 @@ class Supervisor:
     external_nats: bool = False
     explicit: frozenset[str] = frozenset()  # settings the user gave (a taken port is then an error)
     ready_timeout: float = 600.0
-    children: list[Child] = field(default_factory=list)
     nats_cluster: int = 1  # > 1: that many nats-server nodes on loopback, one JetStream cluster
     nats: NatsServer | LocalCluster | None = None
     provisioner: Provisioner | None = None  # the admin: creates and repairs the streams (embedded NATS)
@@ -75,17 +75,8 @@ class Supervisor:
     # -- roles ------------------------------------------------------------------------
     def _child_role(self, name: str, kind: RoleKind, args: list[str], ready: Callable[[], bool],
                     env: dict[str, str] | None = None) -> Role:
-        def start() -> int:
-            # Own session: Ctrl-C reaches only us, and we stop roles in order (relay, generators, NATS).
-            child = spawn_role(args[0], *args[1:], name=name, new_session=True, env=env)
-            self.children = [c for c in self.children if c.name != name] + [child]
-            return child.pid
-
-        def alive() -> int | None:
-            child = next((c for c in self.children if c.name == name), None)
-            return child.returncode if child is not None else -1
-
-        return Role(name, kind, start, alive, ready)
+        # Own session: Ctrl-C reaches only us, and we stop roles in order (relay, generators, NATS).
+        return Role(name, kind, partial(spawn_role, *args, name=name, new_session=True, env=env), ready)
 
     def _nats_roles(self, port: int) -> list[Role]:
         # Authorization on, even on loopback: every role gets its own user (tokenpipe.natsauth);
@@ -101,20 +92,15 @@ class Supervisor:
         return [self._nats_role(self.nats, "nats-server")]
 
     def _nats_role(self, nats: NatsServer, name: str) -> Role:
-
-        def start() -> int:
+        def start() -> Child | None:
             try:
                 nats.start()  # same port, same store: file storage keeps every queued request and batch
             except TransportError as exc:
                 log.error("nats-server did not start", extra={"reason": exc.message})
-                return -1
-            assert nats.pid is not None
-            return nats.pid
+                return None
+            return nats.child
 
-        def alive() -> int | None:
-            return nats.child.returncode if nats.child is not None else -1
-
-        return Role(name, "nats", start, alive, lambda: True)
+        return Role(name, "nats", start, lambda: True)
 
     def _build_roles(self) -> None:
         s = self.settings
@@ -224,7 +210,8 @@ class Supervisor:
 
     def _start(self, role: Role) -> None:
         role.state = "starting"
-        role.pid = role.start()
+        role.child = role.start()
+        role.pid = role.child.pid if role.child is not None else -1
         log.info("role started", extra={"role": role.name, "pid": role.pid, "restarts": role.restarts})
 
     def _tick(self) -> None:
@@ -272,16 +259,13 @@ class Supervisor:
         gens_ready = any(r.state == "ready" for r in self.roles if r.kind == "generator")
         others_ready = all(r.state == "ready" for r in self.roles if r.kind != "generator")
         # /readyz too: the relay has heard a generator announce itself, so the first request is served.
-        if gens_ready and others_ready and self._relay_ready():
+        if gens_ready and others_ready and http_ok(f"{self._ports['relay_url']}/readyz", timeout=1.0)():
             self._state = "up"
             self._on_change()  # up.json says "up" before the line that tells a user (or a test) so
             where = f"NATS {self._ports['nats_url']}" + ("" if self.external_nats else
                                                           f", credentials in {self.settings.data_dir}/creds")
             print(f"\ntokenpipe is up: {self._ports['relay_url']}   ({where}; Ctrl-C stops)\n",
                   flush=True)
-
-    def _relay_ready(self) -> bool:
-        return http_ok(f"{self._ports['relay_url']}/readyz", timeout=1.0)()
 
     def _check_viable(self, failed: Role) -> None:
         if failed.kind in ("nats", "relay"):
@@ -326,17 +310,12 @@ class Supervisor:
 
     def shutdown(self) -> None:
         # The relay first (no new work, its streams end), then the generators drain together.
-        order = sorted(self.children, key=lambda c: 0 if c.name == "relay" else 1)
-        for child in order:
-            child.terminate()
-            if child.name == "relay":
-                child.wait_or_kill(10)
-        for child in order:
-            child.wait_or_kill(self.settings.drain_timeout_s + 10)
+        children = [r.child for r in self.roles if r.kind != "nats" and r.child is not None]
+        stop_all([c for c in children if c.name == "relay"], timeout=10)
+        stop_all(children, timeout=self.settings.drain_timeout_s + 10)
         if self.provisioner is not None:
             self.provisioner.stop()
         if self.nats is not None:
             self.nats.stop()
-        self.children.clear()
 
 

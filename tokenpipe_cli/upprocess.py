@@ -9,9 +9,6 @@ it holds, so a caller can find (and kill) the generator holding a stream.
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -26,7 +23,7 @@ from tokenpipe.natsauth import load_credential
 from tokenpipe.subjects import ANNOUNCE_PREFIX
 from tokenpipe.wire import Announcement
 
-from .launch import LaunchError, die_with_parent, free_port
+from .launch import LaunchError, free_port, spawn
 from .uprole import read_status
 
 __all__ = ["UpProcess"]
@@ -47,11 +44,9 @@ class UpProcess:
         self.log = self.data / "up.log"
         self.announcements: dict[int, Announcement] = {}  # generator pid -> its last announcement
         self.nc: nats.NATS | None = None
-        with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen(
-                [*command, "up", "--port", str(self.port), "--data-dir", str(self.data), *args],
-                stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ if env is None else env),
-                preexec_fn=die_with_parent)
+        cmd = [*command, "up", "--port", str(self.port), "--data-dir", str(self.data), *args]
+        self.child = spawn("tokenpipe up", cmd, env=env, log=self.log)
+        self.proc = self.child.proc
 
     @property
     def url(self) -> str:
@@ -106,10 +101,5 @@ class UpProcess:
         """SIGTERM (the ordered shutdown), killed after ``timeout``; the exit code."""
         if self.nc is not None:
             await self.nc.close()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return await asyncio.to_thread(self.proc.wait, timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return await asyncio.to_thread(self.proc.wait)
+        self.child.terminate()
+        return await asyncio.to_thread(self.child.wait_or_kill, timeout)

@@ -27,15 +27,15 @@ from typing import Any, Literal
 
 from tokenpipe.settings import Settings
 
+from .launch import Child
+
 __all__ = ["Role", "RoleKind", "describe_exit", "read_status", "status_path", "write_status"]
 
 RoleKind = Literal["nats", "generator", "relay"]
 
 
-def describe_exit(code: int | None) -> str:
+def describe_exit(code: int) -> str:
     """``exit 2`` or ``SIGKILL`` (a negative Popen status is the signal that ended it)."""
-    if code is None:
-        return "running"
     if code < 0:
         try:
             return signal.Signals(-code).name
@@ -50,9 +50,9 @@ class Role:
 
     name: str
     kind: RoleKind
-    start: Callable[[], int]  # starts the process; its pid
-    alive: Callable[[], int | None]  # None while running, else its exit status
+    start: Callable[[], Child | None]  # starts the process: it, or None when it could not be started
     ready_check: Callable[[], bool]
+    child: Child | None = None
     pid: int | None = None
     state: str = "starting"
     restarts: int = 0
@@ -74,6 +74,10 @@ class Role:
         self.state = "restarting"
         self.restart_at = now + delay
         return delay
+
+    def alive(self) -> int | None:
+        """None while it runs, else its exit status (-1: it did not start)."""
+        return self.child.returncode if self.child is not None else -1
 
     def status(self) -> dict[str, Any]:
         return {"name": self.name, "pid": self.pid, "state": self.state, "restarts": self.restarts,
