@@ -83,11 +83,7 @@ class RelayClient:
         input_ids, sampling parameters, coalesce); returns the new stream's id."""
         if self.transport == "websocket":
             return await self._ws().create(body, **fields)
-        try:
-            resp = await self.http.post("/v1/streams", json={**(body or {}), **fields})
-        except httpx.HTTPError as exc:
-            raise _transport(exc) from exc
-        _raise_for_error(resp)
+        resp = await self._send("POST", "/v1/streams", json={**(body or {}), **fields})
         return str(resp.json()["id"])
 
     async def events(self, stream_id: str, *, last_event_id: int | None = None) -> AsyncIterator[SSEEvent]:
@@ -116,11 +112,16 @@ class RelayClient:
         if self.transport == "websocket":
             await self._ws().cancel(stream_id)
             return
+        await self._send("DELETE", f"/v1/streams/{stream_id}")
+
+    async def _send(self, method: str, url: str, **kwargs: Any) -> httpx.Response:
+        """One request whose answer is read whole: an error answer raises, as a failed transport does."""
         try:
-            resp = await self.http.delete(f"/v1/streams/{stream_id}")
+            resp = await self.http.request(method, url, **kwargs)
         except httpx.HTTPError as exc:
             raise _transport(exc) from exc
         _raise_for_error(resp)
+        return resp
 
 
 def _transport(exc: httpx.HTTPError) -> TransportError:
