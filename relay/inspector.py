@@ -136,15 +136,14 @@ async def list_streams(
     found: list[StreamListItem] = []
     examined = 0
     step = max(limit, 20)  # read concurrently, a chunk at a time (a filter may skip most)
-    for start in range(0, len(candidates), step):
-        for item in await asyncio.gather(*(inspector.item(bus, e, now) for e in candidates[start:start + step])):
+    while examined < len(candidates) and len(found) < limit:
+        chunk = candidates[examined:examined + step]
+        for item in await asyncio.gather(*(inspector.item(bus, e, now) for e in chunk)):
             examined += 1
             if finish is None or item.finish == finish:
                 found.append(item)
                 if len(found) == limit:
                     break
-        if len(found) == limit:
-            break
     has_more = examined < len(entries)
     return StreamList(data=found, has_more=has_more,
                       next_before=candidates[examined - 1].id if has_more and examined else None)

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 import anyio
 import nats.errors
 from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Tracer
 
@@ -99,14 +98,13 @@ class Forwarder:
         self.readers: Counter[str] = Counter()  # live (non-replay) readers per stream id, on this relay
         self._grace: dict[str, asyncio.Task[None]] = {}  # stream id -> its grace, while it is pending
         self._tasks: set[asyncio.Task[None]] = set()  # every cancel-after-grace still running
-        self._readers_sub: Subscription | None = None
         # The owner records this relay wrote itself (they never change): a client's GET right after
         # its POST, to this relay, need not read its record back from the meta bucket (a round trip
         # on the first token's path).
         self._created: OrderedDict[str, StreamMeta] = OrderedDict()
 
     async def start(self) -> None:
-        self._readers_sub = await self._bus().nc.subscribe(READERS_WILDCARD, cb=self._on_readers_query)
+        await self._bus().nc.subscribe(READERS_WILDCARD, cb=self._on_readers_query)
 
     async def stop(self) -> None:
         for task in list(self._tasks):
@@ -147,8 +145,6 @@ class Forwarder:
         self._grace[session.stream_id] = task
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-        task.add_done_callback(lambda t: self._grace.pop(session.stream_id, None) if
-                               self._grace.get(session.stream_id) is t else None)
 
     async def _grace_then_cancel(self, session: Session) -> None:
         await asyncio.sleep(self.settings.cancel_grace_s)  # the grace itself: a reader may re-attach
