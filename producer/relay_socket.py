@@ -56,9 +56,8 @@ class RelaySocket:
 
     def __init__(self, url: str, *, api_key: str | None = None, open_timeout: float = 30.0) -> None:
         base = url.rstrip("/")
-        for http, ws in (("http://", "ws://"), ("https://", "wss://")):
-            if base.startswith(http):
-                base = ws + base[len(http):]
+        if base.startswith(("http://", "https://")):
+            base = "ws" + base[len("http"):]  # http(s):// -> ws(s)://
         self.url = base + "/v1/ws"
         self.api_key = api_key
         self.open_timeout = open_timeout
@@ -152,12 +151,8 @@ class RelaySocket:
         objects carrying the same data as the SSE route's, after batch ``after_seq`` when given. A
         stream not created on this socket (or already read to its end, or a replay) is attached first."""
         if stream_id not in self._streams or replay:
-            frame: dict[str, Any] = {"type": "attach", "id": stream_id, "replay": replay}
-            if after_seq is not None:
-                frame["after_seq"] = after_seq
-            if speed is not None:
-                frame["speed"] = speed
-            await self._request(frame)
+            frame = {"type": "attach", "id": stream_id, "replay": replay, "after_seq": after_seq, "speed": speed}
+            await self._request({k: v for k, v in frame.items() if v is not None})
         queue = self._streams[stream_id]
         try:
             while True:
