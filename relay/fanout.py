@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 import time
 from collections.abc import AsyncGenerator, Coroutine
@@ -318,11 +319,7 @@ class LiveStream:
                 if now >= self._next_sync:
                     sync = True
                     continue
-                deadlines = [self._next_sync]
-                if idle:
-                    deadlines.append(last_out + idle)
-                if deadline is not None:
-                    deadlines.append(deadline)
-                await self._wait(min(deadlines))
+                await self._wait(min(self._next_sync, last_out + idle if idle else math.inf,
+                                     math.inf if deadline is None else deadline))
         finally:
             self.close()
