@@ -45,7 +45,6 @@ log = logging.getLogger(__name__)
 
 _STREAMED: dict[int | str, dict[str, Any]] = {200: {"description": "a completion, or chunks as SSE with `stream: true`",
                    "content": {"text/event-stream": {"schema": OpenAIEvent.model_json_schema()}}}}
-Body = ChatCompletionRequest | CompletionRequest
 
 
 def _finish_reason(finish: str | None) -> Literal["stop", "length"]:
@@ -69,7 +68,7 @@ def router(bodies: Bodies) -> APIRouter:
     return api
 
 
-async def _complete(request: Request, body: Body, chat: bool) -> Response:
+async def _complete(request: Request, body: ChatCompletionRequest | CompletionRequest, chat: bool) -> Response:
     state = state_of(request)
     req, session = await start_stream(state, body, tenant_of(request), follow=True)
     created = int(time.time())
