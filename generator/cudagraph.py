@@ -42,14 +42,10 @@ def resolve_cuda_graphs(mode: str, device: torch.device) -> bool:
     with CUDA, off elsewhere; ``on`` without a CUDA device is a :class:`ConfigError` at start."""
     if mode not in ("auto", "on", "off"):
         raise ConfigError(f"TOKENPIPE_CUDA_GRAPHS={mode!r}: use one of auto, on, off", param="cuda_graphs")
-    if mode == "off":
-        return False
-    if device.type != "cuda":
-        if mode == "on":
-            raise ConfigError(f"CUDA graphs need a CUDA device (TOKENPIPE_CUDA_GRAPHS=on, device {device})",
-                              param="cuda_graphs")
-        return False
-    return True
+    if mode == "on" and device.type != "cuda":
+        raise ConfigError(f"CUDA graphs need a CUDA device (TOKENPIPE_CUDA_GRAPHS=on, device {device})",
+                          param="cuda_graphs")
+    return mode != "off" and device.type == "cuda"
 
 
 def buckets_for(max_batch: int) -> tuple[int, ...]:

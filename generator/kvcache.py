@@ -26,7 +26,7 @@ import hashlib
 import mmap
 import os
 from collections import OrderedDict
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -35,8 +35,11 @@ from torch import Tensor
 from tokenpipe.errors import TokenpipeError
 from tokenpipe.metrics import GeneratorMetrics
 
+if TYPE_CHECKING:
+    from .engineproc import PoolCounters
+
 __all__ = ["BLOCK_SIZE", "ROOT_KEY", "SCRATCH", "BlockPool", "PagedKVCache", "KVCacheTooSmall", "KVCacheMeter",
-           "PoolState", "auto_budget_bytes", "bytes_per_position", "prefix_keys"]
+           "auto_budget_bytes", "bytes_per_position", "prefix_keys"]
 
 BLOCK_SIZE = 16
 SCRATCH = 0  # block id padding writes go to; never handed out
@@ -264,31 +267,16 @@ def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
     return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)  # the tensor keeps buf alive
 
 
-class PoolState(Protocol):
-    """What :class:`KVCacheMeter` reads of a pool: a :class:`BlockPool`, or the counters an
-    engine-core process reports of its own (:mod:`generator.engineproc`)."""
-
-    @property
-    def used(self) -> int: ...
-    @property
-    def capacity(self) -> int: ...
-    @property
-    def cached(self) -> int: ...
-    @property
-    def query_tokens(self) -> int: ...
-    @property
-    def hit_tokens(self) -> int: ...
-
-
 class KVCacheMeter:
     """Moves a pool's state into the generator's Prometheus metrics (its counters by how much
-    the pool's totals grew since the last look)."""
+    the pool's totals grew since the last look): a :class:`BlockPool`, or the counters an
+    engine-core process reports of its own."""
 
     def __init__(self, metrics: GeneratorMetrics) -> None:
         self.metrics = metrics
         self._seen = (0, 0, 0)
 
-    def update(self, pool: PoolState, preemptions: int) -> None:
+    def update(self, pool: BlockPool | PoolCounters, preemptions: int) -> None:
         m = self.metrics
         cached = pool.cached
         m.labels(m.kv_cache).set(pool.used / max(pool.capacity, 1))
