@@ -6,12 +6,8 @@ kernels as one. As vLLM does, the step is captured once per batch-size bucket
 (:data:`BUCKETS`) over static buffers: token ids, positions, KV slots and block tables padded
 to the largest bucket and to the widest table ``max_seq_len`` needs. A step of ``n`` rows
 copies its inputs into the first rows of the buffers, pads the rest of its bucket with rows
-that read and write only the scratch block, and replays that bucket's graph.
-
-:class:`StaticDecode` is the same code path with or without capture: on CPU (and in tests) it
-runs the padded step eagerly, so the padding logic is checked against the plain
-:func:`~generator.forward.decode_step` without a GPU. :func:`sample_on_device` samples a batch
-with one device→host copy (no per-row host syncs), for the captured path.
+that read and write only the scratch block, and replays that bucket's graph. On CPU (and in
+tests) the padded step runs eagerly, so the padding is checked against the plain step without a GPU.
 """
 
 from __future__ import annotations

@@ -10,9 +10,7 @@ token ids), so a key names a whole prefix. A new sequence reuses the longest cha
 blocks and prefills only the rest; a block whose last holder leaves stays cached (and
 reusable) until the pool needs it, least recently used first.
 
-On CPU the pool is an anonymous ``mmap`` with transparent huge pages off: the kernel maps
-zero pages lazily, 4 KiB at a time, so an idle generator's RSS does not hold the budget, only
-the blocks that were ever written (see :func:`_lazy_zeros`).
+On CPU an idle generator's RSS holds only the blocks ever written, not the budget (:func:`_lazy_zeros`).
 Block 0 is a scratch block: padding positions write there and block tables are padded with it,
 so every read is of finite values (a masked NaN would still poison ``probs @ V``).
 
