@@ -87,11 +87,9 @@ class StaticDecode:
         self.model, self.cache, self.device = model, cache, device
         self.buckets = buckets_for(max_batch)
         self.width = table_width(max_seq_len)
-        rows = self.buckets[-1]
-        self.tokens = torch.zeros(rows, dtype=torch.long, device=device)
-        self.positions = torch.zeros(rows, dtype=torch.long, device=device)
-        self.slots = torch.full((rows,), SCRATCH * BLOCK_SIZE, dtype=torch.long, device=device)
-        self.tables = torch.full((rows, self.width), SCRATCH, dtype=torch.long, device=device)
+        # the largest bucket's buffers, holding padding rows until a step's inputs are copied in
+        self.tokens, self.positions, self.slots, self.tables = (
+            t.to(device) for t in pad_rows([], [], [], [], self.buckets[-1], self.width))
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, Tensor] = {}
 

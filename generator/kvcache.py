@@ -108,9 +108,9 @@ class BlockPool:
         self.by_key: dict[bytes, int] = {}
         self.evictable: OrderedDict[int, None] = OrderedDict()  # cached, no holder; oldest first
         self.freed: list[int] = []
-        self.next_fresh = 1  # block 0 is the scratch block
+        # the next never-used block id (block 0 is the scratch block): the high-water mark of blocks touched
+        self.next_fresh = 1
         self.used = 0
-        self.touched = 1  # high-water mark of block ids ever handed out (+ scratch)
         self.hit_tokens = 0
         self.query_tokens = 0
 
@@ -134,7 +134,6 @@ class BlockPool:
         elif self.next_fresh < self.num_blocks:
             block = self.next_fresh
             self.next_fresh += 1
-            self.touched = self.next_fresh
         elif self.evictable:
             block, _ = self.evictable.popitem(last=False)
             key = self.key_of[block]
@@ -216,7 +215,7 @@ class PagedKVCache:
     @property
     def touched_bytes(self) -> int:
         """Bytes of the pool ever written (what RSS holds on CPU)."""
-        return self.pool.touched * self.block_bytes
+        return self.pool.next_fresh * self.block_bytes
 
     def write(self, layer: int, k: Tensor, v: Tensor, slots: Tensor) -> None:
         """Store ``k, v [G, M, hd]`` at the flat cache positions ``slots [M]`` (block * BLOCK_SIZE + offset).

@@ -224,14 +224,10 @@ def load_model(name: str, *, path: str = "", device: str = "auto", dtype: str = 
     mode = resolve_quant(quant, from_4bit=name == SMOLLM2 and not path, device=dev, native_bf16=native_bf16)
     dt = resolve_dtype(dtype, dev)
     model: Any
-    if path:
-        src = Path(path)
-        if not (src / "config.json").exists():
-            raise ModelNotFound(f"{path} is not a transformers model directory (no config.json)")
-        model = AutoModelForCausalLM.from_pretrained(src, dtype=dt)
-        tok = AutoTokenizer.from_pretrained(src)
-    elif name == SMOLLM2:
-        src = prepare_smollm2(data_dir)
+    if path and not (Path(path) / "config.json").exists():
+        raise ModelNotFound(f"{path} is not a transformers model directory (no config.json)")
+    if path or name == SMOLLM2:
+        src = Path(path) if path else prepare_smollm2(data_dir)
         model = AutoModelForCausalLM.from_pretrained(src, dtype=dt)
         tok = AutoTokenizer.from_pretrained(src)
     elif name in _RANDOM_SHAPES:
