@@ -141,8 +141,7 @@ class StaticDecode:
         bucket = bucket_for(n, self.buckets)
         if bucket is None:  # wider than the largest bucket: the plain step
             host = pad_rows(tokens, positions, slots, tables, n, self.width)
-            dev = self.device
-            return decode_step(self.model, self.cache, *(t.to(dev) for t in host))
+            return decode_step(self.model, self.cache, *(t.to(self.device) for t in host))
         host = pad_rows(tokens, positions, slots, tables, bucket, self.width)
         for buf, src in zip((self.tokens, self.positions, self.slots, self.tables), host, strict=True):
             buf[:bucket].copy_(src, non_blocking=True)
