@@ -21,6 +21,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -52,9 +53,8 @@ log = logging.getLogger(__name__)
 
 _CONTEXT = 256  # positions each row attends in the confirming decode steps (a short chat)
 _ATTENTION_MAX_ROWS = 8  # fp32 attention is tried up to this many rows (it lost from 8 rows on, measured)
-# Other processes' CPU use (a share of the machine) above which a measurement is not trusted. Two busy
-# loops on two cores made a table 1.37-1.50x slower (RESULTS.md); a quarter leaves room for the idle
-# noise of the stack's own processes (NATS, the relay) while the generator starts.
+# Other processes' CPU use (a share of the machine) above which a measurement is not trusted (see the module
+# docstring); a quarter leaves room for the idle noise of the stack's own processes (NATS, the relay).
 BUSY_SHARE = 0.25
 # How long a start waits for another process's measurement: two measurements on a loaded 2-core machine
 # take well under this; a holder stopped for longer (SIGSTOP) must not stop this start for good.
@@ -147,8 +147,8 @@ def _measure_and_cache(path: Path, key: dict[str, Any], model: Any, plan: Plan, 
 
 def _measure_quietly(model: Any, plan: Plan, rules: KernelTable, counts: tuple[int, ...], dtype: torch.dtype,
                      busy_share: float | None, attempts: int = 2) -> KernelTable:
-    """:func:`measure_table`, kept only if other processes left the CPUs to it. A busy spell is often short
-    (another generator loading its model), so it measures once more before settling for the rules."""
+    """:func:`measure_table`, kept only if other processes left the CPUs to it; measured once more first
+    (a busy spell is often short: another generator loading its model)."""
     spent = 0.0
     for attempt in range(1, attempts + 1):
         load = OthersLoad()
@@ -200,9 +200,8 @@ def _cpu_seconds() -> tuple[float, float, float, int] | None:
 
 @contextmanager
 def _one_at_a_time(path: Path) -> Iterator[None]:
-    """Hold an exclusive lock beside the cache file: a second generator starting on this machine waits
-    for the first one's measurement and reads its table instead of measuring at the same moment (each
-    would slow the other's timings). Without a writable data dir there is no lock (nor a cache)."""
+    """Hold an exclusive lock beside the cache file (one measurement at a time: see the module docstring).
+    Without a writable data dir there is no lock (nor a cache)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fh = open(path.with_suffix(".lock"), "a", encoding="ascii")  # noqa: SIM115 - held across the yield
@@ -371,9 +370,7 @@ def _confirm(model: Any, plan: Plan, rules: KernelTable, measured: KernelTable, 
 
 def _time_tables(plan: Plan, tables: dict[str, KernelTable], fn: Any) -> dict[str, float]:
     """Seconds per call of ``fn`` under each table, alternating (each applied before its calls)."""
-    def under(table: KernelTable) -> Any:
-        def run() -> None:
-            apply_table(plan, table, keep_packed=True)
-            fn()
-        return run
-    return timed({name: under(t) for name, t in tables.items()}, rounds=3, min_s=0.0)
+    def run(table: KernelTable) -> None:
+        apply_table(plan, table, keep_packed=True)
+        fn()
+    return timed({name: partial(run, t) for name, t in tables.items()}, rounds=3, min_s=0.0)

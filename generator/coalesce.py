@@ -38,10 +38,6 @@ class Coalescer:
         self.last_token_ns: int | None = None
         self.done = False
 
-    @property
-    def every_token(self) -> bool:
-        return self.max_tokens == 0 or self.max_delay_ns == 0
-
     def deadline(self) -> int | None:
         """When the time window closes for what is pending (ns), or None if nothing is."""
         if self.pending_since is None:
@@ -65,7 +61,8 @@ class Coalescer:
         if (
             finish is not None
             or not self.released
-            or self.every_token
+            or self.max_tokens == 0
+            or self.max_delay_ns == 0
             or slow
             or len(self.tokens) >= self.max_tokens
             or (self.pending_since is not None and now_ns - self.pending_since >= self.max_delay_ns)

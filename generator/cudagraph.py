@@ -6,12 +6,8 @@ kernels as one. As vLLM does, the step is captured once per batch-size bucket
 (:data:`BUCKETS`) over static buffers: token ids, positions, KV slots and block tables padded
 to the largest bucket and to the widest table ``max_seq_len`` needs. A step of ``n`` rows
 copies its inputs into the first rows of the buffers, pads the rest of its bucket with rows
-that read and write only the scratch block, and replays that bucket's graph.
-
-:class:`StaticDecode` is the same code path with or without capture: on CPU (and in tests) it
-runs the padded step eagerly, so the padding logic is checked against the plain
-:func:`~generator.forward.decode_step` without a GPU. :func:`sample_on_device` samples a batch
-with one device→host copy (no per-row host syncs), for the captured path.
+that read and write only the scratch block, and replays that bucket's graph. On CPU (and in
+tests) the padded step runs eagerly, so the padding is checked against the plain step without a GPU.
 """
 
 from __future__ import annotations
@@ -42,14 +38,10 @@ def resolve_cuda_graphs(mode: str, device: torch.device) -> bool:
     with CUDA, off elsewhere; ``on`` without a CUDA device is a :class:`ConfigError` at start."""
     if mode not in ("auto", "on", "off"):
         raise ConfigError(f"TOKENPIPE_CUDA_GRAPHS={mode!r}: use one of auto, on, off", param="cuda_graphs")
-    if mode == "off":
-        return False
-    if device.type != "cuda":
-        if mode == "on":
-            raise ConfigError(f"CUDA graphs need a CUDA device (TOKENPIPE_CUDA_GRAPHS=on, device {device})",
-                              param="cuda_graphs")
-        return False
-    return True
+    if mode == "on" and device.type != "cuda":
+        raise ConfigError(f"CUDA graphs need a CUDA device (TOKENPIPE_CUDA_GRAPHS=on, device {device})",
+                          param="cuda_graphs")
+    return mode != "off" and device.type == "cuda"
 
 
 def buckets_for(max_batch: int) -> tuple[int, ...]:
@@ -95,11 +87,9 @@ class StaticDecode:
         self.model, self.cache, self.device = model, cache, device
         self.buckets = buckets_for(max_batch)
         self.width = table_width(max_seq_len)
-        rows = self.buckets[-1]
-        self.tokens = torch.zeros(rows, dtype=torch.long, device=device)
-        self.positions = torch.zeros(rows, dtype=torch.long, device=device)
-        self.slots = torch.full((rows,), SCRATCH * BLOCK_SIZE, dtype=torch.long, device=device)
-        self.tables = torch.full((rows, self.width), SCRATCH, dtype=torch.long, device=device)
+        # the largest bucket's buffers, holding padding rows until a step's inputs are copied in
+        self.tokens, self.positions, self.slots, self.tables = (
+            t.to(device) for t in pad_rows([], [], [], [], self.buckets[-1], self.width))
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, Tensor] = {}
 
@@ -151,8 +141,7 @@ class StaticDecode:
         bucket = bucket_for(n, self.buckets)
         if bucket is None:  # wider than the largest bucket: the plain step
             host = pad_rows(tokens, positions, slots, tables, n, self.width)
-            dev = self.device
-            return decode_step(self.model, self.cache, *(t.to(dev) for t in host))
+            return decode_step(self.model, self.cache, *(t.to(self.device) for t in host))
         host = pad_rows(tokens, positions, slots, tables, bucket, self.width)
         for buf, src in zip((self.tokens, self.positions, self.slots, self.tables), host, strict=True):
             buf[:bucket].copy_(src, non_blocking=True)

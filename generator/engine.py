@@ -69,13 +69,10 @@ class StepOutput:
 
 
 class Engine:
-    """Continuous batching over a :class:`LoadedModel` and a paged KV cache.
+    """Continuous batching over a :class:`LoadedModel` and a paged KV cache (see the module docstring).
 
-    ``max_batch`` caps the running sequences; the KV budget decides how many fit: a waiting
-    sequence is admitted when its blocks (less those the prefix cache already holds) plus one
-    per running row are free, and a decode step short of blocks preempts the youngest row (its
-    blocks freed, its tokens recomputed when it is admitted again, as vLLM's recompute).
-    """
+    ``max_batch`` caps the running sequences; the KV budget decides how many fit. A preempted row's
+    tokens are recomputed when it is admitted again, as vLLM's recompute."""
 
     def __init__(self, loaded: LoadedModel, *, max_batch: int = 32, max_seq_len: int = 2048,
                  prefill_token_budget: int = 4096, max_prompt_tokens: int = 0, kv_cache_mb: float = 0,

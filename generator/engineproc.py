@@ -216,10 +216,8 @@ class EngineProcess:
             raise GenerationError(f"the engine-core process is gone (exit {self._exitcode()})") from exc
 
     def _counters(self, c: list[int]) -> None:
-        e = self.engine
-        e.room, self._accepted, e.running, e.preemptions = c[0], c[1], c[2], c[3]
-        p = e.pool
-        p.used, p.capacity, p.cached, p.query_tokens, p.hit_tokens = c[4], c[5], c[6], c[7], c[8]
+        e, p = self.engine, self.engine.pool  # in _ChildLink.counters' order
+        e.room, self._accepted, e.running, e.preemptions, p.used, p.capacity, p.cached, p.query_tokens, p.hit_tokens = c
 
     def _read(self) -> None:
         assert self._conn is not None

@@ -103,9 +103,8 @@ def build_plan(model: Any, quant: QuantMode = "none", dense_rows: int = DENSE_RO
         layers.append(_LayerPlan(qkv, o, gate_up, down, q_size, kv_size, inter))
     lm_head = model.lm_head
     if quant != "none":
-        # lm_head stays at 8 bits under int4, as in the GGUF the default model comes from (its
-        # output is Q8_0, its layers Q4_1): a 4-bit lm_head cost SmolLM2 0.086 nats/token on
-        # bench.quant's fixed text, an 8-bit one 0.0003.
+        # lm_head stays at 8 bits under int4, as in the GGUF the default model comes from (its output is
+        # Q8_0, its layers Q4_1): 4 bits cost it far more accuracy (RESULTS.md, "Weight-only quantization").
         lm_head = quantize_weight(model.lm_head.weight, model.lm_head.bias, "int8", dense_rows)
     plan = Plan(layers, lm_head, quant)
     _PLANS[model] = plan

@@ -15,15 +15,11 @@ rounded to int8 per group of 32, four 4-bit weights multiplied per int32 lane by
 over a copy of the weights in blocks of output features (:func:`block_q4`, :func:`block_q8`); on AMX
 tiles, 16 rows a group per instruction, where the CPU has them (``tiles``).
 
-It is compiled when the engine starts, once per machine (~15 s: ``gemv.c`` with ``$CC``, the
-op bindings ``gemv_op.cpp`` against torch's headers with ``$CXX``) and cached in
-``<data dir>/kernels/`` under a digest of the sources, the compilers, the flags and torch's
-version; the library registers the ops ``torch.ops.tokenpipe.gemv_q4`` / ``gemv_q8`` / ``gemm8``. The
-step's other ops are built into it too, for :mod:`generator.forward`: ``paged_attention`` and
-``kv_write`` (``attention.c``: decode attention read from the KV pool in place, this step's K/V
-written into it), ``rms_norm`` (``norm.c``), ``rope_write`` and ``silu_mul`` (``pointwise.c``).
-Where there is no AVX2/FMA or no compiler the kernels are simply not candidates (logged). Which
-kernel serves which row counts is measured like the others (:mod:`generator.kernels`).
+It is compiled when the engine starts, once per machine, and cached in ``<data dir>/kernels/``
+(:func:`load_gemv`); the library registers the ops ``torch.ops.tokenpipe.gemv_q4`` / ``gemv_q8`` /
+``gemm8``, and the step's other ops for :mod:`generator.forward` (:data:`OTHER_SOURCES`). Where
+there is no AVX2/FMA or no compiler the kernels are simply not candidates (logged). Which kernel
+serves which row counts is measured like the others (:mod:`generator.kernels`).
 """
 
 from __future__ import annotations

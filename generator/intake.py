@@ -146,7 +146,10 @@ class RequestIntake:
         """A decodable but invalid request: tell its stream (if it has an id), then terminate."""
         rid = peek_request_id(msg.data)
         log.warning("rejecting invalid request", extra={"request_id": rid, "error": exc.message})
-        owner = _owner(msg.subject)
+        try:
+            owner: str | None = owner_of_request(msg.subject)
+        except TokenpipeError:
+            owner = None
         if rid is not None and owner is not None:
             batch = TokenBatch.error_for(rid, exc.message, exc.code)
             try:  # only as the stream's first batch: an id with history belongs to its first request
@@ -221,10 +224,3 @@ async def keep(msg: Msg, request_id: str | None) -> None:
         await msg.in_progress()
     except Exception as exc:  # nats-py raises its connection errors here
         log.warning("in-progress ack failed", extra={"request_id": request_id, "error": repr(exc)})
-
-
-def _owner(subject: str) -> str | None:
-    try:
-        return owner_of_request(subject)
-    except TokenpipeError:
-        return None

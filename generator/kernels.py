@@ -1,9 +1,7 @@
 """Projection kernels chosen by measurement at start-up, per row band, cached per machine.
 
-Which kernel serves a decode projection fastest depends on the CPU, not only on its flags:
-the int4 kernel beats the bf16 GEMM up to ~16 rows on one AVX512-BF16 EPYC and only up to
-8-12 on an AMX Xeon, where a plain bf16 weight (repacked by oneDNN on every call) is slower
-than a pre-packed one by 1.5-2.4x. So instead of hand thresholds, the engine's own thread
+Which kernel serves a decode projection fastest depends on the CPU, not only on its flags
+(bench/RESULTS.md, "issue 21", parts 1, 9 and 10). So instead of hand thresholds, the engine's own thread
 times each candidate on the model's real projections (the fused q/k/v, o, gate/up, down and
 the LM head) at the row counts decode runs, builds a table of row bands per projection,
 confirms the changed choices with whole decode steps, and caches the table in the data dir
@@ -16,9 +14,8 @@ own copy of the quantized weight, :mod:`generator.gemv`, kept wherever that kern
 (ours with int8 rows, over that weight blocked by output feature: kept only for the roles that use it)
 and ``amx`` (gemm8 on AMX tiles, where the CPU has them: the same blocked weight, the same results).
 int8 beside int4 and fp32 beside a bf16 model are not candidates: each would keep another copy
-of the weights. The default is today's rule (``quant`` up
-to :data:`generator.quant.DENSE_ROWS` rows, or :data:`~generator.quant.BF16_DENSE_ROWS` with
-native bf16); a measured kernel replaces it only when it is at least :data:`MARGIN` faster.
+of the weights. The default is today's rule (:func:`rule_table`); a measured kernel replaces it
+only when it is at least :data:`MARGIN` faster.
 """
 
 from __future__ import annotations

@@ -10,9 +10,7 @@ token ids), so a key names a whole prefix. A new sequence reuses the longest cha
 blocks and prefills only the rest; a block whose last holder leaves stays cached (and
 reusable) until the pool needs it, least recently used first.
 
-On CPU the pool is an anonymous ``mmap`` with transparent huge pages off: the kernel maps
-zero pages lazily, 4 KiB at a time, so an idle generator's RSS does not hold the budget, only
-the blocks that were ever written (see :func:`_lazy_zeros`).
+On CPU an idle generator's RSS holds only the blocks ever written, not the budget (:func:`_lazy_zeros`).
 Block 0 is a scratch block: padding positions write there and block tables are padded with it,
 so every read is of finite values (a masked NaN would still poison ``probs @ V``).
 
@@ -26,7 +24,7 @@ import hashlib
 import mmap
 import os
 from collections import OrderedDict
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -35,8 +33,11 @@ from torch import Tensor
 from tokenpipe.errors import TokenpipeError
 from tokenpipe.metrics import GeneratorMetrics
 
+if TYPE_CHECKING:
+    from .engineproc import PoolCounters
+
 __all__ = ["BLOCK_SIZE", "ROOT_KEY", "SCRATCH", "BlockPool", "PagedKVCache", "KVCacheTooSmall", "KVCacheMeter",
-           "PoolState", "auto_budget_bytes", "bytes_per_position", "prefix_keys"]
+           "auto_budget_bytes", "bytes_per_position", "prefix_keys"]
 
 BLOCK_SIZE = 16
 SCRATCH = 0  # block id padding writes go to; never handed out
@@ -107,9 +108,9 @@ class BlockPool:
         self.by_key: dict[bytes, int] = {}
         self.evictable: OrderedDict[int, None] = OrderedDict()  # cached, no holder; oldest first
         self.freed: list[int] = []
-        self.next_fresh = 1  # block 0 is the scratch block
+        # the next never-used block id (block 0 is the scratch block): the high-water mark of blocks touched
+        self.next_fresh = 1
         self.used = 0
-        self.touched = 1  # high-water mark of block ids ever handed out (+ scratch)
         self.hit_tokens = 0
         self.query_tokens = 0
 
@@ -133,7 +134,6 @@ class BlockPool:
         elif self.next_fresh < self.num_blocks:
             block = self.next_fresh
             self.next_fresh += 1
-            self.touched = self.next_fresh
         elif self.evictable:
             block, _ = self.evictable.popitem(last=False)
             key = self.key_of[block]
@@ -215,7 +215,7 @@ class PagedKVCache:
     @property
     def touched_bytes(self) -> int:
         """Bytes of the pool ever written (what RSS holds on CPU)."""
-        return self.pool.touched * self.block_bytes
+        return self.pool.next_fresh * self.block_bytes
 
     def write(self, layer: int, k: Tensor, v: Tensor, slots: Tensor) -> None:
         """Store ``k, v [G, M, hd]`` at the flat cache positions ``slots [M]`` (block * BLOCK_SIZE + offset).
@@ -264,31 +264,16 @@ def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
     return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)  # the tensor keeps buf alive
 
 
-class PoolState(Protocol):
-    """What :class:`KVCacheMeter` reads of a pool: a :class:`BlockPool`, or the counters an
-    engine-core process reports of its own (:mod:`generator.engineproc`)."""
-
-    @property
-    def used(self) -> int: ...
-    @property
-    def capacity(self) -> int: ...
-    @property
-    def cached(self) -> int: ...
-    @property
-    def query_tokens(self) -> int: ...
-    @property
-    def hit_tokens(self) -> int: ...
-
-
 class KVCacheMeter:
     """Moves a pool's state into the generator's Prometheus metrics (its counters by how much
-    the pool's totals grew since the last look)."""
+    the pool's totals grew since the last look): a :class:`BlockPool`, or the counters an
+    engine-core process reports of its own."""
 
     def __init__(self, metrics: GeneratorMetrics) -> None:
         self.metrics = metrics
         self._seen = (0, 0, 0)
 
-    def update(self, pool: PoolState, preemptions: int) -> None:
+    def update(self, pool: BlockPool | PoolCounters, preemptions: int) -> None:
         m = self.metrics
         cached = pool.cached
         m.labels(m.kv_cache).set(pool.used / max(pool.capacity, 1))

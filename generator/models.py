@@ -23,7 +23,7 @@ from tokenpipe.errors import InvalidRequest, ModelNotFound
 
 from .autotune import tune_plan
 from .forward import build_plan
-from .kernels import KernelTable
+from .kernels import KernelTable, cpu_info
 from .quant import QuantMode, dense_rows_for, resolve_quant
 
 __all__ = ["LoadedModel", "load_model", "resolve_device", "resolve_dtype", "resolve_threads", "BUILTIN_MODELS",
@@ -97,11 +97,8 @@ def resolve_threads(threads: int) -> int:
 
 def cpu_has_fast_bf16() -> bool:
     """True where the CPU computes bf16 natively (AVX512-BF16 or AMX), so bf16 beats fp32."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    info = cpu_info()
+    return info is not None and not {"avx512_bf16", "amx_bf16"}.isdisjoint(info[1])
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -129,11 +126,16 @@ def _gguf_dir() -> Path:
     return path
 
 
+def _complete(target: Path) -> bool:
+    """Whether ``target`` holds a finished conversion of this cache version."""
+    marker = target / ".complete"
+    return marker.exists() and marker.read_text() == _CACHE_VERSION
+
+
 def prepare_smollm2(data_dir: str | os.PathLike[str]) -> Path:
     """De-quantize the GGUF once into ``<data_dir>/models/smollm2-135m`` and return that dir."""
     target = Path(data_dir) / "models" / SMOLLM2
-    marker = target / ".complete"
-    if marker.exists() and marker.read_text() == _CACHE_VERSION:
+    if _complete(target):
         return target
     from rich.console import Console
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
@@ -166,11 +168,10 @@ def prepare_tokenizer(data_dir: str | os.PathLike[str]) -> Path:
     weights: the converted model's directory when it is already cached, else
     ``<data_dir>/models/smollm2-135m-tokenizer`` read from the GGUF's metadata once."""
     full = Path(data_dir) / "models" / SMOLLM2
-    if (full / ".complete").exists() and (full / ".complete").read_text() == _CACHE_VERSION:
+    if _complete(full):
         return full
     target = Path(data_dir) / "models" / f"{SMOLLM2}-tokenizer"
-    marker = target / ".complete"
-    if marker.exists() and marker.read_text() == _CACHE_VERSION:
+    if _complete(target):
         return target
     from transformers import AutoTokenizer
 
@@ -223,14 +224,10 @@ def load_model(name: str, *, path: str = "", device: str = "auto", dtype: str = 
     mode = resolve_quant(quant, from_4bit=name == SMOLLM2 and not path, device=dev, native_bf16=native_bf16)
     dt = resolve_dtype(dtype, dev)
     model: Any
-    if path:
-        src = Path(path)
-        if not (src / "config.json").exists():
-            raise ModelNotFound(f"{path} is not a transformers model directory (no config.json)")
-        model = AutoModelForCausalLM.from_pretrained(src, dtype=dt)
-        tok = AutoTokenizer.from_pretrained(src)
-    elif name == SMOLLM2:
-        src = prepare_smollm2(data_dir)
+    if path and not (Path(path) / "config.json").exists():
+        raise ModelNotFound(f"{path} is not a transformers model directory (no config.json)")
+    if path or name == SMOLLM2:
+        src = Path(path) if path else prepare_smollm2(data_dir)
         model = AutoModelForCausalLM.from_pretrained(src, dtype=dt)
         tok = AutoTokenizer.from_pretrained(src)
     elif name in _RANDOM_SHAPES:

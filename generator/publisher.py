@@ -56,10 +56,6 @@ class _Batch:
     data: bytes
     headers: dict[str, str]
 
-    @property
-    def msg_id(self) -> str:
-        return self.headers.get("Nats-Msg-Id", "")
-
 
 @dataclass(eq=False)
 class AppendChain:
@@ -268,7 +264,7 @@ class BatchPublisher:
     async def _was_ours(self, chain: AppendChain, last: int, item: _Batch) -> bool:
         while True:
             try:
-                return await stored_as(self.bus, chain.subject, last, item.msg_id)
+                return await stored_as(self.bus, chain.subject, last, item.headers.get("Nats-Msg-Id", ""))
             except TokenpipeError as exc:  # JetStream away: asked again, the delivery waits
                 log.warning("cannot check the last stored batch; retrying",
                             extra={"subject": chain.subject, "error": exc.message})

@@ -68,11 +68,10 @@ def resolve_quant(mode: str, *, from_4bit: bool, device: torch.device, native_bf
     """``auto``: int4 on a CPU for weights that came from a 4-bit file (the default model's GGUF,
     which int4 gives back exactly); otherwise none.
 
-    On a CPU int4 decodes one stream about twice as fast as the float weight and many about as
-    fast; with native bf16 the bf16 weight takes matmuls of more than :data:`BF16_DENSE_ROWS`
-    rows (:func:`dense_rows_for`). Other weights would lose precision. On CUDA neither kernel
-    pays (a batch-1 step is launch-bound), so ``auto`` keeps it unquantized. Figures:
-    bench/RESULTS.md, "Weight-only quantization" and "GPU"."""
+    On a CPU int4 decodes one stream about twice as fast as the float weight; other weights would
+    lose precision. On CUDA neither kernel pays (a batch-1 step is launch-bound), so ``auto`` keeps
+    it unquantized. Figures: bench/RESULTS.md, "Weight-only
+    quantization" and "GPU"."""
     mode = check_quant(mode)
     if mode != "auto":
         return cast(QuantMode, mode)

@@ -125,16 +125,10 @@ def encode_prompt(tokenizer: Any, request: Request) -> list[int]:
 def torch_thread() -> ThreadPoolExecutor:
     """The one thread a generator process does all its torch work on: loading, the KV cache, steps.
 
-    OpenMP keeps a worker team per thread that enters a parallel region; once a second thread
-    has done torch work, the engine's steps ran 1.5x slower on a 2-core CPU (measured: 426 vs
-    674 tok/s at 32 streams), so the model is loaded on the same thread that later steps it.
-    """
+    OpenMP keeps a worker team per thread that enters a parallel region; once a second thread has
+    done torch work the engine's steps ran slower (bench/RESULTS.md, "Pipeline", "All torch work on
+    one thread"), so the model is loaded on the same thread that later steps it."""
     return ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenpipe-engine")
-
-
-@dataclass(frozen=True, slots=True)
-class _Cancel:
-    request_id: str
 
 
 class _Stop:
@@ -142,7 +136,7 @@ class _Stop:
 
 
 _STOP = _Stop()
-_Inbox = Job | _Cancel | _Stop  # what the worker hands the engine thread, in order
+_Inbox = Job | str | _Stop  # what the worker hands the engine thread, in order (a str: the request to cancel)
 
 
 class Runner:
@@ -193,7 +187,7 @@ class Runner:
         return self.engine.room - self._handed
 
     def cancel(self, request_id: str) -> None:
-        self._inbox.put(_Cancel(request_id))
+        self._inbox.put(request_id)
 
     def start(self) -> None:
         if self.torch_thread is not None:
@@ -258,7 +252,7 @@ class Runner:
                 if gate is not None and firsts:
                     gate.wait()
 
-    def _hold(self, item: Job | _Cancel, hold_until: float) -> float:
+    def _hold(self, item: Job | str, hold_until: float) -> float:
         """Until when to wait before the next step: an idle engine holds its first prefill while
         the worker hands over the rest of a burst it fetched (at most ``admission_hold_s``). A
         lone request is never held, and running rows never wait for newcomers."""
@@ -270,13 +264,13 @@ class Runner:
             return hold_until
         return time.monotonic() + self.admission_hold_s
 
-    def _handle(self, item: Job | _Cancel) -> None:
+    def _handle(self, item: Job | str) -> None:
         if isinstance(item, Job):
             self._admit(item)
             with self._handed_lock:
                 self._handed -= 1
         else:
-            self.engine.cancel(item.request_id)
+            self.engine.cancel(item)
 
     def _admit(self, job: Job) -> None:
         req = job.request

@@ -209,7 +209,6 @@ class GeneratorWorker:
             # one of the request's few delivery attempts on an outage that is not its fault.
             last = await patiently(lambda: last_stored(self.bus, rid, owner=out.owner), what="checking a stream id",
                                    request_id=rid, msg=msg)
-            taken = last is not None
         except TokenpipeError as exc:
             if out.closed:
                 return  # handed back meanwhile
@@ -219,7 +218,7 @@ class GeneratorWorker:
             return
         if out.closed:
             return
-        if not taken:
+        if last is None:  # the id is free
             out.clear()
             return
         log.warning("refusing a request for a stream id that is taken", extra={"request_id": rid, "owner": out.owner})

@@ -6,11 +6,8 @@ batch immediately), appends each batch to ``tp.tok.<owner>.<id>`` through its
 :class:`~generator.publisher.AppendChain` on the worker's shared
 :class:`~generator.publisher.BatchPublisher` with the generation's trace context, and finishes
 the request exactly once: metrics and spans, then the ack, which the publisher sends only after
-the final batch is stored. No NATS here: the publisher is the transport.
-
-Every append is conditional on the stream's last stored batch (:mod:`tokenpipe.append`): when
-the store refuses one, another writer holds the stream now, and :meth:`StreamWriter.lose` stops
-this one at once (the worker frees its slot and cancels it in the engine).
+the final batch is stored. No NATS here: the publisher is the transport. When the store refuses
+an append (another writer holds the stream now) the writer stops at once.
 
 A first delivery is not yet cleared to publish: the worker checks that its stream id is free
 while the engine already works on it (the check is a NATS round trip, the engine's admission
