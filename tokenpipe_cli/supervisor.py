@@ -25,7 +25,7 @@ from tokenpipe.natsconfig import write_server_config
 from tokenpipe.settings import Settings
 
 from .cluster import LocalCluster
-from .launch import Child, free_port, http_ok, port_free, spawn_role, stop_all
+from .launch import Child, free_port, http_ok, port_free, spawn_role
 from .natsserver import NatsServer
 from .provisioner import Provisioner
 from .uprole import Role, RoleKind, describe_exit, write_status
@@ -309,10 +309,16 @@ class Supervisor:
             prepare_tokenizer(self.settings.data_dir)
 
     def shutdown(self) -> None:
-        # The relay first (no new work, its streams end), then the generators drain together.
+        # Every role is asked at once; the relay is waited for first (no new work, its streams end),
+        # while the generators drain together.
         children = [r.child for r in self.roles if r.kind != "nats" and r.child is not None]
-        stop_all([c for c in children if c.name == "relay"], timeout=10)
-        stop_all(children, timeout=self.settings.drain_timeout_s + 10)
+        for child in children:
+            child.terminate()
+        for child in children:
+            if child.name == "relay":
+                child.wait_or_kill(10)
+        for child in children:
+            child.wait_or_kill(self.settings.drain_timeout_s + 10)
         if self.provisioner is not None:
             self.provisioner.stop()
         if self.nats is not None:
