@@ -39,13 +39,11 @@ class Provisioner:
         self._error: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
-        self._timeout = 60.0
 
     def start(self, timeout: float = 60.0) -> Provisioner:
         """Returns once the streams are provisioned; raises :class:`TransportError` if they could not be
         within ``timeout`` seconds."""
-        self._timeout = timeout
-        self._thread = threading.Thread(target=asyncio.run, args=(self._run(),), name="provisioner", daemon=True)
+        self._thread = threading.Thread(target=asyncio.run, args=(self._run(timeout),), name="provisioner", daemon=True)
         self._thread.start()
         if not self._ready.wait(timeout + 15):
             self.stop()
@@ -68,10 +66,10 @@ class Provisioner:
             self._thread.join(10)
             self._thread = None
 
-    async def _run(self) -> None:
+    async def _run(self, timeout: float) -> None:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
-        bus = await self._provision()
+        bus = await self._provision(timeout)
         self._ready.set()
         if bus is None:
             return
@@ -84,11 +82,11 @@ class Provisioner:
         finally:
             await bus.close()
 
-    async def _provision(self) -> Bus | None:
+    async def _provision(self, timeout: float) -> Bus | None:
         """Connect and provision (``connect`` does, as the admin), retrying while a cluster is still
         forming (no meta leader yet, fewer peers than the replicas asked for); None after an error
         that ``start`` reports."""
-        deadline = time.monotonic() + self._timeout
+        deadline = time.monotonic() + timeout
         while True:
             try:
                 return await connect(self.settings, name="tokenpipe-admin", role="admin")
