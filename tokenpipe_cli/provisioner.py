@@ -10,12 +10,12 @@ or reconfigured (a sealed stream cannot be restored: it logs what the admin must
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import threading
 import time
 from pathlib import Path
 
+from tokenpipe.background import pause
 from tokenpipe.bus import REPAIR_INTERVAL_S, Bus, connect, repair
 from tokenpipe.errors import TokenpipeError, TransportError
 from tokenpipe.settings import Settings
@@ -74,11 +74,8 @@ class Provisioner:
         if bus is None:
             return
         try:
-            while not self._stop.is_set():
-                try:
-                    await asyncio.wait_for(self._stop.wait(), REPAIR_INTERVAL_S)
-                except TimeoutError:
-                    await self._repair(bus)
+            while await pause(self._stop, REPAIR_INTERVAL_S):
+                await self._repair(bus)
         finally:
             await bus.close()
 
@@ -98,8 +95,7 @@ class Provisioner:
             except BaseException as exc:  # reported to start()'s caller, in the other thread
                 self._error = exc
                 return None
-            with contextlib.suppress(TimeoutError):  # the cluster forming: no event to wait for
-                await asyncio.wait_for(self._stop.wait(), 0.5)
+            await pause(self._stop, 0.5)  # the cluster forming: no event to wait for
 
     async def _repair(self, bus: Bus) -> None:
         if not bus.nc.is_connected:
