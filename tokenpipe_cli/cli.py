@@ -246,13 +246,11 @@ def _dispatch(args: argparse.Namespace) -> int:
         from .provisioner import Provisioner
 
         prov = Provisioner(settings).start()
-        if args.watch:
-            signal.signal(signal.SIGTERM, lambda *_: prov.stop())
-            try:
+        try:
+            if args.watch:
+                signal.signal(signal.SIGTERM, lambda *_: prov.stop())
                 prov.wait()
-            finally:
-                prov.stop()
-        else:
+        finally:
             prov.stop()
         print("tokenpipe's streams are provisioned", file=sys.stderr)
         return 0
