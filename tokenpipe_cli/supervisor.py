@@ -188,12 +188,11 @@ class Supervisor:
                 if role.kind != "nats":
                     self._start(role)
             self._write_status()
-            started = time.monotonic()
-            timeout = self.ready_timeout
+            deadline = time.monotonic() + self.ready_timeout
             while self._stop_signal is None:
                 self._tick()
-                if self._state == "starting" and time.monotonic() - started > timeout:
-                    log.error("tokenpipe did not come up in time; stopping", extra={"timeout_s": timeout})
+                if self._state == "starting" and time.monotonic() > deadline:
+                    log.error("tokenpipe did not come up in time; stopping", extra={"timeout_s": self.ready_timeout})
                     return 1
                 time.sleep(_POLL_S)  # polling child processes: signals interrupt it
             return 0
