@@ -136,10 +136,9 @@ class Supervisor:
                 self._ready_file_check(f"generator-{i}", ready_file),
                 env={**os.environ, "TOKENPIPE_READY_FILE": str(ready_file)}))
         self._ports["metrics"] = metrics
-        url = self._ports["relay_url"]
         self.roles.append(self._child_role(
             "relay", "relay", ["relay", *common, *creds("relay"), "--host", s.host, "--port", str(relay_port)],
-            http_ok(f"{url}/healthz", timeout=1.0),
+            http_ok(f"{self._ports['relay_url']}/healthz", timeout=1.0),
             env={**os.environ, "TOKENPIPE_EXPECTED_GENERATORS": str(self.generators)}))
 
     def _admin_settings(self) -> Settings:
