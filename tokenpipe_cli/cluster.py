@@ -158,6 +158,13 @@ class LocalCluster:
         if child is not None:
             child.kill()
 
+    def restart(self, i: int, timeout: float = 30.0) -> None:
+        """Stop node ``i`` (SIGTERM) and start it again on the same ports and store; returns once it
+        listens (see :meth:`wait_healthy` for caught up)."""
+        self.thaw(i)  # a frozen process cannot act on SIGTERM
+        self.nodes[i].stop()
+        self.nodes[i].start(timeout)
+
     def start_node(self, i: int, timeout: float = 30.0) -> None:
         self.nodes[i].start(timeout)
 
