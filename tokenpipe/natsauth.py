@@ -220,14 +220,11 @@ def ensure_credentials(creds_dir: str | os.PathLike[str],
     """The credentials in ``creds_dir`` by user, creating the missing ones (first start); every
     ``app-*.json`` already there is kept (``tokenpipe creds add-app``)."""
     d = _creds_dir(creds_dir)
-    out: dict[str, Credential] = {}
     for user, owner in [("relay", RELAY_OWNER), ("generator", RELAY_OWNER), ("admin", RELAY_OWNER),
                         *((app_user(a), a) for a in apps)]:
         _ensure(d, user, owner)
-    for path in sorted(d.glob("*.json")):
-        cred = load_credential(path)
-        out[cred.user] = cred
-    return out
+    creds = [load_credential(path) for path in sorted(d.glob("*.json"))]
+    return {cred.user: cred for cred in creds}
 
 
 def add_app(creds_dir: str | os.PathLike[str], name: str) -> Path:

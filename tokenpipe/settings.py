@@ -12,7 +12,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin, get_type_hints
+from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
 
 from .cluster import parse_replicas, server_list
 from .errors import ConfigError
@@ -20,6 +20,7 @@ from .errors import ConfigError
 __all__ = ["CudaGraphs", "Dtype", "EngineProcess", "Kernels", "Quant", "Settings", "default_data_dir"]
 
 ENV_PREFIX = "TOKENPIPE_"
+_T = TypeVar("_T")
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"]
 Quant = Literal["auto", "none", "int8", "int4"]
@@ -33,10 +34,11 @@ def default_data_dir() -> str:
     return str(Path(base) / "tokenpipe")
 
 
-def _doc(meaning: str, *, shown: str | None = None) -> dict[str, str]:
-    """A field's documentation: what it means, and its default as README.md shows it
-    (``shown``, where ``repr`` of the value would say less or depend on the machine)."""
-    return {"doc": meaning, "shown": shown} if shown is not None else {"doc": meaning}
+def _setting(default: _T, doc: str, *, shown: str | None = None) -> _T:
+    """A field with its documentation: what it means, and its default as README.md shows it
+    (``shown``, where ``repr`` of the value would say less or depend on the machine). Ruff's RUF009
+    cannot tell that this returns a ``Field`` like ``field()``: the ``Literal`` fields say ``noqa``."""
+    return field(default=default, metadata={"doc": doc} if shown is None else {"doc": doc, "shown": shown})
 
 
 @dataclass(frozen=True)
@@ -45,205 +47,151 @@ class Settings:
     README.md's configuration table is rendered from it (:mod:`tokenpipe.settings_doc`)."""
 
     # transport
-    nats_url: str = field(
-        default="nats://127.0.0.1:4222",
-        metadata=_doc("NATS server (every role), or a cluster's seed list `nats://a:4222,nats://b:4222,...`: "
-                      "clients reconnect across its servers"))
-    replicas: str = field(
-        default="auto",
-        metadata=_doc("replicas of the streams and the KV bucket: `auto` (3 on a cluster of three or more "
-                      "JetStream servers, else 1) or 1..5; existing streams are scaled up in place, `auto` "
-                      "never scales down"))
-    nats_creds: str = field(
-        default="",
-        metadata=_doc("NATS credentials file: tokenpipe's user/password JSON (`tokenpipe creds`) or a JWT `.creds` "
-                      "file (default: the role's file in `<data dir>/creds/` when `tokenpipe up` wrote one, for the "
-                      "NATS server its `up.json` names)"),
-    )
-    nats_user: str = field(default="", metadata=_doc("NATS user (instead of `TOKENPIPE_NATS_CREDS`)"))
-    nats_password: str = field(default="", metadata=_doc("NATS password for `TOKENPIPE_NATS_USER`"))
-    nats_ca: str = field(default="", metadata=_doc("CA file to verify a `tls://` NATS server with"))
-    nats_cert: str = field(default="", metadata=_doc("client certificate for NATS TLS (mutual TLS)"))
-    nats_key: str = field(default="", metadata=_doc("client certificate key for NATS TLS"))
-    nats_inbox_prefix: str = field(
-        default="", metadata=_doc("reply inbox prefix (tokenpipe's credential files carry their own, e.g. "
-                                  "`_INBOX.relay`; permissions confine each role's replies to it)"))
-    app_name: str = field(
-        default="",
-        metadata=_doc("the producer SDK's application name on the bus: the owner in its subjects "
-                      "(`tp.req.<model>.<app>`, `tp.tok.<app>.<id>`); app credentials carry it"),
-    )
+    nats_url: str = _setting("nats://127.0.0.1:4222", "NATS server (every role), or a cluster's seed list "
+                                                      "`nats://a:4222,nats://b:4222,...`: clients reconnect across its "
+                                                      "servers")
+    replicas: str = _setting("auto", "replicas of the streams and the KV bucket: `auto` (3 on a cluster of three or "
+                                     "more JetStream servers, else 1) or 1..5; existing streams are scaled up in "
+                                     "place, `auto` never scales down")
+    nats_creds: str = _setting("", "NATS credentials file: tokenpipe's user/password JSON (`tokenpipe creds`) or a JWT "
+                                   "`.creds` file (default: the role's file in `<data dir>/creds/` when `tokenpipe up` "
+                                   "wrote one, for the NATS server its `up.json` names)")
+    nats_user: str = _setting("", "NATS user (instead of `TOKENPIPE_NATS_CREDS`)")
+    nats_password: str = _setting("", "NATS password for `TOKENPIPE_NATS_USER`")
+    nats_ca: str = _setting("", "CA file to verify a `tls://` NATS server with")
+    nats_cert: str = _setting("", "client certificate for NATS TLS (mutual TLS)")
+    nats_key: str = _setting("", "client certificate key for NATS TLS")
+    nats_inbox_prefix: str = _setting("", "reply inbox prefix (tokenpipe's credential files carry their own, e.g. "
+                                          "`_INBOX.relay`; permissions confine each role's replies to it)")
+    app_name: str = _setting("", "the producer SDK's application name on the bus: the owner in its subjects "
+                                 "(`tp.req.<model>.<app>`, `tp.tok.<app>.<id>`); app credentials carry it")
     data_dir: str = field(
         default_factory=default_data_dir,
-        metadata=_doc("nats-server's JetStream store (`tokenpipe up`, `tokenpipe nats`) and the converted model cache",
-                      shown="`$XDG_STATE_HOME/tokenpipe`, else `~/.local/state/tokenpipe`"),
+        metadata={"doc": "nats-server's JetStream store (`tokenpipe up`, `tokenpipe nats`) and the converted model "
+                         "cache",
+                  "shown": "`$XDG_STATE_HOME/tokenpipe`, else `~/.local/state/tokenpipe`"},
     )
-    token_max_age_s: float = field(
-        default=3600.0, metadata=_doc("how long token streams are kept in JetStream (replay, resume, redelivery)"))
-    token_max_bytes: int = field(
-        default=-1, metadata=_doc("size cap of all token streams together, oldest batches dropped first (-1: none)"))
-    request_max_age_s: float = field(
-        default=24 * 3600.0, metadata=_doc("how long a queued request waits for a generator before JetStream drops it"))
+    token_max_age_s: float = _setting(
+        3600.0, "how long token streams are kept in JetStream (replay, resume, redelivery)")
+    token_max_bytes: int = _setting(
+        -1, "size cap of all token streams together, oldest batches dropped first (-1: none)")
+    request_max_age_s: float = _setting(
+        24 * 3600.0, "how long a queued request waits for a generator before JetStream drops it")
     # generator
-    model: str = field(
-        default="smollm2-135m",
-        metadata=_doc("model served (generator) / default model (relay): `smollm2-135m`, `tiny-random`, "
-                      "`llama-1b-random` (random weights, for benchmarks), or the name for `TOKENPIPE_MODEL_PATH`"))
-    model_path: str = field(
-        default="",
-        metadata=_doc("a local Llama-family transformers directory served under the name `TOKENPIPE_MODEL`"),
-    )
-    device: str = field(
-        default="auto", metadata=_doc("`auto` (CUDA when present, else CPU), `cpu`, `cuda`, `cuda:1`, …"))
-    dtype: Dtype = field(
-        default="auto",
-        metadata=_doc("`auto`: bf16 on CUDA and on CPUs with native bf16 (AVX512-BF16/AMX), else fp32; "
-                      "or `float32`, `bfloat16`, `float16`"),
-    )
-    quant: Quant = field(
-        default="auto",
-        metadata=_doc("weight-only quantization of the projections: `auto` (int4 for the default model, whose GGUF "
-                      "is 4-bit, on CPUs; else none), `none`, `int8`, `int4`; which kernel serves each batch size: "
-                      "`TOKENPIPE_KERNELS`"))
-    kernels: Kernels = field(
-        default="auto",
-        metadata=_doc("which kernel serves a quantized projection at each decode batch size: `auto` times "
-                      "torch's quantized kernel, the float weight, the oneDNN pre-packed float weight and "
-                      "tokenpipe's own kernels (`gemv` with int16 rows, `gemm8` with int8 rows, `amx`: gemm8 on "
-                      "AMX tiles where the CPU has them; built with "
-                      "`$CC`/`$CXX` at the first start, ~15 s) on the "
-                      "engine's threads (a few seconds, once: cached in `<data dir>/kernels/` per CPU, threads, "
-                      "torch and model; one process measures at a time, and a table measured while other "
-                      "processes held over a quarter of the CPUs is not trusted: the rules serve that run) and "
-                      "switches from the rule only on a ≥ 10 % win; `rules` (the "
-                      "quantized kernel up to 16 rows with native bf16, else 32); `quant`, `dense`, `packed`, "
-                      "`gemv`, `gemm8`, `amx`: that one for every decode step"))
-    engine_process: EngineProcess = field(
-        default="auto",
-        metadata=_doc("run the engine (steps, sampling, detokenizing) in its own engine-core process, fed and "
-                      "drained over a local pipe, so the generator's NATS I/O cannot stall a step through the GIL: "
-                      "`auto` (on with CUDA; off on CPU, where the thread stays the default: "
-                      "`python -m bench.enginecore`, bench/RESULTS.md), `on`, `off` (the engine thread in the "
-                      "generator's process)"))
-    cuda_graphs: CudaGraphs = field(
-        default="auto",
-        metadata=_doc("capture the decode step as CUDA graphs, one per batch-size bucket (1, 2, 4, … 64), "
-                      "replayed each step: `auto` (on with CUDA, off on CPU), `on` (refused without a CUDA "
-                      "device), `off`"))
-    max_batch: int = field(
-        default=32, metadata=_doc("most concurrent sequences per generator; free KV-cache blocks decide below it"))
-    kv_cache_mb: float = field(
-        default=0, metadata=_doc("KV-cache budget in MiB, one pool of 16-position blocks, written only as used (0: a "
-                                 "quarter of available RAM on CPU, 60 % of free GPU memory on CUDA, at most "
-                                 "`TOKENPIPE_MAX_BATCH` × `TOKENPIPE_MAX_SEQ_LEN` positions)"))
-    prefix_caching: bool = field(
-        default=True, metadata=_doc("reuse the KV blocks of a prompt's cached prefix (shared system prompts, chat "
-                                    "turns, redelivered requests) instead of prefilling it again"))
-    max_seq_len: int = field(
-        default=2048, metadata=_doc("prompt + output limit per sequence (at most the model's context)"))
-    max_prompt_tokens: int = field(
-        default=0, metadata=_doc("longest prompt in tokens, else an `error` event (0: `TOKENPIPE_MAX_SEQ_LEN` − 1)"))
-    prefill_token_budget: int = field(
-        default=4096, metadata=_doc("padded tokens one prefill step may process; a larger admission wave is split"))
-    admission_hold_ms: float = field(
-        default=10.0,
-        metadata=_doc("an idle engine waits at most this long for the rest of a burst it fetched, to prefill it "
-                      "as one batch (a lone request is never held)"),
-    )
-    first_batch_hold_ms: float = field(
-        default=1.5,
-        metadata=_doc("on a CPU, after a step that produced streams' first tokens, the engine waits until their "
-                      "first batches went out live (at most 5 ms), then this long more: the relay and NATS get the "
-                      "cores to carry them to the client (pipeline-added TTFT p50 2 ms lower on 2 cores, "
-                      "bench/RESULTS.md); 0: no wait. The engine thread only, not the engine-core process"),
-    )
-    coalesce_max_tokens: int = field(
-        default=8, metadata=_doc("count window: tokens per published batch (chosen by `python -m bench.coalesce`, "
-                                 "see bench/RESULTS.md; a request's `coalesce` overrides it)"))
-    coalesce_max_delay_ms: float = field(
-        default=20.0, metadata=_doc("time window: the longest a token waits to be published"))
-    ack_wait_s: float = field(
-        default=4.0,
-        metadata=_doc("a request whose generator stops acknowledging progress is redelivered after this: how soon "
-                      "a dead worker's streams move on (measured by `python -m bench.takeover`)"))
-    progress_interval_s: float = field(
-        default=1.0,
-        metadata=_doc("how often a generator acknowledges progress on every request it holds; a worker stalled "
-                      "longer than `TOKENPIPE_ACK_WAIT_S` minus this loses its requests to another worker"))
-    drain_timeout_s: float = field(
-        default=10.0, metadata=_doc("on SIGTERM, how long running requests may finish before they are handed back"))
-    max_deliver: int = field(
-        default=3, metadata=_doc("delivery attempts per request; after the last, the stream ends with an `error`"))
-    announce_interval_s: float = field(
-        default=2.0, metadata=_doc("how often a generator announces its model and load (lapses after 3 intervals)"))
-    threads: int = field(
-        default=0, metadata=_doc("torch CPU threads for the engine (0: every core up to 3 cores, one fewer "
-                                 "from 4 cores on; see `python -m bench.neighbour`)"))
-    metrics_port: int = field(
-        default=9101, metadata=_doc("generator `/metrics` port (`tokenpipe up` counts up from it; 0: off)"))
-    metrics_host: str = field(default="127.0.0.1", metadata=_doc("generator `/metrics` bind address"))
+    model: str = _setting("smollm2-135m", "model served (generator) / default model (relay): `smollm2-135m`, "
+                                          "`tiny-random`, `llama-1b-random` (random weights, for benchmarks), or the "
+                                          "name for `TOKENPIPE_MODEL_PATH`")
+    model_path: str = _setting(
+        "", "a local Llama-family transformers directory served under the name `TOKENPIPE_MODEL`")
+    device: str = _setting("auto", "`auto` (CUDA when present, else CPU), `cpu`, `cuda`, `cuda:1`, …")
+    dtype: Dtype = _setting(  # noqa: RUF009
+        "auto", "`auto`: bf16 on CUDA and on CPUs with native bf16 (AVX512-BF16/AMX), else fp32; or `float32`, "
+                "`bfloat16`, `float16`")
+    quant: Quant = _setting(  # noqa: RUF009
+        "auto", "weight-only quantization of the projections: `auto` (int4 for the default model, whose GGUF is 4-bit, "
+                "on CPUs; else none), `none`, `int8`, `int4`; which kernel serves each batch size: `TOKENPIPE_KERNELS`")
+    kernels: Kernels = _setting(  # noqa: RUF009
+        "auto", "which kernel serves a quantized projection at each decode batch size: `auto` times torch's quantized "
+                "kernel, the float weight, the oneDNN pre-packed float weight and tokenpipe's own kernels (`gemv` with "
+                "int16 rows, `gemm8` with int8 rows, `amx`: gemm8 on AMX tiles where the CPU has them; built with "
+                "`$CC`/`$CXX` at the first start, ~15 s) on the engine's threads (a few seconds, once: cached in "
+                "`<data dir>/kernels/` per CPU, threads, torch and model; one process measures at a time, and a table "
+                "measured while other processes held over a quarter of the CPUs is not trusted: the rules serve that "
+                "run) and switches from the rule only on a ≥ 10 % win; `rules` (the quantized kernel up to 16 rows "
+                "with native bf16, else 32); `quant`, `dense`, `packed`, `gemv`, `gemm8`, `amx`: that one for every "
+                "decode step")
+    engine_process: EngineProcess = _setting(  # noqa: RUF009
+        "auto", "run the engine (steps, sampling, detokenizing) in its own engine-core process, fed and drained over a "
+                "local pipe, so the generator's NATS I/O cannot stall a step through the GIL: `auto` (on with CUDA; "
+                "off on CPU, where the thread stays the default: `python -m bench.enginecore`, bench/RESULTS.md), "
+                "`on`, `off` (the engine thread in the generator's process)")
+    cuda_graphs: CudaGraphs = _setting(  # noqa: RUF009
+        "auto", "capture the decode step as CUDA graphs, one per batch-size bucket (1, 2, 4, … 64), replayed each "
+                "step: `auto` (on with CUDA, off on CPU), `on` (refused without a CUDA device), `off`")
+    max_batch: int = _setting(32, "most concurrent sequences per generator; free KV-cache blocks decide below it")
+    kv_cache_mb: float = _setting(0, "KV-cache budget in MiB, one pool of 16-position blocks, written only as used (0: "
+                                     "a quarter of available RAM on CPU, 60 % of free GPU memory on CUDA, at most "
+                                     "`TOKENPIPE_MAX_BATCH` × `TOKENPIPE_MAX_SEQ_LEN` positions)")
+    prefix_caching: bool = _setting(True, "reuse the KV blocks of a prompt's cached prefix (shared system prompts, "
+                                          "chat turns, redelivered requests) instead of prefilling it again")
+    max_seq_len: int = _setting(2048, "prompt + output limit per sequence (at most the model's context)")
+    max_prompt_tokens: int = _setting(
+        0, "longest prompt in tokens, else an `error` event (0: `TOKENPIPE_MAX_SEQ_LEN` − 1)")
+    prefill_token_budget: int = _setting(
+        4096, "padded tokens one prefill step may process; a larger admission wave is split")
+    admission_hold_ms: float = _setting(10.0, "an idle engine waits at most this long for the rest of a burst it "
+                                              "fetched, to prefill it as one batch (a lone request is never held)")
+    first_batch_hold_ms: float = _setting(
+        1.5, "on a CPU, after a step that produced streams' first tokens, the engine waits until their first batches "
+             "went out live (at most 5 ms), then this long more: the relay and NATS get the cores to carry them to the "
+             "client (pipeline-added TTFT p50 2 ms lower on 2 cores, bench/RESULTS.md); 0: no wait. The engine thread "
+             "only, not the engine-core process")
+    coalesce_max_tokens: int = _setting(8, "count window: tokens per published batch (chosen by `python -m "
+                                           "bench.coalesce`, see bench/RESULTS.md; a request's `coalesce` "
+                                           "overrides it)")
+    coalesce_max_delay_ms: float = _setting(20.0, "time window: the longest a token waits to be published")
+    ack_wait_s: float = _setting(4.0, "a request whose generator stops acknowledging progress is redelivered after "
+                                      "this: how soon a dead worker's streams move on (measured by `python -m "
+                                      "bench.takeover`)")
+    progress_interval_s: float = _setting(1.0, "how often a generator acknowledges progress on every request it holds; "
+                                               "a worker stalled longer than `TOKENPIPE_ACK_WAIT_S` minus this loses "
+                                               "its requests to another worker")
+    drain_timeout_s: float = _setting(
+        10.0, "on SIGTERM, how long running requests may finish before they are handed back")
+    max_deliver: int = _setting(3, "delivery attempts per request; after the last, the stream ends with an `error`")
+    announce_interval_s: float = _setting(
+        2.0, "how often a generator announces its model and load (lapses after 3 intervals)")
+    threads: int = _setting(0, "torch CPU threads for the engine (0: every core up to 3 cores, one fewer from 4 cores "
+                               "on; see `python -m bench.neighbour`)")
+    metrics_port: int = _setting(9101, "generator `/metrics` port (`tokenpipe up` counts up from it; 0: off)")
+    metrics_host: str = _setting("127.0.0.1", "generator `/metrics` bind address")
     # tokenpipe up (the supervisor)
-    restart_backoff_s: float = field(
-        default=0.5, metadata=_doc("`tokenpipe up`: first delay before restarting a role that exited; doubles per "
-                                   "restart within the window"))
-    restart_backoff_max_s: float = field(default=10.0, metadata=_doc("`tokenpipe up`: longest restart delay"))
-    restart_limit: int = field(
-        default=5, metadata=_doc("`tokenpipe up`: restarts of one role within `TOKENPIPE_RESTART_WINDOW_S` before "
-                                 "it is given up (the stack stops when it was the relay, NATS or the last generator)"))
-    restart_window_s: float = field(default=60.0, metadata=_doc("`tokenpipe up`: the crash-loop window"))
-    ready_file: str = field(
-        default="", metadata=_doc("a generator writes its pid here once it serves, and removes it when it stops "
-                                  "(`tokenpipe up` sets it per generator)"))
+    restart_backoff_s: float = _setting(
+        0.5, "`tokenpipe up`: first delay before restarting a role that exited; doubles per restart within the window")
+    restart_backoff_max_s: float = _setting(10.0, "`tokenpipe up`: longest restart delay")
+    restart_limit: int = _setting(5, "`tokenpipe up`: restarts of one role within `TOKENPIPE_RESTART_WINDOW_S` before "
+                                     "it is given up (the stack stops when it was the relay, NATS or the last "
+                                     "generator)")
+    restart_window_s: float = _setting(60.0, "`tokenpipe up`: the crash-loop window")
+    ready_file: str = _setting("", "a generator writes its pid here once it serves, and removes it when it stops "
+                                   "(`tokenpipe up` sets it per generator)")
     # relay
-    host: str = field(default="127.0.0.1", metadata=_doc("relay bind address"))
-    port: int = field(default=8000, metadata=_doc("relay port"))
-    keepalive_s: float = field(default=15.0, metadata=_doc("SSE ping interval while a stream is idle"))
-    max_body_bytes: int = field(default=1 << 20, metadata=_doc("largest request body (413)", shown="1048576 (1 MiB)"))
-    max_prompt_chars: int = field(default=200_000, metadata=_doc("longest prompt in characters at the relay (400)"))
-    max_tokens_cap: int = field(default=4096, metadata=_doc("largest `max_tokens` a request may ask for (400)"))
-    generator_wait_s: float = field(
-        default=0.0,
-        metadata=_doc("how long a request waits for a generator of its model to announce before 404/503 (0: answer "
-                      "at once; a generator whose announcements just lapsed is always given 10 s: it may be "
-                      "reconnecting after its NATS node hung)"),
-    )
-    api_keys: str = field(default="", metadata=_doc("API keys → tenants, `key:tenant,…` (none, and no file: keys off)"))
-    api_keys_file: str = field(
-        default="", metadata=_doc("a file with one `key tenant` per line, added to `TOKENPIPE_API_KEYS`"))
-    max_streams_per_key: int = field(
-        default=64, metadata=_doc("unfinished streams per tenant, shared by all its keys (429)"))
-    max_queue_depth: int = field(default=256, metadata=_doc("JetStream consumer lag for the model (429)"))
-    slow_client_timeout_s: float = field(
-        default=30.0, metadata=_doc("drop a client whose socket stays full this long (the generation goes on)"))
-    header_timeout_s: float = field(
-        default=10.0, metadata=_doc("a connection's request headers must be complete this long after it opened (or "
-                                    "after its previous response), else 408 and closed (slowloris)"))
-    expected_generators: int = field(
-        default=0, metadata=_doc("generators the relay expects (`tokenpipe up` sets it): `/readyz` says `degraded` "
-                                 "while fewer are live (0: unknown)"))
-    submit_retry_s: float = field(
-        default=30.0, metadata=_doc("how long the relay retries enqueueing a request while NATS is unavailable "
-                                    "before answering 503 (idempotent by request id); covers a nats-server restart "
-                                    "and, on a cluster, a frozen node: the relay's connection to it declared dead "
-                                    "(~8 s), then a stream leader's re-election (4-9 s)"))
-    cancel_grace_s: float = field(
-        default=2.0,
-        metadata=_doc("after the last live reader of a running stream (on any relay) disconnects, wait this long for "
-                      "one to re-attach (`Last-Event-ID`) before cancelling the generation"))
-    unread_stream_release_s: float = field(
-        default=30.0,
-        metadata=_doc("a stream no reader is attached to stops counting against its tenant's `max_streams_per_key` "
-                      "after this long (it is freed at once when it finishes or is deleted)"))
-    metrics_auth: bool = field(
-        default=False, metadata=_doc("`/metrics` requires an API key too (when keys are on)"))
-    trace_url: str = field(
-        default="",
-        metadata=_doc("link template for a stream's trace in a tracing UI, `{trace_id}` filled in (Jaeger: "
-                      "`http://localhost:16686/trace/{trace_id}`); the inspector page (`/inspect`) links each "
-                      "stream's trace with it (empty: it shows the trace id only)"))
+    host: str = _setting("127.0.0.1", "relay bind address")
+    port: int = _setting(8000, "relay port")
+    keepalive_s: float = _setting(15.0, "SSE ping interval while a stream is idle")
+    max_body_bytes: int = _setting(1 << 20, "largest request body (413)", shown="1048576 (1 MiB)")
+    max_prompt_chars: int = _setting(200_000, "longest prompt in characters at the relay (400)")
+    max_tokens_cap: int = _setting(4096, "largest `max_tokens` a request may ask for (400)")
+    generator_wait_s: float = _setting(0.0, "how long a request waits for a generator of its model to announce before "
+                                            "404/503 (0: answer at once; a generator whose announcements just lapsed "
+                                            "is always given 10 s: it may be reconnecting after its NATS node hung)")
+    api_keys: str = _setting("", "API keys → tenants, `key:tenant,…` (none, and no file: keys off)")
+    api_keys_file: str = _setting("", "a file with one `key tenant` per line, added to `TOKENPIPE_API_KEYS`")
+    max_streams_per_key: int = _setting(64, "unfinished streams per tenant, shared by all its keys (429)")
+    max_queue_depth: int = _setting(256, "JetStream consumer lag for the model (429)")
+    slow_client_timeout_s: float = _setting(
+        30.0, "drop a client whose socket stays full this long (the generation goes on)")
+    header_timeout_s: float = _setting(10.0, "a connection's request headers must be complete this long after it "
+                                             "opened (or after its previous response), else 408 and closed (slowloris)")
+    expected_generators: int = _setting(0, "generators the relay expects (`tokenpipe up` sets it): `/readyz` says "
+                                           "`degraded` while fewer are live (0: unknown)")
+    submit_retry_s: float = _setting(30.0, "how long the relay retries enqueueing a request while NATS is unavailable "
+                                           "before answering 503 (idempotent by request id); covers a nats-server "
+                                           "restart and, on a cluster, a frozen node: the relay's connection to it "
+                                           "declared dead (~8 s), then a stream leader's re-election (4-9 s)")
+    cancel_grace_s: float = _setting(2.0, "after the last live reader of a running stream (on any relay) disconnects, "
+                                          "wait this long for one to re-attach (`Last-Event-ID`) before cancelling the "
+                                          "generation")
+    unread_stream_release_s: float = _setting(30.0, "a stream no reader is attached to stops counting against its "
+                                                    "tenant's `max_streams_per_key` after this long (it is freed at "
+                                                    "once when it finishes or is deleted)")
+    metrics_auth: bool = _setting(False, "`/metrics` requires an API key too (when keys are on)")
+    trace_url: str = _setting("", "link template for a stream's trace in a tracing UI, `{trace_id}` filled in (Jaeger: "
+                                  "`http://localhost:16686/trace/{trace_id}`); the inspector page (`/inspect`) links "
+                                  "each stream's trace with it (empty: it shows the trace id only)")
     # process
-    log_level: str = field(default="INFO", metadata=_doc("log level"))
-    log_json: bool = field(default=False, metadata=_doc("JSON log lines instead of `key=value`"))
+    log_level: str = _setting("INFO", "log level")
+    log_json: bool = _setting(False, "JSON log lines instead of `key=value`")
 
     @classmethod
     def load(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> Settings:

@@ -30,7 +30,7 @@ def shown_default(f: dataclasses.Field[Any]) -> str:
         return str(f.metadata["shown"])
     value = f.default
     if value is dataclasses.MISSING:
-        raise ValueError(f"Settings.{f.name} has a default_factory: give its _doc a 'shown' default")
+        raise ValueError(f"Settings.{f.name} has a default_factory: give its metadata a 'shown' default")
     if isinstance(value, bool):
         return f"`{str(value).lower()}`"
     if isinstance(value, float) and value.is_integer():

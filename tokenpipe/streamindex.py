@@ -87,9 +87,8 @@ async def record(bus: Bus, request: Request, traceparent: str = "") -> None:
 async def list_entries(bus: Bus, tenant: str) -> list[IndexEntry]:
     """The tenant's indexed streams, newest first (names only: no value is read)."""
     subjects = await _subjects(bus, f"$KV.{META_BUCKET}.{_PREFIX}.{tenant_token(tenant)}.>", "could not list streams")
-    entries = [e for e in map(_parse, subjects) if e is not None]
-    entries.sort(key=lambda e: (e.created_at, e.id), reverse=True)
-    return entries
+    entries = (e for e in map(_parse, subjects) if e is not None)
+    return sorted(entries, key=lambda e: (e.created_at, e.id), reverse=True)
 
 
 async def stream_ids(bus: Bus) -> list[str]:

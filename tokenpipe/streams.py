@@ -203,10 +203,13 @@ async def _open_history(bus: Bus, stream_id: str, owner: str | None, *, failed: 
     try:
         # Bounded: while TP_TOKENS is between leaders nobody answers the consumer create, and a
         # caller that retries (a reader filling a hole) should do so well before a 10 s API timeout.
+        # Named: nats-py then puts the filter subject into the create request's subject
+        # (``$JS.API.CONSUMER.CREATE.<stream>.<name>.<filter>``), which is what lets NATS
+        # permissions confine a reader to its owner's token subjects (tokenpipe.natsauth).
         return await asyncio.wait_for(
             bus.js.subscribe(token_subject(owner or bus.owner, stream_id), stream=TOKENS_STREAM,
                              ordered_consumer=True, deliver_policy=js_api.DeliverPolicy.ALL,
-                             config=named_consumer(), **options),
+                             config=js_api.ConsumerConfig(name=f"tp{secrets.token_hex(10)}"), **options),
             timeout=timeout)
     except Exception as exc:
         raise TransportError(f"{failed}: {exc}") from exc
@@ -287,13 +290,6 @@ async def first_stored(bus: Bus, stream_id: str, *, owner: str | None = None) ->
         return None  # nothing stored (yet, or any more)
     finally:
         await _unsubscribe(sub, stream_id)
-
-
-def named_consumer() -> js_api.ConsumerConfig:
-    """A consumer config with a name: nats-py then puts the filter subject into the create
-    request's subject (``$JS.API.CONSUMER.CREATE.<stream>.<name>.<filter>``), which is what lets
-    NATS permissions confine a reader to its owner's token subjects (tokenpipe.natsauth)."""
-    return js_api.ConsumerConfig(name=f"tp{secrets.token_hex(10)}")
 
 
 async def _unsubscribe(sub: Any, stream_id: str) -> None:

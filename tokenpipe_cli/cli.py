@@ -26,28 +26,25 @@ _FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
 _TYPES = get_type_hints(Settings)
 
 
-def _setting(p: argparse.ArgumentParser, name: str) -> None:
-    """``--<name>``: sets ``Settings.<name>``; its help is the field's own documentation (README.md's
-    table is rendered from the same text), so the two cannot drift apart."""
-    f, typ = _FIELDS[name], _TYPES[name]
-    text = f"{f.metadata['doc']} (env {ENV_PREFIX}{name.upper()}; default {shown_default(f)})".replace("`", "")
-    flag = "--" + name.replace("_", "-")
-    if typ is bool:
-        p.add_argument(flag, action="store_true", default=None, help=text.replace("%", "%%"))
-        return
-    choices = Settings.choices(name) or None
-    p.add_argument(flag, type=typ if typ in (int, float) else str, choices=choices, help=text.replace("%", "%%"))
+# The connection and logging settings every NATS client command takes, and the model's.
+_COMMON = ("nats_url", "data_dir", "log_level", "log_json", "nats_creds", "nats_user", "nats_ca", "nats_cert",
+           "nats_key")
+_MODEL = ("model", "model_path", "device", "dtype", "quant")
 
 
-def _common(p: argparse.ArgumentParser) -> None:
-    for name in ("nats_url", "data_dir", "log_level", "log_json", "nats_creds", "nats_user", "nats_ca", "nats_cert",
-                 "nats_key"):
-        _setting(p, name)
-
-
-def _model_opts(p: argparse.ArgumentParser) -> None:
-    for name in ("model", "model_path", "device", "dtype", "quant"):
-        _setting(p, name)
+def _settings(p: argparse.ArgumentParser, *names: str) -> None:
+    """``--<name>`` for each name: sets ``Settings.<name>``; its help is the field's own documentation
+    (README.md's table is rendered from the same text), so the two cannot drift apart."""
+    for name in names:
+        f, typ = _FIELDS[name], _TYPES[name]
+        text = f"{f.metadata['doc']} (env {ENV_PREFIX}{name.upper()}; default {shown_default(f)})"
+        text = text.replace("`", "").replace("%", "%%")
+        flag = "--" + name.replace("_", "-")
+        if typ is bool:
+            p.add_argument(flag, action="store_true", default=None, help=text)
+        else:
+            p.add_argument(flag, type=typ if typ in (int, float) else str, choices=Settings.choices(name) or None,
+                           help=text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,10 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="cmd", required=True)
 
     up = sub.add_parser("up", help="start nats-server, generator(s) and the relay on this machine")
-    _common(up)
-    _model_opts(up)
-    _setting(up, "host")
-    _setting(up, "port")
+    _settings(up, *_COMMON, *_MODEL, "host", "port")
     up.add_argument("--generators", type=int, default=1, help="generator processes (default 1)")
     up.add_argument("--nats-port", type=int, default=None,
                     help="embedded nats-server port (default 4222, or a free one when that is taken)")
@@ -67,17 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "a node can fail)")
 
     gen = sub.add_parser("generator", help="run one generator worker")
-    _common(gen)
-    _model_opts(gen)
-    _setting(gen, "max_batch")
-    _setting(gen, "engine_process")
-    _setting(gen, "cuda_graphs")
-    _setting(gen, "metrics_port")
+    _settings(gen, *_COMMON, *_MODEL, "max_batch", "engine_process", "cuda_graphs", "metrics_port")
 
     relay = sub.add_parser("relay", help="run the HTTP/SSE relay")
-    _common(relay)
-    for name in ("host", "port", "model"):
-        _setting(relay, name)
+    _settings(relay, *_COMMON, "host", "port", "model")
 
     nats = sub.add_parser("nats", help="run nats-server with JetStream in the foreground")
     nats.add_argument("--data-dir")
@@ -102,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     creds.add_argument("--creds-dir", help="default: <data dir>/creds")
 
     prov = sub.add_parser("provision", help="as the admin: create tokenpipe's streams (and, --watch, keep them so)")
-    _common(prov)
+    _settings(prov, *_COMMON)
     prov.add_argument("--watch", action="store_true",
                       help="keep running: re-create what is deleted, restore what is reconfigured (Kubernetes)")
 
@@ -110,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--data-dir")
 
     submit = sub.add_parser("submit", help="submit a prompt over NATS and stream the answer")
-    _common(submit)
+    _settings(submit, *_COMMON)
     submit.add_argument("prompt")
     submit.add_argument("--model", default=None)
     submit.add_argument("--raw", action="store_true", help="send as a plain prompt, not a chat message")
@@ -137,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--plot", default=None, help="write latency CDFs as a PNG here")
 
     rep = sub.add_parser("replay", help="print a kept stream with its original pacing")
-    _common(rep)
+    _settings(rep, *_COMMON)
     rep.add_argument("id")
     rep.add_argument("--speed", type=float, default=1.0, help="pacing factor; 0 = as fast as possible")
     rep.add_argument("--json", action="store_true",
@@ -146,11 +133,11 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--from", dest="from_seq", type=int, default=0, help="start at this batch seq")
 
     streams = sub.add_parser("streams", help="list recent streams")
-    _common(streams)
+    _settings(streams, *_COMMON)
     streams.add_argument("--limit", type=int, default=20)
 
     tail = sub.add_parser("tail", help="follow all live streams (Ctrl-C stops)")
-    _common(tail)
+    _settings(tail, *_COMMON)
     tail.add_argument("--model", default=None, help="only this model's streams")
     return parser
 
@@ -259,13 +246,11 @@ def _dispatch(args: argparse.Namespace) -> int:
         from .provisioner import Provisioner
 
         prov = Provisioner(settings).start()
-        if args.watch:
-            signal.signal(signal.SIGTERM, lambda *_: prov.stop())
-            try:
+        try:
+            if args.watch:
+                signal.signal(signal.SIGTERM, lambda *_: prov.stop())
                 prov.wait()
-            finally:
-                prov.stop()
-        else:
+        finally:
             prov.stop()
         print("tokenpipe's streams are provisioned", file=sys.stderr)
         return 0

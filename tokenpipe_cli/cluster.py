@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenpipe.errors import ConfigError, TransportError
+from tokenpipe.natsauth import _write_private
 
 from .launch import free_ports
 from .natsserver import NatsServer
@@ -106,14 +107,12 @@ class LocalCluster:
             node_dir = self.data_dir / args.server_name
             node_dir.mkdir(parents=True, exist_ok=True)
             conf = node_dir / "nats-server.conf"
-            fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it holds passwords
-            with os.fdopen(fd, "w") as f:
-                if config_file is not None:
-                    # Included, not copied: what it includes in turn (the accounts, which `tokenpipe
-                    # creds add-app` rewrites and reloads) resolves against its own directory.
-                    shared = os.path.relpath(Path(config_file).resolve(), node_dir.resolve())
-                    f.write(f"include {json.dumps(shared)}\n")
-                f.write(args.config_block(host))
+            include = ""
+            if config_file is not None:
+                # Included, not copied: what it includes in turn (the accounts, which `tokenpipe
+                # creds add-app` rewrites and reloads) resolves against its own directory.
+                include = f"include {json.dumps(os.path.relpath(Path(config_file).resolve(), node_dir.resolve()))}\n"
+            _write_private(conf, include + args.config_block(host))  # it holds passwords
             # Configured by its config file alone: the command line cannot set the route pings.
             self.nodes.append(NatsServer(node_dir, host=host, port=ports[i], monitor_port=monitor_ports[i],
                                          config_file=conf))
@@ -158,6 +157,13 @@ class LocalCluster:
         child, node.child = node.child, None
         if child is not None:
             child.kill()
+
+    def restart(self, i: int, timeout: float = 30.0) -> None:
+        """Stop node ``i`` (SIGTERM) and start it again on the same ports and store; returns once it
+        listens (see :meth:`wait_healthy` for caught up)."""
+        self.thaw(i)  # a frozen process cannot act on SIGTERM
+        self.nodes[i].stop()
+        self.nodes[i].start(timeout)
 
     def start_node(self, i: int, timeout: float = 30.0) -> None:
         self.nodes[i].start(timeout)

@@ -10,12 +10,12 @@ or reconfigured (a sealed stream cannot be restored: it logs what the admin must
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import threading
 import time
 from pathlib import Path
 
+from tokenpipe.background import pause
 from tokenpipe.bus import REPAIR_INTERVAL_S, Bus, connect, repair
 from tokenpipe.errors import TokenpipeError, TransportError
 from tokenpipe.settings import Settings
@@ -39,13 +39,11 @@ class Provisioner:
         self._error: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
-        self._timeout = 60.0
 
     def start(self, timeout: float = 60.0) -> Provisioner:
         """Returns once the streams are provisioned; raises :class:`TransportError` if they could not be
         within ``timeout`` seconds."""
-        self._timeout = timeout
-        self._thread = threading.Thread(target=asyncio.run, args=(self._run(),), name="provisioner", daemon=True)
+        self._thread = threading.Thread(target=asyncio.run, args=(self._run(timeout),), name="provisioner", daemon=True)
         self._thread.start()
         if not self._ready.wait(timeout + 15):
             self.stop()
@@ -68,27 +66,24 @@ class Provisioner:
             self._thread.join(10)
             self._thread = None
 
-    async def _run(self) -> None:
+    async def _run(self, timeout: float) -> None:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
-        bus = await self._provision()
+        bus = await self._provision(timeout)
         self._ready.set()
         if bus is None:
             return
         try:
-            while not self._stop.is_set():
-                try:
-                    await asyncio.wait_for(self._stop.wait(), REPAIR_INTERVAL_S)
-                except TimeoutError:
-                    await self._repair(bus)
+            while await pause(self._stop, REPAIR_INTERVAL_S):
+                await self._repair(bus)
         finally:
             await bus.close()
 
-    async def _provision(self) -> Bus | None:
+    async def _provision(self, timeout: float) -> Bus | None:
         """Connect and provision (``connect`` does, as the admin), retrying while a cluster is still
         forming (no meta leader yet, fewer peers than the replicas asked for); None after an error
         that ``start`` reports."""
-        deadline = time.monotonic() + self._timeout
+        deadline = time.monotonic() + timeout
         while True:
             try:
                 return await connect(self.settings, name="tokenpipe-admin", role="admin")
@@ -100,8 +95,7 @@ class Provisioner:
             except BaseException as exc:  # reported to start()'s caller, in the other thread
                 self._error = exc
                 return None
-            with contextlib.suppress(TimeoutError):  # the cluster forming: no event to wait for
-                await asyncio.wait_for(self._stop.wait(), 0.5)
+            await pause(self._stop, 0.5)  # the cluster forming: no event to wait for
 
     async def _repair(self, bus: Bus) -> None:
         if not bus.nc.is_connected:

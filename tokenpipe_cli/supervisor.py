@@ -136,10 +136,9 @@ class Supervisor:
                 self._ready_file_check(f"generator-{i}", ready_file),
                 env={**os.environ, "TOKENPIPE_READY_FILE": str(ready_file)}))
         self._ports["metrics"] = metrics
-        url = self._ports["relay_url"]
         self.roles.append(self._child_role(
             "relay", "relay", ["relay", *common, *creds("relay"), "--host", s.host, "--port", str(relay_port)],
-            http_ok(f"{url}/healthz", timeout=1.0),
+            http_ok(f"{self._ports['relay_url']}/healthz", timeout=1.0),
             env={**os.environ, "TOKENPIPE_EXPECTED_GENERATORS": str(self.generators)}))
 
     def _admin_settings(self) -> Settings:
@@ -188,12 +187,11 @@ class Supervisor:
                 if role.kind != "nats":
                     self._start(role)
             self._write_status()
-            started = time.monotonic()
-            timeout = self.ready_timeout
+            deadline = time.monotonic() + self.ready_timeout
             while self._stop_signal is None:
                 self._tick()
-                if self._state == "starting" and time.monotonic() - started > timeout:
-                    log.error("tokenpipe did not come up in time; stopping", extra={"timeout_s": timeout})
+                if self._state == "starting" and time.monotonic() > deadline:
+                    log.error("tokenpipe did not come up in time; stopping", extra={"timeout_s": self.ready_timeout})
                     return 1
                 time.sleep(_POLL_S)  # polling child processes: signals interrupt it
             return 0
