@@ -213,12 +213,12 @@ class Settings:
     def __post_init__(self) -> None:
         """Every choice is checked once, here, at start-up: a bad value is a :class:`ConfigError`
         naming the variable, not a failure later in whichever module reads it first."""
-        for f in fields(self):
-            choices = _choices(f.type)
-            value = getattr(self, f.name)
+        for name, typ in get_type_hints(type(self)).items():
+            choices = _choices(typ)
+            value = getattr(self, name)
             if choices and value not in choices:
-                raise ConfigError(f"{ENV_PREFIX}{f.name.upper()}={value!r}: use one of {', '.join(choices)}",
-                                  param=f.name)
+                raise ConfigError(f"{ENV_PREFIX}{name.upper()}={value!r}: use one of {', '.join(choices)}",
+                                  param=name)
         parse_replicas(self.replicas)
         server_list(self.nats_url)
 
@@ -232,8 +232,6 @@ class Settings:
 
 
 def _choices(typ: Any) -> tuple[str, ...]:
-    if isinstance(typ, str):  # postponed annotations: resolve the alias by name
-        typ = {"Dtype": Dtype, "Quant": Quant, "Kernels": Kernels}.get(typ)
     return tuple(get_args(typ)) if get_origin(typ) is Literal else ()
 
 
