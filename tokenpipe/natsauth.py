@@ -59,6 +59,7 @@ __all__ = [
     "is_permission_error",
     "load_credential",
     "permissions",
+    "write_private",
 ]
 
 ROLES = ("relay", "generator", "admin", "app")
@@ -188,11 +189,12 @@ def _ensure(d: Path, user: str, owner: str) -> Path:
     """``d``/``user``.json, written with a new password unless it exists."""
     path = d / f"{user}.json"
     if not path.exists():
-        _write_private(path, Credential(user, secrets.token_urlsafe(24), owner, inbox_prefix(user)).to_json())
+        write_private(path, Credential(user, secrets.token_urlsafe(24), owner, inbox_prefix(user)).to_json())
     return path
 
 
-def _write_private(path: Path, text: str) -> None:
+def write_private(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` readable by its owner alone (credentials, configs holding passwords)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(text)

@@ -34,7 +34,7 @@ from typing import Any
 
 import bcrypt
 
-from .natsauth import Credential, TLSFiles, _write_private, app_user, ensure_credentials, permissions
+from .natsauth import Credential, TLSFiles, app_user, ensure_credentials, permissions, write_private
 from .subjects import check_owner
 
 __all__ = [
@@ -142,7 +142,7 @@ def write_server_config(path: str | os.PathLike[str], creds_dir: str | os.PathLi
     out.parent.mkdir(parents=True, exist_ok=True)
     # nats-server resolves an include against the including file's directory, absolute or not.
     rel = os.path.relpath(accounts_file.resolve(), out.parent.resolve())
-    _write_private(out, server_config(None, tls, include=rel))
+    write_private(out, server_config(None, tls, include=rel))
     return out
 
 
@@ -150,7 +150,7 @@ def write_accounts(creds_dir: str | os.PathLike[str]) -> Path:
     """(Re)write ``creds_dir``/accounts.conf from the credentials there; its path."""
     creds = ensure_credentials(creds_dir)
     path = Path(creds_dir) / ACCOUNTS_FILE
-    _write_private(path, f"accounts {_conf_value(accounts(creds))}\n")
+    write_private(path, f"accounts {_conf_value(accounts(creds))}\n")
     return path
 
 

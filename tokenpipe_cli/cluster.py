@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenpipe.errors import ConfigError, TransportError
-from tokenpipe.natsauth import _write_private
+from tokenpipe.natsauth import write_private
 
 from .launch import free_ports
 from .natsserver import NatsServer
@@ -112,7 +112,7 @@ class LocalCluster:
                 # Included, not copied: what it includes in turn (the accounts, which `tokenpipe
                 # creds add-app` rewrites and reloads) resolves against its own directory.
                 include = f"include {json.dumps(os.path.relpath(Path(config_file).resolve(), node_dir.resolve()))}\n"
-            _write_private(conf, include + args.config_block(host))  # it holds passwords
+            write_private(conf, include + args.config_block(host))  # it holds passwords
             # Configured by its config file alone: the command line cannot set the route pings.
             self.nodes.append(NatsServer(node_dir, host=host, port=ports[i], monitor_port=monitor_ports[i],
                                          config_file=conf))
