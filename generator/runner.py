@@ -131,12 +131,17 @@ def torch_thread() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenpipe-engine")
 
 
+@dataclass(frozen=True, slots=True)
+class _Cancel:
+    request_id: str
+
+
 class _Stop:
     """Ends the engine thread's loop."""
 
 
 _STOP = _Stop()
-_Inbox = Job | str | _Stop  # what the worker hands the engine thread, in order (a str: the request to cancel)
+_Inbox = Job | _Cancel | _Stop  # what the worker hands the engine thread, in order
 
 
 class Runner:
@@ -187,7 +192,7 @@ class Runner:
         return self.engine.room - self._handed
 
     def cancel(self, request_id: str) -> None:
-        self._inbox.put(request_id)
+        self._inbox.put(_Cancel(request_id))
 
     def start(self) -> None:
         if self.torch_thread is not None:
@@ -252,7 +257,7 @@ class Runner:
                 if gate is not None and firsts:
                     gate.wait()
 
-    def _hold(self, item: Job | str, hold_until: float) -> float:
+    def _hold(self, item: Job | _Cancel, hold_until: float) -> float:
         """Until when to wait before the next step: an idle engine holds its first prefill while
         the worker hands over the rest of a burst it fetched (at most ``admission_hold_s``). A
         lone request is never held, and running rows never wait for newcomers."""
@@ -264,13 +269,13 @@ class Runner:
             return hold_until
         return time.monotonic() + self.admission_hold_s
 
-    def _handle(self, item: Job | str) -> None:
+    def _handle(self, item: Job | _Cancel) -> None:
         if isinstance(item, Job):
             self._admit(item)
             with self._handed_lock:
                 self._handed -= 1
         else:
-            self.engine.cancel(item)
+            self.engine.cancel(item.request_id)
 
     def _admit(self, job: Job) -> None:
         req = job.request
