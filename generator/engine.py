@@ -13,6 +13,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TypedDict
 
 import torch
 
@@ -25,7 +26,7 @@ from .kvcache import BLOCK_SIZE, ROOT_KEY, SCRATCH, PagedKVCache, auto_budget_by
 from .models import LoadedModel
 from .sampling import RowSampler, sample
 
-__all__ = ["Engine", "Sequence", "StepOutput"]
+__all__ = ["Engine", "EngineArgs", "Sequence", "StepOutput"]
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,19 @@ class StepOutput:
     seq: Sequence
     token: int | None  # None when the sequence ended without a new token (cancel)
     finish: FinishReason | None
+
+
+class EngineArgs(TypedDict, total=False):
+    """:class:`Engine`'s keyword arguments, for those who pass them on (its defaults are its own)."""
+
+    max_batch: int
+    max_seq_len: int
+    prefill_token_budget: int
+    max_prompt_tokens: int
+    kv_cache_mb: float
+    prefix_caching: bool
+    admit_reserve_tokens: int
+    cuda_graphs: str
 
 
 class Engine:

@@ -16,14 +16,14 @@ from collections.abc import Callable
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, Unpack
 
 from tokenpipe.errors import InvalidRequest, TokenpipeError
 from tokenpipe.settings import Settings
 from tokenpipe.wire import FinishReason, Request, Usage
 
 from .detok import IncrementalDetokenizer, StopMatcher
-from .engine import Engine, Sequence, StepOutput
+from .engine import Engine, EngineArgs, Sequence, StepOutput
 from .models import LoadedModel
 
 __all__ = ["FirstBatchGate", "Job", "Emission", "Runner", "encode_prompt", "torch_thread"]
@@ -149,7 +149,7 @@ class Runner:
 
     def __init__(self, loaded: LoadedModel, on_emit: Callable[[list[Emission]], None], *,
                  on_step: Callable[[int], None] | None = None, torch_thread: Executor | None = None,
-                 admission_hold_s: float = 0.01, **engine_args: Any) -> None:
+                 admission_hold_s: float = 0.01, **engine_args: Unpack[EngineArgs]) -> None:
         """``engine_args`` are :class:`Engine`'s keyword arguments (``max_batch``, ``max_seq_len``, …)."""
         self.loaded = loaded
         self.admission_hold_s = admission_hold_s
