@@ -150,7 +150,6 @@ class Runner:
     def __init__(self, loaded: LoadedModel, on_emit: Callable[[list[Emission]], None], *,
                  on_step: Callable[[int], None] | None = None, torch_thread: Executor | None = None,
                  admission_hold_s: float = 0.01, **engine_args: Unpack[EngineArgs]) -> None:
-        """``engine_args`` are :class:`Engine`'s keyword arguments (``max_batch``, ``max_seq_len``, …)."""
         self.loaded = loaded
         self.admission_hold_s = admission_hold_s
         self.torch_thread = torch_thread
