@@ -227,8 +227,13 @@ class Runner:
             while item is not None:
                 if isinstance(item, _Stop):
                     return
-                self._handle(item)
-                hold_until = self._hold(item, hold_until)
+                if isinstance(item, _Cancel):
+                    self.engine.cancel(item.request_id)
+                else:
+                    self._admit(item)
+                    with self._handed_lock:
+                        self._handed -= 1
+                    hold_until = self._hold(item, hold_until)
                 try:
                     item = self._inbox.get_nowait()
                 except queue.Empty:
@@ -256,25 +261,15 @@ class Runner:
                 if gate is not None and firsts:
                     gate.wait()
 
-    def _hold(self, item: Job | _Cancel, hold_until: float) -> float:
+    def _hold(self, job: Job, hold_until: float) -> float:
         """Until when to wait before the next step: an idle engine holds its first prefill while
         the worker hands over the rest of a burst it fetched (at most ``admission_hold_s``). A
         lone request is never held, and running rows never wait for newcomers."""
-        if not isinstance(item, Job):
-            return hold_until
-        if not item.more_coming:
+        if not job.more_coming:
             return 0.0
         if self.engine.rows or hold_until:
             return hold_until
         return time.monotonic() + self.admission_hold_s
-
-    def _handle(self, item: Job | _Cancel) -> None:
-        if isinstance(item, Job):
-            self._admit(item)
-            with self._handed_lock:
-                self._handed -= 1
-        else:
-            self.engine.cancel(item.request_id)
 
     def _admit(self, job: Job) -> None:
         req = job.request
