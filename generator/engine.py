@@ -306,10 +306,9 @@ class Engine:
         positions = [s.next_position for s in seqs]
         slots = [s.blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for s, p in zip(seqs, positions, strict=True)]
         last = [s.generated[-1] for s in seqs]
-        logits = None
         if self.static is not None:
             logits = self.static.decode(last, positions, slots, [s.blocks for s in seqs])  # [B, V]
-        if logits is None:
+        else:
             tables = self._tables(seqs, max(positions) + 1)
             dev = self.device
             logits = decode_step(self.model, self.cache, torch.tensor(last, device=dev),
