@@ -131,13 +131,13 @@ class Engine:
         if max(prompt) >= vocab:
             raise InvalidRequest(f"token id {max(prompt)} is outside the vocabulary ({vocab})", param="input_ids")
         room = self.max_seq_len - len(prompt)
-        if len(prompt) - carried > self.max_prompt_tokens and room >= 1:
-            raise InvalidRequest(f"prompt has {len(prompt) - carried} tokens; the limit here is "
-                                 f"{self.max_prompt_tokens}", param="prompt")
         if room < 1:
             raise InvalidRequest(
                 f"prompt has {len(prompt)} tokens; this model's context is {self.max_seq_len}", param="prompt"
             )
+        if len(prompt) - carried > self.max_prompt_tokens:
+            raise InvalidRequest(f"prompt has {len(prompt) - carried} tokens; the limit here is "
+                                 f"{self.max_prompt_tokens}", param="prompt")
         return Sequence(id=seq_id, prompt=list(prompt), params=params, max_new=min(params.max_tokens, room),
                         sampler=RowSampler.from_params(params, self.device))
 
