@@ -20,7 +20,7 @@ import torch
 from tokenpipe.errors import InvalidRequest
 from tokenpipe.wire import FinishReason, SamplingParams
 
-from .cudagraph import StaticDecode, resolve_cuda_graphs, sample_on_device
+from .cudagraph import StaticDecode, resolve_cuda_graphs, sample_on_device, table_width
 from .forward import decode_step, prefill
 from .kvcache import BLOCK_SIZE, ROOT_KEY, SCRATCH, PagedKVCache, auto_budget_bytes, bytes_per_position, prefix_keys
 from .models import LoadedModel
@@ -295,8 +295,7 @@ class Engine:
     def _tables(self, seqs: list[Sequence], length: int) -> torch.Tensor:
         """Block tables ``[B, n]`` covering ``length`` positions (rounded up to ``_ATTEND_ROUND``,
         fewer distinct shapes), padded with the scratch block."""
-        span = min(-(-length // _ATTEND_ROUND) * _ATTEND_ROUND, -(-self.max_seq_len // BLOCK_SIZE) * BLOCK_SIZE)
-        n = -(-span // BLOCK_SIZE)
+        n = table_width(min(-(-length // _ATTEND_ROUND) * _ATTEND_ROUND, self.max_seq_len))
         tables = torch.full((len(seqs), n), SCRATCH, dtype=torch.long)
         for i, s in enumerate(seqs):
             tables[i, : len(s.blocks)] = torch.tensor(s.blocks)
