@@ -121,7 +121,6 @@ class EngineProcess:
         self.on_step = on_step
         self.on_exit = on_exit
         self.engine = EngineCounters()
-        self.info: dict[str, Any] = {}  # what the child reported once loaded: name, device, dtype
         self._accepted = 0  # jobs the child had taken when it last reported
         self._sent = 0
         self._send_lock = threading.Lock()
@@ -150,10 +149,10 @@ class EngineProcess:
             raise GenerationError(f"the engine-core process exited while loading (exit {self._exitcode()})") from exc
         if frame[0] == _FAILED:
             raise GenerationError(f"the engine-core process could not load the model: {frame[1]}")
-        self.info = frame[1]
+        info: dict[str, Any] = frame[1]  # name, device, dtype
         self._counters(frame[2])
-        log.info("engine-core process ready", extra={"pid": self.process.pid, "device": self.info.get("device")})
-        return self.info
+        log.info("engine-core process ready", extra={"pid": self.process.pid, "device": info.get("device")})
+        return info
 
     def start(self) -> None:
         """Start draining the child's frames (``on_emit`` is called on the reader thread)."""
