@@ -225,9 +225,7 @@ class EngineProcess:
                 frame = msgpack.unpackb(self._conn.recv_bytes())
             except (EOFError, OSError):
                 break
-            if frame[0] != _STEP:
-                continue
-            _, rows, steps, counters = frame
+            _, rows, steps, counters = frame  # after load() the child sends only _STEP frames
             self._counters(counters)
             if self.on_step is not None:
                 for batch in steps:
