@@ -192,7 +192,6 @@ class PagedKVCache:
         self.layers = int(cfg.num_hidden_layers)
         self.kv_heads = int(cfg.num_key_value_heads)
         self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
-        self.device, self.dtype = device, dtype
         self.block_bytes = bytes_per_position(model, dtype) * BLOCK_SIZE
         num_blocks = budget_bytes // self.block_bytes
         need = -(-min_positions // BLOCK_SIZE) + 1
