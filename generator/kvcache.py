@@ -161,8 +161,6 @@ class BlockPool:
 
     def match(self, keys: list[bytes]) -> list[int]:
         """Hold the longest run of cached blocks for ``keys`` (a sequence's leading full blocks)."""
-        if not self.caching:
-            return []
         got = []
         for key in keys:
             block = self.by_key.get(key)
