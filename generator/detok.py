@@ -45,7 +45,7 @@ class IncrementalDetokenizer:
         prefix = self._decode(self.tokens[self.prefix_offset : self.read_offset])
         full = self._decode(self.tokens[self.prefix_offset :])
         self.prefix_offset = self.read_offset = len(self.tokens)
-        return full[len(prefix) :] if len(full) > len(prefix) else ""
+        return full[len(prefix) :]
 
 
 class StopMatcher:
