@@ -158,6 +158,7 @@ class SlotEngine(Engine):
         self.rows: list[Sequence] = []  # running, index == cache row
         self.waiting: deque[Sequence] = deque()
         self.last_step_batch = 0
+        self.static = None  # Engine._accept samples as after the plain step
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
