@@ -94,7 +94,6 @@ class QuantLinear(nn.Module):
         # The float weight (shared with the model, not copied) serves matmuls of more than
         # ``dense_rows`` rows, where the quantized kernels are slower (see DENSE_ROWS).
         self.dense = weight.detach() if dense_rows > 0 else None
-        self.dense_rows = dense_rows
         # The kernel per row band (generator.kernels): set by the start-up measurement; until then
         # the rule above (quantized up to ``dense_rows`` rows, the float weight beyond).
         self.bands: tuple[Band, ...] = ((dense_rows, "quant"),)
