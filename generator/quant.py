@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from tokenpipe.errors import InvalidRequest
 from tokenpipe.settings import Quant
 
-from .gemv import BlockedWeight, GemvLib, Q4Weight, Q8Weight, block_q4, block_q8, pack_q4, pack_q8
+from .gemv import GROUP, BlockedWeight, GemvLib, Q4Weight, Q8Weight, block_q4, block_q8, pack_q4, pack_q8
 from .kernels import Band, kernel_for, pack_weight, packed_linear
 
 __all__ = ["BF16_DENSE_ROWS", "DENSE_ROWS", "QUANT_MODES", "QuantLinear", "QuantMode", "check_quant", "dense_rows_for",
@@ -44,7 +44,6 @@ log = logging.getLogger(__name__)
 
 QuantMode = Literal["none", "int8", "int4"]
 QUANT_MODES: tuple[str, ...] = get_args(Quant)  # defined once, with the setting
-GROUP = 32  # int4 group size along K (GGUF Q4_0/Q4_1 use 32 too)
 # Matmuls of more rows than this (a prefill) use the float weight the model keeps: the
 # quantized kernels pay off where a matmul reads more weight than it computes (decode), and
 # lose where it computes (prefill). So quantization here trades memory (+1/7 of fp32 for
