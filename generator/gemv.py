@@ -172,10 +172,9 @@ class GemvLib:
     def run(x2: Tensor, w: Q4Weight | Q8Weight | BlockedWeight, tiles: bool = False) -> Tensor:
         """``x2 [M, K] -> [M, N]`` in ``x2``'s dtype (computed in fp32); ``tiles``: gemm8 on AMX where it can."""
         if isinstance(w, BlockedWeight):
-            blocked: Tensor = torch.ops.tokenpipe.gemm8(x2, w.w, w.d, w.m, w.bits, w.n, tiles)
-            return blocked
-        if isinstance(w, Q4Weight):
-            out: Tensor = torch.ops.tokenpipe.gemv_q4(x2, w.nibbles, w.d, w.m)
+            out: Tensor = torch.ops.tokenpipe.gemm8(x2, w.w, w.d, w.m, w.bits, w.n, tiles)
+        elif isinstance(w, Q4Weight):
+            out = torch.ops.tokenpipe.gemv_q4(x2, w.nibbles, w.d, w.m)
         else:
             out = torch.ops.tokenpipe.gemv_q8(x2, w.q, w.s)
         return out
