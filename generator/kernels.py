@@ -103,9 +103,7 @@ class KernelTable:
     paged_attention_rows: int = 0
 
     def to_json(self, key: Mapping[str, Any]) -> str:
-        body = asdict(self)
-        body["bands"] = {role: [list(b) for b in bands] for role, bands in self.bands.items()}
-        return json.dumps({"version": TABLE_VERSION, "key": dict(key), "table": body}, indent=1)
+        return json.dumps({"version": TABLE_VERSION, "key": dict(key), "table": asdict(self)}, indent=1)
 
     @classmethod
     def from_json(cls, text: str, key: Mapping[str, Any]) -> KernelTable | None:
