@@ -204,12 +204,10 @@ def load_gemv(data_dir: str | os.PathLike[str]) -> GemvLib | None:
     why = _unsupported()
     cc, cxx = os.environ.get("CC", "cc"), os.environ.get("CXX", "c++")
     compiler, cxx_path = shutil.which(cc), shutil.which(cxx)
-    if not why and (compiler is None or cxx_path is None):
-        why = f"no C and C++ compilers ({cc}, {cxx}) on PATH"
-    if why:
-        log.info("the gemv kernel is not a candidate here: %s", why)
+    if why or compiler is None or cxx_path is None:
+        log.info("the gemv kernel is not a candidate here: %s",
+                 why or f"no C and C++ compilers ({cc}, {cxx}) on PATH")
         return None
-    assert compiler is not None and cxx_path is not None
     info = cpu_info()
     flags = build_flags(info[1] if info else None)
     try:
