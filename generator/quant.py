@@ -105,7 +105,6 @@ class QuantLinear(nn.Module):
         self.act_dtype = torch.bfloat16
         self.bias = None if bias is None else bias.detach().clone()
         w = weight.detach().float()
-        self.fallback = False
         gemv_ok = w.device.type == "cpu" and self.in_features % GROUP == 0
         if mode == "int8":
             self.qweight, self.scales = _quant_int8(w)
@@ -118,10 +117,10 @@ class QuantLinear(nn.Module):
             self.qweight = _pack_int4(q, w.device)
             self.gemv = pack_q4(q, self.scales[..., 0].T, self.scales[..., 1].T) if gemv_ok else None
         self.scales = self.scales.to(self.act_dtype)
-        if not self._kernel_ok(w):
+        self.fallback = not self._kernel_ok(w)
+        if self.fallback:
             log.warning("no working %s kernel on %s here: the float weights serve instead", mode, w.device.type)
-            self.fallback = True
-        if mode == "int4" and not self.fallback:
+        elif mode == "int4":
             del self.q_unpacked  # the packed form is all the kernel needs
 
     def _kernel(self, x: Tensor) -> Tensor:
