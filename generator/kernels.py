@@ -125,7 +125,7 @@ class KernelTable:
         return table
 
     def summary(self) -> str:
-        """One line per role: ``qkv: ≤16 quant, ≤32 packed``."""
+        """The table in one line: each role's bands (``qkv: ≤16 quant, ≤32 packed; o: …``), then attention's."""
         return "; ".join(f"{role}: " + ", ".join(f"≤{u} {k}" for u, k in self.bands[role]) for role in ROLES) + \
             "; attention: " + self._attention()
 
