@@ -146,11 +146,10 @@ class QuantLinear(nn.Module):
         s = self.scales.float()
         if self.mode == "int8":
             return self.qweight.float() * s[:, None]
-        q = self.q_unpacked if hasattr(self, "q_unpacked") else None
-        if q is None:
+        if not hasattr(self, "q_unpacked"):
             raise RuntimeError("the int4 weight is packed; its unpacked form was not kept")
         scale, zero = s[..., 0].T, s[..., 1].T  # [N, K/G]
-        qg = q.float().view(self.out_features, -1, GROUP)
+        qg = self.q_unpacked.float().view(self.out_features, -1, GROUP)
         return ((qg - 8) * scale[..., None] + zero[..., None]).view(self.out_features, self.in_features)
 
     def pack(self) -> bool:
