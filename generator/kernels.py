@@ -59,10 +59,10 @@ def row_counts(max_batch: int) -> tuple[int, ...]:
     return tuple(counts)
 
 
-def choose(times: Mapping[str, float], default: str, margin: float = MARGIN) -> str:
-    """The fastest kernel in ``times`` (seconds) if it beats ``default`` by at least ``margin``, else ``default``."""
+def choose(times: Mapping[str, float], default: str) -> str:
+    """The fastest kernel in ``times`` (seconds) if it beats ``default`` by :data:`MARGIN` or more, else ``default``."""
     best = min(times, key=lambda k: times[k])
-    if default not in times or times[best] <= times[default] * (1 - margin):
+    if default not in times or times[best] <= times[default] * (1 - MARGIN):
         return best
     return default
 
