@@ -99,7 +99,7 @@ def tune_plan(model: Any, plan: Plan, *, name: str, dtype: torch.dtype, dense_ro
     # ops per layer from 1 to 32 rows (bench/RESULTS.md, "issue 21, part 11"); the measurement can take it back.
     paged = max(counts) if lib is not None and _kernel_attends(model) else 0
     rules = rule_table(counts, dense_rows, quantized=quantized, attention_fp32_rows=FP32_ATTENTION_ROWS,
-                       paged_attention_rows=paged)
+                       forced=setting if setting in KERNEL_CHOICES else "", paged_attention_rows=paged)
     for role in ROLES:
         for mod in plan.projections(role):
             if isinstance(mod, QuantLinear):
@@ -111,10 +111,7 @@ def tune_plan(model: Any, plan: Plan, *, name: str, dtype: torch.dtype, dense_ro
     if setting in ("gemv", "gemm8", "amx") and lib is None:
         log.warning("TOKENPIPE_KERNELS=%s, but tokenpipe's kernels are not available here: torch's quantized "
                     "kernel serves instead", setting)
-    if setting in KERNEL_CHOICES:
-        table = rule_table(counts, dense_rows, quantized=quantized, attention_fp32_rows=FP32_ATTENTION_ROWS,
-                           forced=setting, paged_attention_rows=paged)
-    elif setting != "auto" or not quantized or not cpu:
+    if setting != "auto" or not quantized or not cpu:
         table = rules
     else:
         key = cache_key(name, plan.quant, dtype, counts, gemv=lib.path.name if lib else "")

@@ -113,8 +113,7 @@ def build_plan(model: Any, quant: QuantMode = "none", dense_rows: int = DENSE_RO
 
 def plan_for(model: Any) -> Plan:
     """The model's plan, built (fused, unquantized) on first use."""
-    plan = _PLANS.get(model)
-    return plan if plan is not None else build_plan(model)
+    return _PLANS.get(model) or build_plan(model)
 
 
 def _ops_take(*ts: Tensor) -> bool:

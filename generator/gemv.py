@@ -172,10 +172,9 @@ class GemvLib:
     def run(x2: Tensor, w: Q4Weight | Q8Weight | BlockedWeight, tiles: bool = False) -> Tensor:
         """``x2 [M, K] -> [M, N]`` in ``x2``'s dtype (computed in fp32); ``tiles``: gemm8 on AMX where it can."""
         if isinstance(w, BlockedWeight):
-            blocked: Tensor = torch.ops.tokenpipe.gemm8(x2, w.w, w.d, w.m, w.bits, w.n, tiles)
-            return blocked
-        if isinstance(w, Q4Weight):
-            out: Tensor = torch.ops.tokenpipe.gemv_q4(x2, w.nibbles, w.d, w.m)
+            out: Tensor = torch.ops.tokenpipe.gemm8(x2, w.w, w.d, w.m, w.bits, w.n, tiles)
+        elif isinstance(w, Q4Weight):
+            out = torch.ops.tokenpipe.gemv_q4(x2, w.nibbles, w.d, w.m)
         else:
             out = torch.ops.tokenpipe.gemv_q8(x2, w.q, w.s)
         return out
@@ -205,12 +204,10 @@ def load_gemv(data_dir: str | os.PathLike[str]) -> GemvLib | None:
     why = _unsupported()
     cc, cxx = os.environ.get("CC", "cc"), os.environ.get("CXX", "c++")
     compiler, cxx_path = shutil.which(cc), shutil.which(cxx)
-    if not why and (compiler is None or cxx_path is None):
-        why = f"no C and C++ compilers ({cc}, {cxx}) on PATH"
-    if why:
-        log.info("the gemv kernel is not a candidate here: %s", why)
+    if why or compiler is None or cxx_path is None:
+        log.info("the gemv kernel is not a candidate here: %s",
+                 why or f"no C and C++ compilers ({cc}, {cxx}) on PATH")
         return None
-    assert compiler is not None and cxx_path is not None
     info = cpu_info()
     flags = build_flags(info[1] if info else None)
     try:

@@ -59,10 +59,10 @@ def row_counts(max_batch: int) -> tuple[int, ...]:
     return tuple(counts)
 
 
-def choose(times: Mapping[str, float], default: str, margin: float = MARGIN) -> str:
-    """The fastest kernel in ``times`` (seconds) if it beats ``default`` by at least ``margin``, else ``default``."""
+def choose(times: Mapping[str, float], default: str) -> str:
+    """The fastest kernel in ``times`` (seconds) if it beats ``default`` by :data:`MARGIN` or more, else ``default``."""
     best = min(times, key=lambda k: times[k])
-    if default not in times or times[best] <= times[default] * (1 - margin):
+    if default not in times or times[best] <= times[default] * (1 - MARGIN):
         return best
     return default
 
@@ -103,9 +103,7 @@ class KernelTable:
     paged_attention_rows: int = 0
 
     def to_json(self, key: Mapping[str, Any]) -> str:
-        body = asdict(self)
-        body["bands"] = {role: [list(b) for b in bands] for role, bands in self.bands.items()}
-        return json.dumps({"version": TABLE_VERSION, "key": dict(key), "table": body}, indent=1)
+        return json.dumps({"version": TABLE_VERSION, "key": dict(key), "table": asdict(self)}, indent=1)
 
     @classmethod
     def from_json(cls, text: str, key: Mapping[str, Any]) -> KernelTable | None:
@@ -127,7 +125,7 @@ class KernelTable:
         return table
 
     def summary(self) -> str:
-        """One line per role: ``qkv: ≤16 quant, ≤32 packed``."""
+        """The table in one line: each role's bands (``qkv: ≤16 quant, ≤32 packed; o: …``), then attention's."""
         return "; ".join(f"{role}: " + ", ".join(f"≤{u} {k}" for u, k in self.bands[role]) for role in ROLES) + \
             "; attention: " + self._attention()
 

@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from tokenpipe.errors import InvalidRequest
 from tokenpipe.settings import Quant
 
-from .gemv import BlockedWeight, GemvLib, Q4Weight, Q8Weight, block_q4, block_q8, pack_q4, pack_q8
+from .gemv import GROUP, BlockedWeight, GemvLib, Q4Weight, Q8Weight, block_q4, block_q8, pack_q4, pack_q8
 from .kernels import Band, kernel_for, pack_weight, packed_linear
 
 __all__ = ["BF16_DENSE_ROWS", "DENSE_ROWS", "QUANT_MODES", "QuantLinear", "QuantMode", "check_quant", "dense_rows_for",
@@ -44,7 +44,6 @@ log = logging.getLogger(__name__)
 
 QuantMode = Literal["none", "int8", "int4"]
 QUANT_MODES: tuple[str, ...] = get_args(Quant)  # defined once, with the setting
-GROUP = 32  # int4 group size along K (GGUF Q4_0/Q4_1 use 32 too)
 # Matmuls of more rows than this (a prefill) use the float weight the model keeps: the
 # quantized kernels pay off where a matmul reads more weight than it computes (decode), and
 # lose where it computes (prefill). So quantization here trades memory (+1/7 of fp32 for
@@ -94,7 +93,6 @@ class QuantLinear(nn.Module):
         # The float weight (shared with the model, not copied) serves matmuls of more than
         # ``dense_rows`` rows, where the quantized kernels are slower (see DENSE_ROWS).
         self.dense = weight.detach() if dense_rows > 0 else None
-        self.dense_rows = dense_rows
         # The kernel per row band (generator.kernels): set by the start-up measurement; until then
         # the rule above (quantized up to ``dense_rows`` rows, the float weight beyond).
         self.bands: tuple[Band, ...] = ((dense_rows, "quant"),)
@@ -107,7 +105,6 @@ class QuantLinear(nn.Module):
         self.act_dtype = torch.bfloat16
         self.bias = None if bias is None else bias.detach().clone()
         w = weight.detach().float()
-        self.fallback = False
         gemv_ok = w.device.type == "cpu" and self.in_features % GROUP == 0
         if mode == "int8":
             self.qweight, self.scales = _quant_int8(w)
@@ -120,10 +117,10 @@ class QuantLinear(nn.Module):
             self.qweight = _pack_int4(q, w.device)
             self.gemv = pack_q4(q, self.scales[..., 0].T, self.scales[..., 1].T) if gemv_ok else None
         self.scales = self.scales.to(self.act_dtype)
-        if not self._kernel_ok(w):
+        self.fallback = not self._kernel_ok(w)
+        if self.fallback:
             log.warning("no working %s kernel on %s here: the float weights serve instead", mode, w.device.type)
-            self.fallback = True
-        if mode == "int4" and not self.fallback:
+        elif mode == "int4":
             del self.q_unpacked  # the packed form is all the kernel needs
 
     def _kernel(self, x: Tensor) -> Tensor:
@@ -149,11 +146,10 @@ class QuantLinear(nn.Module):
         s = self.scales.float()
         if self.mode == "int8":
             return self.qweight.float() * s[:, None]
-        q = self.q_unpacked if hasattr(self, "q_unpacked") else None
-        if q is None:
+        if not hasattr(self, "q_unpacked"):
             raise RuntimeError("the int4 weight is packed; its unpacked form was not kept")
         scale, zero = s[..., 0].T, s[..., 1].T  # [N, K/G]
-        qg = q.float().view(self.out_features, -1, GROUP)
+        qg = self.q_unpacked.float().view(self.out_features, -1, GROUP)
         return ((qg - 8) * scale[..., None] + zero[..., None]).view(self.out_features, self.in_features)
 
     def pack(self) -> bool:
