@@ -265,7 +265,7 @@ async def provision(js: JetStreamContext, settings: Settings, *, registry: bool 
 
 async def _scale_bucket(js: JetStreamContext, replicas: int, settings: Settings) -> None:
     """A KV bucket is a stream (``KV_<bucket>``): its replicas change like any stream's."""
-    info = await js.stream_info(f"KV_{META_BUCKET}")
+    info = await js.stream_info(META_STREAM)
     had = info.config.num_replicas or 1
     want = replicas_to_keep(had, replicas, settings.replicas)
     if want != had:
