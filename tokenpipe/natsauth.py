@@ -217,13 +217,12 @@ def load_credential(path: str | os.PathLike[str]) -> Credential:
         raise InvalidRequest(f"unusable credentials file {path}: {exc}") from exc
 
 
-def ensure_credentials(creds_dir: str | os.PathLike[str],
-                       apps: tuple[str, ...] = ("default",)) -> dict[str, Credential]:
+def ensure_credentials(creds_dir: str | os.PathLike[str]) -> dict[str, Credential]:
     """The credentials in ``creds_dir`` by user, creating the missing ones (first start); every
     ``app-*.json`` already there is kept (``tokenpipe creds add-app``)."""
     d = _creds_dir(creds_dir)
     for user, owner in [("relay", RELAY_OWNER), ("generator", RELAY_OWNER), ("admin", RELAY_OWNER),
-                        *((app_user(a), a) for a in apps)]:
+                        (app_user("default"), "default")]:
         _ensure(d, user, owner)
     creds = [load_credential(path) for path in sorted(d.glob("*.json"))]
     return {cred.user: cred for cred in creds}

@@ -159,11 +159,11 @@ def password_env(user: str) -> str:
     return "TP_" + user.upper().replace("-", "_") + "_PASSWORD"
 
 
-def chart_accounts(apps: tuple[str, ...] = ("default",)) -> dict[str, Any]:
+def chart_accounts() -> dict[str, Any]:
     """The ``accounts`` of deploy/helm's NATS values: the same layout, passwords read by
     nats-server from the environment (``<< $VAR >>`` is the official chart's unquoted form)."""
     creds = {u: Credential(u, "", o) for u, o in [("relay", "relay"), ("generator", "relay"),
-                                                   ("admin", "relay"), *((app_user(a), a) for a in apps)]}
+                                                   ("admin", "relay"), (app_user("default"), "default")]}
     return accounts(creds, passwords={u: f"<< ${password_env(u)} >>" for u in creds})
 
 
