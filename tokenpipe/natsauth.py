@@ -177,9 +177,6 @@ class Credential:
     owner: str = RELAY_OWNER  # whose streams this user makes and reads
     inbox_prefix: str = ""
 
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1)
-
     @property
     def role(self) -> str:
         return "app" if self.user.startswith("app-") else self.user
@@ -189,7 +186,8 @@ def _ensure(d: Path, user: str, owner: str) -> Path:
     """``d``/``user``.json, written with a new password unless it exists."""
     path = d / f"{user}.json"
     if not path.exists():
-        write_private(path, Credential(user, secrets.token_urlsafe(24), owner, inbox_prefix(user)).to_json())
+        cred = Credential(user, secrets.token_urlsafe(24), owner, inbox_prefix(user))
+        write_private(path, json.dumps(asdict(cred), indent=1))
     return path
 
 
