@@ -171,15 +171,14 @@ def chart_accounts() -> dict[str, Any]:
 
 def permission_table() -> str:
     """docs/architecture.md's permission table (markdown), rendered from :func:`permissions`."""
+    def cell(subjects: tuple[str, ...]) -> str:
+        return "<br>".join(f"`{s.replace('NAME', '<name>')}`" for s in subjects) or "—"
+
     rows = ["| role (NATS user) | account | publish allow | publish deny | subscribe allow | subscribe deny |",
             "|---|---|---|---|---|---|"]
     for role, user, account in (("relay", "relay", TOKENPIPE_ACCOUNT), ("generator", "generator", TOKENPIPE_ACCOUNT),
                                 ("admin", "admin", TOKENPIPE_ACCOUNT), ("app", "app-<name>", "APP_<name>")):
         p = permissions(role, "NAME" if role == "app" else None)
-
-        def cell(subjects: tuple[str, ...]) -> str:
-            return "<br>".join(f"`{s.replace('NAME', '<name>')}`" for s in subjects) or "—"
-
         extra = " (+ replies to requests it receives)" if p.allow_responses else ""
         rows.append(f"| {role} (`{user}`) | `{account}` | {cell(p.publish_allow)}{extra} | {cell(p.publish_deny)} "
                     f"| {cell(p.subscribe_allow)} | {cell(p.subscribe_deny)} |")
