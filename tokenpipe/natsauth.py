@@ -42,6 +42,7 @@ from .subjects import (
     TOKEN_WILDCARD,
     TOKENS_STREAM,
     check_owner,
+    owner_tokens,
 )
 
 __all__ = [
@@ -105,19 +106,19 @@ def _look(*streams: str) -> tuple[str, ...]:
     return tuple(f"{_JS}.STREAM.INFO.{s}" for s in streams)
 
 
-def _read_tokens(owner_tokens: str) -> tuple[str, ...]:
-    """What reading ``owner_tokens`` (``tp.tok.<owner>.>`` or all) from JetStream takes: the direct
+def _read_tokens(tokens: str) -> tuple[str, ...]:
+    """What reading ``tokens`` (``tp.tok.<owner>.>`` or all) from JetStream takes: the direct
     get of a subject's last batch, and ordered consumers whose filter is in the create subject
     (the server checks that the filter in the body is the one in the subject)."""
-    return (f"{_JS}.DIRECT.GET.{TOKENS_STREAM}.{owner_tokens}",
-            f"{_JS}.CONSUMER.CREATE.{TOKENS_STREAM}.*.{owner_tokens}",
+    return (f"{_JS}.DIRECT.GET.{TOKENS_STREAM}.{tokens}",
+            f"{_JS}.CONSUMER.CREATE.{TOKENS_STREAM}.*.{tokens}",
             f"$JS.FC.{TOKENS_STREAM}.>")
 
 
 def permissions(role: str, app: str | None = None) -> Permissions:
     """The permissions of ``role`` (``app`` needs the application's name)."""
     if role == "relay":
-        mine = f"tp.tok.{RELAY_OWNER}.>"
+        mine = owner_tokens(RELAY_OWNER)
         return Permissions(
             publish_allow=(f"tp.req.*.{RELAY_OWNER}", f"tp.cancel.{RELAY_OWNER}.>", DISCOVER_SUBJECT, READERS_WILDCARD,
                            f"$KV.{META_BUCKET}.>", f"{_JS}.INFO",
@@ -152,7 +153,7 @@ def permissions(role: str, app: str | None = None) -> Permissions:
         if app is None:
             raise ValueError("the app role needs the application's name")
         user = app_user(app)
-        mine = f"tp.tok.{check_owner(app)}.>"
+        mine = owner_tokens(app)
         # In its own account (tokenpipe.natsconfig): tp.req/tp.cancel are imported services of
         # tokenpipe's account; its JetStream API calls reach only its own copy of its tokens
         # (TP_TOKENS there), which it provisions itself.

@@ -35,7 +35,7 @@ from typing import Any
 import bcrypt
 
 from .natsauth import Credential, TLSFiles, app_user, ensure_credentials, permissions, write_private
-from .subjects import check_owner
+from .subjects import check_owner, owner_tokens
 
 __all__ = [
     "TOKENPIPE_ACCOUNT",
@@ -72,7 +72,7 @@ def _imports(app: str) -> list[dict[str, Any]]:
     return [{"service": {"account": src, "subject": f"tp.req.*.{app}"}},
             {"service": {"account": src, "subject": f"tp.cancel.{app}.>"}},
             # Stored batches only, under the app's own token subjects (what its TP_TOKENS keeps).
-            {"stream": {"account": src, "subject": f"tp.live.{app}.>"}, "to": f"tp.tok.{app}.>"}]
+            {"stream": {"account": src, "subject": f"tp.live.{app}.>"}, "to": owner_tokens(app)}]
 
 
 def _user(cred: Credential, password: str | None) -> dict[str, Any]:
