@@ -246,7 +246,6 @@ class TLSFiles:
 class Identity:
     """How one process appears on the bus."""
 
-    role: str
     owner: str  # the owner in the subjects of the streams it makes and reads
     provisions: bool  # may create/update tokenpipe's streams (the admin; anyone on an open bus)
     registry: bool  # reads/writes the tp_streams registry (the relay, the admin)
@@ -337,8 +336,7 @@ def identity(settings: Settings, role: str) -> Identity:
     # Only the admin configures streams where users exist: tokenpipe's own users (relay,
     # generator) may not; a JWT user's rights are its operator's business (it tries).
     provisions = not is_app and (user in ("", "admin") or "user_credentials" in options)
-    return Identity(role=role, owner=check_owner(owner) if is_app else RELAY_OWNER,
-                    provisions=provisions,
+    return Identity(owner=check_owner(owner) if is_app else RELAY_OWNER, provisions=provisions,
                     registry=(role in ("relay", "admin") or (role == "app" and not is_app)),
                     options=options, own_account=is_app and user == app_user(owner), secret=secret)
 
