@@ -265,24 +265,24 @@ async def provision(js: JetStreamContext, settings: Settings, *, registry: bool 
 
 async def _scale_bucket(js: JetStreamContext, replicas: int, settings: Settings) -> None:
     """A KV bucket is a stream (``KV_<bucket>``): its replicas change like any stream's."""
-    info = await js.stream_info(f"KV_{META_BUCKET}")
+    info = await js.stream_info(META_STREAM)
     had = info.config.num_replicas or 1
     want = replicas_to_keep(had, replicas, settings.replicas)
     if want != had:
         await _update_stream(js, dataclasses.replace(info.config, num_replicas=want), had)
 
 
-async def missing(js: JetStreamContext, *, registry: bool = True, settings: Settings | None = None,
+async def missing(js: JetStreamContext, *, settings: Settings, registry: bool = True,
                   limits: bool = False) -> list[str]:
     """The streams (and, with ``registry``, the meta bucket's stream) that tokenpipe provisions and
-    that do not exist now; with ``settings``, also each one that is broken (sealed; retention
-    policy, storage or subjects changed) and, with ``limits``, each whose age or size limit
+    that do not exist now, also each one that is broken (sealed; retention policy, storage or
+    subjects changed) and, with ``limits``, each whose age or size limit
     differs from ``settings`` (only the admin judges those: another process may run with other
     settings), as a sentence that says what is wrong. Raises :class:`TransportError` when
     JetStream cannot be asked."""
     gone: list[str] = []
-    wanted = ({REQUESTS_STREAM: _requests_config(settings, 1),
-               TOKENS_STREAM: _tokens_config(settings, [TOKEN_WILDCARD], 1)} if settings is not None else {})
+    wanted = {REQUESTS_STREAM: _requests_config(settings, 1),
+              TOKENS_STREAM: _tokens_config(settings, [TOKEN_WILDCARD], 1)}
     for name in (REQUESTS_STREAM, TOKENS_STREAM, *((META_STREAM,) if registry else ())):
         try:
             info = await js.stream_info(name)

@@ -23,8 +23,8 @@ def render(registry: CollectorRegistry) -> bytes:
 
 
 class GeneratorMetrics:
-    def __init__(self, model: str, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry or CollectorRegistry()
+    def __init__(self, model: str) -> None:
+        self.registry = CollectorRegistry()
         r, m = self.registry, ["model_name"]
 
         def hist(name: str, doc: str, buckets: tuple[float, ...] = LATENCY_BUCKETS) -> Histogram:
@@ -76,8 +76,8 @@ class GeneratorMetrics:
 
 
 class RelayMetrics:
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry or CollectorRegistry()
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("tokenpipe_http_requests", "HTTP requests by route and status",
                                 ["route", "status"], registry=r)

@@ -42,6 +42,7 @@ from .subjects import (
     TOKEN_WILDCARD,
     TOKENS_STREAM,
     check_owner,
+    owner_tokens,
 )
 
 __all__ = [
@@ -105,19 +106,19 @@ def _look(*streams: str) -> tuple[str, ...]:
     return tuple(f"{_JS}.STREAM.INFO.{s}" for s in streams)
 
 
-def _read_tokens(owner_tokens: str) -> tuple[str, ...]:
-    """What reading ``owner_tokens`` (``tp.tok.<owner>.>`` or all) from JetStream takes: the direct
+def _read_tokens(tokens: str) -> tuple[str, ...]:
+    """What reading ``tokens`` (``tp.tok.<owner>.>`` or all) from JetStream takes: the direct
     get of a subject's last batch, and ordered consumers whose filter is in the create subject
     (the server checks that the filter in the body is the one in the subject)."""
-    return (f"{_JS}.DIRECT.GET.{TOKENS_STREAM}.{owner_tokens}",
-            f"{_JS}.CONSUMER.CREATE.{TOKENS_STREAM}.*.{owner_tokens}",
+    return (f"{_JS}.DIRECT.GET.{TOKENS_STREAM}.{tokens}",
+            f"{_JS}.CONSUMER.CREATE.{TOKENS_STREAM}.*.{tokens}",
             f"$JS.FC.{TOKENS_STREAM}.>")
 
 
 def permissions(role: str, app: str | None = None) -> Permissions:
     """The permissions of ``role`` (``app`` needs the application's name)."""
     if role == "relay":
-        mine = f"tp.tok.{RELAY_OWNER}.>"
+        mine = owner_tokens(RELAY_OWNER)
         return Permissions(
             publish_allow=(f"tp.req.*.{RELAY_OWNER}", f"tp.cancel.{RELAY_OWNER}.>", DISCOVER_SUBJECT, READERS_WILDCARD,
                            f"$KV.{META_BUCKET}.>", f"{_JS}.INFO",
@@ -152,7 +153,7 @@ def permissions(role: str, app: str | None = None) -> Permissions:
         if app is None:
             raise ValueError("the app role needs the application's name")
         user = app_user(app)
-        mine = f"tp.tok.{check_owner(app)}.>"
+        mine = owner_tokens(app)
         # In its own account (tokenpipe.natsconfig): tp.req/tp.cancel are imported services of
         # tokenpipe's account; its JetStream API calls reach only its own copy of its tokens
         # (TP_TOKENS there), which it provisions itself.
@@ -177,9 +178,6 @@ class Credential:
     owner: str = RELAY_OWNER  # whose streams this user makes and reads
     inbox_prefix: str = ""
 
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1)
-
     @property
     def role(self) -> str:
         return "app" if self.user.startswith("app-") else self.user
@@ -189,7 +187,8 @@ def _ensure(d: Path, user: str, owner: str) -> Path:
     """``d``/``user``.json, written with a new password unless it exists."""
     path = d / f"{user}.json"
     if not path.exists():
-        write_private(path, Credential(user, secrets.token_urlsafe(24), owner, inbox_prefix(user)).to_json())
+        cred = Credential(user, secrets.token_urlsafe(24), owner, inbox_prefix(user))
+        write_private(path, json.dumps(asdict(cred), indent=1))
     return path
 
 
@@ -217,13 +216,12 @@ def load_credential(path: str | os.PathLike[str]) -> Credential:
         raise InvalidRequest(f"unusable credentials file {path}: {exc}") from exc
 
 
-def ensure_credentials(creds_dir: str | os.PathLike[str],
-                       apps: tuple[str, ...] = ("default",)) -> dict[str, Credential]:
+def ensure_credentials(creds_dir: str | os.PathLike[str]) -> dict[str, Credential]:
     """The credentials in ``creds_dir`` by user, creating the missing ones (first start); every
     ``app-*.json`` already there is kept (``tokenpipe creds add-app``)."""
     d = _creds_dir(creds_dir)
     for user, owner in [("relay", RELAY_OWNER), ("generator", RELAY_OWNER), ("admin", RELAY_OWNER),
-                        *((app_user(a), a) for a in apps)]:
+                        (app_user("default"), "default")]:
         _ensure(d, user, owner)
     creds = [load_credential(path) for path in sorted(d.glob("*.json"))]
     return {cred.user: cred for cred in creds}
@@ -248,7 +246,6 @@ class TLSFiles:
 class Identity:
     """How one process appears on the bus."""
 
-    role: str
     owner: str  # the owner in the subjects of the streams it makes and reads
     provisions: bool  # may create/update tokenpipe's streams (the admin; anyone on an open bus)
     registry: bool  # reads/writes the tp_streams registry (the relay, the admin)
@@ -339,8 +336,7 @@ def identity(settings: Settings, role: str) -> Identity:
     # Only the admin configures streams where users exist: tokenpipe's own users (relay,
     # generator) may not; a JWT user's rights are its operator's business (it tries).
     provisions = not is_app and (user in ("", "admin") or "user_credentials" in options)
-    return Identity(role=role, owner=check_owner(owner) if is_app else RELAY_OWNER,
-                    provisions=provisions,
+    return Identity(owner=check_owner(owner) if is_app else RELAY_OWNER, provisions=provisions,
                     registry=(role in ("relay", "admin") or (role == "app" and not is_app)),
                     options=options, own_account=is_app and user == app_user(owner), secret=secret)
 

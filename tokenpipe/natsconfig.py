@@ -35,7 +35,7 @@ from typing import Any
 import bcrypt
 
 from .natsauth import Credential, TLSFiles, app_user, ensure_credentials, permissions, write_private
-from .subjects import check_owner
+from .subjects import check_owner, owner_tokens
 
 __all__ = [
     "TOKENPIPE_ACCOUNT",
@@ -72,7 +72,7 @@ def _imports(app: str) -> list[dict[str, Any]]:
     return [{"service": {"account": src, "subject": f"tp.req.*.{app}"}},
             {"service": {"account": src, "subject": f"tp.cancel.{app}.>"}},
             # Stored batches only, under the app's own token subjects (what its TP_TOKENS keeps).
-            {"stream": {"account": src, "subject": f"tp.live.{app}.>"}, "to": f"tp.tok.{app}.>"}]
+            {"stream": {"account": src, "subject": f"tp.live.{app}.>"}, "to": owner_tokens(app)}]
 
 
 def _user(cred: Credential, password: str | None) -> dict[str, Any]:
@@ -159,11 +159,11 @@ def password_env(user: str) -> str:
     return "TP_" + user.upper().replace("-", "_") + "_PASSWORD"
 
 
-def chart_accounts(apps: tuple[str, ...] = ("default",)) -> dict[str, Any]:
+def chart_accounts() -> dict[str, Any]:
     """The ``accounts`` of deploy/helm's NATS values: the same layout, passwords read by
     nats-server from the environment (``<< $VAR >>`` is the official chart's unquoted form)."""
     creds = {u: Credential(u, "", o) for u, o in [("relay", "relay"), ("generator", "relay"),
-                                                   ("admin", "relay"), *((app_user(a), a) for a in apps)]}
+                                                   ("admin", "relay"), (app_user("default"), "default")]}
     return accounts(creds, passwords={u: f"<< ${password_env(u)} >>" for u in creds})
 
 
@@ -171,15 +171,14 @@ def chart_accounts(apps: tuple[str, ...] = ("default",)) -> dict[str, Any]:
 
 def permission_table() -> str:
     """docs/architecture.md's permission table (markdown), rendered from :func:`permissions`."""
+    def cell(subjects: tuple[str, ...]) -> str:
+        return "<br>".join(f"`{s.replace('NAME', '<name>')}`" for s in subjects) or "—"
+
     rows = ["| role (NATS user) | account | publish allow | publish deny | subscribe allow | subscribe deny |",
             "|---|---|---|---|---|---|"]
     for role, user, account in (("relay", "relay", TOKENPIPE_ACCOUNT), ("generator", "generator", TOKENPIPE_ACCOUNT),
                                 ("admin", "admin", TOKENPIPE_ACCOUNT), ("app", "app-<name>", "APP_<name>")):
         p = permissions(role, "NAME" if role == "app" else None)
-
-        def cell(subjects: tuple[str, ...]) -> str:
-            return "<br>".join(f"`{s.replace('NAME', '<name>')}`" for s in subjects) or "—"
-
         extra = " (+ replies to requests it receives)" if p.allow_responses else ""
         rows.append(f"| {role} (`{user}`) | `{account}` | {cell(p.publish_allow)}{extra} | {cell(p.publish_deny)} "
                     f"| {cell(p.subscribe_allow)} | {cell(p.subscribe_deny)} |")

@@ -132,10 +132,9 @@ async def rebuild_meta(bus: Bus, stream_id: str, tenant: str) -> StreamMeta | No
     check_stream_id(stream_id)
     subjects = await _subjects(bus, f"$KV.{META_BUCKET}.{_PREFIX}.{tenant_token(tenant)}.*.*.{stream_id}",
                                "could not read the stream index")
-    found = [e for e in map(_parse, subjects) if e is not None and e.id == stream_id]
-    if not found:
+    entry = next((e for e in map(_parse, subjects) if e is not None and e.id == stream_id), None)
+    if entry is None:
         return None
-    entry = found[0]
     meta = StreamMeta(stream_id, tenant, entry.model, entry.created_at)
     indexed = await read_request(bus, meta)
     if indexed is None or indexed.request.id != stream_id or indexed.request.tenant != tenant:

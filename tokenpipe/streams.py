@@ -317,28 +317,22 @@ async def paced(source: AsyncIterator[StreamItem], speed: float, *,
         yield item
 
 
-async def follow(bus: Bus, stream_id: str, *, after_seq: int = -1, idle: float | None = None,
-                 reorder_wait: float = 15.0,
-                 trace_headers: dict[str, str] | None = None) -> AsyncGenerator[StreamItem, None]:
+async def follow(bus: Bus, stream_id: str, *, after_seq: int = -1) -> AsyncGenerator[StreamItem, None]:
     """Batches of ``stream_id`` with ``seq > after_seq``, in ``seq`` order, ending after the final one.
 
-    Yields :data:`PING` whenever ``idle`` seconds pass without a batch. ``trace_headers``, if
-    given, receives the W3C trace headers the first batch carried (the generation's context).
-    Order, duplicates and gaps are handled by :class:`~tokenpipe.reorder.Reorder`: a batch
-    republished after a NATS outage can be stored after later ones, which are held back (up to
-    ``reorder_wait`` seconds) until it arrives, so consumers always see contiguous batches, or
-    an explicit :class:`Gap`.
+    Yields :data:`PING` after an hour without a batch. Order, duplicates and gaps are handled by
+    :class:`~tokenpipe.reorder.Reorder`: a batch republished after a NATS outage can be stored
+    after later ones, which are held back (up to its default wait, 15 s) until it arrives, so
+    consumers always see contiguous batches, or an explicit :class:`Gap`.
     """
     sub = await _open_history(bus, stream_id, None, failed="could not follow stream", timeout=None,
                               idle_heartbeat=5.0)
-    buf = Reorder(after_seq, wait=reorder_wait, trace_headers=trace_headers)
+    buf = Reorder(after_seq)
     oldest: TokenBatch | None = None
     try:
         while not buf.done:
-            timeout = idle if idle else 3600.0
-            deadline = buf.deadline
-            if deadline is not None:
-                timeout = min(timeout, max(0.0, deadline - time.monotonic()))
+            deadline = buf.deadline  # at most buf.wait ahead: far less than the hour
+            timeout = 3600.0 if deadline is None else max(0.0, deadline - time.monotonic())
             try:
                 msg = await sub.next_msg(timeout=timeout)
             except nats.errors.TimeoutError:
@@ -352,8 +346,8 @@ async def follow(bus: Bus, stream_id: str, *, after_seq: int = -1, idle: float |
                 if oldest is None or batch.seq < oldest.seq:
                     oldest = batch  # the lowest seq the stream still holds (read from its start)
                 now = time.monotonic()
-                buf.feed(batch, msg.headers, now=now)
-                if msg.metadata.num_pending == 0 and emitted_before(oldest, reorder_wait):
+                buf.feed(batch, now=now)
+                if msg.metadata.num_pending == 0 and emitted_before(oldest, buf.wait):
                     buf.caught_up(oldest.seq, now=now)
             for item in buf.ready():
                 yield item

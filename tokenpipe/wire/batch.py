@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from ..errors import WireFormatError
 from .codec import WIRE_VERSION, now_ns, pack, unpack
@@ -13,7 +13,7 @@ from .codec import WIRE_VERSION, now_ns, pack, unpack
 __all__ = ["FINISH_REASONS", "FinishReason", "TokenBatch", "Usage"]
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
-FINISH_REASONS: frozenset[str] = frozenset({"stop", "length", "cancelled", "error"})
+FINISH_REASONS: frozenset[str] = frozenset(get_args(FinishReason))
 
 
 @dataclass(frozen=True, slots=True)

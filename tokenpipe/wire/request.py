@@ -82,7 +82,7 @@ class Request:
               params: Mapping[str, Any] | None = None, coalesce: Any = None, tenant: str = "default",
               request_id: str | None = None) -> Request:
         """A new request (a fresh id unless given, created now) from untrusted values, validated
-        as :meth:`from_map` does. The relay and the producer SDK both build their requests here."""
+        as :meth:`from_map` does: the producer SDK builds its requests here (the relay, with :meth:`create`)."""
         return cls.from_map({
             "id": request_id or new_request_id(), "model": model, "prompt": prompt, "messages": _listed(messages),
             "input_ids": _listed(input_ids), "params": params, "coalesce": coalesce, "tenant": tenant,
