@@ -267,11 +267,9 @@ class Supervisor:
 
     def _check_viable(self, failed: Role) -> None:
         if failed.kind in ("nats", "relay"):
-            self._state = "failed"
             raise _GiveUp
         if all(r.state == "failed" for r in self.roles if r.kind == "generator"):
             log.error("no generator is left; stopping")
-            self._state = "failed"
             raise _GiveUp
 
     def _on_change(self) -> None:
