@@ -90,9 +90,6 @@ class LocalCluster:
         ``data_dir/<server name>/nats-server.conf``."""
         if size < 1:
             raise ConfigError("a cluster needs at least one node", param="nats_cluster")
-        self.data_dir = Path(data_dir)
-        self.host = host
-        self.name = name
         chosen = [p for p in free_ports(3 * size + 1, host) if p != first_port][:3 * size]
         ports = [first_port or chosen[0], *chosen[1:size]]
         route_ports, monitor_ports = chosen[size:2 * size], chosen[2 * size:]
@@ -104,7 +101,7 @@ class LocalCluster:
             routes = tuple(f"nats-route://{host}:{p}" for j, p in enumerate(route_ports) if j != i)
             args = ClusterArgs(name=name, port=route_ports[i], server_name=self.names[i], routes=routes,
                                route_user="route" if password else "", route_password=password)
-            node_dir = self.data_dir / args.server_name
+            node_dir = Path(data_dir) / args.server_name
             node_dir.mkdir(parents=True, exist_ok=True)
             conf = node_dir / "nats-server.conf"
             include = ""
