@@ -119,12 +119,6 @@ class LocalCluster:
         """The seed list to give every role (``TOKENPIPE_NATS_URL``)."""
         return ",".join(n.url for n in self.nodes)
 
-    def server_name(self, i: int) -> str:
-        return self.names[i]
-
-    def index(self, server_name: str) -> int:
-        return self.names.index(server_name)
-
     # -- lifecycle -------------------------------------------------------------------
     def start(self, timeout: float = 30.0) -> LocalCluster:
         try:
