@@ -35,6 +35,7 @@ __all__ = ["Supervisor"]
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.2
+_READY_TIMEOUT_S = 600.0
 
 
 class _GiveUp(Exception):
@@ -48,7 +49,6 @@ class Supervisor:
     nats_port: int | None = None  # None: 4222, or a free port when that is taken
     external_nats: bool = False
     explicit: frozenset[str] = frozenset()  # settings the user gave (a taken port is then an error)
-    ready_timeout: float = 600.0
     nats_cluster: int = 1  # > 1: that many nats-server nodes on loopback, one JetStream cluster
     nats: NatsServer | LocalCluster | None = None
     provisioner: Provisioner | None = None  # the admin: creates and repairs the streams (embedded NATS)
@@ -187,11 +187,11 @@ class Supervisor:
                 if role.kind != "nats":
                     self._start(role)
             self._write_status()
-            deadline = time.monotonic() + self.ready_timeout
+            deadline = time.monotonic() + _READY_TIMEOUT_S
             while self._stop_signal is None:
                 self._tick()
                 if self._state == "starting" and time.monotonic() > deadline:
-                    log.error("tokenpipe did not come up in time; stopping", extra={"timeout_s": self.ready_timeout})
+                    log.error("tokenpipe did not come up in time; stopping", extra={"timeout_s": _READY_TIMEOUT_S})
                     return 1
                 time.sleep(_POLL_S)  # polling child processes: signals interrupt it
             return 0
