@@ -48,7 +48,7 @@ class Supervisor:
     generators: int = 1
     nats_port: int | None = None  # None: 4222, or a free port when that is taken
     external_nats: bool = False
-    explicit: frozenset[str] = frozenset()  # settings the user gave (a taken port is then an error)
+    metrics_port_chosen: bool = False  # TOKENPIPE_METRICS_PORT given: a taken one is then an error
     nats_cluster: int = 1  # > 1: that many nats-server nodes on loopback, one JetStream cluster
     nats: NatsServer | LocalCluster | None = None
     provisioner: Provisioner | None = None  # the admin: creates and repairs the streams (embedded NATS)
@@ -123,7 +123,7 @@ class Supervisor:
         for i in range(self.generators):
             mport = 0
             if s.metrics_port > 0:
-                mport = self._port(f"generator-{i} metrics", s.metrics_port + i, "metrics_port" in self.explicit)
+                mport = self._port(f"generator-{i} metrics", s.metrics_port + i, self.metrics_port_chosen)
                 metrics.append(mport)
             ready_file = Path(s.data_dir) / "run" / f"generator-{i}.ready"
             ready_file.parent.mkdir(parents=True, exist_ok=True)
