@@ -126,3 +126,13 @@ def test_a_cluster_node_found_its_monitoring_port_taken_by_an_outgoing_connectio
         with socket.socket() as s:
             s.bind(("127.0.0.1", port))
             s.listen()
+
+
+def test_bench_coalescing_over_the_openai_api_is_a_config_error(capsys: pytest.CaptureFixture[str]) -> None:
+    """Regression: it was a ValueError traceback, raised per request (after the whole --rate schedule)."""
+    from tokenpipe_cli.cli import main
+
+    argv = ["bench", "--api", "openai", "--model", "m", "--coalesce-max-tokens", "4",
+            "--url", f"http://127.0.0.1:{free_port()}"]
+    assert main([*argv, "--rate", "1", "--num-requests", "30"]) == 2
+    assert "coalescing overrides need the native API or the SDK" in capsys.readouterr().err
