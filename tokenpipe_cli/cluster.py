@@ -68,8 +68,7 @@ class ClusterArgs:
 
 
 def node_args(cluster_name: str, cluster_port: int, routes: str, server_name: str | None) -> ClusterArgs:
-    """``tokenpipe nats --cluster-name N --cluster-port P --routes URL,URL --server-name S``:
-    JetStream clustering needs both names; every node lists the others' ``nats-route://`` URLs."""
+    """``tokenpipe nats --cluster-name N --cluster-port P --routes URL,URL --server-name S``, checked."""
     if not server_name:
         raise ConfigError("a clustered node needs --server-name (unique in the cluster)", param="server_name")
     urls = tuple(u.strip() for u in routes.split(",") if u.strip())
