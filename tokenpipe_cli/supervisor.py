@@ -114,10 +114,15 @@ class Supervisor:
         relay_port = self._port("relay", s.port, True)  # the page's address never moves silently
         self._ports["relay"] = relay_port
         self._ports["relay_url"] = f"http://{s.host}:{relay_port}"
-        common = ["--nats-url", nats_url, "--data-dir", s.data_dir, "--log-level", s.log_level]
+        common = ["--nats-url", nats_url, "--data-dir", s.data_dir, "--log-level", s.log_level,
+                  *(["--log-json"] if s.log_json else [])]
 
-        def creds(role: str) -> list[str]:  # the embedded server's credentials, one file per role
-            return [] if self.external_nats else ["--nats-creds", str(Path(s.data_dir) / "creds" / f"{role}.json")]
+        def nats_args(role: str) -> list[str]:
+            if self.external_nats:  # what `up` was given for that server
+                given = {"--nats-creds": s.nats_creds, "--nats-user": s.nats_user, "--nats-ca": s.nats_ca,
+                         "--nats-cert": s.nats_cert, "--nats-key": s.nats_key}
+                return [arg for flag, value in given.items() if value for arg in (flag, value)]
+            return ["--nats-creds", str(Path(s.data_dir) / "creds" / f"{role}.json")]  # the embedded server's, per role
 
         metrics: list[int] = []
         for i in range(self.generators):
@@ -130,14 +135,14 @@ class Supervisor:
             ready_file.unlink(missing_ok=True)
             self.roles.append(self._child_role(
                 f"generator-{i}", "generator",
-                ["generator", *common, *creds("generator"), "--model", s.model, "--device", s.device,
+                ["generator", *common, *nats_args("generator"), "--model", s.model, "--device", s.device,
                  "--dtype", s.dtype, "--quant", s.quant, "--metrics-port", str(mport),
                  *(["--model-path", s.model_path] if s.model_path else [])],
                 self._ready_file_check(f"generator-{i}", ready_file),
                 env={**os.environ, "TOKENPIPE_READY_FILE": str(ready_file)}))
         self._ports["metrics"] = metrics
         self.roles.append(self._child_role(
-            "relay", "relay", ["relay", *common, *creds("relay"), "--host", s.host, "--port", str(relay_port)],
+            "relay", "relay", ["relay", *common, *nats_args("relay"), "--host", s.host, "--port", str(relay_port)],
             http_ok(f"{self._ports['relay_url']}/healthz", timeout=1.0),
             env={**os.environ, "TOKENPIPE_EXPECTED_GENERATORS": str(self.generators)}))
 
