@@ -161,3 +161,22 @@ def test_up_hands_its_log_json_and_external_nats_flags_to_the_roles(tmp_path: Pa
         assert args[args.index("--nats-creds") + 1] == "/secrets/app.json"
         assert args[args.index("--nats-ca") + 1] == "/secrets/ca.pem"
         assert "--nats-user" not in args and "--nats-cert" not in args
+
+
+def test_up_gives_the_relay_its_model_as_the_default_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression: the relay `tokenpipe up --model tiny-random` started kept its own default model
+    (smollm2-135m): while the generator was away (restarting), a request that named no model
+    waited for smollm2-135m and was answered 404 instead of waiting for tiny-random."""
+    from tokenpipe.settings import Settings
+    from tokenpipe_cli.supervisor import Supervisor
+
+    spawned: dict[str, list[str]] = {}
+    monkeypatch.setattr("tokenpipe_cli.supervisor.spawn_role",
+                        lambda *args, name, **_: spawned.setdefault(name, list(args)))
+    sup = Supervisor(Settings.load(env={}, data_dir=str(tmp_path), port=free_port(), metrics_port=0,
+                                   model="tiny-random"), external_nats=True)
+    sup._build_roles()
+    for role in sup.roles:
+        role.start()
+    relay = spawned["relay"]
+    assert relay[relay.index("--model") + 1] == "tiny-random"

@@ -142,7 +142,8 @@ class Supervisor:
                 env={**os.environ, "TOKENPIPE_READY_FILE": str(ready_file)}))
         self._ports["metrics"] = metrics
         self.roles.append(self._child_role(
-            "relay", "relay", ["relay", *common, *nats_args("relay"), "--host", s.host, "--port", str(relay_port)],
+            "relay", "relay", ["relay", *common, *nats_args("relay"), "--model", s.model, "--host", s.host,
+                                "--port", str(relay_port)],
             http_ok(f"{self._ports['relay_url']}/healthz", timeout=1.0),
             env={**os.environ, "TOKENPIPE_EXPECTED_GENERATORS": str(self.generators)}))
 
