@@ -78,7 +78,7 @@ async def measure(cluster: LocalCluster, replicas: int, rate: float, seconds: fl
         await asyncio.to_thread(cluster.wait_healthy, 30)
         ids = [new_request_id() for _ in range(streams)]
         pids = [n.pid for n in cluster.nodes if n.pid is not None]
-        leader = cluster.index(cluster.stream_leader(name) or cluster.names[0])
+        leader = cluster.names.index(cluster.stream_leader(name) or cluster.names[0])
         per0, routes0 = [cpu_seconds(p) for p in pids], _route_bytes(cluster)
         acks: list[asyncio.Future[Any]] = []
         round_trips: list[float] = []

@@ -126,3 +126,57 @@ def test_a_cluster_node_found_its_monitoring_port_taken_by_an_outgoing_connectio
         with socket.socket() as s:
             s.bind(("127.0.0.1", port))
             s.listen()
+
+
+def test_bench_coalescing_over_the_openai_api_is_a_config_error(capsys: pytest.CaptureFixture[str]) -> None:
+    """Regression: it was a ValueError traceback, raised per request (after the whole --rate schedule)."""
+    from tokenpipe_cli.cli import main
+
+    argv = ["bench", "--api", "openai", "--model", "m", "--coalesce-max-tokens", "4",
+            "--url", f"http://127.0.0.1:{free_port()}"]
+    assert main([*argv, "--rate", "1", "--num-requests", "30"]) == 2
+    assert "coalescing overrides need the native API or the SDK" in capsys.readouterr().err
+
+
+def test_up_hands_its_log_json_and_external_nats_flags_to_the_roles(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression: `tokenpipe up --log-json --nats-url URL --nats-creds F --nats-ca CA` took the flags
+    for itself alone: the generator and the relay it started logged key=value and connected
+    without the credentials or the CA (only the environment reached them)."""
+    from tokenpipe.settings import Settings
+    from tokenpipe_cli.supervisor import Supervisor
+
+    spawned: dict[str, list[str]] = {}
+    monkeypatch.setattr("tokenpipe_cli.supervisor.spawn_role",
+                        lambda *args, name, **_: spawned.setdefault(name, list(args)))
+    settings = Settings.load(env={}, data_dir=str(tmp_path), port=free_port(), metrics_port=0, log_json=True,
+                             nats_url="tls://10.0.0.9:4222", nats_creds="/secrets/app.json", nats_ca="/secrets/ca.pem")
+    sup = Supervisor(settings, external_nats=True)
+    sup._build_roles()
+    for role in sup.roles:
+        role.start()
+    assert sorted(spawned) == ["generator-0", "relay"]
+    for args in spawned.values():
+        assert "--log-json" in args
+        assert args[args.index("--nats-creds") + 1] == "/secrets/app.json"
+        assert args[args.index("--nats-ca") + 1] == "/secrets/ca.pem"
+        assert "--nats-user" not in args and "--nats-cert" not in args
+
+
+def test_up_gives_the_relay_its_model_as_the_default_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression: the relay `tokenpipe up --model tiny-random` started kept its own default model
+    (smollm2-135m): while the generator was away (restarting), a request that named no model
+    waited for smollm2-135m and was answered 404 instead of waiting for tiny-random."""
+    from tokenpipe.settings import Settings
+    from tokenpipe_cli.supervisor import Supervisor
+
+    spawned: dict[str, list[str]] = {}
+    monkeypatch.setattr("tokenpipe_cli.supervisor.spawn_role",
+                        lambda *args, name, **_: spawned.setdefault(name, list(args)))
+    sup = Supervisor(Settings.load(env={}, data_dir=str(tmp_path), port=free_port(), metrics_port=0,
+                                   model="tiny-random"), external_nats=True)
+    sup._build_roles()
+    for role in sup.roles:
+        role.start()
+    relay = spawned["relay"]
+    assert relay[relay.index("--model") + 1] == "tiny-random"

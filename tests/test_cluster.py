@@ -207,7 +207,7 @@ async def test_three_replicas_on_a_single_server_fail_with_what_to_do(tmp_path: 
 async def test_local_cluster_nodes_get_the_single_servers_authorization_and_route_users(tmp_path: Path) -> None:
     conf = write_server_config(tmp_path / "nats-server.conf", tmp_path / "creds")
     with LocalCluster(tmp_path / "cluster", 3, config_file=conf) as c:
-        node_conf = (tmp_path / "cluster" / c.server_name(0) / "nats-server.conf").read_text()
+        node_conf = (tmp_path / "cluster" / c.names[0] / "nats-server.conf").read_text()
         assert 'include "../../nats-server.conf"' in node_conf and "authorization { user: \"route\"" in node_conf
         assert "nats-route://route:" in node_conf  # the other nodes are dialled with the route user
         # The admin provisions (the relay may only look), across the cluster the routes formed.

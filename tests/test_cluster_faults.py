@@ -97,7 +97,7 @@ async def kill_leader(stack: Stack, leader_of: Callable[[], str | None], kill: K
     c = stack.cluster
     leader = leader_of()
     assert leader is not None
-    kill.node = c.index(leader)
+    kill.node = c.names.index(leader)
     kill.roles = stack.roles_on(kill.node)
     t0 = time.monotonic()
     c.kill(kill.node)
@@ -156,12 +156,12 @@ async def test_request_submitted_while_its_stream_leader_is_elected(cluster: Sta
     async def fault(load: Load) -> None:
         leader = c.stream_leader(REQUESTS_STREAM)
         assert leader is not None
-        c.kill(c.index(leader))
+        c.kill(c.names.index(leader))
         # At once, before the survivors have even noticed: nobody leads TP_REQUESTS now.
         outs = await asyncio.gather(*(load.submit(i % 2, i) for i in range(4)))
         submitted.extend(o.post_s for o in outs)
         assert c.stream_leader(REQUESTS_STREAM) not in (None, leader), "submitted, yet no new leader?"
-        await asyncio.to_thread(c.start_node, c.index(leader))
+        await asyncio.to_thread(c.start_node, c.names.index(leader))
 
     await under_load(cluster, reference, "submit during TP_REQUESTS election", fault)
     print(f"submissions during the election took {', '.join(f'{s:.1f}' for s in submitted)} s")
@@ -189,7 +189,7 @@ async def test_node_frozen_for_ten_seconds(cluster: Stack, reference: list[list[
 
     async def fault(load: Load) -> None:
         node = busiest_node(cluster)
-        print(f"\nfreezing {c.server_name(node)}, serving {cluster.roles_on(node)}")
+        print(f"\nfreezing {c.names[node]}, serving {cluster.roles_on(node)}")
         c.freeze(node)
         try:
             await asyncio.sleep(10)  # the fault itself: a host that hangs for 10 s
@@ -224,7 +224,7 @@ async def test_a_frozen_node_loses_its_routes_in_seconds_and_holds_no_stream_unt
 
     async def fault(load: Load) -> None:
         node = busiest_node(cluster)
-        name, others = c.server_name(node), [i for i in range(3) if i != node]
+        name, others = c.names[node], [i for i in range(3) if i != node]
         assert all(name in c.route_peers(i) for i in others)
         in_flight = [o for o in load.outcomes if not ended(o)]
         t0 = time.monotonic()

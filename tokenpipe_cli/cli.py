@@ -226,11 +226,10 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.cmd == "up":
         from .supervisor import Supervisor
 
-        # A port the user chose that is taken is an error; a default one that is taken is replaced (not the relay's).
-        explicit = frozenset(k for k in ("port", "metrics_port")
-                             if getattr(args, k, None) is not None or f"TOKENPIPE_{k.upper()}" in os.environ)
+        # `up` has no --metrics-port flag: only the environment chooses one.
         return Supervisor(settings, generators=args.generators, nats_port=args.nats_port,
-                          external_nats=args.nats_url is not None, explicit=explicit,
+                          external_nats=args.nats_url is not None,
+                          metrics_port_chosen=f"{ENV_PREFIX}METRICS_PORT" in os.environ,
                           nats_cluster=args.nats_cluster).run()
     if args.cmd == "generator":
         from generator.main import serve as serve_generator

@@ -68,8 +68,7 @@ class ClusterArgs:
 
 
 def node_args(cluster_name: str, cluster_port: int, routes: str, server_name: str | None) -> ClusterArgs:
-    """``tokenpipe nats --cluster-name N --cluster-port P --routes URL,URL --server-name S``:
-    JetStream clustering needs both names; every node lists the others' ``nats-route://`` URLs."""
+    """``tokenpipe nats --cluster-name N --cluster-port P --routes URL,URL --server-name S``, checked."""
     if not server_name:
         raise ConfigError("a clustered node needs --server-name (unique in the cluster)", param="server_name")
     urls = tuple(u.strip() for u in routes.split(",") if u.strip())
@@ -90,9 +89,6 @@ class LocalCluster:
         ``data_dir/<server name>/nats-server.conf``."""
         if size < 1:
             raise ConfigError("a cluster needs at least one node", param="nats_cluster")
-        self.data_dir = Path(data_dir)
-        self.host = host
-        self.name = name
         chosen = [p for p in free_ports(3 * size + 1, host) if p != first_port][:3 * size]
         ports = [first_port or chosen[0], *chosen[1:size]]
         route_ports, monitor_ports = chosen[size:2 * size], chosen[2 * size:]
@@ -104,7 +100,7 @@ class LocalCluster:
             routes = tuple(f"nats-route://{host}:{p}" for j, p in enumerate(route_ports) if j != i)
             args = ClusterArgs(name=name, port=route_ports[i], server_name=self.names[i], routes=routes,
                                route_user="route" if password else "", route_password=password)
-            node_dir = self.data_dir / args.server_name
+            node_dir = Path(data_dir) / args.server_name
             node_dir.mkdir(parents=True, exist_ok=True)
             conf = node_dir / "nats-server.conf"
             include = ""
@@ -121,12 +117,6 @@ class LocalCluster:
     def url(self) -> str:
         """The seed list to give every role (``TOKENPIPE_NATS_URL``)."""
         return ",".join(n.url for n in self.nodes)
-
-    def server_name(self, i: int) -> str:
-        return self.names[i]
-
-    def index(self, server_name: str) -> int:
-        return self.names.index(server_name)
 
     # -- lifecycle -------------------------------------------------------------------
     def start(self, timeout: float = 30.0) -> LocalCluster:

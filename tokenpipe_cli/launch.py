@@ -153,8 +153,7 @@ def spawn(name: str, cmd: Sequence[str], *, env: Mapping[str, str] | None = None
         log.parent.mkdir(parents=True, exist_ok=True)
     # The child holds its own descriptor of the log.
     with open(log, "ab") if log is not None else contextlib.nullcontext() as out:
-        proc = subprocess.Popen(list(cmd), env=dict(env) if env is not None else None, stdout=out,
-                                stderr=subprocess.STDOUT if out is not None else None,
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out is not None else None,
                                 start_new_session=new_session, preexec_fn=die_with_parent)
     return Child(name, proc, log)
 

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 
 from producer import Producer, RelayClient, SSEEvent, aiter_sse
-from tokenpipe.errors import TokenpipeError
+from tokenpipe.errors import ConfigError, TokenpipeError
 
 __all__ = ["LoadConfig", "Record", "native_stream", "record_batch", "record_event", "run_load"]
 
@@ -139,6 +139,9 @@ async def _sdk(producer: Producer, body: dict[str, Any], rec: Record) -> None:
 
 async def run_load(cfg: LoadConfig, progress: Any = None) -> tuple[list[Record], float]:
     """Drive the pipeline; returns the per-request records and the wall time."""
+    coalesce = cfg.coalesce_max_tokens is not None or cfg.coalesce_max_delay_ms is not None
+    if coalesce and cfg.api == "openai":
+        raise ConfigError("coalescing overrides need the native API or the SDK", param="api")
     rng = random.Random(cfg.seed)
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
@@ -158,9 +161,7 @@ async def run_load(cfg: LoadConfig, progress: Any = None) -> tuple[list[Record],
         body: dict[str, Any] = {"model": model, "prompt": _prompt(rng, cfg.prompt_words),
                                 "max_tokens": _output_len(cfg.output_len, rng), "temperature": 0,
                                 "ignore_eos": True}
-        if cfg.coalesce_max_tokens is not None or cfg.coalesce_max_delay_ms is not None:
-            if cfg.api == "openai":
-                raise ValueError("coalescing overrides need the native API or the SDK")
+        if coalesce:
             body["coalesce"] = {"max_tokens": cfg.coalesce_max_tokens, "max_delay_ms": cfg.coalesce_max_delay_ms}
         rec = Record(ok=False, start=time.perf_counter())
         try:

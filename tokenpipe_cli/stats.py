@@ -17,9 +17,9 @@ def percentile(ordered: list[float], fraction: float) -> float:
     return ordered[min(len(ordered) - 1, round(fraction * (len(ordered) - 1)))]
 
 
-def latency_stats(values: list[float], scale: float = 1e3) -> dict[str, float]:
-    """Mean, p50, p90 and p99 of ``values`` times ``scale`` (seconds to ms by default), NaNs left out."""
-    vals = sorted(v * scale for v in values if v == v)
+def latency_stats(values: list[float]) -> dict[str, float]:
+    """Mean, p50, p90 and p99 of ``values`` (seconds) in ms, NaNs left out."""
+    vals = sorted(v * 1e3 for v in values if v == v)
     return {"mean": statistics.fmean(vals) if vals else float("nan"), "p50": percentile(vals, 0.5),
             "p90": percentile(vals, 0.9), "p99": percentile(vals, 0.99)}  # percentile: NaN when empty
 

@@ -15,7 +15,7 @@ from rich.table import Table
 
 from tokenpipe import streamrecord
 from tokenpipe.bus import Bus
-from tokenpipe.errors import WireFormatError
+from tokenpipe.errors import TokenpipeError, WireFormatError
 from tokenpipe.streamindex import stream_ids
 from tokenpipe.streams import Gap, Ping, follow, get_meta, last_batch, paced
 from tokenpipe.subjects import LIVE_WILDCARD
@@ -90,7 +90,7 @@ async def tail(bus: Bus, *, model: str | None, console: Console) -> int:
             if batch.id not in models:
                 try:
                     models[batch.id] = (await get_meta(bus, batch.id)).model
-                except Exception:  # unknown owner: show nothing for a filtered tail
+                except TokenpipeError:  # unknown owner: show nothing for a filtered tail
                     models[batch.id] = ""
             if models[batch.id] != model:
                 return

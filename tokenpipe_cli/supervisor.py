@@ -35,6 +35,7 @@ __all__ = ["Supervisor"]
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.2
+_READY_TIMEOUT_S = 600.0
 
 
 class _GiveUp(Exception):
@@ -47,8 +48,7 @@ class Supervisor:
     generators: int = 1
     nats_port: int | None = None  # None: 4222, or a free port when that is taken
     external_nats: bool = False
-    explicit: frozenset[str] = frozenset()  # settings the user gave (a taken port is then an error)
-    ready_timeout: float = 600.0
+    metrics_port_chosen: bool = False  # TOKENPIPE_METRICS_PORT given: a taken one is then an error
     nats_cluster: int = 1  # > 1: that many nats-server nodes on loopback, one JetStream cluster
     nats: NatsServer | LocalCluster | None = None
     provisioner: Provisioner | None = None  # the admin: creates and repairs the streams (embedded NATS)
@@ -114,30 +114,36 @@ class Supervisor:
         relay_port = self._port("relay", s.port, True)  # the page's address never moves silently
         self._ports["relay"] = relay_port
         self._ports["relay_url"] = f"http://{s.host}:{relay_port}"
-        common = ["--nats-url", nats_url, "--data-dir", s.data_dir, "--log-level", s.log_level]
+        common = ["--nats-url", nats_url, "--data-dir", s.data_dir, "--log-level", s.log_level,
+                  *(["--log-json"] if s.log_json else [])]
 
-        def creds(role: str) -> list[str]:  # the embedded server's credentials, one file per role
-            return [] if self.external_nats else ["--nats-creds", str(Path(s.data_dir) / "creds" / f"{role}.json")]
+        def nats_args(role: str) -> list[str]:
+            if self.external_nats:  # what `up` was given for that server
+                given = {"--nats-creds": s.nats_creds, "--nats-user": s.nats_user, "--nats-ca": s.nats_ca,
+                         "--nats-cert": s.nats_cert, "--nats-key": s.nats_key}
+                return [arg for flag, value in given.items() if value for arg in (flag, value)]
+            return ["--nats-creds", str(Path(s.data_dir) / "creds" / f"{role}.json")]  # the embedded server's, per role
 
         metrics: list[int] = []
         for i in range(self.generators):
             mport = 0
             if s.metrics_port > 0:
-                mport = self._port(f"generator-{i} metrics", s.metrics_port + i, "metrics_port" in self.explicit)
+                mport = self._port(f"generator-{i} metrics", s.metrics_port + i, self.metrics_port_chosen)
                 metrics.append(mport)
             ready_file = Path(s.data_dir) / "run" / f"generator-{i}.ready"
             ready_file.parent.mkdir(parents=True, exist_ok=True)
             ready_file.unlink(missing_ok=True)
             self.roles.append(self._child_role(
                 f"generator-{i}", "generator",
-                ["generator", *common, *creds("generator"), "--model", s.model, "--device", s.device,
+                ["generator", *common, *nats_args("generator"), "--model", s.model, "--device", s.device,
                  "--dtype", s.dtype, "--quant", s.quant, "--metrics-port", str(mport),
                  *(["--model-path", s.model_path] if s.model_path else [])],
                 self._ready_file_check(f"generator-{i}", ready_file),
                 env={**os.environ, "TOKENPIPE_READY_FILE": str(ready_file)}))
         self._ports["metrics"] = metrics
         self.roles.append(self._child_role(
-            "relay", "relay", ["relay", *common, *creds("relay"), "--host", s.host, "--port", str(relay_port)],
+            "relay", "relay", ["relay", *common, *nats_args("relay"), "--model", s.model, "--host", s.host,
+                                "--port", str(relay_port)],
             http_ok(f"{self._ports['relay_url']}/healthz", timeout=1.0),
             env={**os.environ, "TOKENPIPE_EXPECTED_GENERATORS": str(self.generators)}))
 
@@ -187,11 +193,11 @@ class Supervisor:
                 if role.kind != "nats":
                     self._start(role)
             self._write_status()
-            deadline = time.monotonic() + self.ready_timeout
+            deadline = time.monotonic() + _READY_TIMEOUT_S
             while self._stop_signal is None:
                 self._tick()
                 if self._state == "starting" and time.monotonic() > deadline:
-                    log.error("tokenpipe did not come up in time; stopping", extra={"timeout_s": self.ready_timeout})
+                    log.error("tokenpipe did not come up in time; stopping", extra={"timeout_s": _READY_TIMEOUT_S})
                     return 1
                 time.sleep(_POLL_S)  # polling child processes: signals interrupt it
             return 0
@@ -267,11 +273,9 @@ class Supervisor:
 
     def _check_viable(self, failed: Role) -> None:
         if failed.kind in ("nats", "relay"):
-            self._state = "failed"
             raise _GiveUp
         if all(r.state == "failed" for r in self.roles if r.kind == "generator"):
             log.error("no generator is left; stopping")
-            self._state = "failed"
             raise _GiveUp
 
     def _on_change(self) -> None:
