@@ -97,7 +97,7 @@ def create_app(settings: Settings, tracer_provider: TracerProvider | None = None
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        headers = dict(getattr(exc, "headers", None) or {})
+        headers = dict(exc.headers or {})
         if exc.status_code == 405:
             # Starlette names the methods of the first route matching the path only; a path served by
             # several routes (GET and DELETE /v1/streams/{id}) allows all of theirs.

@@ -36,19 +36,17 @@ class KeyRing:
 
     @classmethod
     def load(cls, spec: str = "", path: str = "") -> KeyRing:
-        entries: list[str] = [e for e in spec.split(",") if e.strip()]
+        entries = spec.split(",")
         if path:
             for line in Path(path).read_text().splitlines():
                 line = line.split("#", 1)[0].strip()
-                if line:
-                    entries.append(line.replace(" ", ":", 1) if ":" not in line else line)
+                entries.append(line.replace(" ", ":", 1) if ":" not in line else line)
         keys: dict[str, str] = {}
-        for entry in entries:
-            key, _, tenant = entry.strip().partition(":")
+        for entry in entries:  # a blank one has no key: skipped
+            key, _, tenant = entry.partition(":")
             key, tenant = key.strip(), tenant.strip()
-            if not key:
-                continue
-            keys[key] = tenant or "key-" + hashlib.sha256(key.encode()).hexdigest()[:12]
+            if key:
+                keys[key] = tenant or "key-" + hashlib.sha256(key.encode()).hexdigest()[:12]
         return cls(keys)
 
     @property

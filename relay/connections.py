@@ -34,7 +34,7 @@ def _raw_response(status: int, reason: bytes, message: str, code: str) -> bytes:
 class _EdgeProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with a header deadline and JSON parse errors."""
 
-    header_timeout_s = 10.0
+    header_timeout_s: float  # the relay's setting: server_options makes a subclass per relay
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

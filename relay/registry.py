@@ -8,9 +8,8 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
 
-from tokenpipe.errors import InvalidRequest, ModelNotFound, NoGenerator, WireFormatError
+from tokenpipe.errors import ModelNotFound, NoGenerator, WireFormatError
 from tokenpipe.subjects import check_model_name
 from tokenpipe.wire import Announcement
 
@@ -83,13 +82,11 @@ class GeneratorRegistry:
     def has_model(self, model: str) -> bool:
         return any(w.model == model for w in self.live())
 
-    async def resolve(self, model: Any) -> str:
+    async def resolve(self, model: str | None) -> str:
         """The model to use; 404 if nobody ever served it, 503 if its generators are gone."""
         if model is None:
             models = self.models()
             model = self.default_model if self.default_model in models or not models else models[0]
-        if not isinstance(model, str):
-            raise InvalidRequest("'model' must be a string", param="model")
         check_model_name(model)
         wait_s = self.wait_s
         if not self.has_model(model) and self.recently_lapsed(model, _LAPSED_RECENT_S):

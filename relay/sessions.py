@@ -104,7 +104,10 @@ class Forwarder:
         self._created: OrderedDict[str, StreamMeta] = OrderedDict()
 
     async def start(self) -> None:
-        await self._bus().nc.subscribe(READERS_WILDCARD, cb=self._on_readers_query)
+        bus = self._bus()
+        self.fanout = Fanout(bus)
+        await self.fanout.start()
+        await bus.nc.subscribe(READERS_WILDCARD, cb=self._on_readers_query)
 
     async def stop(self) -> None:
         for task in list(self._tasks):
@@ -112,6 +115,8 @@ class Forwarder:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._grace.clear()
+        if self.fanout is not None:
+            await self.fanout.stop()
 
     async def _on_readers_query(self, msg: Msg) -> None:
         """Answer also while a reader that left here is within its grace (this relay decides then)."""

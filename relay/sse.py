@@ -27,5 +27,5 @@ def sse_event(data: Any, *, event: str | None = None, id: str | int | None = Non
     return head + b"data: " + body.replace(b"\n", b"\ndata: ") + b"\n\n"
 
 
-def sse_comment(text: str = "ping") -> bytes:
-    return f": {text}\n\n".encode()
+def sse_comment() -> bytes:
+    return b": ping\n\n"

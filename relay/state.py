@@ -22,7 +22,6 @@ from tokenpipe.telemetry import get_tracer
 
 from .admission import Admission
 from .auth import KeyRing
-from .fanout import Fanout
 from .http import WriteWatchdog
 from .registry import GeneratorRegistry
 from .sessions import Forwarder
@@ -42,7 +41,6 @@ class RelayState:
                                           discover=self._discover)
         self.keys = KeyRing.load(settings.api_keys, settings.api_keys_file)
         self.bus: Bus | None = None
-        self.fanout: Fanout | None = None
         self.watchdog = WriteWatchdog(settings.slow_client_timeout_s)
         self.metrics = RelayMetrics()
         self.admission = Admission(settings, self.require_bus)
@@ -59,9 +57,6 @@ class RelayState:
                         extra={"host": self.settings.host})
         self.bus = await connect(self.settings, name="tokenpipe-relay")
         self.bus.on_dropped_batch.append(lambda reason: self.metrics.dropped_batches.labels(reason).inc())
-        self.fanout = Fanout(self.bus)
-        await self.fanout.start()
-        self.forwarder.fanout = self.fanout
         await self.forwarder.start()
         nc = self.bus.nc
         await nc.subscribe(f"{ANNOUNCE_PREFIX}.>", cb=self._on_announce)
@@ -122,8 +117,6 @@ class RelayState:
         await stop_loops(self._stopping, [t for t in (self._repair_task, self._repair_now) if t is not None])
         await self.watchdog.stop()
         await self.forwarder.stop()
-        if self.fanout is not None:
-            await self.fanout.stop()
         if self.bus is not None:
             await self.bus.close()
 

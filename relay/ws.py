@@ -187,9 +187,10 @@ class Connection:
         ref: Ref = None
         frame: dict[str, Any] = {}
         try:
-            if len(text) > self.state.settings.max_body_bytes:
+            data = text.encode()  # the limit is in bytes, as an HTTP body's is
+            if len(data) > self.state.settings.max_body_bytes:
                 raise RequestTooLarge(self.state.settings.max_body_bytes)
-            frame = parse_json(text.encode())
+            frame = parse_json(data)
             ref = _ref(frame)
             kind = frame.get("type")
             if kind == "auth":

@@ -174,7 +174,7 @@ async def test_regression_openai_client_gone_before_reading_leaves_no_registered
         relay: RelayServer) -> None:
     """A live reader registered before submission must be unregistered even when the response
     is never read (it would otherwise sit in the dispatch table for good)."""
-    fan = relay.app.state.relay.fanout
+    fan = relay.app.state.relay.forwarder.fanout
     assert fan is not None
     before = fan.readers
     async with httpx.AsyncClient(base_url=relay.url, timeout=60) as client:

@@ -178,6 +178,20 @@ async def test_bad_frames_get_error_frames_and_the_socket_stays_open(relay: Rela
         assert await recv(ws) == {"type": "pong", "ref": "still-here"}
 
 
+async def test_regression_a_ws_frame_was_held_to_max_body_bytes_in_characters_not_bytes(
+        settings: Settings, generator: GeneratorWorker) -> None:
+    """A frame of 57 characters but 87 bytes (UTF-8) passed a 64-byte ``max_body_bytes`` that refuses
+    the same bytes as an HTTP body (413): the frame's length was taken in characters."""
+    relay = await start_relay(settings.replace(max_body_bytes=64))
+    try:
+        async with connect(ws_url(relay)) as ws:
+            await ws.send(json.dumps({"type": "ping", "pad": "é" * 30}, ensure_ascii=False))
+            frame = await recv(ws)
+            assert frame["type"] == "error" and frame["code"] == "request_too_large" and frame["status"] == 413
+    finally:
+        await relay.stop()
+
+
 async def test_auth_by_header_or_first_frame_nothing_else_before_it(keyed: RelayServer) -> None:
     async with connect(ws_url(keyed), additional_headers={"Authorization": "Bearer key-alice"}) as ws:
         await send(ws, {"type": "ping", "ref": 1})
