@@ -325,7 +325,7 @@ class GeneratorWorker:
         """Seconds between in-progress acks. A short ``ack_wait`` makes a dead worker's requests move
         on quickly; these acks keep a live worker's requests its own. The slack is ``ack_wait`` minus
         this: an event loop stalled longer than that (GC, a busy CPU) loses its requests."""
-        return max(min(self.settings.progress_interval_s, self.intake.ack_wait_s / 3), 0.05)
+        return max(min(self.settings.progress_interval_s, self.settings.ack_wait_s / 3), 0.05)
 
     async def _progress_loop(self) -> None:
         """Tell JetStream that every held request is still in progress (before ``ack_wait`` runs out)."""
