@@ -59,15 +59,15 @@ class GeneratorWorker:
     """Serve one model from NATS until :meth:`stop` is called."""
 
     def __init__(self, settings: Settings, loaded: LoadedModel, bus: Bus,
-                 tracer_provider: TracerProvider | None = None, metrics: GeneratorMetrics | None = None,
-                 torch_thread: Executor | None = None, engine_process: EngineProcess | None = None) -> None:
+                 tracer_provider: TracerProvider | None = None, torch_thread: Executor | None = None,
+                 engine_process: EngineProcess | None = None) -> None:
         self.settings = settings
         self.loaded = loaded
         self.model = loaded.name
         self.bus = bus
         self.worker_id = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
         self.tracer = get_tracer(tracer_provider or trace.NoOpTracerProvider())
-        self.metrics = metrics or GeneratorMetrics(loaded.name)
+        self.metrics = GeneratorMetrics(loaded.name)
         self.runner: Runner | EngineProcess
         if engine_process is None:
             self.runner = Runner.for_settings(loaded, settings, self._from_engine_thread,
