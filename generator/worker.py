@@ -17,6 +17,7 @@ import secrets
 import socket
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Executor
 
 from nats.aio.msg import Msg
@@ -39,7 +40,6 @@ from .announce import Announcer
 from .engineproc import EngineProcess
 from .intake import RequestIntake, keep, patiently
 from .models import LoadedModel
-from .observe import step_observer
 from .publisher import BatchPublisher
 from .runner import Emission, FirstBatchGate, Job, Runner
 from .writer import OutputContext, StreamWriter
@@ -68,12 +68,14 @@ class GeneratorWorker:
         self.worker_id = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
         self.tracer = get_tracer(tracer_provider or trace.NoOpTracerProvider())
         self.metrics = GeneratorMetrics(loaded.name)
+        # The engine thread calls it once a step (prometheus_client is thread-safe).
+        on_step: Callable[[int], None] = self.metrics.labels(self.metrics.batch_size).observe
         self.runner: Runner | EngineProcess
         if engine_process is None:
-            self.runner = Runner.for_settings(loaded, settings, self._from_engine_thread,
-                                              on_step=step_observer(self.metrics), torch_thread=torch_thread)
+            self.runner = Runner.for_settings(loaded, settings, self._from_engine_thread, on_step=on_step,
+                                              torch_thread=torch_thread)
         else:  # the engine runs in its own process (generator.engineproc), already loaded
-            engine_process.on_emit, engine_process.on_step = self._from_engine_thread, step_observer(self.metrics)
+            engine_process.on_emit, engine_process.on_step = self._from_engine_thread, on_step
             self.runner = engine_process
         self.active: dict[str, StreamWriter] = {}  # the requests this worker holds, by stream id
         self.recent_cancels: OrderedDict[str, None] = OrderedDict()
