@@ -1,7 +1,6 @@
 """Pulling requests from JetStream, and answering the ones that cannot run.
 
-With :mod:`generator.worker` and :mod:`generator.publisher`, the only generator modules that
-import nats. Requests come from the shared durable consumer ``gen-<model>``, never more than
+Requests come from the shared durable consumer ``gen-<model>``, never more than
 the batch has room for; a burst already waiting in the queue comes in one round trip. A
 request that cannot run (undecodable, invalid, out of delivery attempts) gets an error batch
 on its stream, so its client is told instead of waiting.

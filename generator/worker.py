@@ -1,7 +1,6 @@
 """The generator worker: its lifecycle, taking requests when slots are free, and cancelling them.
 
-With :mod:`generator.intake` and :mod:`generator.publisher`, the only generator modules
-that import nats. It takes the requests :class:`RequestIntake` pulls for the free slots
+It takes the requests :class:`RequestIntake` pulls for the free slots
 (continuing redelivered ones from their published history), hands them to the
 :class:`Runner` thread, and routes what comes back to each request's
 :class:`~generator.writer.StreamWriter` (coalescing, publishing, the ack).
