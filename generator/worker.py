@@ -175,8 +175,7 @@ class GeneratorWorker:
 
     async def _fetch_loop(self) -> None:
         while not self._stopping.is_set():
-            free = self.free_slots
-            if free <= 0:
+            if self.free_slots <= 0:
                 self._slot_freed.clear()
                 await self._slot_freed.wait()
                 continue
