@@ -179,7 +179,7 @@ class StreamWriter:
             return
         # Msg-Id per (stream, seq, writer): a retry of this writer's append is recognised as its own.
         headers = {**self.headers, "Nats-Msg-Id": f"{self.owner}:{batch.id}:{batch.seq}:{self._tag}"}
-        self.timeline.on_batch(self.ctx.metrics, batch, batch.timings.get("emitted", time.time_ns()))
+        self.timeline.on_batch(self.ctx.metrics, batch, batch.timings["emitted"])  # set by the coalescer
         self.ctx.publisher.publish(self.chain, batch.encode(), headers)
         if batch.is_final:
             self._finish(batch)
