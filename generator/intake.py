@@ -1,7 +1,6 @@
 """Pulling requests from JetStream, and answering the ones that cannot run.
 
-With :mod:`generator.worker` and :mod:`generator.publisher`, the only generator modules that
-import nats. Requests come from the shared durable consumer ``gen-<model>``, never more than
+Requests come from the shared durable consumer ``gen-<model>``, never more than
 the batch has room for; a burst already waiting in the queue comes in one round trip. A
 request that cannot run (undecodable, invalid, out of delivery attempts) gets an error batch
 on its stream, so its client is told instead of waiting.
@@ -49,13 +48,6 @@ class RequestIntake:
         self._psub: JetStreamContext.PullSubscription | None = None
         self._advisories: Subscription | None = None
 
-    @property
-    def ack_wait_s(self) -> float:
-        """The consumer's ``ack_wait``, the same on one node and a cluster: a request redelivered while
-        its holder still runs it (a leader election delayed its progress acks, a freeze) is safe,
-        because the store takes appends from one writer only (tokenpipe.append)."""
-        return self.settings.ack_wait_s
-
     def _consumer_config(self) -> js_api.ConsumerConfig:
         return js_api.ConsumerConfig(
             # A name: nats-py then sends the filtered create form, which permissions can confine.
@@ -63,7 +55,10 @@ class RequestIntake:
             durable_name=consumer_name(self.model),
             filter_subject=model_request_filter(self.model),
             ack_policy=js_api.AckPolicy.EXPLICIT,
-            ack_wait=self.ack_wait_s,
+            # The same on one node and a cluster: a request redelivered while its holder still runs it
+            # (a leader election delayed its progress acks, a freeze) is safe, because the store takes
+            # appends from one writer only (tokenpipe.append).
+            ack_wait=self.settings.ack_wait_s,
             max_deliver=self.settings.max_deliver,
             max_ack_pending=-1,
         )
@@ -79,11 +74,11 @@ class RequestIntake:
         have = info.config
         # A consumer made before requests carried their owner filters ``tp.req.<model>``: it would match
         # nothing now, so its filter moves to ``tp.req.<model>.>`` too (its queue is kept).
-        if (abs(float(have.ack_wait or 0) - self.ack_wait_s) > 1e-3 or have.max_deliver != config.max_deliver
+        if (abs(float(have.ack_wait or 0) - self.settings.ack_wait_s) > 1e-3 or have.max_deliver != config.max_deliver
                 or have.filter_subject != config.filter_subject):
             await self.bus.js.add_consumer(REQUESTS_STREAM, config)  # create-or-update: same name, new fields
             log.info("request consumer updated", extra={"consumer": consumer_name(self.model),
-                                                         "ack_wait_s": self.ack_wait_s,
+                                                         "ack_wait_s": self.settings.ack_wait_s,
                                                          "was_ack_wait_s": have.ack_wait})
 
     async def subscribe(self) -> None:

@@ -13,7 +13,6 @@ import torch
 
 from tokenpipe.bus import connect
 from tokenpipe.errors import GenerationError
-from tokenpipe.metrics import GeneratorMetrics
 from tokenpipe.settings import Settings
 from tokenpipe.telemetry import setup_tracing
 
@@ -69,11 +68,10 @@ async def serve(settings: Settings) -> None:
         loaded = await loop.run_in_executor(engine_thread, partial(load_for, settings))
     provider = setup_tracing("tokenpipe-generator")
     bus = await connect(settings, name=f"tokenpipe-generator-{loaded.name}", role="generator")
-    metrics = GeneratorMetrics(loaded.name)
-    worker = GeneratorWorker(settings, loaded, bus, tracer_provider=provider, metrics=metrics,
-                             torch_thread=engine_thread, engine_process=engine)
+    worker = GeneratorWorker(settings, loaded, bus, tracer_provider=provider, torch_thread=engine_thread,
+                             engine_process=engine)
     if status is not None:
-        status.registry, status.worker = metrics.registry, worker
+        status.registry, status.worker = worker.metrics.registry, worker
     await worker.start()
     ready = Path(settings.ready_file) if settings.ready_file else None
     if ready is not None:  # `tokenpipe up` reads it: this process serves

@@ -1,5 +1,4 @@
-"""The generator's observers: the per-request timeline → Prometheus observations and child
-spans, and the engine thread's once-per-step observer.
+"""The generator's per-request timeline → Prometheus observations and child spans.
 
 The engine serves many requests per step, so per-request phases cannot be live spans on the
 engine thread; instead the timeline is recorded as it happens and turned into spans with
@@ -8,7 +7,6 @@ explicit start/end times when the request finishes.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,14 +16,7 @@ from opentelemetry.trace import Tracer
 from tokenpipe.metrics import GeneratorMetrics
 from tokenpipe.wire import TokenBatch
 
-__all__ = ["Timeline", "step_observer"]
-
-
-def step_observer(metrics: GeneratorMetrics) -> Callable[[int], None]:
-    """The engine thread's once-per-step callback: the batch-size histogram's ``observe``
-    (prometheus_client is thread-safe)."""
-    observe: Callable[[int], None] = metrics.labels(metrics.batch_size).observe
-    return observe
+__all__ = ["Timeline"]
 
 
 @dataclass

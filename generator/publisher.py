@@ -196,8 +196,8 @@ class BatchPublisher:
 
     async def _drain(self, chain: AppendChain) -> None:
         try:
-            while chain.queue and not chain.lost:
-                item = chain.queue[0]
+            while chain.queue:
+                item = chain.queue.popleft()
                 if isinstance(item, _Ack):
                     try:
                         await item.msg.ack()
@@ -211,8 +211,6 @@ class BatchPublisher:
                         chain.queue.clear()
                         chain.on_lost(lost)
                         return
-                if chain.queue:
-                    chain.queue.popleft()
         finally:
             chain.task = None
 

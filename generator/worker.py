@@ -1,7 +1,6 @@
 """The generator worker: its lifecycle, taking requests when slots are free, and cancelling them.
 
-With :mod:`generator.intake` and :mod:`generator.publisher`, the only generator modules
-that import nats. It takes the requests :class:`RequestIntake` pulls for the free slots
+It takes the requests :class:`RequestIntake` pulls for the free slots
 (continuing redelivered ones from their published history), hands them to the
 :class:`Runner` thread, and routes what comes back to each request's
 :class:`~generator.writer.StreamWriter` (coalescing, publishing, the ack).
@@ -17,6 +16,7 @@ import secrets
 import socket
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Executor
 
 from nats.aio.msg import Msg
@@ -39,7 +39,6 @@ from .announce import Announcer
 from .engineproc import EngineProcess
 from .intake import RequestIntake, keep, patiently
 from .models import LoadedModel
-from .observe import step_observer
 from .publisher import BatchPublisher
 from .runner import Emission, FirstBatchGate, Job, Runner
 from .writer import OutputContext, StreamWriter
@@ -59,22 +58,23 @@ class GeneratorWorker:
     """Serve one model from NATS until :meth:`stop` is called."""
 
     def __init__(self, settings: Settings, loaded: LoadedModel, bus: Bus,
-                 tracer_provider: TracerProvider | None = None, worker_id: str | None = None,
-                 metrics: GeneratorMetrics | None = None, torch_thread: Executor | None = None,
+                 tracer_provider: TracerProvider | None = None, torch_thread: Executor | None = None,
                  engine_process: EngineProcess | None = None) -> None:
         self.settings = settings
         self.loaded = loaded
         self.model = loaded.name
         self.bus = bus
-        self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+        self.worker_id = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
         self.tracer = get_tracer(tracer_provider or trace.NoOpTracerProvider())
-        self.metrics = metrics or GeneratorMetrics(loaded.name)
+        self.metrics = GeneratorMetrics(loaded.name)
+        # The engine thread calls it once a step (prometheus_client is thread-safe).
+        on_step: Callable[[int], None] = self.metrics.labels(self.metrics.batch_size).observe
         self.runner: Runner | EngineProcess
         if engine_process is None:
-            self.runner = Runner.for_settings(loaded, settings, self._from_engine_thread,
-                                              on_step=step_observer(self.metrics), torch_thread=torch_thread)
+            self.runner = Runner.for_settings(loaded, settings, self._from_engine_thread, on_step=on_step,
+                                              torch_thread=torch_thread)
         else:  # the engine runs in its own process (generator.engineproc), already loaded
-            engine_process.on_emit, engine_process.on_step = self._from_engine_thread, step_observer(self.metrics)
+            engine_process.on_emit, engine_process.on_step = self._from_engine_thread, on_step
             self.runner = engine_process
         self.active: dict[str, StreamWriter] = {}  # the requests this worker holds, by stream id
         self.recent_cancels: OrderedDict[str, None] = OrderedDict()
@@ -175,8 +175,7 @@ class GeneratorWorker:
 
     async def _fetch_loop(self) -> None:
         while not self._stopping.is_set():
-            free = self.free_slots
-            if free <= 0:
+            if self.free_slots <= 0:
                 self._slot_freed.clear()
                 await self._slot_freed.wait()
                 continue
@@ -325,7 +324,7 @@ class GeneratorWorker:
         """Seconds between in-progress acks. A short ``ack_wait`` makes a dead worker's requests move
         on quickly; these acks keep a live worker's requests its own. The slack is ``ack_wait`` minus
         this: an event loop stalled longer than that (GC, a busy CPU) loses its requests."""
-        return max(min(self.settings.progress_interval_s, self.intake.ack_wait_s / 3), 0.05)
+        return max(min(self.settings.progress_interval_s, self.settings.ack_wait_s / 3), 0.05)
 
     async def _progress_loop(self) -> None:
         """Tell JetStream that every held request is still in progress (before ``ack_wait`` runs out)."""

@@ -89,7 +89,6 @@ class StreamWriter:
         self.timer: asyncio.TimerHandle | None = None
         self.closed = False
         self.refused = False  # the stream id was taken: nothing of this request is ever published
-        self.lost = False  # the store refused an append: another writer holds the stream now
         self.chain = ctx.publisher.chain(owner, request.id, last=stored_last, on_lost=self._on_lost)
         # Unique to this writer: a retry of its own append is told apart from another writer's by it.
         self._tag = secrets.token_hex(4)
@@ -132,10 +131,8 @@ class StreamWriter:
 
     def _on_lost(self, exc: StreamLost) -> None:
         """The store refused an append: stop now, publish nothing more, never ack (the delivery is
-        the new holder's); the worker cancels the request in the engine and frees its slot."""
-        if self.lost:
-            return
-        self.lost = True
+        the new holder's); the worker cancels the request in the engine and frees its slot. The
+        chain calls it once: a lost chain takes nothing more."""
         self.msg = None
         if not self.closed:  # else finished or handed back already, its span ended
             self.closed = True
@@ -182,7 +179,7 @@ class StreamWriter:
             return
         # Msg-Id per (stream, seq, writer): a retry of this writer's append is recognised as its own.
         headers = {**self.headers, "Nats-Msg-Id": f"{self.owner}:{batch.id}:{batch.seq}:{self._tag}"}
-        self.timeline.on_batch(self.ctx.metrics, batch, batch.timings.get("emitted", time.time_ns()))
+        self.timeline.on_batch(self.ctx.metrics, batch, batch.timings["emitted"])  # set by the coalescer
         self.ctx.publisher.publish(self.chain, batch.encode(), headers)
         if batch.is_final:
             self._finish(batch)

@@ -30,7 +30,6 @@ from .sse import SSEEvent
 __all__ = ["RelaySocket", "relay_error"]
 
 _STREAM_FRAMES = frozenset({"tokens", "gap", "done", "error"})
-_CLOSED = None  # queued to every stream when the socket goes away
 
 
 def relay_error(message: str, code: str | None, param: str | None, *, status: int,
@@ -104,7 +103,7 @@ class RelaySocket:
                 if not future.done():
                     future.set_exception(closed)
             for queue in self._streams.values():
-                queue.put_nowait(_CLOSED)
+                queue.put_nowait(None)  # the socket went away
 
     def _dispatch(self, frame: dict[str, Any]) -> None:
         ref = frame.get("ref")
