@@ -18,14 +18,14 @@ from tokenpipe.telemetry import extract_context
 
 __all__ = ["ObserveMiddleware", "route_of"]
 
-_UNTRACED = frozenset({"/healthz", "/readyz", "/metrics"})
+_UNTRACED = frozenset({"/health", "/healthz", "/readyz", "/metrics"})
 
 
 def route_of(path: str) -> str:
     """A low-cardinality route label (stream ids never become label values)."""
     if path.startswith("/v1/streams/"):
         return "/v1/streams/{id}"
-    if path in ("/", "/healthz", "/readyz", "/metrics", "/v1/models", "/v1/streams", "/v1/chat/completions",
+    if path in ("/", "/health", "/healthz", "/readyz", "/metrics", "/v1/models", "/v1/streams", "/v1/chat/completions",
                 "/v1/completions"):
         return path
     return "other"

@@ -131,6 +131,25 @@ async def test_native_stream_forwarding_joins_the_submission_trace_and_replay_li
     assert [link.context.trace_id for link in replay.links] == [consumer.context.trace_id]
 
 
+async def test_regression_the_health_alias_was_traced_and_counted_as_route_other(
+        traced: Any, spans: InMemorySpanExporter) -> None:
+    """``/health`` (vLLM's and TGI's liveness path, an alias of ``/healthz``) got a server span and a
+    ``route="other"`` request count on every probe; the probe paths are neither traced nor counted."""
+    _, relay = traced
+    series = 'tokenpipe_http_requests_total{route="other",status="200"}'
+
+    def count(text: str) -> float:
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(series))
+
+    async with httpx.AsyncClient(timeout=30) as http:
+        before = count((await http.get(relay.url + "/metrics")).text)
+        for path in ("/health", "/healthz"):
+            assert (await http.get(relay.url + path)).status_code == 200
+        after = count((await http.get(relay.url + "/metrics")).text)
+    assert after == before
+    assert not [s.name for s in spans.get_finished_spans() if "health" in s.name or s.name.endswith(" other")]
+
+
 async def test_metrics_expose_named_series_that_move(traced: Any) -> None:
     worker, relay = traced
     port = free_port()
