@@ -7,12 +7,15 @@ result cached as safetensors under ``<data_dir>/models`` so later starts take ~1
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import importlib.util
 import logging
 import os
 import re
 import shutil
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -130,11 +133,40 @@ def _complete(target: Path) -> bool:
     return marker.exists() and marker.read_text() == _CACHE_VERSION
 
 
+@contextlib.contextmanager
+def _preparing(target: Path) -> Iterator[bool]:
+    """Hold the lock beside ``target`` (one preparation at a time across the processes sharing a
+    data dir: generators started together on a fresh one); yields whether ``target`` still needs it."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.with_name(f".{target.name}.lock"), "w") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("another process is preparing %s; waiting for it", target)
+            fcntl.flock(fh, fcntl.LOCK_EX)
+        yield not _complete(target)  # the lock goes with the file's close
+
+
+def _publish(tmp: Path, target: Path) -> None:
+    """Mark ``tmp`` complete and move it to ``target`` (under the lock): a crash mid-way never
+    leaves a half cache that looks complete."""
+    (tmp / ".complete").write_text(_CACHE_VERSION)
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.rename(target)
+
+
 def prepare_smollm2(data_dir: str | os.PathLike[str]) -> Path:
     """De-quantize the GGUF once into ``<data_dir>/models/smollm2-135m`` and return that dir."""
     target = Path(data_dir) / "models" / SMOLLM2
     if _complete(target):
         return target
+    with _preparing(target) as needed:
+        if needed:
+            _convert_smollm2(target)
+    return target
+
+
+def _convert_smollm2(target: Path) -> None:
     from rich.console import Console
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
@@ -151,14 +183,10 @@ def prepare_smollm2(data_dir: str | os.PathLike[str]) -> Path:
     plain.load_state_dict(gguf_model.state_dict())
     tmp = target.with_name(target.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    target.parent.mkdir(parents=True, exist_ok=True)
     plain.save_pretrained(tmp)
     tok.save_pretrained(tmp)
-    (tmp / ".complete").write_text(_CACHE_VERSION)
-    shutil.rmtree(target, ignore_errors=True)
-    tmp.rename(target)  # atomic: a crash mid-way never leaves a half cache that looks complete
+    _publish(tmp, target)
     console.print(f"[bold]tokenpipe[/]: {SMOLLM2} cached in {time.monotonic() - t0:.1f}s")
-    return target
 
 
 def prepare_tokenizer(data_dir: str | os.PathLike[str]) -> Path:
@@ -173,16 +201,13 @@ def prepare_tokenizer(data_dir: str | os.PathLike[str]) -> Path:
         return target
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(_gguf_dir(), gguf_file=_GGUF_FILE)
-    tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")  # several generators may race here
-    shutil.rmtree(tmp, ignore_errors=True)
-    tok.save_pretrained(tmp)
-    (tmp / ".complete").write_text(_CACHE_VERSION)
-    shutil.rmtree(target, ignore_errors=True)
-    try:
-        tmp.rename(target)
-    except OSError:  # another process got there first; its copy is the same
-        shutil.rmtree(tmp, ignore_errors=True)
+    with _preparing(target) as needed:
+        if needed:
+            tok = AutoTokenizer.from_pretrained(_gguf_dir(), gguf_file=_GGUF_FILE)
+            tmp = target.with_name(target.name + ".tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            tok.save_pretrained(tmp)
+            _publish(tmp, target)
     return target
 
 

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -68,3 +72,20 @@ async def test_sdk_streams_emoji_and_cjk_intact(smol_generator: GeneratorWorker,
     assert "".join(pieces) == result.text
     assert expect in result.text
     assert result.text == smollm2.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+
+
+def test_regression_two_generators_preparing_one_fresh_data_dir_converted_at_once(tmp_path: Path) -> None:
+    """Two processes preparing SmolLM2 in one fresh data dir (generators started together by hand)
+    both converted it (twice the work) through the same ``.tmp`` directory, where one could remove
+    what the other was writing or had just moved into place. Now one converts, under a lock beside
+    the cache, and the other waits for it and uses its cache."""
+    code = "import sys; from generator.models import prepare_smollm2; print(prepare_smollm2(sys.argv[1]))"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
+    target = tmp_path / "models" / "smollm2-135m"
+    assert [out.strip() for out, _ in outs] == [str(target)] * 2
+    assert sum(err.count("preparing smollm2-135m") for _, err in outs) == 1
+    assert (target / ".complete").exists() and not target.with_name("smollm2-135m.tmp").exists()
