@@ -180,7 +180,7 @@ class EngineProcess:
     # -- the Runner API ------------------------------------------------------------
     def submit(self, job: Job) -> None:
         self._sent += 1
-        self._send([_JOB, job.request.encode(), list(job.resume_ids), job.received_ns, job.more_coming])
+        self._send([_JOB, job.request.encode(), list(job.resume_ids), job.more_coming])
 
     def cancel(self, request_id: str) -> None:
         if self.dead:
@@ -299,9 +299,8 @@ def _child_main(conn: Connection) -> None:
             os._exit(0)  # the generator is gone (killed): so is its engine, at once
         kind = frame[0]
         if kind == _JOB:
-            _, data, resume, received_ns, more = frame
-            runner.submit(Job(Request.decode(data), resume_ids=tuple(resume), received_ns=received_ns,
-                              more_coming=more))
+            _, data, resume, more = frame
+            runner.submit(Job(Request.decode(data), resume_ids=tuple(resume), more_coming=more))
             link.accepted += 1  # after submit: the generator's room estimate errs on the low side meanwhile
         elif kind == _CANCEL:
             runner.cancel(frame[1])

@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, Unpack
 
@@ -37,7 +37,6 @@ class Job:
 
     request: Request
     resume_ids: tuple[int, ...] = ()
-    received_ns: int = field(default_factory=time.time_ns)
     # More of the same burst were fetched with this one and are being handed over right behind it.
     more_coming: bool = False
 

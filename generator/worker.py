@@ -296,7 +296,7 @@ class GeneratorWorker:
         if f"{owner}.{request.id}" in self.recent_cancels:
             out.emit(Emission(request.id, (), "", time.time_ns(), finish="cancelled", usage=Usage(0, len(resume))))
             return
-        self.runner.submit(Job(request, resume_ids=resume, received_ns=received, more_coming=more_coming))
+        self.runner.submit(Job(request, resume_ids=resume, more_coming=more_coming))
 
     # -- cancellation ----------------------------------------------------------------
     async def _on_cancel(self, msg: Msg) -> None:
