@@ -47,7 +47,7 @@ from .quant import QuantLinear
 from .stack import ROLES as STACK_ROLES
 from .stack import STACK_KERNELS, build_stack
 
-__all__ = ["BUSY_SHARE", "OthersLoad", "apply_table", "measure_table", "tune_plan"]
+__all__ = ["BUSY_SHARE", "OthersLoad", "apply_table", "measure_table", "one_at_a_time", "tune_plan"]
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +135,7 @@ def _measure_and_cache(path: Path, key: dict[str, Any], model: Any, plan: Plan, 
                        counts: tuple[int, ...], dtype: torch.dtype, busy_share: float | None) -> KernelTable:
     """Under the lock: the table another process cached while this one waited, else one measured here
     (cached only if trusted)."""
-    with _one_at_a_time(path):
+    with one_at_a_time(path, "measuring the kernel table"):
         table = _read_cache(path, key) or _measure_quietly(model, plan, rules, counts, dtype, busy_share)
         if table.source == "measured":
             _write_cache(path, table.to_json(key))
@@ -196,25 +196,26 @@ def _cpu_seconds() -> tuple[float, float, float, int] | None:
 
 
 @contextmanager
-def _one_at_a_time(path: Path) -> Iterator[None]:
-    """Hold an exclusive lock beside the cache file (one measurement at a time: see the module docstring).
-    Without a writable data dir there is no lock (nor a cache)."""
+def one_at_a_time(path: Path, doing: str) -> Iterator[None]:
+    """Hold an exclusive lock beside ``path``, a cache that one process at a time fills (the kernel
+    table: see the module docstring; a converted model), ``doing`` saying how in the log. A holder
+    stopped for good is waited for a bounded time. Without a writable data dir there is no lock
+    (nor a cache)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fh = open(path.with_suffix(".lock"), "a", encoding="ascii")  # noqa: SIM115 - held across the yield
     except OSError as exc:
-        log.warning("no kernel table lock; measuring without one", extra={"path": str(path), "error": str(exc)})
+        log.warning("no lock for %s; going on without one", doing, extra={"path": str(path), "error": str(exc)})
         yield
         return
     with fh:
         if not _try_lock(fh):
-            log.info("another process is measuring the kernel table; waiting for its result",
-                     extra={"path": str(path)})
+            log.info("another process is %s; waiting for its result", doing, extra={"path": str(path)})
             deadline = time.monotonic() + _LOCK_WAIT_S
             while not _try_lock(fh):
                 if time.monotonic() > deadline:
-                    log.warning("the process measuring the kernel table held its lock over %.0f s; going on "
-                                "without it", _LOCK_WAIT_S, extra={"path": str(path)})
+                    log.warning("the process %s held its lock over %.0f s; going on without it", doing,
+                                _LOCK_WAIT_S, extra={"path": str(path)})
                     break
                 time.sleep(0.2)
         yield  # the lock goes with the file's close

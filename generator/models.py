@@ -7,15 +7,12 @@ result cached as safetensors under ``<data_dir>/models`` so later starts take ~1
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import importlib.util
 import logging
 import os
 import re
 import shutil
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +21,7 @@ import torch
 
 from tokenpipe.errors import InvalidRequest, ModelNotFound
 
-from .autotune import tune_plan
+from .autotune import one_at_a_time, tune_plan
 from .forward import build_plan
 from .kernels import KernelTable, cpu_info
 from .quant import QuantMode, dense_rows_for, resolve_quant
@@ -133,20 +130,6 @@ def _complete(target: Path) -> bool:
     return marker.exists() and marker.read_text() == _CACHE_VERSION
 
 
-@contextlib.contextmanager
-def _preparing(target: Path) -> Iterator[bool]:
-    """Hold the lock beside ``target`` (one preparation at a time across the processes sharing a
-    data dir: generators started together on a fresh one); yields whether ``target`` still needs it."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.with_name(f".{target.name}.lock"), "w") as fh:
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log.info("another process is preparing %s; waiting for it", target)
-            fcntl.flock(fh, fcntl.LOCK_EX)
-        yield not _complete(target)  # the lock goes with the file's close
-
-
 def _publish(tmp: Path, target: Path) -> None:
     """Mark ``tmp`` complete and move it to ``target`` (under the lock): a crash mid-way never
     leaves a half cache that looks complete."""
@@ -160,8 +143,8 @@ def prepare_smollm2(data_dir: str | os.PathLike[str]) -> Path:
     target = Path(data_dir) / "models" / SMOLLM2
     if _complete(target):
         return target
-    with _preparing(target) as needed:
-        if needed:
+    with one_at_a_time(target, f"preparing {SMOLLM2}"):  # generators started together on a fresh data dir
+        if not _complete(target):  # else another process prepared it while this one waited
             _convert_smollm2(target)
     return target
 
@@ -201,8 +184,8 @@ def prepare_tokenizer(data_dir: str | os.PathLike[str]) -> Path:
         return target
     from transformers import AutoTokenizer
 
-    with _preparing(target) as needed:
-        if needed:
+    with one_at_a_time(target, f"preparing {target.name}"):
+        if not _complete(target):
             tok = AutoTokenizer.from_pretrained(_gguf_dir(), gguf_file=_GGUF_FILE)
             tmp = target.with_name(target.name + ".tmp")
             shutil.rmtree(tmp, ignore_errors=True)

@@ -87,5 +87,5 @@ def test_regression_two_generators_preparing_one_fresh_data_dir_converted_at_onc
     assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
     target = tmp_path / "models" / "smollm2-135m"
     assert [out.strip() for out, _ in outs] == [str(target)] * 2
-    assert sum(err.count("preparing smollm2-135m") for _, err in outs) == 1
+    assert sum(err.count("preparing smollm2-135m (one-time") for _, err in outs) == 1
     assert (target / ".complete").exists() and not target.with_name("smollm2-135m.tmp").exists()
