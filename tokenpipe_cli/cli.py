@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
 def _dispatch(args: argparse.Namespace) -> int:
     require_extras(args.cmd)
     if args.cmd == "nats":
-        from .cluster import node_args
+        from .clusternode import node_args
         from .natsserver import NatsServer
 
         cluster = None
