@@ -217,7 +217,7 @@ def _dispatch(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 0
     if args.cmd == "prepare":
-        from generator.models import prepare_smollm2
+        from generator.model.preparation import prepare_smollm2
 
         print(prepare_smollm2(args.data_dir or Settings.load().data_dir))
         return 0
