@@ -26,9 +26,9 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.kvstep import RawSteps, add_model_args, load_as_generator
-from generator.autotune import tune_plan
-from generator.forward import plan_for
-from generator.models import LoadedModel
+from generator.model.autotune import tune_plan
+from generator.model.loader import LoadedModel
+from generator.model.plan import plan_for
 from tokenpipe.settings import Settings
 
 console = Console()

@@ -36,7 +36,7 @@ from typing import Any
 
 from nats.aio.msg import Msg
 
-from generator.publisher import BatchPublisher
+from generator.service.publisher import BatchPublisher
 from tokenpipe.append import StreamLost
 from tokenpipe.bus import Bus, connect
 from tokenpipe.settings import Settings

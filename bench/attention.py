@@ -23,11 +23,19 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.kvstep import add_model_args, load_as_generator
-from generator.forward import _bagged_attention, _decode_attention, attention_bias
-from generator.gemv import load_gemv
-from generator.kernels import timed
-from generator.kvcache import BLOCK_SIZE, PagedKVCache, bytes_per_position
-from generator.models import LoadedModel
+from generator.kernels.build import load_gemv
+from generator.model.attention import (
+    attention_bias,
+)
+from generator.model.attention import (
+    bagged_attention as _bagged_attention,
+)
+from generator.model.attention import (
+    decode_attention as _decode_attention,
+)
+from generator.model.kerneltable import timed
+from generator.model.kvcache import BLOCK_SIZE, PagedKVCache, bytes_per_position
+from generator.model.loader import LoadedModel
 from tokenpipe.settings import Settings
 
 console = Console()

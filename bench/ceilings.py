@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from generator.engine import Engine
-from generator.models import LoadedModel
+from generator.engine.scheduler import Engine
+from generator.model.loader import LoadedModel
 from tokenpipe.wire import SamplingParams
 
 __all__ = ["EngineRun", "cpu_summary", "decode_step_flops", "engine_tok_s", "gemm_peak_gflops", "hf_generate_tok_s",

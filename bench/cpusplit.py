@@ -28,7 +28,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from generator.models import resolve_threads
+from generator.model.loader import resolve_threads
 from tokenpipe.settings import Settings
 
 from .ceilings import cpu_summary

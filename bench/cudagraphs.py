@@ -29,10 +29,10 @@ from typing import Any
 
 import torch
 
-from generator.engine import Engine
-from generator.forward import build_plan
-from generator.kvcache import bytes_per_position
-from generator.models import LoadedModel
+from generator.engine.scheduler import Engine
+from generator.model.kvcache import bytes_per_position
+from generator.model.loader import LoadedModel
+from generator.model.plan import build_plan
 from tokenpipe.errors import ConfigError
 from tokenpipe.wire import SamplingParams
 

@@ -31,8 +31,10 @@ from typing import Any
 
 import torch
 
-from generator.gemv import GemvLib, Q4Weight, Q8Weight, load_gemv, pack_q4, pack_q8
-from generator.models import resolve_threads
+from generator.kernels.build import load_gemv
+from generator.kernels.formats import Q4Weight, Q8Weight, pack_q4, pack_q8
+from generator.kernels.ops import GemvLib
+from generator.model.loader import resolve_threads
 from tokenpipe.settings import Settings
 
 from .ceilings import cpu_summary

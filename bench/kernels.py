@@ -26,11 +26,12 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from generator.autotune import BUSY_SHARE, OthersLoad, apply_table, tune_plan
-from generator.forward import FP32_ATTENTION_ROWS, plan_for
-from generator.kernels import KERNEL_CHOICES, ROLES, KernelTable, kernel_for, row_counts, rule_table
-from generator.models import load_model, resolve_threads
-from generator.quant import dense_rows_for
+from generator.model.attention import FP32_ATTENTION_ROWS
+from generator.model.autotune import BUSY_SHARE, OthersLoad, apply_table, tune_plan
+from generator.model.kerneltable import KERNEL_CHOICES, ROLES, KernelTable, kernel_for, row_counts, rule_table
+from generator.model.loader import load_model, resolve_threads
+from generator.model.plan import plan_for
+from generator.model.quant import dense_rows_for
 from tokenpipe.logs import setup_logging
 from tokenpipe.settings import Settings
 

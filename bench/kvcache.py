@@ -27,9 +27,9 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from generator.engine import Engine
-from generator.kvcache import BLOCK_SIZE, bytes_per_position
-from generator.models import LoadedModel, load_model, resolve_threads
+from generator.engine.scheduler import Engine
+from generator.model.kvcache import BLOCK_SIZE, bytes_per_position
+from generator.model.loader import LoadedModel, load_model, resolve_threads
 from tokenpipe.settings import Settings
 from tokenpipe.wire import SamplingParams
 

@@ -14,9 +14,9 @@ import torch
 from torch import Tensor
 
 from bench.ceilings import cpu_summary
-from generator.forward import decode_step, prefill
-from generator.kvcache import BLOCK_SIZE, PagedKVCache, bytes_per_position
-from generator.models import LoadedModel, load_model, resolve_threads
+from generator.model.forward import decode_step, prefill
+from generator.model.kvcache import BLOCK_SIZE, PagedKVCache, bytes_per_position
+from generator.model.loader import LoadedModel, load_model, resolve_threads
 from tokenpipe.settings import Settings
 
 __all__ = ["RawSteps", "add_model_args", "load_as_generator"]

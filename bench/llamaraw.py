@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="bench/out/llamaraw.json")
     args = ap.parse_args(argv)
 
-    from generator.models import _GGUF_FILE, _gguf_dir
+    from generator.model.preparation import _GGUF_FILE, _gguf_dir
 
     console = Console()
     cpu = cpu_summary()

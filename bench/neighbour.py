@@ -25,7 +25,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from generator.models import load_model
+from generator.model.loader import load_model
 from tokenpipe.settings import Settings
 
 from .ceilings import cpu_summary, engine_tok_s

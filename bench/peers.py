@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoTokenizer
 
-    from generator.models import _GGUF_FILE, _gguf_dir, prepare_smollm2
+    from generator.model.preparation import _GGUF_FILE, _gguf_dir, prepare_smollm2
 
     data_dir = args.data_dir or Settings.load().data_dir
     model_dir = prepare_smollm2(data_dir)

@@ -33,7 +33,7 @@ import torch
 from rich.console import Console
 from rich.progress import Progress
 
-from generator.models import load_model, resolve_threads
+from generator.model.loader import load_model, resolve_threads
 from tokenpipe.settings import Settings
 
 from .drive import Runs, drive, drive_ttft

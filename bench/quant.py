@@ -35,8 +35,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from generator.engine import Engine
-from generator.models import LoadedModel, load_model
+from generator.engine.scheduler import Engine
+from generator.model.loader import LoadedModel, load_model
 from tokenpipe.settings import Settings
 from tokenpipe.wire import SamplingParams
 

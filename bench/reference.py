@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from rich.progress import Progress
 
-from generator.models import LoadedModel, load_model
+from generator.model.loader import LoadedModel, load_model
 from tokenpipe_cli.stats import percentile
 
 from . import ceilings

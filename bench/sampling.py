@@ -29,9 +29,9 @@ import torch
 
 from bench.kvstep import RawSteps, add_model_args, load_as_generator
 from bench.reference import prompt_ids
-from generator.engine import Engine
-from generator.models import LoadedModel
-from generator.sampling import RowSampler, sample
+from generator.engine.sampling import RowSampler, sample
+from generator.engine.scheduler import Engine
+from generator.model.loader import LoadedModel
 from tokenpipe.wire import SamplingParams
 
 MODES: dict[str, dict[str, Any]] = {

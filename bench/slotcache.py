@@ -16,9 +16,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from generator.engine import Engine, Sequence, StepOutput
-from generator.forward import FP32_ATTENTION_ROWS, _mlp_block, _qkv, _rotary, plan_for
-from generator.models import LoadedModel
+from generator.engine.scheduler import Engine, Sequence, StepOutput
+from generator.model.attention import FP32_ATTENTION_ROWS
+from generator.model.layers import mlp_block as _mlp_block
+from generator.model.layers import qkv as _qkv
+from generator.model.layers import rotary as _rotary
+from generator.model.loader import LoadedModel
+from generator.model.plan import plan_for
 
 __all__ = ["SlotEngine", "SlotKVCache"]
 

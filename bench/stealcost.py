@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from generator.models import load_model, resolve_threads
+from generator.model.loader import load_model, resolve_threads
 from tokenpipe.settings import Settings
 
 from . import ceilings

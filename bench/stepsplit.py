@@ -40,10 +40,10 @@ import torch
 from torch import nn
 
 from bench.kvstep import RawSteps, add_model_args, load_as_generator
-from generator.forward import Plan, plan_for
-from generator.kernels import kernel_for
-from generator.models import LoadedModel
-from generator.quant import QuantLinear
+from generator.model.kerneltable import kernel_for
+from generator.model.loader import LoadedModel
+from generator.model.plan import Plan, plan_for
+from generator.model.quant import QuantLinear
 
 CONTEXT = 104
 

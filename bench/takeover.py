@@ -145,7 +145,7 @@ async def ack_cost(rounds: int = 300, streams: int = 32) -> dict[str, Any]:
     progress tick sends), CPU measured in this process (the worker's side) and in nats-server.
     A throughput A/B of whole pipelines was tried first and drowned in this shared machine's
     noise (the same setting run twice differed by 15-25 %)."""
-    from generator.intake import RequestIntake
+    from generator.service.intake import RequestIntake
     from tokenpipe.bus import connect
     from tokenpipe.subjects import REQUESTS_STREAM, consumer_name, request_subject
     from tokenpipe_cli.natsserver import NatsServer

@@ -18,7 +18,7 @@ import sys
 
 from nats.js.api import PubAck
 
-from generator.publisher import AppendChain, BatchPublisher, _Batch
+from generator.service.publisher import AppendChain, BatchPublisher, _Batch
 from tokenpipe.append import send_live
 
 __all__ = ["main"]

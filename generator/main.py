@@ -1,4 +1,5 @@
-"""Process entry point for one generator worker."""
+"""Process entry point for one generator worker: the model loaded (here, or in the engine-core process), the
+worker serving it from NATS, the status listener, the drain on SIGTERM."""
 
 from __future__ import annotations
 
@@ -16,24 +17,16 @@ from tokenpipe.errors import GenerationError
 from tokenpipe.settings import Settings
 from tokenpipe.telemetry import setup_tracing
 
-from .cudagraph import resolve_cuda_graphs
-from .engineproc import EngineProcess, use_engine_process
-from .health import StatusServer
-from .models import LoadedModel, load_model, resolve_device, resolve_threads
-from .runner import torch_thread
-from .worker import GeneratorWorker
+from .engine.graphs import resolve_cuda_graphs
+from .engine.process import EngineProcess, use_engine_process
+from .engine.runner import torch_thread
+from .model.loader import LoadedModel, load_for, resolve_device
+from .service.health import StatusServer
+from .service.worker import GeneratorWorker
 
-__all__ = ["load_for", "serve"]
+__all__ = ["serve"]
 
 log = logging.getLogger(__name__)
-
-
-def load_for(settings: Settings) -> LoadedModel:
-    """Load the settings' model; call it on the thread that will step the engine (:func:`torch_thread`)."""
-    torch.set_num_threads(resolve_threads(settings.threads))  # OpenMP's thread count is per calling thread
-    return load_model(settings.model, path=settings.model_path, device=settings.device, dtype=settings.dtype,
-                      data_dir=settings.data_dir, quant=settings.quant, kernels=settings.kernels,
-                      max_batch=settings.max_batch)
 
 
 async def serve(settings: Settings) -> None:

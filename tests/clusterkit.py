@@ -22,7 +22,7 @@ from typing import Any
 
 import httpx
 
-from generator.models import LoadedModel
+from generator.model.loader import LoadedModel
 from producer import aiter_sse
 from tokenpipe.bus import Bus, connect
 from tokenpipe.settings import Settings
@@ -300,8 +300,8 @@ class Load:
 def greedy_reference(lm: LoadedModel, max_tokens: int = MAX_TOKENS, prompts: int = len(PROMPTS)) -> list[list[int]]:
     """What an undisturbed greedy run produces for the first ``prompts`` of :data:`PROMPTS` (the
     engine in-process)."""
-    from generator.engine import Engine
-    from generator.runner import encode_prompt
+    from generator.engine.runner import encode_prompt
+    from generator.engine.scheduler import Engine
     from tokenpipe.wire import SamplingParams
 
     engine = Engine(lm, max_batch=len(PROMPTS))

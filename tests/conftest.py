@@ -15,8 +15,9 @@ import httpx
 import pytest
 import uvicorn
 
-from generator.models import LoadedModel, load_model, prepare_smollm2
-from generator.worker import GeneratorWorker
+from generator.model.loader import LoadedModel, load_model
+from generator.model.preparation import prepare_smollm2
+from generator.service.worker import GeneratorWorker
 from producer import aiter_sse
 from relay.app import create_app
 from relay.connections import server_options

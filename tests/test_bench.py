@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 
 from bench.ascpu import PROFILES, masked_cpuinfo, missing, unavailable
 from bench.rawhttp import SSEResponse
-from generator.gemv import FLAGS as GEMV_FLAGS
-from generator.models import LoadedModel
+from generator.kernels.build import FLAGS as GEMV_FLAGS
+from generator.model.loader import LoadedModel
 from relay.sse import sse_event
 from tokenpipe.settings import Settings
 from tokenpipe_cli.loadgen import LoadConfig, run_load
@@ -223,7 +223,7 @@ def test_stubbed_projections_are_put_back(tiny_model: LoadedModel) -> None:
     """The rest is timed with the projections swapped out; afterwards the model computes as before."""
     from bench.kvstep import RawSteps
     from bench.stepsplit import projections_stubbed
-    from generator.forward import plan_for
+    from generator.model.plan import plan_for
 
     def logits() -> torch.Tensor:
         raw = RawSteps(tiny_model, 1, 16)
@@ -278,10 +278,10 @@ def test_as_cpu_runs_a_command_that_sees_an_avx2_only_cpu_in_every_layer() -> No
     """`python -m bench.ascpu avx2 -- ...`: the command's /proc/cpuinfo, the kernel library's build flags,
     the `auto` dtype's bf16 check and torch's ATen kernels all see AVX2 only. Where it cannot (no root,
     no mount namespace) it refuses with the reason, running nothing."""
-    probe = ("import json, torch; from generator import gemv, kernels, models; "
-             "flags = kernels.cpu_info()[1]; "
+    probe = ("import json, torch; from generator.kernels import build, cpu; from generator.model import loader; "
+             "flags = cpu.cpu_info()[1]; "
              "print(json.dumps({'avx512': [f for f in flags if f.startswith(('avx512', 'amx'))], "
-             "'build': list(gemv.build_flags(flags)), 'bf16': models.cpu_has_fast_bf16(), "
+             "'build': list(build.build_flags(flags)), 'bf16': loader.cpu_has_fast_bf16(), "
              "'aten': torch.backends.cpu.get_cpu_capability()}))")
     proc = run_bench(["bench.ascpu", "avx2", "--", sys.executable, "-c", probe], timeout=120)
     reason = unavailable()

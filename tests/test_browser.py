@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from generator.worker import GeneratorWorker
+from generator.service.worker import GeneratorWorker
 
 from .conftest import RelayServer, read_sse, wait_until
 

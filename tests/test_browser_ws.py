@@ -8,7 +8,7 @@ from typing import Any
 
 import httpx
 
-from generator.worker import GeneratorWorker
+from generator.service.worker import GeneratorWorker
 
 from .conftest import wait_until
 from .test_browser import (  # noqa: F401  (fixtures, used by name)

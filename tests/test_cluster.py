@@ -40,7 +40,8 @@ from tokenpipe.streams import Gap, follow
 from tokenpipe.subjects import META_BUCKET, REQUESTS_STREAM, TOKENS_STREAM, consumer_name, token_subject
 from tokenpipe.wire import TokenBatch, new_request_id
 from tokenpipe_cli.cli import build_parser
-from tokenpipe_cli.cluster import LocalCluster, node_args
+from tokenpipe_cli.cluster import LocalCluster
+from tokenpipe_cli.clusternode import node_args
 from tokenpipe_cli.launch import free_port
 from tokenpipe_cli.natsserver import NatsServer
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from generator.models import LoadedModel
+from generator.model.loader import LoadedModel
 from tokenpipe.settings import Settings
 from tokenpipe.subjects import REQUESTS_STREAM, TOKENS_STREAM, consumer_name
 

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from generator.models import LoadedModel
+from generator.model.loader import LoadedModel
 from producer import aiter_sse
 
 from .clusterkit import Outcome, Stack, body, greedy_reference, read_stream

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from generator.coalesce import Coalescer
+from generator.service.coalesce import Coalescer
 from tokenpipe.wire import Usage
 
 MS = 1_000_000

@@ -13,7 +13,7 @@ from tokenpipe.cluster import server_list
 from tokenpipe.metrics import GeneratorMetrics, RelayMetrics
 from tokenpipe.settings import ENV_PREFIX, Settings
 from tokenpipe_cli.cli import build_parser
-from tokenpipe_cli.cluster import node_args
+from tokenpipe_cli.clusternode import node_args
 
 ROOT = Path(__file__).resolve().parent.parent
 OTEL_VARS = {"OTEL_SERVICE_NAME", "OTEL_TRACES_EXPORTER", "OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_EXPORTER_OTLP_ENDPOINT"}

@@ -1,4 +1,4 @@
-"""Decode over static buffers (generator.cudagraph) on CPU: the bucket and padding logic, the
+"""Decode over static buffers (generator.engine.graphs) on CPU: the bucket and padding logic, the
 fallback of `--cuda-graphs`, and the padded-buffer path against the plain decode step.
 
 The capture itself needs a CUDA device; `bench/gpu.sh` runs it. What runs here is the same
@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from generator.cudagraph import (
+from generator.engine.graphs import (
     BUCKETS,
     StaticDecode,
     bucket_for,
@@ -23,10 +23,10 @@ from generator.cudagraph import (
     sample_on_device,
     table_width,
 )
-from generator.engine import Engine
-from generator.kvcache import BLOCK_SIZE, SCRATCH
-from generator.models import LoadedModel
-from generator.sampling import RowSampler, sample
+from generator.engine.sampling import RowSampler, sample
+from generator.engine.scheduler import Engine
+from generator.model.kvcache import BLOCK_SIZE, SCRATCH
+from generator.model.loader import LoadedModel
 from tokenpipe.errors import ConfigError
 from tokenpipe.wire import SamplingParams
 

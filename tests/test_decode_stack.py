@@ -11,14 +11,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from generator.autotune import apply_table
-from generator.forward import decode_step, plan_for
-from generator.gemv import GemvLib, load_gemv
-from generator.kernels import row_counts, rule_table
-from generator.kvcache import BLOCK_SIZE, PagedKVCache, bytes_per_position
-from generator.models import LoadedModel, load_model
-from generator.quant import QuantLinear
-from generator.stack import ROLES, LayerStack
+from generator.kernels.build import load_gemv
+from generator.kernels.ops import GemvLib
+from generator.model.autotune import apply_table
+from generator.model.forward import decode_step
+from generator.model.kerneltable import row_counts, rule_table
+from generator.model.kvcache import BLOCK_SIZE, PagedKVCache, bytes_per_position
+from generator.model.loader import LoadedModel, load_model
+from generator.model.plan import plan_for
+from generator.model.quant import QuantLinear
+from generator.model.stack import ROLES, LayerStack
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from generator.detok import IncrementalDetokenizer, StopMatcher
-from generator.models import LoadedModel
+from generator.engine.detok import IncrementalDetokenizer, StopMatcher
+from generator.model.loader import LoadedModel
 
 TEXTS = [
     "Hello, world! 😀🎉 family: 👨‍👩‍👧‍👦 flags 🇫🇷🇯🇵",

@@ -12,7 +12,7 @@ import httpx
 import pytest
 from openai import AsyncOpenAI, AuthenticationError
 
-from generator.worker import GeneratorWorker
+from generator.service.worker import GeneratorWorker
 from producer import aiter_sse
 from relay.auth import KeyRing, Unauthorized
 from relay.http import SSEResponse, WriteWatchdog
@@ -328,7 +328,7 @@ def test_regression_denormal_temperature_or_top_p_made_the_engine_fail_the_batch
     to 0 in float32 and dropped every token. Either failed the whole running batch (a 500)."""
     import torch
 
-    from generator.sampling import RowSampler, sample
+    from generator.engine.sampling import RowSampler, sample
 
     logits = torch.randn(3, 50)
     for temperature, top_p in ((5e-324, 1.0), (1.0, 5e-324), (1e-300, 1e-300), (2.0, 1e-45)):

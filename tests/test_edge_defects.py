@@ -19,7 +19,7 @@ import httpx
 import pytest
 from openai import AsyncOpenAI, NotFoundError
 
-from generator.worker import GeneratorWorker
+from generator.service.worker import GeneratorWorker
 from tokenpipe.bus import Bus
 from tokenpipe.settings import Settings
 from tokenpipe.streams import follow

@@ -7,10 +7,10 @@ import dataclasses
 import pytest
 import torch
 
-from generator.engine import Engine
-from generator.models import LoadedModel
-from generator.runner import encode_prompt
-from generator.sampling import RowSampler, sample
+from generator.engine.runner import encode_prompt
+from generator.engine.sampling import RowSampler, sample
+from generator.engine.scheduler import Engine
+from generator.model.loader import LoadedModel
 from tokenpipe.errors import InvalidRequest
 from tokenpipe.wire import Request, SamplingParams
 
@@ -215,9 +215,9 @@ def test_chat_template_is_applied(tiny_model: LoadedModel) -> None:
 @pytest.mark.smollm2
 def test_bf16_decode_step_tracks_hf_forward(data_dir) -> None:  # type: ignore[no-untyped-def]
     """The CPU default is bf16 where the CPU has it: our attention must agree with transformers'."""
-    from generator.forward import decode_step, prefill
-    from generator.kvcache import BLOCK_SIZE, PagedKVCache, bytes_per_position
-    from generator.models import load_model
+    from generator.model.forward import decode_step, prefill
+    from generator.model.kvcache import BLOCK_SIZE, PagedKVCache, bytes_per_position
+    from generator.model.loader import load_model
 
     lm = load_model("smollm2-135m", device="cpu", dtype="bfloat16", data_dir=data_dir)
     ids = torch.tensor([lm.tokenizer.encode("The history of the printing press")])
@@ -240,7 +240,7 @@ def test_bf16_decode_step_tracks_hf_forward(data_dir) -> None:  # type: ignore[n
 def test_engine_threads_leave_a_core_only_where_it_is_cheap(monkeypatch: pytest.MonkeyPatch, cores: int,
                                                             expected: int) -> None:
     """Regression: "one fewer than the cores" ran a quiet 2-core machine's engine at 0.62x."""
-    from generator.models import resolve_threads
+    from generator.model.loader import resolve_threads
 
     monkeypatch.setattr("os.cpu_count", lambda: cores)
     assert resolve_threads(0) == expected
@@ -251,7 +251,8 @@ def test_engine_threads_leave_a_core_only_where_it_is_cheap(monkeypatch: pytest.
 def test_decode_attention_in_fp32_for_few_rows_agrees_with_bf16(rows: int) -> None:
     """Few rows of a bf16 cache are attended in fp32 (faster there); either path must give the
     attention an fp32 reference gives, in the caller's dtype."""
-    from generator.forward import FP32_ATTENTION_ROWS, _decode_attention, attention_bias
+    from generator.model.attention import FP32_ATTENTION_ROWS, attention_bias
+    from generator.model.attention import decode_attention as _decode_attention
 
     g = torch.Generator().manual_seed(rows)
     q, k, v = (torch.randn(rows, *shape, generator=g).to(torch.bfloat16) for shape in ((9, 1, 64), (3, 40, 64),

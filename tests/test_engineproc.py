@@ -1,4 +1,5 @@
-"""The engine-core process (generator.engineproc): the engine in a child process of the generator.
+"""The engine-core process (generator.engine.process, generator.engine.child): the engine in a child process of
+the generator.
 
 Its tokens are the in-process engine's; its death takes the generator down (the supervisor
 restarts both) and its requests continue on another generator, checked through `tokenpipe up`.
@@ -16,9 +17,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from generator.engineproc import EngineProcess, use_engine_process
-from generator.models import LoadedModel
-from generator.runner import Emission, Job
+from generator.engine.handle import Emission, Job
+from generator.engine.process import EngineProcess, use_engine_process
+from generator.model.loader import LoadedModel
 from tokenpipe.errors import ConfigError, GenerationError
 from tokenpipe.settings import Settings
 from tokenpipe.wire import Request
@@ -83,7 +84,7 @@ def test_engine_process_streams_the_in_process_engines_tokens_and_dies_loudly(
             assert ems[-1].usage.completion_tokens == req.params.max_tokens
             assert ems[0].admitted_ns > 0
         assert steps and max(steps) >= 2  # the step observer saw the batch
-        assert engine.engine.pool.capacity > 0 and engine.running == 0
+        assert engine.stats().blocks_capacity > 0 and engine.running == 0
         # kill -9 of the engine-core process: the generator is told, and nothing is sent to the dead
         assert engine.process is not None
         engine.process.kill()
@@ -97,11 +98,11 @@ def test_engine_process_streams_the_in_process_engines_tokens_and_dies_loudly(
 
 
 def _engine_core_of(pid: int) -> int:
-    """The engine-core child of generator ``pid`` (`python -m generator.engineproc`)."""
+    """The engine-core child of generator ``pid`` (`python -m generator.engine.child`)."""
     for task in os.listdir(f"/proc/{pid}/task"):
         for child in Path(f"/proc/{pid}/task/{task}/children").read_text().split():
             cmdline = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
-            if b"generator.engineproc" in cmdline:
+            if b"generator.engine.child" in cmdline:
                 return int(child)
     raise AssertionError(f"generator {pid} has no engine-core process")
 

@@ -14,7 +14,7 @@ import httpx
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
-from generator.worker import GeneratorWorker
+from generator.service.worker import GeneratorWorker
 from tokenpipe.settings import Settings
 
 from .conftest import start_relay

@@ -11,27 +11,16 @@ import pytest
 import torch
 
 from bench.ascpu import unavailable
-from generator.autotune import tune_plan
-from generator.engine import Engine
-from generator.forward import build_plan, plan_for
-from generator.gemv import (
-    AMX_FLAGS,
-    AVX512_FLAGS,
-    FLAGS,
-    VNNI_FLAGS,
-    GemvLib,
-    Q4Weight,
-    Q8Weight,
-    block_q4,
-    block_q8,
-    build_flags,
-    load_gemv,
-    pack_q4,
-    pack_q8,
-)
-from generator.kernels import ROLES, cpu_info
-from generator.models import LoadedModel, load_model
-from generator.quant import QuantLinear, _quant_int4, _quant_int8
+from generator.engine.scheduler import Engine
+from generator.kernels.build import AMX_FLAGS, AVX512_FLAGS, FLAGS, VNNI_FLAGS, build_flags, load_gemv
+from generator.kernels.cpu import cpu_info
+from generator.kernels.formats import Q4Weight, Q8Weight, block_q4, block_q8, pack_q4, pack_q8
+from generator.kernels.ops import GemvLib
+from generator.model.autotune import tune_plan
+from generator.model.kerneltable import ROLES
+from generator.model.loader import LoadedModel, load_model
+from generator.model.plan import build_plan, plan_for
+from generator.model.quant import QuantLinear, _quant_int4, _quant_int8
 from tests.conftest import run_bench
 from tests.test_engine import GREEDY, TEXTS, hf_greedy, prompts_of, run_all
 
@@ -247,7 +236,7 @@ def test_a_second_load_in_one_process_builds_nothing_and_names_the_same_build(tm
 def test_no_compiler_means_no_candidate_and_a_log_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                        caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setenv("CC", "no-such-cc")
-    with caplog.at_level(logging.INFO, logger="generator.gemv"):
+    with caplog.at_level(logging.INFO, logger="generator.kernels.build"):
         assert load_gemv(tmp_path) is None
     assert any("no C and C++ compilers (no-such-cc" in r.getMessage() for r in caplog.records)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import httpx
 
-from generator.health import StatusServer
-from generator.worker import GeneratorWorker
+from generator.service.health import StatusServer
+from generator.service.worker import GeneratorWorker
 
 
 async def test_readyz_follows_the_worker_and_healthz_holds_from_the_start(generator: GeneratorWorker) -> None:

@@ -24,7 +24,7 @@ import httpx
 import pytest
 from nats.js.api import DeliverPolicy
 
-from generator.models import LoadedModel
+from generator.model.loader import LoadedModel
 from producer import aiter_sse
 from tokenpipe.subjects import RELAY_OWNER, REQUESTS_STREAM, TOKENS_STREAM, consumer_name, token_subject
 from tokenpipe.wire import Request, TokenBatch
@@ -383,7 +383,7 @@ def test_tiny_random_on_a_fresh_data_dir_prepares_the_tokenizer_alone(tmp_path: 
     """Regression: `tokenpipe up --model tiny-random` de-quantized all of SmolLM2 (~44 s) for its tokenizer."""
     from transformers import AutoTokenizer
 
-    from generator.models import prepare_tokenizer
+    from generator.model.preparation import prepare_tokenizer
 
     path = prepare_tokenizer(tmp_path)
     assert path.name == "smollm2-135m-tokenizer" and not (tmp_path / "models" / "smollm2-135m").exists()
@@ -398,7 +398,7 @@ async def test_a_starting_generator_updates_the_ack_wait_of_an_existing_consumer
     """Regression: a durable created with the old 30 s ack_wait kept it, so takeovers still took 30 s."""
     from nats.js import api as js_api
 
-    from generator.intake import RequestIntake
+    from generator.service.intake import RequestIntake
     from tokenpipe.subjects import REQUESTS_STREAM, consumer_name, model_request_filter
 
     model = "ack-wait-upgrade"
@@ -422,7 +422,7 @@ async def test_a_generator_binding_its_consumer_while_nats_does_not_answer_tries
     """Regression: a generator started on a 3-node cluster still electing its leaders asked for its
     consumer, got no answer in time (nats-py's TimeoutError) and exited, so CI's cluster fixture waited
     for a generator that was gone. It now tries again, as its other JetStream calls do."""
-    from generator.intake import RequestIntake
+    from generator.service.intake import RequestIntake
     from tokenpipe.bus import connect
     from tokenpipe_cli.natsserver import NatsServer
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
-from generator.health import HEALTH_PATHS
+from generator.service.health import HEALTH_PATHS
 from relay.app import create_app
 from tokenpipe.natsauth import Credential, app_user
 from tokenpipe.natsconfig import accounts, chart_accounts, password_env

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from generator.worker import GeneratorWorker
+from generator.service.worker import GeneratorWorker
 from tokenpipe.settings import Settings
 from tokenpipe.streamindex import index_key, tenant_token
 from tokenpipe.streamrecord import FORMAT, StreamRecord, build, summarize

@@ -1,4 +1,5 @@
-"""Projection kernels chosen by measurement (generator.kernels, generator.autotune) on the tiny random model."""
+"""Projection kernels chosen by measurement (generator.model.kerneltable, generator.model.autotune) on the tiny random
+model."""
 
 from __future__ import annotations
 
@@ -14,11 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from generator import autotune
-from generator.autotune import BUSY_SHARE, OthersLoad, apply_table, tune_plan
-from generator.engine import Engine
-from generator.forward import plan_for
-from generator.kernels import (
+from generator.engine.scheduler import Engine
+from generator.model import autotune, cachelock
+from generator.model.autotune import BUSY_SHARE, OthersLoad, apply_table, tune_plan
+from generator.model.kerneltable import (
     MARGIN,
     ROLES,
     KernelTable,
@@ -30,9 +30,10 @@ from generator.kernels import (
     row_counts,
     rule_table,
 )
-from generator.models import LoadedModel, load_model
-from generator.quant import QuantLinear
-from generator.stack import ROLES as STACK_ROLES
+from generator.model.loader import LoadedModel, load_model
+from generator.model.plan import plan_for
+from generator.model.quant import QuantLinear
+from generator.model.stack import ROLES as STACK_ROLES
 from tests.test_engine import GREEDY, TEXTS, hf_greedy, prompts_of, run_all
 from tokenpipe.errors import ConfigError
 from tokenpipe.settings import Settings
@@ -121,7 +122,7 @@ def test_corrupt_cache_is_measured_again_with_a_warning(int4_tiny: LoadedModel, 
     _tune(int4_tiny, tmp_path)
     (path,) = (tmp_path / "kernels").glob("*.json")
     path.write_text('{"version": 1, "key": ')
-    with caplog.at_level(logging.WARNING, logger="generator.autotune"):
+    with caplog.at_level(logging.WARNING, logger="generator.model.autotune"):
         again = _tune(int4_tiny, tmp_path)
     assert again.source == "measured"
     assert any("corrupt" in r.getMessage() for r in caplog.records)
@@ -154,7 +155,7 @@ def test_kernel_table_measured_on_a_busy_machine_was_cached_for_good(
         int4_tiny: LoadedModel, tmp_path: Path, busy_cores: None, caplog: pytest.LogCaptureFixture) -> None:
     """Other processes held every core while the table was measured: it is not kept (the rules serve the
     run) nor cached (the next start measures again), and the log says why."""
-    with caplog.at_level(logging.WARNING, logger="generator.autotune"):
+    with caplog.at_level(logging.WARNING, logger="generator.model.autotune"):
         table = _tune(int4_tiny, tmp_path, busy_share=BUSY_SHARE)
     assert table.source == "rules" and table.seconds > 0
     assert table.bands == _tune(int4_tiny, tmp_path / "other", setting="rules").bands
@@ -165,9 +166,9 @@ def test_kernel_table_measured_on_a_busy_machine_was_cached_for_good(
 
 _TUNE_IN_CHILD = """
 import logging, sys
-from generator.autotune import tune_plan
-from generator.forward import plan_for
-from generator.models import load_model
+from generator.model.autotune import tune_plan
+from generator.model.loader import load_model
+from generator.model.plan import plan_for
 logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
 lm = load_model("tiny-random", device="cpu", dtype="float32", data_dir=sys.argv[1], quant="int4", kernels="rules")
 print("loaded", file=sys.stderr, flush=True)
@@ -218,8 +219,9 @@ def test_a_start_waited_for_good_on_a_stopped_process_holding_the_kernel_lock(
     _tune(int4_tiny, tmp_path)
     (table_file,) = (tmp_path / "kernels").glob("*.json")
     table_file.unlink()
-    monkeypatch.setattr(autotune, "_LOCK_WAIT_S", 0.5)
-    with open(table_file.with_suffix(".lock"), "a") as lock, caplog.at_level(logging.INFO, logger="generator.autotune"):
+    monkeypatch.setattr(cachelock, "_LOCK_WAIT_S", 0.5)
+    with open(table_file.with_suffix(".lock"), "a") as lock, \
+            caplog.at_level(logging.INFO, logger="generator.model.cachelock"):
         fcntl.flock(lock, fcntl.LOCK_EX)  # never let go while the start runs
         table = _tune(int4_tiny, tmp_path)
     assert table.source == "measured" and table_file.exists()

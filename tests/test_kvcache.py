@@ -11,9 +11,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from generator.engine import Engine, Sequence
-from generator.kvcache import BLOCK_SIZE, BlockPool, KVCacheTooSmall, bytes_per_position, prefix_keys
-from generator.models import LoadedModel
+from generator.engine.blocks import BlockPool, prefix_keys
+from generator.engine.scheduler import Engine, Sequence
+from generator.model.kvcache import BLOCK_SIZE, KVCacheTooSmall, bytes_per_position
+from generator.model.loader import LoadedModel
 from tokenpipe.wire import SamplingParams
 
 
@@ -204,8 +205,8 @@ async def test_a_generator_short_of_kv_blocks_pulls_by_memory_and_loses_no_token
     """A worker whose KV budget holds a few of the requests at a time (max_batch is 16): every
     stream completes with the tokens the engine gives it alone; its metrics count the prompt tokens
     looked up and its announcement the free blocks."""
-    from generator.models import load_model
-    from generator.worker import GeneratorWorker
+    from generator.model.loader import load_model
+    from generator.service.worker import GeneratorWorker
     from producer import Producer
     from tokenpipe.bus import connect
     from tokenpipe.metrics import render
@@ -237,7 +238,7 @@ async def test_a_generator_short_of_kv_blocks_pulls_by_memory_and_loses_no_token
         text = render(worker.metrics.registry).decode()
         assert f'tokenpipe_prefix_cache_queries_total{{model_name="tiny-small-kv"}} {float(sum(map(len, prompts)))}' \
             in text
-        await wait_until(lambda: worker.runner.engine.pool.used == 0, 10, "blocks to be given back")
+        await wait_until(lambda: worker.runner.stats().blocks_used == 0, 10, "blocks to be given back")
     finally:
         await worker.stop(drain_timeout=1.0)
         await bus.close()
@@ -294,8 +295,8 @@ async def test_a_generator_stops_when_a_nats_request_swallows_the_cancel_of_its_
     awaits replies with ``asyncio.wait_for``; on 3.11 a reply landing with the cancel wins): the
     loop went on to its next round and ``stop`` waited for it. Here both loops sit in a request
     that swallows its cancel, deterministically; ``stop`` must still return."""
-    import generator.worker as worker_module
-    from generator.worker import GeneratorWorker
+    import generator.service.worker as worker_module
+    from generator.service.worker import GeneratorWorker
     from tokenpipe.bus import connect
     from tokenpipe_cli.natsserver import NatsServer
 

@@ -92,3 +92,115 @@ def test_bench_script_imports_after_modules_moved(module: str) -> None:
     """Every bench script imports: mypy ignores missing imports, so a module moved by a refactor
     (bench.peers still imported ``tokenpipe.natsserver`` and ``bench.loadgen``) went unseen."""
     importlib.import_module(f"bench.{module}")
+
+
+# -- the module-level import graph ----------------------------------------------------------
+PRODUCT = (CORE, ROOT_PACKAGE, *ROLES)
+GENERATOR_LAYERS = ("kernels", "model", "engine", "service")  # bottom first: each imports only those before it
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def product_modules() -> dict[str, Path]:
+    return {module_name(p): p for package in PRODUCT for p in modules(package)}
+
+
+def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
+    """The product modules ``name`` imports, anywhere in it (lazy imports in functions and ``if
+    TYPE_CHECKING:`` blocks included): ``from a import b`` counts ``a.b`` where that is a module, else ``a``."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+            for alias in node.names:
+                found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base)
+    return {m for m in found if m in known and m != name}
+
+
+def import_graph() -> dict[str, set[str]]:
+    known = product_modules()
+    return {name: imports_of(name, path, set(known)) for name, path in known.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, edges = work[-1]
+            step = next(edges, None)
+            if step is not None:
+                if step not in index:
+                    index[step] = low[step] = len(index)
+                    stack.append(step)
+                    on_stack.add(step)
+                    work.append((step, iter(sorted(graph[step]))))
+                elif step in on_stack:
+                    low[node] = min(low[node], index[step])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_the_cycle_finder_finds_a_cycle() -> None:
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_product_package_has_an_import_cycle() -> None:
+    """A cycle of 13 generator modules (kvcache -> engineproc -> main -> ... -> kvcache) and the CLI's
+    cluster <-> natsserver: a module of one could not be understood, tested or moved without the others."""
+    graph = import_graph()
+    assert any(graph.values())
+    assert cycles(graph) == []
+
+
+def test_the_generator_is_in_layers_each_importing_only_itself_and_those_below() -> None:
+    """service -> engine -> model -> kernels (docs/architecture.md, "Module map"); only the role's entry
+    point (``generator.main``) and the package's ``__init__`` sit above them."""
+    graph = import_graph()
+    ours = [m for m in graph if m.startswith("generator.")]
+    outside = [m for m in ours if m.split(".")[1] not in GENERATOR_LAYERS and m != "generator.main"]
+    assert outside == [], "generator modules outside its layers"
+    assert all(f"generator.{layer}" in graph for layer in GENERATOR_LAYERS)
+    wrong = {}
+    for module in ours:
+        if module == "generator.main":
+            continue
+        allowed = GENERATOR_LAYERS[: GENERATOR_LAYERS.index(module.split(".")[1]) + 1]
+        bad = sorted(t for t in graph[module] if t.startswith("generator") and
+                     (t == "generator" or t.split(".")[1] not in allowed))
+        if bad:
+            wrong[module] = bad
+    assert wrong == {}

@@ -22,8 +22,8 @@ import pytest
 from nats.aio.client import Client as NATS
 from nats.js import api as js_api
 
-from generator.models import load_model
-from generator.worker import GeneratorWorker
+from generator.model.loader import load_model
+from generator.service.worker import GeneratorWorker
 from producer import Producer, RelayClient
 from tokenpipe.bus import Bus, connect
 from tokenpipe.natsauth import TLSFiles, add_app, load_credential
@@ -261,7 +261,7 @@ async def test_a_first_delivery_cannot_take_over_an_existing_stream_id(
     a = await Attacker().connect(secure, "relay")
     try:
         hijack = Request.build(MODEL, prompt="hijack", params={"max_tokens": 4}, request_id=sid).encode()
-        with caplog.at_level(logging.WARNING, logger="generator.worker"):
+        with caplog.at_level(logging.WARNING, logger="generator.service.worker"):
             await a.nc.jetstream(timeout=5).publish(f"tp.req.{MODEL}.relay", hijack, headers={"Nats-Msg-Id": "other"})
             await wait_until(lambda: any("stream id that is taken" in r.getMessage() for r in caplog.records),
                              20, "the generator to refuse the hijack")

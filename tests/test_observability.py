@@ -22,8 +22,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 from prometheus_client import start_http_server
 
-from generator.models import load_model
-from generator.worker import GeneratorWorker
+from generator.model.loader import load_model
+from generator.service.worker import GeneratorWorker
 from tokenpipe.bus import connect
 from tokenpipe.settings import Settings
 from tokenpipe.telemetry import setup_tracing

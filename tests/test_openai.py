@@ -9,7 +9,7 @@ import openai
 import pytest
 from openai import AsyncOpenAI
 
-from generator.models import LoadedModel
+from generator.model.loader import LoadedModel
 from tokenpipe.wire import Request
 
 from .conftest import RelayServer, read_sse

@@ -62,16 +62,17 @@ def test_base_install_has_the_sdk_and_no_torch_transformers_or_web_server(base_v
 
 
 def test_the_wheel_ships_the_gemv_kernels_sources(base_venv: Path) -> None:
-    """generator/gemv.py compiles its C sources (with their headers) and the C++ op bindings at start-up: an
-    installed generator must have every one of them."""
-    from generator.gemv import HEADERS, OP_SOURCES, OTHER_SOURCES, SOURCE
+    """generator/kernels/build.py compiles its C sources (with their headers) and the C++ op bindings at
+    start-up: an installed generator must have every one of them, where the build looks for them."""
+    from generator.kernels.build import HEADERS, OP_SOURCES, OTHER_SOURCES, SOURCE
 
     probe = "import importlib.util as u, pathlib; print(pathlib.Path(u.find_spec('generator').origin).parent)"
     got = _run(base_venv / "bin" / "python", "-c", probe, cwd=base_venv)
     assert got.returncode == 0, got.stderr
     installed = Path(got.stdout.strip())
     for src in (SOURCE, *OTHER_SOURCES, *HEADERS, *OP_SOURCES):
-        assert (installed / src.name).read_text() == src.read_text(), src.name
+        where = src.relative_to(ROOT / "generator")
+        assert (installed / where).read_text() == src.read_text(), where
 
 
 def test_base_install_runs_the_read_only_cli(base_venv: Path, tmp_path: Path) -> None:

@@ -5,7 +5,7 @@ cluster test, about one run in four). Every failed history read handed the reque
 nak, which spends one of its ``max_deliver`` (3) attempts; a delivery lost with the frozen
 node, then two reads failing while TP_TOKENS elected a leader, used them all, and the
 max-deliveries handler, whose own history read failed the same way, gave up silently: nobody
-ended the client's stream. :func:`generator.intake.patiently` now retries such reads (keeping
+ended the client's stream. :func:`generator.service.intake.patiently` now retries such reads (keeping
 the delivery), and the handler retries through elections.
 """
 
@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from generator.intake import patiently
+from generator.service.intake import patiently
 from tokenpipe.errors import TransportError
 
 

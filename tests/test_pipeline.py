@@ -11,10 +11,10 @@ import httpx
 import msgpack
 import pytest
 
-from generator.engine import Engine
-from generator.models import LoadedModel
-from generator.runner import FirstBatchGate, encode_prompt
-from generator.worker import GeneratorWorker
+from generator.engine.runner import FirstBatchGate, encode_prompt
+from generator.engine.scheduler import Engine
+from generator.model.loader import LoadedModel
+from generator.service.worker import GeneratorWorker
 from producer import Producer, RelayClient, aiter_sse
 from relay.app import create_app
 from tokenpipe.bus import Bus

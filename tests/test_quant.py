@@ -1,4 +1,4 @@
-"""Weight-only quantization (generator.quant) on the tiny random model."""
+"""Weight-only quantization (generator.model.quant) on the tiny random model."""
 
 from __future__ import annotations
 
@@ -9,11 +9,12 @@ import pytest
 import torch
 
 from bench.kvstep import RawSteps
-from generator.engine import Engine
-from generator.forward import plan_for
-from generator.models import LoadedModel, load_model
-from generator.quant import BF16_DENSE_ROWS, DENSE_ROWS, QuantLinear, check_quant, dense_rows_for, resolve_quant
-from generator.runner import Emission, Job, Runner
+from generator.engine.handle import Emission, Job
+from generator.engine.runner import Runner
+from generator.engine.scheduler import Engine
+from generator.model.loader import LoadedModel, load_model
+from generator.model.plan import plan_for
+from generator.model.quant import BF16_DENSE_ROWS, DENSE_ROWS, QuantLinear, check_quant, dense_rows_for, resolve_quant
 from tokenpipe.errors import InvalidRequest
 from tokenpipe.settings import Settings
 from tokenpipe.wire import Request, SamplingParams
@@ -127,7 +128,7 @@ def test_a_kernel_that_fails_its_check_leaves_the_float_weight_serving(monkeypat
 
 def test_with_native_bf16_the_bf16_weight_serves_more_than_16_rows() -> None:
     """Where bf16 is native the bf16 GEMM beats the int4 kernel from about 20 rows on (bench in
-    generator.quant), so a bf16 model hands matmuls of more than 16 rows to its float weight."""
+    generator.model.quant), so a bf16 model hands matmuls of more than 16 rows to its float weight."""
     assert dense_rows_for(torch.bfloat16, native_bf16=True) == BF16_DENSE_ROWS == 16
     assert dense_rows_for(torch.bfloat16, native_bf16=False) == DENSE_ROWS
     assert dense_rows_for(torch.float32, native_bf16=True) == DENSE_ROWS

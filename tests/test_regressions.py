@@ -13,10 +13,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from generator.detok import IncrementalDetokenizer, StopMatcher
-from generator.models import LoadedModel, load_model
-from generator.runner import Emission, Job, Runner, torch_thread
-from generator.worker import GeneratorWorker
+from generator.engine.detok import IncrementalDetokenizer, StopMatcher
+from generator.engine.handle import Emission, Job
+from generator.engine.runner import Runner, torch_thread
+from generator.model.loader import LoadedModel, load_model
+from generator.service.worker import GeneratorWorker
 from producer import aiter_sse
 from relay.registry import GeneratorRegistry
 from tokenpipe.bus import Bus

@@ -13,8 +13,8 @@ from pathlib import Path
 import httpx
 from websockets.asyncio.client import connect as ws_connect
 
-from generator.models import load_model
-from generator.worker import GeneratorWorker
+from generator.model.loader import load_model
+from generator.service.worker import GeneratorWorker
 from producer import Producer
 from tokenpipe.bus import connect
 from tokenpipe.settings import Settings

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from generator.models import LoadedModel
+from generator.model.loader import LoadedModel
 from producer import Producer, aiter_sse
 from tokenpipe.bus import connect
 from tokenpipe.settings import Settings
@@ -177,8 +177,8 @@ def assert_contiguous(events: list[tuple[str, str | None, dict]], total: int) ->
 
 
 def _greedy_ids(lm: LoadedModel, req: Request) -> list[int]:
-    from generator.engine import Engine
-    from generator.runner import encode_prompt
+    from generator.engine.runner import encode_prompt
+    from generator.engine.scheduler import Engine
 
     engine = Engine(lm, max_batch=1)
     seq = engine.new_sequence("r", encode_prompt(lm.tokenizer, req), req.params)

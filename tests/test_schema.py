@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from generator.worker import GeneratorWorker
+from generator.service.worker import GeneratorWorker
 from tokenpipe.settings import Settings
 
 from .conftest import start_relay

@@ -1,4 +1,4 @@
-"""One writer per stream, enforced by JetStream (tokenpipe.append, generator.publisher): every
+"""One writer per stream, enforced by JetStream (tokenpipe.append, generator.service.publisher): every
 append is conditional on the stream's last stored batch, a writer whose append is refused has
 lost the stream, and live readers get only what the store accepted. Real nats-server."""
 
@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from nats.aio.msg import Msg
 
-from generator.publisher import BatchPublisher
+from generator.service.publisher import BatchPublisher
 from tokenpipe.append import StreamLost, append_once, conditional
 from tokenpipe.bus import Bus, connect
 from tokenpipe.settings import Settings

@@ -12,8 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from generator.models import LoadedModel
-from generator.worker import GeneratorWorker
+from generator.model.loader import LoadedModel
+from generator.service.worker import GeneratorWorker
 from producer import Producer
 from tokenpipe.bus import connect
 from tokenpipe.settings import Settings
@@ -79,7 +79,7 @@ def test_regression_two_generators_preparing_one_fresh_data_dir_converted_at_onc
     both converted it (twice the work) through the same ``.tmp`` directory, where one could remove
     what the other was writing or had just moved into place. Now one converts, under a lock beside
     the cache, and the other waits for it and uses its cache."""
-    code = "import sys; from generator.models import prepare_smollm2; print(prepare_smollm2(sys.argv[1]))"
+    code = "import sys; from generator.model.preparation import prepare_smollm2; print(prepare_smollm2(sys.argv[1]))"
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for _ in range(2)]

@@ -12,10 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from generator.forward import decode_step, plan_for
-from generator.gemv import GemvLib, load_gemv
-from generator.kvcache import BLOCK_SIZE, PagedKVCache, bytes_per_position
-from generator.models import load_model
+from generator.kernels.build import load_gemv
+from generator.kernels.ops import GemvLib
+from generator.model.forward import decode_step
+from generator.model.kvcache import BLOCK_SIZE, PagedKVCache, bytes_per_position
+from generator.model.loader import load_model
+from generator.model.plan import plan_for
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +127,7 @@ def test_the_norm_op_rounds_as_the_torch_code_it_replaces(lib: GemvLib, dtype: t
                                                           shape: tuple[int, ...]) -> None:
     """bf16: normalised in fp32, rounded, times the weight (rounded again), as ``_rms_norm``'s torch path;
     fp32: the fused ``rms_norm`` with its weight."""
-    from generator.forward import _rms_norm
+    from generator.model.layers import rms_norm as _rms_norm
 
     gen = torch.Generator().manual_seed(shape[0])
     norm = types.SimpleNamespace(weight=(torch.rand(shape[-1], generator=gen) + 0.5).to(dtype), variance_epsilon=1e-5)
@@ -144,7 +146,8 @@ def test_rope_write_rotates_q_and_k_as_the_torch_ops_and_writes_k_v_at_the_slots
                                                                                  dtype: torch.dtype) -> None:
     """``rope_write`` against ``_rope`` on the fused projection's q and k (rounded as its two ops round) and
     the pool written as ``kv_write`` writes it; a slot outside the pool is refused."""
-    from generator.forward import _rope, _rotary
+    from generator.model.layers import rope as _rope
+    from generator.model.layers import rotary as _rotary
 
     B, H, G, hd, blocks = 3, 9, 3, 64, 4
     gen = torch.Generator().manual_seed(1)
@@ -201,7 +204,7 @@ def test_kv_write_puts_each_rows_heads_at_its_slot_and_refuses_slots_outside_the
 def test_a_model_whose_heads_the_kernel_cannot_take_keeps_the_torch_ops() -> None:
     """Head sizes not a multiple of 8 would be refused by the op at the first decode step: such a model
     never gets the kernel in its table."""
-    from generator.autotune import _kernel_attends
+    from generator.model.autotune import _kernel_attends
 
     def model(hidden: int, heads: int, kv_heads: int) -> types.SimpleNamespace:
         return types.SimpleNamespace(config=types.SimpleNamespace(hidden_size=hidden, num_attention_heads=heads,

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
-from generator.worker import GeneratorWorker
+from generator.service.worker import GeneratorWorker
 from producer import aiter_sse
 from tokenpipe.bus import Bus
 from tokenpipe.settings import Settings

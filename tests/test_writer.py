@@ -1,4 +1,4 @@
-"""A request's output path held until its stream id is checked (generator.writer), as pure logic:
+"""A request's output path held until its stream id is checked (generator.service.writer), as pure logic:
 the publisher here records instead of talking to NATS (the end-to-end refusal is in test_pipeline)."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from typing import Any
 
 from opentelemetry import trace
 
-from generator.publisher import BatchPublisher
-from generator.runner import Emission
-from generator.writer import OutputContext, StreamWriter
+from generator.engine.handle import Emission
+from generator.service.publisher import BatchPublisher
+from generator.service.writer import OutputContext, StreamWriter
 from tokenpipe.metrics import GeneratorMetrics
 from tokenpipe.settings import Settings
 from tokenpipe.wire import Request, TokenBatch, Usage

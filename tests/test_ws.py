@@ -15,7 +15,7 @@ import httpx
 import pytest
 from websockets.asyncio.client import ClientConnection, connect
 
-from generator.worker import GeneratorWorker
+from generator.service.worker import GeneratorWorker
 from tokenpipe.bus import Bus
 from tokenpipe.settings import Settings
 from tokenpipe.streams import follow

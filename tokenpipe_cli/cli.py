@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
 def _dispatch(args: argparse.Namespace) -> int:
     require_extras(args.cmd)
     if args.cmd == "nats":
-        from .cluster import node_args
+        from .clusternode import node_args
         from .natsserver import NatsServer
 
         cluster = None
@@ -217,7 +217,7 @@ def _dispatch(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 0
     if args.cmd == "prepare":
-        from generator.models import prepare_smollm2
+        from generator.model.preparation import prepare_smollm2
 
         print(prepare_smollm2(args.data_dir or Settings.load().data_dir))
         return 0

@@ -9,14 +9,11 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from tokenpipe.errors import TransportError
 
+from .clusternode import ClusterArgs
 from .launch import Child, LaunchError, free_port, spawn, tcp_listening, wait_ready
-
-if TYPE_CHECKING:
-    from .cluster import ClusterArgs
 
 __all__ = ["NatsServer", "find_nats_server", "reload_servers"]
 
@@ -60,7 +57,7 @@ class NatsServer:
         self.child: Child | None = None
         self.config_file = Path(config_file) if config_file else None
         self.tls = tls
-        self.cluster = cluster  # a node of a JetStream cluster (tokenpipe_cli.cluster)
+        self.cluster = cluster  # a node of a JetStream cluster (tokenpipe_cli.clusternode)
 
     @property
     def url(self) -> str:

