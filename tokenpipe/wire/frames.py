@@ -192,20 +192,21 @@ class PongFrame(_Reply):
     type: Literal["pong"] = "pong"
 
 
-class CreatedFrame(_Reply):
+class _StreamReply(_Reply):
+    id: str  # the stream the frame created, attached or cancelled
+
+
+class CreatedFrame(_StreamReply):
     type: Literal["created"] = "created"
-    id: str
     model: str
 
 
-class AttachedFrame(_Reply):
+class AttachedFrame(_StreamReply):
     type: Literal["attached"] = "attached"
-    id: str
 
 
-class CancelledFrame(_Reply):
+class CancelledFrame(_StreamReply):
     type: Literal["cancelled"] = "cancelled"
-    id: str
 
 
 class ErrorFrame(_Reply):
