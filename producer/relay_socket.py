@@ -24,12 +24,20 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import WebSocketException
 
 from tokenpipe.errors import InvalidRequest, Overloaded, TokenpipeError, TransportError, error_class
+from tokenpipe.wire.frames import (
+    AttachedFrame,
+    ClientFrame,
+    CreatedFrame,
+    ErrorFrame,
+    ServerFrame,
+    StreamFrame,
+    parse_client_frame,
+    parse_server_frame,
+)
 
 from .sse import SSEEvent
 
 __all__ = ["RelaySocket", "relay_error"]
-
-_STREAM_FRAMES = frozenset({"tokens", "gap", "done", "error"})
 
 
 def relay_error(message: str, code: str | None, param: str | None, *, status: int,
@@ -42,12 +50,10 @@ def relay_error(message: str, code: str | None, param: str | None, *, status: in
     return cls(message, param=param)
 
 
-def _event(frame: dict[str, Any]) -> SSEEvent:
+def _event(frame: ServerFrame) -> SSEEvent:
     """A stream frame as the SSE event it mirrors: same name, same data, ``id`` the batch's seq."""
-    kind = frame.pop("type")
-    frame.pop("id", None)
-    seq = frame.pop("seq", None) if kind in ("done", "error") else frame.get("seq")  # SSE: the event's id only
-    return SSEEvent(kind, orjson.dumps(frame).decode(), None if seq is None else str(seq))
+    name, data, seq = frame.event()
+    return SSEEvent(name, orjson.dumps(data).decode(), seq)
 
 
 class RelaySocket:
@@ -63,8 +69,8 @@ class RelaySocket:
         self._ws: ClientConnection | None = None
         self._reader: asyncio.Task[None] | None = None
         self._refs = itertools.count(1)
-        self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
-        self._streams: dict[str, asyncio.Queue[dict[str, Any] | None]] = {}
+        self._pending: dict[int, asyncio.Future[ServerFrame]] = {}
+        self._streams: dict[str, asyncio.Queue[StreamFrame | ErrorFrame | None]] = {}
         self._closed: TransportError | None = None
 
     async def __aenter__(self) -> RelaySocket:
@@ -93,7 +99,9 @@ class RelaySocket:
         assert self._ws is not None
         try:
             async for message in self._ws:
-                self._dispatch(orjson.loads(message))
+                frame = parse_server_frame(message)
+                if frame is not None:  # else a frame of a newer relay's, which this side has no use for
+                    self._dispatch(frame)
             self._closed = TransportError(f"the relay closed the socket ({self._ws.close_code})")
         except WebSocketException as exc:
             self._closed = TransportError(f"the socket to the relay failed: {exc!r}")
@@ -105,44 +113,45 @@ class RelaySocket:
             for queue in self._streams.values():
                 queue.put_nowait(None)  # the socket went away
 
-    def _dispatch(self, frame: dict[str, Any]) -> None:
-        ref = frame.get("ref")
-        if frame.get("type") in ("created", "attached"):
-            self._streams.setdefault(frame["id"], asyncio.Queue())  # before any of its frames is read
+    def _dispatch(self, frame: ServerFrame) -> None:
+        if isinstance(frame, CreatedFrame | AttachedFrame):
+            self._streams.setdefault(frame.id, asyncio.Queue())  # before any of its frames is read
+        ref = getattr(frame, "ref", None)
         future = self._pending.pop(ref, None) if isinstance(ref, int) else None
         if future is not None:
             if not future.done():
                 future.set_result(frame)
             return
-        queue = self._streams.get(frame.get("id", ""))
-        if queue is not None and frame.get("type") in _STREAM_FRAMES:
+        queue = self._streams.get(getattr(frame, "id", None) or "")
+        if queue is not None and isinstance(frame, StreamFrame | ErrorFrame):
             queue.put_nowait(frame)
 
-    async def _request(self, frame: dict[str, Any]) -> dict[str, Any]:
+    async def _request(self, frame: ClientFrame) -> ServerFrame:
         if self._ws is None:
             await self.connect()
         assert self._ws is not None
         if self._closed is not None:
             raise self._closed
         ref = next(self._refs)
-        future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[ServerFrame] = asyncio.get_running_loop().create_future()
         self._pending[ref] = future
         try:
-            await self._ws.send(orjson.dumps({**frame, "ref": ref}).decode())
+            await self._ws.send(frame.model_copy(update={"ref": ref}).encode())
         except WebSocketException as exc:
             self._pending.pop(ref, None)
             raise TransportError(f"could not send to the relay: {exc!r}") from exc
         reply = await future
-        if reply.get("type") == "error":
-            raise relay_error(str(reply.get("message")), reply.get("code"), reply.get("param"),
-                              status=int(reply.get("status") or 500), retry_after=reply.get("retry_after") or 1)
+        if isinstance(reply, ErrorFrame):
+            raise relay_error(reply.message, reply.code, reply.param, status=reply.status,
+                              retry_after=reply.retry_after or 1)
         return reply
 
     async def create(self, body: Mapping[str, Any] | None = None, **fields: Any) -> str:
         """A ``create`` frame (the native POST body); returns the new stream's id. Its events are
         queued from now on: read them with :meth:`events`."""
-        reply = await self._request({**(body or {}), **fields, "type": "create"})
-        return str(reply["id"])
+        reply = await self._request(parse_client_frame({**(body or {}), **fields, "type": "create"}))
+        assert isinstance(reply, CreatedFrame), reply
+        return reply.id
 
     async def events(self, stream_id: str, *, after_seq: int | None = None, replay: bool = False,
                      speed: float | None = None) -> AsyncIterator[SSEEvent]:
@@ -150,15 +159,15 @@ class RelaySocket:
         objects carrying the same data as the SSE route's, after batch ``after_seq`` when given. A
         stream not created on this socket (or already read to its end, or a replay) is attached first."""
         if stream_id not in self._streams or replay:
-            frame = {"type": "attach", "id": stream_id, "replay": replay, "after_seq": after_seq, "speed": speed}
-            await self._request({k: v for k, v in frame.items() if v is not None})
+            attach = {"type": "attach", "id": stream_id, "replay": replay, "after_seq": after_seq, "speed": speed}
+            await self._request(parse_client_frame({k: v for k, v in attach.items() if v is not None}))
         queue = self._streams[stream_id]
         try:
             while True:
                 frame_or_end = await queue.get()
                 if frame_or_end is None:
                     raise self._closed or TransportError(f"the stream {stream_id} ended before its final event")
-                seq = frame_or_end.get("seq")
+                seq = getattr(frame_or_end, "seq", None)
                 if after_seq is not None and isinstance(seq, int) and seq <= after_seq and not replay:
                     continue  # followed since it was created here: what the caller has seen is skipped here
                 event = _event(frame_or_end)
@@ -171,4 +180,4 @@ class RelaySocket:
 
     async def cancel(self, stream_id: str) -> None:
         """A ``cancel`` frame (the owner's ``DELETE``): the stream then ends with ``cancelled``."""
-        await self._request({"type": "cancel", "id": stream_id})
+        await self._request(parse_client_frame({"type": "cancel", "id": stream_id}))

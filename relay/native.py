@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import AsyncIterator
-from decimal import Decimal, InvalidOperation
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Path, Request
@@ -15,6 +14,7 @@ from tokenpipe.errors import TokenpipeError
 from tokenpipe.streams import Gap, Ping
 from tokenpipe.wire import Request as TpRequest
 from tokenpipe.wire import TokenBatch
+from tokenpipe.wire.frames import MAX_SEQ, Speed
 
 from .http import JSONBodyRoute, SSEResponse, takes
 from .protocol import (
@@ -33,8 +33,6 @@ from .state import RelayState
 
 __all__ = ["batch_events", "gap_event", "router", "start_stream", "state_of", "tenant_of"]
 
-MAX_SEQ = 10**18 - 1  # the largest Last-Event-ID / last_event_id (18 digits)
-MIN_SPEED, MAX_SPEED = Decimal("0.01"), Decimal(1000)  # replay pacing factors; 0 = as fast as possible
 _SEQ_RE = re.compile(r"[0-9]{1,18}")
 
 
@@ -48,24 +46,9 @@ def _seq(value: Any) -> Any:
     return value
 
 
-def _speed(value: Any) -> Any:
-    """0 (as fast as possible) or within [MIN_SPEED, MAX_SPEED], so that a replay always ends.
-    Judged on the exact decimal: a speed that underflows to 0.0 as a float (``1e-400``) is out
-    of range, not "as fast as possible"."""
-    try:
-        exact = Decimal(str(value).strip())
-    except InvalidOperation:
-        exact = Decimal("NaN")
-    if not exact.is_finite() or not (exact == 0 or MIN_SPEED <= exact <= MAX_SPEED):
-        raise ValueError(f"must be 0 (as fast as possible) or between {MIN_SPEED} and {MAX_SPEED}")
-    return float(exact)
-
-
 # Optional, but documented as the integer it must be when given ("null" is no sequence number).
 Seq = Annotated[int | None, BeforeValidator(_seq),
                 WithJsonSchema({"type": "integer", "minimum": 0, "maximum": MAX_SEQ})]
-Speed = Annotated[float, BeforeValidator(_speed), WithJsonSchema({"anyOf": [
-    {"const": 0}, {"type": "number", "minimum": float(MIN_SPEED), "maximum": float(MAX_SPEED)}]})]
 StreamId = Annotated[str, Path(pattern=ID_PATTERN)]
 # OpenAPI links from a created stream to reading and cancelling it (a stateful client, and
 # schemathesis, follow the id the 201 returns).

@@ -33,12 +33,12 @@ from tokenpipe.params import MAX_TOKENS_LIMIT, MaxTokens, Whole, invalid_request
 from tokenpipe.settings import Settings
 from tokenpipe.wire import CoalesceParams, Message, Role, SamplingParams, TokenId, chat_message
 from tokenpipe.wire import Request as TpRequest
+from tokenpipe.wire.frames import ID_PATTERN
 
 __all__ = ["Bodies", "NativeCreate", "ChatCompletionRequest", "CompletionRequest", "StreamCreated",
            "StreamCancelled", "ModelList", "ModelCard", "ChatCompletion", "Completion", "Usage", "ErrorResponse",
            "NativeEvent", "OpenAIEvent", "ERROR_STATUSES", "ID_PATTERN", "parse"]
 
-ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"  # stream ids and model names: NATS subject tokens
 StreamId = Annotated[str, StringConstraints(pattern=ID_PATTERN)]
 Text = Annotated[str, StringConstraints(strict=True)]
 PromptText = Annotated[str, StringConstraints(strict=True, min_length=1)]  # an empty prompt has nothing to continue

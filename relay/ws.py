@@ -15,21 +15,38 @@ import contextlib
 import json
 import logging
 from decimal import Decimal
-from typing import Annotated, Any
+from typing import Any
 
-import orjson
 from fastapi import APIRouter, WebSocket
-from pydantic import BaseModel, BeforeValidator, Field, StringConstraints
 from starlette.websockets import WebSocketDisconnect
 
 from tokenpipe.errors import InvalidRequest, TokenpipeError
 from tokenpipe.streams import Gap
 from tokenpipe.wire import TokenBatch
+from tokenpipe.wire.frames import (
+    AttachedFrame,
+    AttachFrame,
+    AuthenticatedFrame,
+    AuthFrame,
+    CancelFrame,
+    CancelledFrame,
+    ClientFrame,
+    CreatedFrame,
+    CreateFrame,
+    ErrorFrame,
+    GapFrame,
+    PingFrame,
+    PongFrame,
+    Ref,
+    parse_client_frame,
+    ref_of,
+    server_frame,
+)
 
 from . import native
 from .auth import Unauthorized, authorization_header
 from .http import RequestTooLarge, parse_json
-from .protocol import ID_PATTERN, Bodies, Flag, parse
+from .protocol import Bodies
 from .sessions import Session
 from .state import RelayState
 
@@ -42,49 +59,12 @@ router = APIRouter()
 AUTH_WAIT_S = 10.0  # a socket without a key (header or auth frame) is closed after this long
 _OUTBOX = 256  # frames queued per socket before its streams wait for its writer
 _POLICY_VIOLATION = 1008  # WebSocket close code: authentication failed or never came
-_MAX_REF_CHARS = 256
-Ref = str | int | None  # a client frame's "ref", echoed in the reply
-
-
-def _dumps(frame: dict[str, Any]) -> str:
-    return orjson.dumps({k: v for k, v in frame.items() if v is not None}).decode()
 
 
 def error_frame(exc: TokenpipeError, *, ref: Ref = None, stream_id: str | None = None) -> str:
     """An ``error`` frame: the HTTP error body's fields, plus the status and ``retry_after`` of a 429."""
-    return _dumps({"type": "error", "ref": ref, "id": stream_id, "code": exc.code, "message": exc.message,
-                   "param": exc.param, "status": exc.status, "retry_after": getattr(exc, "retry_after", None)})
-
-
-def _ref(frame: dict[str, Any]) -> Ref:
-    ref = frame.get("ref")
-    if ref is None or (isinstance(ref, str) and len(ref) <= _MAX_REF_CHARS):
-        return ref
-    if isinstance(ref, int) and not isinstance(ref, bool) and abs(ref) < 2**53:
-        return ref
-    raise InvalidRequest(f"'ref' must be a string (at most {_MAX_REF_CHARS} characters) or an integer",
-                         param="ref")
-
-
-def _a_number(value: Any) -> Any:
-    if isinstance(value, bool) or not isinstance(value, int | float | Decimal):
-        raise ValueError("must be a number")
-    return value
-
-
-class _Cancel(BaseModel):
-    """A ``cancel`` frame (and the part of an ``attach`` that names the stream)."""
-
-    id: Annotated[str, StringConstraints(strict=True, pattern=ID_PATTERN)]
-
-
-class _Attach(_Cancel):
-    """An ``attach`` frame: the SSE route's query parameters, as strict JSON values."""
-
-    after_seq: Annotated[int, Field(strict=True, ge=0, le=native.MAX_SEQ)] | None = None
-    replay: Flag = False
-    speed: Annotated[native.Speed, BeforeValidator(_a_number)] = 1.0  # the SSE route's ``speed`` rule
-    cancel_on_disconnect: Flag = True
+    return ErrorFrame(ref=ref, id=stream_id, code=exc.code, message=exc.message, param=exc.param, status=exc.status,
+                      retry_after=getattr(exc, "retry_after", None)).encode()
 
 
 class Connection:
@@ -184,74 +164,74 @@ class Connection:
 
     # -- frames ------------------------------------------------------------------------------
     async def _handle(self, text: str) -> None:
-        ref: Ref = None
-        frame: dict[str, Any] = {}
+        raw: Any = None
+        frame: ClientFrame | None = None
         try:
             data = text.encode()  # the limit is in bytes, as an HTTP body's is
             if len(data) > self.state.settings.max_body_bytes:
                 raise RequestTooLarge(self.state.settings.max_body_bytes)
-            frame = parse_json(data)
-            ref = _ref(frame)
-            kind = frame.get("type")
-            if kind == "auth":
-                await self._auth(frame, ref)
-            elif self.tenant is None:
+            raw = parse_json(data)
+            if isinstance(raw.get("speed"), float):
+                # Judged on the exact decimal, as the query's speed is: the float parse already read 1e-400
+                # as 0.0 ("as fast as possible"). Read again (the frame is small, a speed rare).
+                raw["speed"] = json.loads(text, parse_float=Decimal)["speed"]
+            frame = parse_client_frame(raw)
+            if not isinstance(frame, AuthFrame) and self.tenant is None:
                 raise Unauthorized('authenticate first: send {"type": "auth", "api_key": ...} '
                                    "(or connect with an Authorization header)")
-            elif kind == "create":
-                await self._create(frame, ref, self.tenant)
-            elif kind == "attach":
-                await self._attach(frame, ref, self.tenant, text)
-            elif kind == "cancel":
-                await self._cancel(frame, ref, self.tenant)
-            elif kind == "ping":
-                await self.outbox.put(_dumps({"type": "pong", "ref": ref}))
-            else:
-                raise InvalidRequest("unknown frame 'type': expected auth, create, attach, cancel or ping",
-                                     param="type")
+            match frame:
+                case AuthFrame():
+                    await self._auth(frame)
+                case CreateFrame():
+                    await self._create(frame, self._tenant())
+                case AttachFrame():
+                    await self._attach(frame, self._tenant())
+                case CancelFrame():
+                    await self._cancel(frame, self._tenant())
+                case PingFrame():
+                    await self.outbox.put(PongFrame(ref=frame.ref).encode())
         except TokenpipeError as exc:
-            sid = frame.get("id") if frame.get("type") in ("attach", "cancel") else None
-            await self.outbox.put(error_frame(exc, ref=ref, stream_id=sid if isinstance(sid, str) else None))
+            ref = frame.ref if frame is not None else ref_of(raw)
+            sid = frame.id if isinstance(frame, AttachFrame | CancelFrame) else None
+            await self.outbox.put(error_frame(exc, ref=ref, stream_id=sid))
 
-    async def _auth(self, frame: dict[str, Any], ref: Ref) -> None:
+    def _tenant(self) -> str:
+        assert self.tenant is not None  # _handle let only an auth frame through before it was set
+        return self.tenant
+
+    async def _auth(self, frame: AuthFrame) -> None:
         keys = self.state.keys
         if keys.enabled:
             if self.tenant is not None:
                 raise InvalidRequest("this socket is already authenticated", param="api_key")
-            key = frame.get("api_key")
-            if not isinstance(key, str) or not key.strip():
+            key = (frame.api_key or "").strip()
+            if not key:
                 raise Unauthorized("'api_key' must be a non-empty string", param="api_key")
-            self.tenant = keys.tenant_for(f"Bearer {key.strip()}")
-        await self.outbox.put(_dumps({"type": "authenticated", "ref": ref}))
+            self.tenant = keys.tenant_for(f"Bearer {key}")
+        await self.outbox.put(AuthenticatedFrame(ref=frame.ref).encode())
 
-    async def _create(self, frame: dict[str, Any], ref: Ref, tenant: str) -> None:
-        body = self.bodies.parse_native({k: v for k, v in frame.items() if k not in ("type", "ref")})
+    async def _create(self, frame: CreateFrame, tenant: str) -> None:
+        body = self.bodies.parse_native(frame.body)
         req, session = await native.start_stream(self.state, body, tenant)  # exactly POST /v1/streams' path
-        await self.outbox.put(_dumps({"type": "created", "ref": ref, "id": req.id, "model": req.model}))
+        await self.outbox.put(CreatedFrame(ref=frame.ref, id=req.id, model=req.model).encode())
         self._follow(session, after=-1, speed=None)
 
-    async def _attach(self, frame: dict[str, Any], ref: Ref, tenant: str, text: str) -> None:
-        if isinstance(frame.get("speed"), float):
-            # Judged on the exact decimal, as the query's speed is: the float parse already read 1e-400
-            # as 0.0 ("as fast as possible"). Read again (the frame is small, an attach rare).
-            frame = {**frame, "speed": json.loads(text, parse_float=Decimal)["speed"]}
-        attach = parse(_Attach, frame)
+    async def _attach(self, attach: AttachFrame, tenant: str) -> None:
         sid, replay = attach.id, attach.replay
         forwarder = self.state.forwarder
         meta = await forwarder.owned_meta(sid, tenant)
         if sid in self.streams:
             raise InvalidRequest(f"stream {sid!r} is already attached on this socket", param="id")
         await forwarder.check_retained(meta)
-        await self.outbox.put(_dumps({"type": "attached", "ref": ref, "id": sid}))
+        await self.outbox.put(AttachedFrame(ref=attach.ref, id=sid).encode())
         session = Session(sid, tenant, cancel_on_exit=attach.cancel_on_disconnect and not replay, reader=not replay,
                           meta=meta)
         after = attach.after_seq if attach.after_seq is not None else -1
         self._follow(session, after=after, speed=attach.speed if replay else None)
 
-    async def _cancel(self, frame: dict[str, Any], ref: Ref, tenant: str) -> None:
-        sid = parse(_Cancel, frame).id
-        await self.state.forwarder.cancel(sid, tenant)
-        await self.outbox.put(_dumps({"type": "cancelled", "ref": ref, "id": sid}))
+    async def _cancel(self, frame: CancelFrame, tenant: str) -> None:
+        await self.state.forwarder.cancel(frame.id, tenant)
+        await self.outbox.put(CancelledFrame(ref=frame.ref, id=frame.id).encode())
 
     # -- streams -----------------------------------------------------------------------------
     def _follow(self, session: Session, *, after: int, speed: float | None) -> None:
@@ -269,9 +249,9 @@ class Connection:
                 if isinstance(item, TokenBatch):
                     # Exactly the SSE events' data (nulls included) after type, id and seq (the SSE events' id).
                     for name, data in native.batch_events(item):
-                        await self.outbox.put(orjson.dumps({"type": name, "id": sid, "seq": item.seq, **data}).decode())
+                        await self.outbox.put(server_frame({"type": name, "id": sid, "seq": item.seq, **data}).encode())
                 elif isinstance(item, Gap):
-                    await self.outbox.put(_dumps({"type": "gap", "id": sid, **native.gap_event(item)}))
+                    await self.outbox.put(GapFrame(id=sid, **native.gap_event(item)).encode())
         except TokenpipeError as exc:
             await self.outbox.put(error_frame(exc, stream_id=sid))
         finally:

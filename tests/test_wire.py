@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import msgpack
 import pytest
@@ -17,6 +18,9 @@ from tokenpipe.telemetry import producer_span
 from tokenpipe.wire import (
     WIRE_VERSION,
     Announcement,
+    Cancel,
+    CoalesceParams,
+    IndexedRequest,
     Request,
     SamplingParams,
     StreamMeta,
@@ -200,3 +204,109 @@ def test_stream_id_starting_with_a_dash_read_as_a_cli_option() -> None:
     ids = [new_request_id() for _ in range(5000)]
     assert not [i for i in ids if i.startswith("-")]
     assert len(set(ids)) == len(ids) and all(len(i) == 22 for i in ids)
+
+
+# -- wire compatibility: bytes as the hand-written codec (before msgspec) wrote them ----------------
+_PARAMS = SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, top_k=40, stop=("\n", "END"), seed=3)
+_MESSAGES = Request(id="req_messages_1", model="smollm2-135m", messages=(
+    {"role": "system", "content": "be brief"}, {"role": "user", "content": "héllo 👋"}), params=_PARAMS, tenant="acme",
+    created_at=1700000000123456789)
+WIRE_VALUES: dict[str, Any] = {
+    "request_messages": _MESSAGES,
+    "request_prompt": Request(id="req_prompt_2", model="tiny-random", prompt="Once upon a time",
+                              coalesce=CoalesceParams(max_tokens=4, max_delay_ms=12.5), created_at=1700000000000000001),
+    "request_input_ids": Request(id="req_ids_3", model="tiny-random", input_ids=(1, 2, 300, 70000),
+                                 params=SamplingParams(temperature=0.0, ignore_eos=True), created_at=5),
+    "batch_first": TokenBatch(id="req_prompt_2", seq=0, index=0, token_ids=(7,), text="Once",
+                              timings={"created": 1, "received": 2, "admitted": 3, "first_token": 4, "emitted": 5}),
+    "batch_mid": TokenBatch(id="req_prompt_2", seq=3, index=12, token_ids=(101, 102, 103), text=" the cat",
+                            timings={"first_token": 1700000000200000000, "emitted": 1700000000200000500}),
+    "batch_final_usage": TokenBatch(id="req_prompt_2", seq=4, index=15, finish="length", usage=Usage(4, 15),
+                                    timings={"first_token": 9, "emitted": 10}),
+    "batch_final_error": TokenBatch(id="req_ids_3", seq=1, index=2, finish="error", error="engine died",
+                                    error_code="generation_error", usage=Usage(0, 2), timings={"emitted": 11}),
+    "cancel": Cancel("req_prompt_2", "relay-1"),
+    "stream_meta": StreamMeta("req_prompt_2", "acme", "tiny-random", 1700000000000000001),
+    "announcement": Announcement(worker="gen-1", model="tiny-random", ready=True, max_batch=8, running=2, active=3,
+                                 pid=4242, streams=("a", "b"), device="cpu", ttl_s=6.0, ts=1700000000.25,
+                                 free_blocks=100, block_size=16),
+    "indexed_request": IndexedRequest(_MESSAGES, "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"),
+}
+# Produced by the hand-written codec (dict → msgpack.packb / json.dumps) at 27e3e53, from WIRE_VALUES.
+OLD_BYTES = {
+    "request_messages": (
+        "8aa17601a26964ae7265715f6d657373616765735f31a56d6f64656cac736d6f6c6c6d322d3133356da670726f6d7074c0a8"
+        "6d657373616765739282a4726f6c65a673797374656da7636f6e74656e74a8626520627269656682a4726f6c65a475736572"
+        "a7636f6e74656e74ab68c3a96c6c6f20f09f918ba9696e7075745f696473c0a6706172616d7387aa6d61785f746f6b656e73"
+        "07ab74656d7065726174757265cb3fe0000000000000a5746f705f70cb3feccccccccccccda5746f705f6b28a473746f7092"
+        "a10aa3454e44a47365656403aa69676e6f72655f656f73c2a8636f616c6573636582aa6d61785f746f6b656e73c0ac6d6178"
+        "5f64656c61795f6d73c0a674656e616e74a461636d65aa637265617465645f6174cf17979cfe3d85cd15"),
+    "request_prompt": (
+        "8aa17601a26964ac7265715f70726f6d70745f32a56d6f64656cab74696e792d72616e646f6da670726f6d7074b04f6e6365"
+        "2075706f6e20612074696d65a86d65737361676573c0a9696e7075745f696473c0a6706172616d7387aa6d61785f746f6b65"
+        "6e73cd0100ab74656d7065726174757265cb3ff0000000000000a5746f705f70cb3ff0000000000000a5746f705f6b00a473"
+        "746f7090a473656564c0aa69676e6f72655f656f73c2a8636f616c6573636582aa6d61785f746f6b656e7304ac6d61785f64"
+        "656c61795f6d73cb4029000000000000a674656e616e74a764656661756c74aa637265617465645f6174cf17979cfe362a00"
+        "01"),
+    "request_input_ids": (
+        "8aa17601a26964a97265715f6964735f33a56d6f64656cab74696e792d72616e646f6da670726f6d7074c0a86d6573736167"
+        "6573c0a9696e7075745f696473940102cd012cce00011170a6706172616d7387aa6d61785f746f6b656e73cd0100ab74656d"
+        "7065726174757265cb0000000000000000a5746f705f70cb3ff0000000000000a5746f705f6b00a473746f7090a473656564"
+        "c0aa69676e6f72655f656f73c3a8636f616c6573636582aa6d61785f746f6b656e73c0ac6d61785f64656c61795f6d73c0a6"
+        "74656e616e74a764656661756c74aa637265617465645f617405"),
+    "batch_first": (
+        "8ba17601a26964ac7265715f70726f6d70745f32a373657100a5696e64657800a9746f6b656e5f6964739107a474657874a4"
+        "4f6e6365a666696e697368c0a56572726f72c0a57573616765c0a774696d696e677385a76372656174656401a87265636569"
+        "76656402a861646d697474656403ab66697273745f746f6b656e04a7656d697474656405aa6572726f725f636f6465c0"),
+    "batch_mid": (
+        "8ba17601a26964ac7265715f70726f6d70745f32a373657103a5696e6465780ca9746f6b656e5f69647393656667a4746578"
+        "74a82074686520636174a666696e697368c0a56572726f72c0a57573616765c0a774696d696e677382ab66697273745f746f"
+        "6b656ecf17979cfe4215c200a7656d6974746564cf17979cfe4215c3f4aa6572726f725f636f6465c0"),
+    "batch_final_usage": (
+        "8ba17601a26964ac7265715f70726f6d70745f32a373657104a5696e6465780fa9746f6b656e5f69647390a474657874a0a6"
+        "66696e697368a66c656e677468a56572726f72c0a5757361676583ad70726f6d70745f746f6b656e7304b1636f6d706c6574"
+        "696f6e5f746f6b656e730fac746f74616c5f746f6b656e7313a774696d696e677382ab66697273745f746f6b656e09a7656d"
+        "69747465640aaa6572726f725f636f6465c0"),
+    "batch_final_error": (
+        "8ba17601a26964a97265715f6964735f33a373657101a5696e64657802a9746f6b656e5f69647390a474657874a0a666696e"
+        "697368a56572726f72a56572726f72ab656e67696e652064696564a5757361676583ad70726f6d70745f746f6b656e7300b1"
+        "636f6d706c6574696f6e5f746f6b656e7302ac746f74616c5f746f6b656e7302a774696d696e677381a7656d69747465640b"
+        "aa6572726f725f636f6465b067656e65726174696f6e5f6572726f72"),
+    "cancel": (
+        "7b2276223a20312c202274797065223a202263616e63656c222c20226964223a20227265715f70726f6d70745f32222c2022"
+        "6f776e6572223a202272656c61792d31227d"),
+    "stream_meta": (
+        "7b2276223a20312c20226964223a20227265715f70726f6d70745f32222c202274656e616e74223a202261636d65222c2022"
+        "6d6f64656c223a202274696e792d72616e646f6d222c2022637265617465645f6174223a2031373030303030303030303030"
+        "3030303030317d"),
+    "announcement": (
+        "7b2276223a20312c2022776f726b6572223a202267656e2d31222c20226d6f64656c223a202274696e792d72616e646f6d22"
+        "2c20227265616479223a20747275652c20226d61785f6261746368223a20382c202272756e6e696e67223a20322c20226163"
+        "74697665223a20332c2022706964223a20343234322c202273747265616d73223a205b2261222c202262225d2c2022646576"
+        "696365223a2022637075222c202274746c5f73223a20362e302c20227473223a20313730303030303030302e32352c202266"
+        "7265655f626c6f636b73223a203130302c2022626c6f636b5f73697a65223a2031367d"),
+    "indexed_request": (
+        "7b2276223a20312c202272657175657374223a207b2276223a20312c20226964223a20227265715f6d657373616765735f31"
+        "222c20226d6f64656c223a2022736d6f6c6c6d322d3133356d222c202270726f6d7074223a206e756c6c2c20226d65737361"
+        "676573223a205b7b22726f6c65223a202273797374656d222c2022636f6e74656e74223a20226265206272696566227d2c20"
+        "7b22726f6c65223a202275736572222c2022636f6e74656e74223a2022685c75303065396c6c6f205c75643833645c756463"
+        "3462227d5d2c2022696e7075745f696473223a206e756c6c2c2022706172616d73223a207b226d61785f746f6b656e73223a"
+        "20372c202274656d7065726174757265223a20302e352c2022746f705f70223a20302e392c2022746f705f6b223a2034302c"
+        "202273746f70223a205b225c6e222c2022454e44225d2c202273656564223a20332c202269676e6f72655f656f73223a2066"
+        "616c73657d2c2022636f616c65736365223a207b226d61785f746f6b656e73223a206e756c6c2c20226d61785f64656c6179"
+        "5f6d73223a206e756c6c7d2c202274656e616e74223a202261636d65222c2022637265617465645f6174223a203137303030"
+        "30303030303132333435363738397d2c20227472616365706172656e74223a202230302d3061663736353139313663643433"
+        "6464383434386562323131633830333139632d623761643662373136393230333333312d3031227d"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OLD_BYTES))
+def test_bytes_written_before_msgspec_decode_to_the_same_values(name: str) -> None:
+    value = WIRE_VALUES[name]
+    old = bytes.fromhex(OLD_BYTES[name])
+    assert type(value).decode(old) == value
+    new = value.encode()
+    if old.startswith(b"{"):  # JSON: the same object (json.dumps spaced it; msgspec does not)
+        assert json.loads(new) == json.loads(old)
+    else:  # msgpack: byte for byte what the old encoder wrote, so old readers read it unchanged
+        assert new == old

@@ -114,9 +114,11 @@ _SAMPLING = TypeAdapter(SamplingParams)
 _COALESCE = TypeAdapter(CoalesceParams)
 
 
-def validated(adapter: TypeAdapter[T], data: Mapping[str, Any] | None, name: str, *, nested: bool = False) -> T:
+def validated(adapter: TypeAdapter[T], data: Mapping[str, Any] | None, name: str, *, nested: bool = False,
+              within: str | None = None) -> T:
     """``data`` (an untrusted map, nulls meaning defaults) as ``adapter``'s type, or an
-    :class:`InvalidRequest` naming the first offending field (inside ``name`` if ``nested``)."""
+    :class:`InvalidRequest` naming the first offending field (inside ``name`` if ``nested``; a
+    field inside the map's ``within`` by its own name)."""
     if data is None:
         data = {}
     if not isinstance(data, Mapping):
@@ -127,6 +129,9 @@ def validated(adapter: TypeAdapter[T], data: Mapping[str, Any] | None, name: str
         errors = exc.errors()
         if nested:
             errors = [{**e, "loc": (name, *e["loc"])} for e in errors]
+        if within is not None:
+            errors = [{**e, "loc": e["loc"][1:]} if e["loc"][:1] == (within,) and len(e["loc"]) > 1 else e
+                      for e in errors]
         raise invalid_request(errors) from exc
 
 

@@ -21,10 +21,11 @@ same object serves ``streams.follow`` (one JetStream consumer) and the relay's f
 
 from __future__ import annotations
 
-import dataclasses
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+import msgspec
 
 from .telemetry import trace_context_headers
 from .wire import TokenBatch
@@ -95,7 +96,7 @@ class Reorder:
         if batch.seq < self.expected:
             if batch.is_final and batch.seq <= self.after and self.expected == self.after + 1:
                 # Resuming after the final batch: its tokens were seen, but the end must still be told.
-                self._ready.append(dataclasses.replace(batch, token_ids=(), text=""))
+                self._ready.append(msgspec.structs.replace(batch, token_ids=(), text=""))
                 self._finish()
             return  # already handed out (a republished duplicate) or before the resume point
         self._held.setdefault(batch.seq, batch)

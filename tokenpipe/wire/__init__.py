@@ -1,10 +1,12 @@
 """The wire contract: every shape that crosses a process boundary, encoded and versioned.
 
 Requests and token batches are msgpack maps (:mod:`.request`, :mod:`.batch`), the control-plane
-shapes JSON maps (:mod:`.control`, which says why). Every map has a ``v`` field; decoders ignore
-unknown keys so newer peers can add fields, and ``v`` bumps only on an incompatible change. These
-are pure functions over bytes: no transport is imported here. Import the shapes from this package;
-each is defined in one submodule.
+shapes JSON maps (:mod:`.control`, which says why). Each shape is declared once, and the
+declaration is its encoder, decoder and validation (msgspec Structs; the request, whose bounds
+the relay's HTTP bodies share, a dataclass validated by pydantic). Every map has a ``v`` field;
+decoders ignore unknown keys so newer peers can add fields, and ``v`` bumps only on an
+incompatible change. These are pure functions over bytes: no transport is imported here. Import
+the NATS shapes from this package; the relay's WebSocket frames are in :mod:`.frames`.
 """
 
 from ..params import CoalesceParams, SamplingParams

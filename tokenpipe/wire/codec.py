@@ -1,21 +1,26 @@
-"""The wire's framing: msgpack and JSON maps with a version field, and the ids and clocks every
-shape stamps. Pure functions over bytes."""
+"""The wire's framing: msgspec encoders and decoders, the error every undecodable message becomes,
+and the ids and clocks every shape stamps. Pure functions over bytes."""
 
 from __future__ import annotations
 
-import json
 import secrets
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
-import msgpack
+import msgspec
 
 from ..errors import WireFormatError
 
-__all__ = ["WIRE_VERSION", "dump_json", "load_json", "new_request_id", "now_ns", "pack", "unpack", "unpack_any"]
+__all__ = ["WIRE_VERSION", "decoded", "new_request_id", "now_ns", "pack", "to_json", "unpack", "unpack_any"]
 
 WIRE_VERSION = 1
-_MSGPACK_ERRORS = (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError)
+T = TypeVar("T")
+
+# Encoders keep no state between calls; one each saves building it per message.
+pack = msgspec.msgpack.Encoder().encode
+to_json = msgspec.json.Encoder().encode
+_ANY = msgspec.msgpack.Decoder()
 
 
 def new_request_id() -> str:
@@ -32,47 +37,42 @@ def now_ns() -> int:
     return time.time_ns()
 
 
-def pack(obj: dict[str, Any]) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True)
+def decoded(decode: Callable[[bytes], T], data: bytes, what: str, kind: str = "msgpack") -> T:
+    """``data`` decoded (and validated) by msgspec's ``decode`` (of ``kind``: msgpack or JSON), or a
+    :class:`WireFormatError` naming ``what``.
+
+    A shape's version is its msgspec tag ``v``: absent means this version (maps written before it
+    existed), any other value is a version this side cannot read."""
+    try:
+        return decode(data)
+    except msgspec.ValidationError as exc:
+        if str(exc).endswith("at `$.v`"):
+            raise WireFormatError(f"{what}: wire version is not {WIRE_VERSION}, the one supported ({exc})") from exc
+        raise WireFormatError(f"{what}: bad field ({exc})") from exc
+    except msgspec.DecodeError as exc:
+        raise WireFormatError(f"{what}: not valid {kind} ({exc})") from exc
 
 
 def unpack_any(data: bytes) -> Any:
     """Whatever msgpack value ``data`` holds, or None when it is not msgpack."""
     try:
-        return msgpack.unpackb(data, raw=False)
-    except _MSGPACK_ERRORS:
+        return _ANY.decode(data)
+    except msgspec.DecodeError:
         return None
 
 
 def unpack(data: bytes, what: str) -> dict[str, Any]:
-    """A versioned msgpack map; :class:`WireFormatError` naming ``what`` otherwise."""
+    """A versioned msgpack map, for a shape validated from a map (:class:`~.request.Request`);
+    :class:`WireFormatError` naming ``what`` otherwise."""
     try:
-        obj = msgpack.unpackb(data, raw=False, strict_map_key=True)
-    except _MSGPACK_ERRORS as exc:
+        obj = _ANY.decode(data)
+    except msgspec.DecodeError as exc:
         raise WireFormatError(f"{what}: not valid msgpack ({exc})") from exc
-    return _versioned(obj, what, "msgpack map", "missing integer version field 'v'", None)
-
-
-def _versioned(obj: Any, what: str, kind: str, bad_version: str, absent: int | None) -> dict[str, Any]:
-    """``obj`` if it is a map whose version field (``absent`` when missing) this side can read."""
     if not isinstance(obj, dict):
-        raise WireFormatError(f"{what}: expected a {kind}, got {type(obj).__name__}")
-    version = obj.get("v", absent)
+        raise WireFormatError(f"{what}: expected a msgpack map, got {type(obj).__name__}")
+    version = obj.get("v")
     if not isinstance(version, int) or isinstance(version, bool):
-        raise WireFormatError(f"{what}: {bad_version}")
+        raise WireFormatError(f"{what}: missing integer version field 'v'")
     if version > WIRE_VERSION:
         raise WireFormatError(f"{what}: wire version {version} is newer than supported {WIRE_VERSION}")
     return obj
-
-
-def dump_json(obj: dict[str, Any]) -> bytes:
-    return json.dumps(obj).encode()
-
-
-def load_json(data: bytes, what: str) -> dict[str, Any]:
-    """A JSON object whose version field, if any (older peers wrote none), this side can read."""
-    try:
-        obj = json.loads(data)
-    except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError alike
-        raise WireFormatError(f"{what}: not valid JSON ({exc})") from exc
-    return _versioned(obj, what, "JSON object", "version field 'v' must be an integer", 1)

@@ -1,113 +1,70 @@
 """The control plane's shapes, JSON so operators read them with ``nats sub`` and ``nats kv get``:
 a stream's owner (:class:`StreamMeta`), its index entry (:class:`IndexedRequest`), a
-:class:`Cancel`, and a generator's :class:`Announcement`. Entries written before the version field
-existed stay readable."""
+:class:`Cancel`, and a generator's :class:`Announcement`. Each is declared once: a msgspec Struct
+(its version the tag ``v``, absent in entries written before the field existed), except the index
+entry, which carries a :class:`~.request.Request` and is validated as one is."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import MISSING, dataclass, fields
-from typing import TYPE_CHECKING, Any, ClassVar, Self
+from dataclasses import dataclass
+from functools import partial
+from typing import Annotated, ClassVar, Literal, Self
+
+import msgspec
+from pydantic import BeforeValidator, Field, TypeAdapter, ValidationError
 
 from ..errors import InvalidRequest, WireFormatError
-from .codec import WIRE_VERSION, dump_json, load_json
-from .request import Request
-
-if TYPE_CHECKING:
-    from _typeshed import DataclassInstance
+from ..params import invalid_request
+from .codec import WIRE_VERSION, decoded, to_json
+from .request import Request, _present
 
 __all__ = ["Announcement", "Cancel", "IndexedRequest", "StreamMeta"]
 
-# How a field of each declared type is read from JSON (a field's type is its annotation's text).
-_READ: dict[str, Callable[[Any], Any]] = {"str": str, "int": int, "float": float, "bool": bool,
-                                          "tuple[str, ...]": lambda v: tuple(str(s) for s in v or ())}
 
+class _Control(msgspec.Struct, frozen=True, tag_field="v", tag=WIRE_VERSION):
+    """A control shape: its JSON map is its fields; unknown keys are ignored, absent ones are
+    their defaults. ``_what`` names it in errors."""
 
-class _Flat:
-    """A flat shape (:class:`StreamMeta`, :class:`Announcement`): its JSON map is its fields, each
-    read back as its declared type, an absent one its default. ``_what`` names it in errors."""
+    _what: ClassVar[str] = "control message"
 
-    __slots__ = ()
-    _what: ClassVar[str]
-
-    def encode(self: DataclassInstance) -> bytes:
-        return dump_json({"v": WIRE_VERSION, **{f.name: getattr(self, f.name) for f in fields(self)}})
+    def encode(self) -> bytes:
+        return to_json(self)
 
     @classmethod
     def decode(cls, data: bytes) -> Self:
-        obj = load_json(data, cls._what)
-        try:
-            return cls(**{f.name: _READ[str(f.type)](obj[f.name]) for f in fields(cls)  # type: ignore[arg-type]
-                          if f.name in obj or f.default is MISSING})
-        except (KeyError, TypeError, ValueError) as exc:
-            raise WireFormatError(f"{cls._what}: bad field ({exc})") from exc
+        return decoded(partial(msgspec.json.decode, type=cls), data, cls._what, "JSON")
 
 
-@dataclass(frozen=True, slots=True)
-class StreamMeta(_Flat):
+class StreamMeta(_Control, frozen=True):
     """Who owns a stream: its entry in the meta bucket, keyed by stream id (JSON)."""
 
-    _what = "stream meta"
+    _what: ClassVar[str] = "stream meta"
     id: str
     tenant: str
     model: str
     created_at: int
 
 
-@dataclass(frozen=True, slots=True)
-class Cancel:
+class Cancel(_Control, frozen=True):
     """Stop generating stream ``id``: published by its ``owner`` on ``tp.cancel.<owner>.<id>``
     (JSON). A generator acts only on one that names the subject's owner and stream; anything else
     there (a server's answer provoked onto the subject with a forged reply subject, junk, an empty
     message) is dropped and counted."""
 
+    _what: ClassVar[str] = "cancel"
     id: str
     owner: str
-
-    def encode(self) -> bytes:
-        return dump_json({"v": WIRE_VERSION, "type": "cancel", "id": self.id, "owner": self.owner})
-
-    @classmethod
-    def decode(cls, data: bytes) -> Cancel:
-        obj = load_json(data, "cancel")
-        sid, owner = obj.get("id"), obj.get("owner")
-        if obj.get("type") != "cancel" or not isinstance(sid, str) or not isinstance(owner, str):
-            raise WireFormatError('cancel: expected {"type": "cancel", "id": <stream id>, "owner": <owner>}')
-        return cls(id=sid, owner=owner)
+    type: Literal["cancel"] = "cancel"
 
 
-@dataclass(frozen=True, slots=True)
-class IndexedRequest:
-    """A relay stream's entry in its tenant's index (meta bucket, :mod:`tokenpipe.streamindex`): the
-    request as submitted and the W3C ``traceparent`` of the span that submitted it (JSON)."""
-
-    request: Request
-    traceparent: str = ""
-
-    def encode(self) -> bytes:
-        return dump_json({"v": WIRE_VERSION, "request": self.request.to_map(), "traceparent": self.traceparent})
-
-    @classmethod
-    def decode(cls, data: bytes) -> IndexedRequest:
-        obj = load_json(data, "indexed request")
-        request = obj.get("request")
-        if not isinstance(request, dict):
-            raise WireFormatError("indexed request: 'request' must be an object")
-        try:
-            return cls(request=Request.from_map(request), traceparent=str(obj.get("traceparent") or ""))
-        except InvalidRequest as exc:
-            raise WireFormatError(f"indexed request: {exc.message}") from exc
-
-
-@dataclass(frozen=True, slots=True)
-class Announcement(_Flat):
+class Announcement(_Control, frozen=True):
     """A generator saying it serves ``model`` (``ready``) or is leaving, and how loaded it is.
 
     Published on ``tp.gen.announce.<worker>`` every few seconds and in answer to
     ``tp.gen.discover`` (JSON); a relay forgets it ``ttl_s`` seconds after the last one.
     """
 
-    _what = "announcement"
+    _what: ClassVar[str] = "announcement"
     worker: str
     model: str
     ready: bool = True
@@ -121,3 +78,30 @@ class Announcement(_Flat):
     ts: float = 0.0  # wall-clock seconds when sent
     free_blocks: int = 0  # KV-cache blocks a new sequence could get now (free or cached, unheld)
     block_size: int = 0  # positions per KV block
+
+
+@dataclass(frozen=True, slots=True)
+class IndexedRequest:
+    """A relay stream's entry in its tenant's index (meta bucket, :mod:`tokenpipe.streamindex`): the
+    request as submitted and the W3C ``traceparent`` of the span that submitted it (JSON)."""
+
+    request: Annotated[Request, BeforeValidator(_present)]
+    traceparent: str = ""
+    v: Annotated[int, Field(strict=True, le=WIRE_VERSION)] = WIRE_VERSION  # absent in entries written before it
+
+    def encode(self) -> bytes:
+        return to_json(self)
+
+    @classmethod
+    def decode(cls, data: bytes) -> IndexedRequest:
+        obj = decoded(_JSON_MAP.decode, data, "indexed request", "JSON")
+        try:
+            return _INDEXED.validate_python(obj)
+        except ValidationError as exc:
+            raise WireFormatError(f"indexed request: {invalid_request(exc.errors()).message}") from exc
+        except InvalidRequest as exc:
+            raise WireFormatError(f"indexed request: {exc.message}") from exc
+
+
+_JSON_MAP = msgspec.json.Decoder(dict[str, object])
+_INDEXED = TypeAdapter(IndexedRequest)

@@ -1,19 +1,20 @@
 """The generation job (:class:`Request`, msgpack on the requests stream) and its parts: chat
-messages and token ids, validated by pydantic from untrusted maps."""
+messages and token ids.
+
+A :class:`Request` is declared once, as a dataclass whose fields carry their pydantic bounds:
+one TypeAdapter validates an untrusted map into it (the parameters' bounds are
+:class:`~tokenpipe.params.SamplingParams`' own, shared with the relay's HTTP bodies, which is why
+this shape is pydantic's and not a msgspec Struct) and msgspec encodes it, in field order."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import (
-    Annotated,
-    Any,
-    Literal,
-    Required,  # pydantic needs this TypedDict before Python 3.12
-)
+from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, ConfigDict, Field, StringConstraints, TypeAdapter, with_config
-from typing_extensions import TypedDict
+import msgspec
+from pydantic import AfterValidator, BeforeValidator, ConfigDict, Field, StringConstraints, TypeAdapter, with_config
+from typing_extensions import TypedDict  # pydantic needs this TypedDict before Python 3.12
 
 from ..errors import InvalidRequest
 from ..params import CoalesceParams, SamplingParams, validated
@@ -43,34 +44,29 @@ def chat_message(role: Role, content: str) -> MessageDict:
 Message = Annotated[MessageDict, AfterValidator(lambda m: chat_message(m["role"], m["content"]))]  # other keys dropped
 
 
-class _RequestFields(TypedDict, total=False):
-    """A :class:`Request`'s own fields as a map carries them (a null is an absent field)."""
-
-    id: Required[_Name]
-    model: Required[_Name]
-    prompt: _Text
-    messages: Annotated[tuple[Message, ...], Field(min_length=1)]
-    input_ids: tuple[TokenId, ...]
-    tenant: _Text
-    created_at: Annotated[int, Field(strict=True)]
+def _present(value: Any) -> Any:
+    """A map's null values are absent ones (its defaults): what msgpack peers and SDK callers send."""
+    return {k: v for k, v in value.items() if v is not None} if isinstance(value, Mapping) else value
 
 
-_REQUEST_FIELDS = TypeAdapter(_RequestFields)
+def _params(value: Any) -> Any:
+    return {} if value is None else _present(value)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Request:
     """A generation job. Exactly one of ``messages``, ``prompt``, ``input_ids`` is set."""
 
-    id: str
-    model: str
-    prompt: str | None = None
-    messages: tuple[MessageDict, ...] | None = None
-    input_ids: tuple[int, ...] | None = None
-    params: SamplingParams = field(default_factory=SamplingParams)
-    coalesce: CoalesceParams = field(default_factory=CoalesceParams)
-    tenant: str = "default"
-    created_at: int = 0
+    v: Annotated[int, Field(strict=True, le=WIRE_VERSION)] = WIRE_VERSION
+    id: _Name
+    model: _Name
+    prompt: _Text | None = None
+    messages: Annotated[tuple[Message, ...], Field(min_length=1)] | None = None
+    input_ids: tuple[TokenId, ...] | None = None
+    params: Annotated[SamplingParams, BeforeValidator(_params)] = field(default_factory=SamplingParams)
+    coalesce: Annotated[CoalesceParams, BeforeValidator(_params)] = field(default_factory=CoalesceParams)
+    tenant: _Text = "default"
+    created_at: Annotated[int, Field(strict=True)] = 0
 
     def __post_init__(self) -> None:
         given = sum(x is not None for x in (self.prompt, self.messages, self.input_ids))
@@ -98,14 +94,10 @@ class Request:
 
     def to_map(self) -> dict[str, Any]:
         """The request as a plain map (JSON- and msgpack-ready), as :meth:`from_map` reads it."""
-        return {"v": WIRE_VERSION, "id": self.id, "model": self.model, "prompt": self.prompt,
-                "messages": [dict(m) for m in self.messages] if self.messages is not None else None,
-                "input_ids": list(self.input_ids) if self.input_ids is not None else None,
-                "params": self.params.to_map(), "coalesce": self.coalesce.to_map(), "tenant": self.tenant,
-                "created_at": self.created_at}
+        return msgspec.to_builtins(self)  # type: ignore[no-any-return]
 
     def encode(self) -> bytes:
-        return pack(self.to_map())
+        return pack(self)
 
     @classmethod
     def decode(cls, data: bytes) -> Request:
@@ -113,10 +105,12 @@ class Request:
 
     @classmethod
     def from_map(cls, obj: Mapping[str, Any]) -> Request:
-        """Validate an untrusted map. Raises :class:`InvalidRequest` with the offending param."""
-        fields = validated(_REQUEST_FIELDS, {k: obj.get(k) for k in _RequestFields.__annotations__}, "request")
-        return cls(**fields, params=SamplingParams.from_map(obj.get("params")),
-                   coalesce=CoalesceParams.from_map(obj.get("coalesce")))
+        """Validate an untrusted map. Raises :class:`InvalidRequest` naming the offending field (a
+        sampling parameter by its own name, as the HTTP bodies name it)."""
+        return validated(_REQUEST, obj, "request", within="params")
+
+
+_REQUEST: TypeAdapter[Request] = TypeAdapter(Annotated[Request, BeforeValidator(_present)])
 
 
 def _listed(value: Any) -> Any:
