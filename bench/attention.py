@@ -14,7 +14,6 @@ checked against the kernel's. The machine may be shared: compare ratios within o
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from bench.common import write_json
 from bench.kvstep import add_model_args, load_as_generator
 from generator.forward import _bagged_attention, _decode_attention, attention_bias
 from generator.gemv import load_gemv
@@ -95,10 +95,9 @@ def main(argv: list[str] | None = None) -> int:
                       f"{best['bagged'] / best['kernel']:.2f}")
     console.print(t)
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"label": args.label, "cpu": cpu, "threads": torch.get_num_threads(),
+    write_json(out, {"label": args.label, "cpu": cpu, "threads": torch.get_num_threads(),
                                "torch": torch.__version__, "model": lm.name, "dtype": str(lm.dtype),
-                               "results": results}, indent=2))
+                               "results": results}, indent=2)
     console.print(f"wrote {out}")
     return 0
 

@@ -5,10 +5,8 @@ All of these run the model directly, with no NATS, no HTTP, no coalescing.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,29 +15,8 @@ from generator.engine import Engine
 from generator.models import LoadedModel
 from tokenpipe.wire import SamplingParams
 
-__all__ = ["EngineRun", "cpu_summary", "decode_step_flops", "engine_tok_s", "gemm_peak_gflops", "hf_generate_tok_s",
+__all__ = ["EngineRun", "decode_step_flops", "engine_tok_s", "gemm_peak_gflops", "hf_generate_tok_s",
            "naive_no_cache_tok_s", "own_forward_tok_s", "prefill_flops", "raw_forward_tok_s"]
-
-
-_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8")
-
-
-def cpu_summary() -> dict[str, Any]:
-    """The CPU model, core count and the vector flags that decide the kernels (from /proc/cpuinfo)."""
-    model, flags = "unknown CPU", set[str]()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and model == "unknown CPU":
-                model = value.strip()
-            elif key.strip() == "flags" and not flags:
-                flags = set(value.split())
-    except OSError:
-        pass
-    have = [f for f in _FLAGS if f in flags]
-    cores = os.cpu_count() or 0
-    return {"model": model, "cores": cores, "flags": have,
-            "line": f"{model}, {cores} CPUs, {' '.join(have) or 'no AVX2'}"}
 
 
 def _linear_params(model: Any) -> tuple[int, int]:

@@ -20,7 +20,6 @@ and its bf16 GEMM peak (a large square matmul). Each row gives
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -37,6 +36,7 @@ from tokenpipe.errors import ConfigError
 from tokenpipe.wire import SamplingParams
 
 from .ceilings import decode_step_flops, gemm_peak_gflops
+from .common import write_json
 
 __all__ = ["SHAPES", "copy_bandwidth_gbs", "decode_tok_s", "main", "random_model"]
 
@@ -178,8 +178,7 @@ def main(argv: list[str] | None = None) -> int:
                "config": {k: v for k, v in vars(args).items() if k != "out"}, **measure(args)}
     print(render(results))
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
+    write_json(out, results, indent=2)
     print(f"wrote {out}")
     return 0
 

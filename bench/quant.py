@@ -22,7 +22,6 @@ with ``--device cuda``: torch's int8pack and tinygemm int4 kernels on the GPU).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -40,7 +39,8 @@ from generator.models import LoadedModel, load_model
 from tokenpipe.settings import Settings
 from tokenpipe.wire import SamplingParams
 
-from .ceilings import cpu_summary, decode_step_flops, gemm_peak_gflops, prefill_flops
+from .ceilings import decode_step_flops, gemm_peak_gflops, prefill_flops
+from .common import alternate, cpu_summary, write_json
 from .kvstep import RawSteps
 
 console = Console(width=190)
@@ -72,7 +72,7 @@ def _rounds(fns: dict[str, Callable[[], float]], rounds: int) -> dict[str, list[
     res: dict[str, list[float]] = {k: [] for k in fns}
     items = list(fns.items())
     for r in range(rounds):
-        for key, fn in items if r % 2 == 0 else items[::-1]:
+        for key, fn in alternate(items, r):
             res[key].append(fn())
     return res
 
@@ -260,8 +260,7 @@ def main(argv: list[str] | None = None) -> int:
                               "rounds": args.rounds, "gemm_peak_gflops": peaks, "speed": sp, "quality": q}
     suffix = "-cuda" if gpu else "-avx2" if args.isa == "avx2" else ""
     out = Path(args.out or f"bench/out/quant{suffix}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    write_json(out, result, indent=2)
     console.print(f"wrote {out}")
     return 0
 

@@ -28,7 +28,6 @@ shared: only ratios mean anything.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections.abc import Iterator
@@ -39,6 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from bench.common import write_json
 from bench.kvstep import RawSteps, add_model_args, load_as_generator
 from generator.forward import Plan, plan_for
 from generator.kernels import kernel_for
@@ -186,13 +186,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"one row: {per_token / 1e6:.1f} MB of weights per step; read bandwidth {bw:.1f} GB/s "
               f"(ceiling {bw * 1e9 / per_token:.0f} tok/s); the step reaches {share * 100:.0f}% of it")
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"label": args.label, "cpu": cpu,
-                               "threads": torch.get_num_threads(),
-                               "torch": torch.__version__, "model": lm.name, "quant": lm.quant,
-                               "dtype": str(lm.dtype), "context": CONTEXT, "splits": results,
-                               "weight_bytes_per_token": per_token, "read_gb_s": bw,
-                               "bandwidth_share_one_row": share}, indent=2))
+    write_json(out, {"label": args.label, "cpu": cpu,
+                     "threads": torch.get_num_threads(),
+                     "torch": torch.__version__, "model": lm.name, "quant": lm.quant,
+                     "dtype": str(lm.dtype), "context": CONTEXT, "splits": results,
+                     "weight_bytes_per_token": per_token, "read_gb_s": bw,
+                     "bandwidth_share_one_row": share}, indent=2)
     print(f"wrote {out}")
     return 0
 
