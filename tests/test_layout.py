@@ -92,3 +92,14 @@ def test_bench_script_imports_after_modules_moved(module: str) -> None:
     """Every bench script imports: mypy ignores missing imports, so a module moved by a refactor
     (bench.peers still imported ``tokenpipe.natsserver`` and ``bench.loadgen``) went unseen."""
     importlib.import_module(f"bench.{module}")
+
+
+def test_no_product_source_cites_the_benchmark_results_file() -> None:
+    """bench/RESULTS.md is a table of today's figures, rewritten as they change; the product's comments
+    cited its dated sections ("issue 21, part 14") for their reasons, which then pointed nowhere. A comment
+    says its reason itself (docs/perf-history.md keeps the decisions and their figures)."""
+    citing = sorted(str(p.relative_to(ROOT)) for package in (CORE, ROOT_PACKAGE, *ROLES)
+                    for p in (ROOT / package).rglob("*") if p.is_file() and "__pycache__" not in p.parts
+                    and p.suffix in {".py", ".c", ".cpp", ".h", ".html", ".js", ".css", ".md", ".txt"}
+                    and "RESULTS.md" in p.read_text(errors="replace"))
+    assert citing == []
