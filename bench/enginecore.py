@@ -9,7 +9,7 @@ process (``on``), the two alternating ``--rounds`` times (off, on, on, off, …)
 the same machine. Each measures, over HTTP/SSE with the minimal client: tokens/s at each stream
 count (one stream: requests one after another; N: N at once) and the pipeline-added TTFT at one
 stream (client TTFT minus the engine's own prefill). The table gives process ÷ thread per figure;
-this is what ``auto`` is chosen by (bench/RESULTS.md).
+this is what ``auto`` is chosen by (docs/perf-history.md, issue 22).
 """
 
 from __future__ import annotations

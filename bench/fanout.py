@@ -13,7 +13,7 @@ ends every stream within the same interval, so each stream's first and last batc
 the set-up or tear-down of all the others; "steady" latency leaves those two batches out.
 The default scenarios offer 10,000 batches/s over 1,000 streams, 22,222/s over 2,000 streams,
 then 20,000/s over 10,000 streams. (The consumer-per-stream and shared-subscription readers
-this once compared were removed; their last figures are in ``bench/RESULTS.md``.)
+this once compared were removed; docs/perf-history.md has their last figures.)
 """
 
 from __future__ import annotations

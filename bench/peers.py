@@ -25,7 +25,7 @@ tokenpipe in the same run, and writes ``bench/out/peers.json``.
       ~/.cache/tokenpipe/peers/bin/pip install --no-cache-dir 'llama-cpp-python[server]'
 
   On a CPU that lists AMX (``amx_*`` in ``/proc/cpuinfo``) the native build segfaults on
-  multi-token prompts: build it for AVX-512 without AMX instead (bench/RESULTS.md, part 10)::
+  multi-token prompts: build it for AVX-512 without AMX instead::
 
       CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_BF16=ON -DGGML_AVX512_VNNI=ON \
         -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" \

@@ -12,7 +12,7 @@ subscribes per stream it serves, so it receives only those streams' batches.
 Each run also starts a bystander: one more relay that serves no stream. Its CPU per batch
 published anywhere is what a relay pays for traffic that is not its own (next to nothing with
 per-stream subscriptions; the removed shared subscription paid for every batch, see
-``bench/RESULTS.md``).
+docs/perf-history.md).
 
 Reported per run: batches delivered per second, every relay's CPU, their sum per delivered
 batch, the busiest relay, what one relay core would deliver at that cost, the bystander's

@@ -10,7 +10,7 @@ whole decode steps (``generator.forward.decode_step``), and the same steps with 
 shape: *the rest* — norms, RoPE, attention over the KV cache, residuals, the cache write and
 Python dispatch. The projections' part is the difference, and with it each projection's call
 (dispatch, its output's allocation): the rest is a
-lower bound (bench/RESULTS.md, "issue 21, part 5"). (Timing the projections alone in a
+lower bound: a stubbed projection makes no call at all. (Timing the projections alone in a
 loop and subtracting instead overstated the rest by ~40 %: back to back they run faster than
 between the other ops.) Where the decoder layers run as one call (generator/stack.py), the stubbed step is
 that call with every projection writing zeros, and a third timing each round, the same step op by op,

@@ -2,7 +2,7 @@
 
 Each scenario is one benchmark module run as ``python -m <module> <args> --out <json>`` in a process of
 its own (torch's thread pools, event loops and loaded models do not carry from one to the next), with
-the arguments of its full form or of its quick one. The full forms are the figures bench/RESULTS.md
+the arguments of its full form or of its quick one. The full forms measure the figures bench/RESULTS.md
 records; a quick form measures the same things smaller (fewer rounds, streams or tokens; the tiny
 random model where the figure is the pipeline's and not the model's): a check that the scenario runs
 and a rough figure, not one to compare. Every module also runs alone with its own options
