@@ -35,7 +35,7 @@ from generator.models import LoadedModel, load_model
 from tokenpipe.settings import Settings
 from tokenpipe.wire import SamplingParams
 
-from .ceilings import decode_step_flops, gemm_peak_gflops, prefill_flops
+from .ceilings import decode_step_flops, gemm_peak_gflops, prefill_flops, sync
 from .common import alternate, cpu_summary, write_json
 from .kvstep import RawSteps
 
@@ -72,11 +72,6 @@ def _rounds(fns: dict[str, Callable[[], float]], rounds: int) -> dict[str, list[
     return res
 
 
-def _sync(lm: LoadedModel) -> None:
-    if lm.device.type == "cuda":
-        torch.cuda.synchronize(lm.device)  # kernels are asynchronous: time what ran, not what was queued
-
-
 def _decode(lm: LoadedModel, batch: int, steps: int) -> Callable[[], float]:
     attend = -(-(CONTEXT + steps + 8) // 32) * 32
     raw = RawSteps(lm, batch, attend)
@@ -86,11 +81,11 @@ def _decode(lm: LoadedModel, batch: int, steps: int) -> Callable[[], float]:
     pos = torch.full((batch,), CONTEXT, device=lm.device)
 
     def run() -> float:
-        _sync(lm)
+        sync(lm.device)
         t0 = time.perf_counter()
         for i in range(steps):
             raw.decode(tok, pos + i, attend)
-        _sync(lm)
+        sync(lm.device)
         return batch * steps / (time.perf_counter() - t0)
 
     run()
@@ -102,10 +97,10 @@ def _prefill_ms(lm: LoadedModel, length: int) -> Callable[[], float]:
     ids = torch.randint(100, 40_000, (1, length), generator=torch.Generator().manual_seed(1)).to(lm.device)
 
     def run() -> float:
-        _sync(lm)
+        sync(lm.device)
         t0 = time.perf_counter()
         raw.prefill(ids)
-        _sync(lm)
+        sync(lm.device)
         return (time.perf_counter() - t0) * 1e3
 
     run()
