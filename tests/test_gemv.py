@@ -91,7 +91,7 @@ def test_one_row_kernels_hold_every_count_of_groups_and_rows(gemv: GemvLib, grou
         assert _rel_err(one, ref) < 2e-4 and _rel_err(tiled, ref) < 2e-4
 
 
-# torch.compile's own C++ is wrong under ATEN_CPU_CAPABILITY=avx2 on a CPU with AVX-512 (bench/RESULTS.md, part 17),
+# torch.compile's own C++ is wrong under ATEN_CPU_CAPABILITY=avx2 on a CPU with AVX-512 (docs/perf-history.md),
 # a path no AVX2-only CPU takes: those two tests are left to the real CPU's run.
 _AVX2_ONLY_RUN = "not into_one_graph and not as_on_an_avx2_only_cpu"
 
