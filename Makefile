@@ -36,7 +36,8 @@ test: install
 
 # The benchmark suite (bench/suite.py; `python -m bench list -v` shows every scenario's commands): the
 # system and engine groups, about an hour on 2 cores, bench.chaos's long form 30 minutes of it. ARGS go
-# to the runner: ARGS=--quick for the short forms (a check that each runs, and rough figures), or
+# to the runner: ARGS=--quick for the short forms (a check that each runs, and rough figures: 32 min on
+# 2 shared cores, the system group 4 of them; the engine group re-measures kernel tables), or
 # `python -m bench run NAME ...` for single scenarios. JSON and the run's record go to bench/out/.
 bench: install
 	$(PY) -m bench run system engine $(ARGS)
