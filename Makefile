@@ -34,29 +34,18 @@ up: install
 test: install
 	$(PY) -m pytest $(ARGS)
 
-# Every table of bench/RESULTS.md (about an hour on 2 cores, bench.chaos's long form 30 minutes of it); ARGS go to bench.pipeline.
+# The benchmark suite (bench/suite.py; `python -m bench list -v` shows every scenario's commands): the
+# system and engine groups, about an hour on 2 cores, bench.chaos's long form 30 minutes of it. ARGS go
+# to the runner: ARGS=--quick for the short forms (a check that each runs, and rough figures: 32 min on
+# 2 shared cores, the system group 4 of them; the engine group re-measures kernel tables), or
+# `python -m bench run NAME ...` for single scenarios. JSON and the run's record go to bench/out/.
 bench: install
-	$(PY) -m bench.pipeline $(ARGS)
-	$(PY) -m bench.fanout
-	$(PY) -m bench.coalesce
-	$(PY) -m bench.relays
-	$(PY) -m bench.replication
-	$(PY) -m bench.kvcache
-	$(PY) -m bench.kernels
-	$(PY) -m bench.stepsplit
-	$(PY) -m bench.gemvrows
-	$(PY) -m bench.attention
-	$(PY) -m bench.accuracy
-	$(PY) -m bench.sampling
-	$(PY) -m bench.enginecore
-	$(PY) -m bench.appends
-	$(PY) -m bench.fencecost
-	$(PY) -m bench.chaos
+	$(PY) -m bench run system engine $(ARGS)
 
-# tokenpipe against transformers serve and llama.cpp's server on this machine (see bench/peers.py).
+# tokenpipe against transformers serve and llama.cpp's server on this machine (see bench/peers.py), and
+# llama.cpp's own decode loop beside its server (skipped where llama-cpp-python is not installed).
 bench-peers: install
-	$(PY) -m bench.peers $(ARGS)
-	-$(PY) -m bench.llamaraw  # llama.cpp's own decode loop beside its server (exit 2: not installed)
+	$(PY) -m bench run peers $(ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -16,7 +16,6 @@ of 32): this shows what that does to the model, where a kernel test only shows t
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from bench.common import write_json
 from bench.kvstep import RawSteps, add_model_args, load_as_generator
 from generator.model.autotune import tune_plan
 from generator.model.loader import LoadedModel
@@ -94,12 +94,10 @@ def main(argv: list[str] | None = None) -> int:
         t.add_row(kernel, f"{res['nll']:.4f}", f"{res['perplexity']:.2f}", f"{res['nll'] - results[first]['nll']:+.4f}",
                   f"{res['greedy_agrees']:.1%}")
     console.print(t)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"label": args.label, "cpu": cpu, "threads": torch.get_num_threads(),
-                               "torch": torch.__version__, "model": lm.name, "quant": lm.quant, "dtype": str(lm.dtype),
-                               "rows": args.rows, "tokens": args.tokens, "text": TEXT.name, "results": results},
-                              indent=2))
+    out = write_json(args.out, {"label": args.label, "cpu": cpu, "threads": torch.get_num_threads(),
+                                "torch": torch.__version__, "model": lm.name, "quant": lm.quant,
+                                "dtype": str(lm.dtype), "rows": args.rows, "tokens": args.tokens, "text": TEXT.name,
+                                "results": results})
     console.print(f"wrote {out}")
     return 0
 

@@ -15,7 +15,8 @@ What decides the kernels sees only the profile's extensions:
 The cores, caches and memory stay this machine's: a figure measured so holds for this CPU running
 that instruction set, not for the CPU model it stands in for (a benchmark's CPU line names this CPU's
 model with the profile's flags). llama.cpp, to compare with, is built for the profile apart
-(``bench.peers --llama-python``; its build flags are in bench/RESULTS.md).
+(``bench.peers --llama-python``): for ``avx2`` with ``CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON
+-DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF"``, for ``avx512-bf16`` with :mod:`bench.peers`' AMX-off flags.
 """
 
 from __future__ import annotations

@@ -7,14 +7,13 @@ and context length, times one layer's decode attention three ways, alternated ro
 fastest round counting: *bagged* (K gathered from the row's blocks, scores by batched matmul, V summed
 by ``embedding_bag`` in place: the forward's path past ``attention_fp32_rows``), *fp32* (K and V
 gathered and cast, SDPA: its path up to there), and *kernel* (``tokenpipe.paged_attention``,
-``generator/attention.c``: read in place). Every row attends the whole context; each result is
+``generator/kernels/csrc/attention.c``: read in place). Every row attends the whole context; each result is
 checked against the kernel's. The machine may be shared: compare ratios within one run.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from bench.common import write_json
 from bench.kvstep import add_model_args, load_as_generator
 from generator.kernels.build import load_gemv
 from generator.model.attention import (
@@ -103,10 +103,9 @@ def main(argv: list[str] | None = None) -> int:
                       f"{best['bagged'] / best['kernel']:.2f}")
     console.print(t)
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"label": args.label, "cpu": cpu, "threads": torch.get_num_threads(),
+    write_json(out, {"label": args.label, "cpu": cpu, "threads": torch.get_num_threads(),
                                "torch": torch.__version__, "model": lm.name, "dtype": str(lm.dtype),
-                               "results": results}, indent=2))
+                               "results": results}, indent=2)
     console.print(f"wrote {out}")
     return 0
 

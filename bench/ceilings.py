@@ -5,10 +5,8 @@ All of these run the model directly, with no NATS, no HTTP, no coalescing.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,29 +15,8 @@ from generator.engine.scheduler import Engine
 from generator.model.loader import LoadedModel
 from tokenpipe.wire import SamplingParams
 
-__all__ = ["EngineRun", "cpu_summary", "decode_step_flops", "engine_tok_s", "gemm_peak_gflops", "hf_generate_tok_s",
-           "naive_no_cache_tok_s", "own_forward_tok_s", "prefill_flops", "raw_forward_tok_s"]
-
-
-_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8")
-
-
-def cpu_summary() -> dict[str, Any]:
-    """The CPU model, core count and the vector flags that decide the kernels (from /proc/cpuinfo)."""
-    model, flags = "unknown CPU", set[str]()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and model == "unknown CPU":
-                model = value.strip()
-            elif key.strip() == "flags" and not flags:
-                flags = set(value.split())
-    except OSError:
-        pass
-    have = [f for f in _FLAGS if f in flags]
-    cores = os.cpu_count() or 0
-    return {"model": model, "cores": cores, "flags": have,
-            "line": f"{model}, {cores} CPUs, {' '.join(have) or 'no AVX2'}"}
+__all__ = ["EngineRun", "decode_step_flops", "engine_tok_s", "gemm_peak_gflops", "hf_generate_tok_s",
+           "naive_no_cache_tok_s", "own_forward_tok_s", "prefill_flops", "raw_forward_tok_s", "sync"]
 
 
 def _linear_params(model: Any) -> tuple[int, int]:
@@ -102,12 +79,12 @@ def raw_forward_tok_s(lm: LoadedModel, batch: int, context: int, steps: int = 12
     for _ in range(3):  # warm-up
         out = model(tok, past_key_values=cache, use_cache=True)
         cache = out.past_key_values
-    _sync(lm)
+    sync(lm.device)
     t0 = time.perf_counter()
     for _ in range(steps):
         out = model(tok, past_key_values=cache, use_cache=True)
         cache = out.past_key_values
-    _sync(lm)
+    sync(lm.device)
     return batch * steps / (time.perf_counter() - t0)
 
 
@@ -123,11 +100,11 @@ def own_forward_tok_s(lm: LoadedModel, batch: int, context: int, steps: int = 12
     pos = torch.full((batch,), context, device=lm.device)
     for i in range(3):
         raw.decode(tok, pos + i, attend)
-    _sync(lm)
+    sync(lm.device)
     t0 = time.perf_counter()
     for i in range(steps):
         raw.decode(tok, pos + 3 + i, attend)
-    _sync(lm)
+    sync(lm.device)
     return batch * steps / (time.perf_counter() - t0)
 
 
@@ -140,7 +117,7 @@ def hf_generate_tok_s(lm: LoadedModel, prompt: list[int], new_tokens: int, reque
     for _ in range(requests):
         lm.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                           min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-    _sync(lm)
+    sync(lm.device)
     return requests * new_tokens / (time.perf_counter() - t0)
 
 
@@ -152,7 +129,7 @@ def naive_no_cache_tok_s(lm: LoadedModel, prompt: list[int], new_tokens: int) ->
     for _ in range(new_tokens):
         nxt = lm.model(seq, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
         seq = torch.cat([seq, nxt], dim=1)
-    _sync(lm)
+    sync(lm.device)
     return new_tokens / (time.perf_counter() - t0)
 
 
@@ -183,6 +160,8 @@ def engine_tok_s(lm: LoadedModel, prompts: list[list[int]], new_tokens: int, max
     return EngineRun(total / wall, first or 0.0, wall, total)
 
 
-def _sync(lm: LoadedModel) -> None:
-    if lm.device.type == "cuda":
-        torch.cuda.synchronize()
+def sync(device: torch.device) -> None:
+    """Wait for ``device``'s queued kernels (CUDA runs them asynchronously): time what ran, not what
+    was queued. Nothing to wait for on a CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

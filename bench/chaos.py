@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import contextlib
 import itertools
-import json
 import os
 import platform
 import random
@@ -42,6 +41,7 @@ from typing import Any
 
 import httpx
 
+from bench.common import write_json
 from producer import aiter_sse
 from tokenpipe_cli.launch import die_with_parent, free_port
 from tokenpipe_cli.upprocess import UpProcess
@@ -394,8 +394,7 @@ def main(argv: list[str] | None = None) -> None:
     rep["cpu"] = platform.processor() or platform.machine()
     print(table(rep))
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(rep, indent=1))
+    write_json(out, rep, indent=1)
     print(f"wrote {out}")
 
 

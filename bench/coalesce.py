@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from tokenpipe.settings import Settings
 from tokenpipe_cli.loadgen import LoadConfig, run_load
 from tokenpipe_cli.stats import summarize
 
-from .procstat import cpu_seconds
+from .common import cpu_seconds, write_json
 from .stack import Pipeline
 
 SETTINGS = [(0, 0.0), (4, 10.0), (6, 15.0), (8, 16.0), (8, 20.0), (12, 24.0), (16, 40.0), (32, 80.0), (64, 160.0)]
@@ -84,8 +83,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{r['relay_cpu']:.0%}", "met" if r["meets_goal"] else "—")
     console.print(table)
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"config": vars(args), "rows": rows}, indent=1))
+    write_json(out, {"config": vars(args), "rows": rows}, indent=1)
     console.print(f"wrote {out}")
     return 0 if all(r["failed"] == 0 for r in rows) else 1
 

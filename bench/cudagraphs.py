@@ -20,7 +20,6 @@ and its bf16 GEMM peak (a large square matmul). Each row gives
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -36,7 +35,8 @@ from generator.model.plan import build_plan
 from tokenpipe.errors import ConfigError
 from tokenpipe.wire import SamplingParams
 
-from .ceilings import decode_step_flops, gemm_peak_gflops
+from .ceilings import decode_step_flops, gemm_peak_gflops, sync
+from .common import write_json
 
 __all__ = ["SHAPES", "copy_bandwidth_gbs", "decode_tok_s", "main", "random_model"]
 
@@ -71,17 +71,12 @@ def copy_bandwidth_gbs(device: torch.device, mib: int = 2048, repeats: int = 5) 
     dst.copy_(src)
     best = float("inf")
     for _ in range(repeats):
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         dst.copy_(src)
-        _sync(device)
+        sync(device)
         best = min(best, time.perf_counter() - t0)
     return 2 * src.numel() / best / 1e9
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def decode_tok_s(engine: Engine, batch: int, context: int, steps: int) -> float:
@@ -94,7 +89,7 @@ def decode_tok_s(engine: Engine, batch: int, context: int, steps: int) -> float:
         engine.add(engine.new_sequence(f"r{i}", prompt, params))
     engine.step()  # the prefill
     engine.step()  # one decode step outside the clock
-    _sync(engine.device)
+    sync(engine.device)
     t0 = time.perf_counter()
     for _ in range(steps):
         engine.step()  # ends in the sampled tokens' copy to the host: the step is done
@@ -178,8 +173,7 @@ def main(argv: list[str] | None = None) -> int:
                "config": {k: v for k, v in vars(args).items() if k != "out"}, **measure(args)}
     print(render(results))
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
+    write_json(out, results, indent=2)
     print(f"wrote {out}")
     return 0
 

@@ -18,8 +18,8 @@ from rich.progress import Progress
 from producer import RelayClient
 from tokenpipe_cli.loadgen import Record, native_stream
 
+from .common import chat
 from .rawhttp import raw_stream
-from .workload import chat
 
 __all__ = ["Round", "Runs", "drive", "drive_ttft", "one_stream"]
 

@@ -9,14 +9,13 @@ process (``on``), the two alternating ``--rounds`` times (off, on, on, off, …)
 the same machine. Each measures, over HTTP/SSE with the minimal client: tokens/s at each stream
 count (one stream: requests one after another; N: N at once) and the pipeline-added TTFT at one
 stream (client TTFT minus the engine's own prefill). The table gives process ÷ thread per figure;
-this is what ``auto`` is chosen by (bench/RESULTS.md).
+this is what ``auto`` is chosen by (docs/perf-history.md, issue 22).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import statistics
@@ -31,10 +30,10 @@ from rich.table import Table
 
 from tokenpipe.settings import Settings
 
-from .pipeline_results import added_ms, pct
+from .common import alternate, chat, pct, write_json
+from .pipeline_results import added_ms
 from .rawhttp import raw_stream
 from .stack import Pipeline
-from .workload import chat
 
 __all__ = ["main"]
 
@@ -85,7 +84,7 @@ def measure(args: argparse.Namespace, console: Console, results: dict[str, Any],
     for model in args.models:
         samples: dict[str, list[dict[str, float]]] = {m: [] for m in MODES}
         for r in range(args.rounds):
-            for mode in MODES if r % 2 == 0 else reversed(MODES):
+            for mode in alternate(MODES, r):
                 console.print(f"{model}: engine process {mode} (round {r + 1}/{args.rounds})")
                 # The kernel rules: both arms the same kernels, and no start-up measuring on a busy machine.
                 env = {"TOKENPIPE_ENGINE_PROCESS": mode, "TOKENPIPE_KERNELS": "rules"}
@@ -121,11 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     results["models"] = {}
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
 
     def save() -> None:
         results["machine"]["load_after"] = os.getloadavg()
-        out.write_text(json.dumps(results, indent=2))
+        write_json(out, results)
 
     measure(args, console, results["models"], save)
     render(results, console)

@@ -13,16 +13,14 @@ ends every stream within the same interval, so each stream's first and last batc
 the set-up or tear-down of all the others; "steady" latency leaves those two batches out.
 The default scenarios offer 10,000 batches/s over 1,000 streams, 22,222/s over 2,000 streams,
 then 20,000/s over 10,000 streams. (The consumer-per-stream and shared-subscription readers
-this once compared were removed; their last figures are in ``bench/RESULTS.md``.)
+this once compared were removed; docs/perf-history.md has their last figures.)
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,12 +35,11 @@ from tokenpipe.bus import Bus, connect
 from tokenpipe.settings import Settings
 from tokenpipe.subjects import token_subject
 from tokenpipe.wire import StreamMeta, TokenBatch, new_request_id
-from tokenpipe_cli.launch import free_port, http_ok, spawn_role, wait_ready
-from tokenpipe_cli.natsserver import NatsServer
 from tokenpipe_cli.stats import latency_stats
 
-from .procstat import cpu_seconds, rss_kib
+from .common import cpu_seconds, rss_kib, write_json
 from .rawhttp import SSEResponse, get_request
+from .stack import Relays
 
 DEFAULT_SCENARIOS = ("1000:20:100", "2000:60:90", "10000:20:500")
 
@@ -211,30 +208,22 @@ async def _drive(port: int, source: SyntheticSource, sc: Scenario, relay_pid: in
 
 
 def run_scenario(sc: Scenario, console: Console) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory() as tmp, NatsServer(Path(tmp) / "nats") as nats:
-        port = free_port()
-        settings = Settings.load(env={}, nats_url=nats.url, data_dir=tmp)
-        relay = spawn_role("relay", "--nats-url", nats.url, "--data-dir", tmp, "--port", str(port),
-                           "--log-level", "WARNING")
-        try:
-            wait_ready(http_ok(f"http://127.0.0.1:{port}/healthz"), timeout=60, what="the relay", children=[relay])
+    with Relays() as stack:
+        settings = Settings.load(env={}, nats_url=stack.nats.url, data_dir=stack.data_dir)
 
-            async def run() -> dict[str, Any]:
-                bus = await connect(settings, name="bench-fanout")
-                try:
-                    rtt = await nats_round_trip(bus)
-                    source = SyntheticSource(bus, sc.streams)
-                    await source.register()
-                    with Progress(console=console, transient=True) as progress:
-                        assert nats.pid is not None
-                        result = await _drive(port, source, sc, relay.pid, nats.pid, progress)
-                    return {"nats_round_trip_ms": rtt, **result}
-                finally:
-                    await bus.close()
+        async def run() -> dict[str, Any]:
+            bus = await connect(settings, name="bench-fanout")
+            try:
+                rtt = await nats_round_trip(bus)
+                source = SyntheticSource(bus, sc.streams)
+                await source.register()
+                with Progress(console=console, transient=True) as progress:
+                    result = await _drive(stack.ports[0], source, sc, stack.children[0].pid, stack.nats_pid, progress)
+                return {"nats_round_trip_ms": rtt, **result}
+            finally:
+                await bus.close()
 
-            return {"scenario": str(sc), **vars(sc), **eventloop.run(run())}
-        finally:
-            relay.stop(30)
+        return {"scenario": str(sc), **vars(sc), **eventloop.run(run())}
 
 
 def results_table(results: list[dict[str, Any]]) -> Table:
@@ -295,8 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     rtt = results[0]["nats_round_trip_ms"]
     console.print(f"NATS request/reply round trip p50 / p99: {rtt['p50']:.3f} / {rtt['p99']:.3f} ms")
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"scenarios": results, "goals": {k: v[0] for k, v in goals.items()}}, indent=1))
+    write_json(out, {"scenarios": results, "goals": {k: v[0] for k, v in goals.items()}}, indent=1)
     return 0 if all(r["batches_received"] == r["batches_expected"] and not r["errors"] for r in results) else 1
 
 

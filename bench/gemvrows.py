@@ -23,7 +23,6 @@ checkouts in the same minutes (the machine may be shared: only ratios within one
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -37,7 +36,7 @@ from generator.kernels.ops import GemvLib
 from generator.model.loader import resolve_threads
 from tokenpipe.settings import Settings
 
-from .ceilings import cpu_summary
+from .common import cpu_summary, write_json
 
 __all__ = ["main"]
 
@@ -118,9 +117,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['kind']:>8} {r['k']:>5} {r['n']:>6} {r['mb']:>6.1f} {r['cached_gb_s']:>12.1f} "
               f"{r['streamed_gb_s']:>14.1f}  {r['roles']}")
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"cpu": cpu, "threads": torch.get_num_threads(), "library": lib.path.name,
-                               "rounds": args.rounds, "shapes": rows}, indent=2))
+    write_json(out, {"cpu": cpu, "threads": torch.get_num_threads(), "library": lib.path.name,
+                     "rounds": args.rounds, "shapes": rows}, indent=2)
     print(f"wrote {out}")
     return 0
 

@@ -14,6 +14,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from bench.common import write_json
+
 __all__ = ["summarize"]
 
 
@@ -54,8 +56,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{r['engine_ttft_p50_ms']:.1f} / {r['ttft_p50_ms']:.1f}", f"{r['added_ttft_p50_ms']:.1f}")
     Console(width=200).print(table)
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(rows, indent=1))
+    write_json(out, rows, indent=1)
     missing = sorted(set(args.files) - {str(p) for p in present})
     if missing:
         print(f"missing (a run failed or timed out): {', '.join(missing)}", file=sys.stderr)

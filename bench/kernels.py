@@ -14,7 +14,6 @@ may be shared: only the ratios within one run mean anything. JSON: ``bench/out/k
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
@@ -35,7 +34,7 @@ from generator.model.quant import dense_rows_for
 from tokenpipe.logs import setup_logging
 from tokenpipe.settings import Settings
 
-from .ceilings import cpu_summary
+from .common import alternate, cpu_summary, write_json
 from .kvstep import RawSteps
 
 console = Console(width=170)
@@ -54,7 +53,7 @@ def _decode_rounds(lm: Any, tables: dict[str, KernelTable], rows: int, steps: in
     out: dict[str, list[float]] = {k: [] for k in tables}
     items = list(tables.items())
     for r in range(-1, rounds):  # round -1 warms up each variant
-        for name, table in items if r % 2 == 0 else items[::-1]:
+        for name, table in alternate(items, r):
             apply_table(plan, table, keep_packed=True)
             t0 = time.perf_counter()
             for _ in range(steps):
@@ -142,8 +141,7 @@ def main(argv: list[str] | None = None) -> int:
               "rules": {"bands": rules.bands, "attention_fp32_rows": rules.attention_fp32_rows},
               "decode": steps}
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    write_json(out, result, indent=2)
     console.print(f"wrote {out}")
     return 0
 

@@ -1,13 +1,14 @@
-"""The paged KV cache against the slot cache it replaced, in one run (issue 20).
+"""The paged KV cache's own figures: memory, prefix caching, decode against context (issue 20).
 
-``python -m bench.kvcache [--model smollm2-135m] [--quick] [--only up-memory|throughput]``: (a) KV
-bytes written and engine RSS under a mixed-length load, paged vs slot (each variant in its own
-process), and the generator's RSS through ``tokenpipe up`` (the issue's growth and peak goal); (b) TTFT with a shared
-~1,100-token system prompt, cold vs warm, and a 6-turn conversation turn by turn; (c) decode tok/s
-against context length at 1 and 32 streams; (d) 32-stream throughput, paged vs slot, alternated;
+``python -m bench.kvcache [--model smollm2-135m] [--quick] [--only up-memory|throughput] [--out F]``:
+(a) KV bytes written against the bytes the positions need, and engine RSS, under a mixed-length load
+(in a fresh process), and the generator's RSS through ``tokenpipe up`` (the issue's growth and peak
+goal); (b) TTFT with a shared ~1,100-token system prompt, cold vs warm, and a 6-turn conversation turn
+by turn; (c) decode tok/s against context length at 1 and 32 streams; (d) 32-stream throughput;
 (e) the most concurrent streams one budget holds for a realistic length mix. Prints tables, writes
 ``bench/out/kvcache.json``. Apart from the two ``tokenpipe up`` parts, everything runs in-process
-on the engine (no NATS): these are the cache's own numbers.
+on the engine (no NATS): these are the cache's own numbers. (The slot cache it replaced, and the
+A/B against it, were removed; docs/perf-history.md has their last figures.)
 """
 
 from __future__ import annotations
@@ -33,9 +34,7 @@ from generator.model.loader import LoadedModel, load_model, resolve_threads
 from tokenpipe.settings import Settings
 from tokenpipe.wire import SamplingParams
 
-from .ceilings import cpu_summary
-from .procstat import rss_kib
-from .slotcache import SlotEngine
+from .common import cpu_summary, rss_kib, write_json
 
 console = Console(stderr=True)
 OUT = Path(__file__).with_name("out") / "kvcache.json"
@@ -67,31 +66,29 @@ def _load(model: str) -> LoadedModel:
     return load_model(model, device=s.device, dtype=s.dtype, quant=s.quant, data_dir=s.data_dir)
 
 
-def memory_child(model: str, variant: str) -> dict[str, Any]:
+def memory_child(model: str) -> dict[str, Any]:
     """(a), in a fresh process: RSS before the engine, after building it, after the mixed load."""
     lm = _load(model)
     idle = (rss_kib(os.getpid()) * 1024)
-    engine = SlotEngine(lm, max_batch=32) if variant == "slot" else Engine(lm, max_batch=32)
+    engine = Engine(lm, max_batch=32)
     built = (rss_kib(os.getpid()) * 1024)
     _run(engine, [_prompt(n, i) for i, n in enumerate(MIX)], 16)
     per_pos = bytes_per_position(lm.model, lm.dtype)
     held = sum(MIX) + 16 * len(MIX)
-    kv = engine.slots.cap * engine.max_batch * per_pos if isinstance(engine, SlotEngine) else \
-        engine.cache.touched_bytes
-    return {"variant": variant, "rss_idle_mb": idle / 2**20, "rss_built_mb": built / 2**20,
+    kv = engine.cache.touched_bytes
+    return {"rss_idle_mb": idle / 2**20, "rss_built_mb": built / 2**20,
             "rss_after_mb": (rss_kib(os.getpid()) * 1024) / 2**20, "kv_written_mb": kv / 2**20,
             "kv_needed_mb": held * per_pos / 2**20,
             "kv_over_needed": kv / (held * per_pos)}
 
 
-def memory(model: str) -> list[dict[str, Any]]:
-    rows = []
-    for variant in ("slot", "paged"):
-        console.print(f"(a) memory: {variant} in a child process")
-        res = subprocess.run([sys.executable, "-m", "bench.kvcache", "--model", model, "--memory-child", variant],
-                             capture_output=True, text=True, check=True)
-        rows.append(json.loads(res.stdout.strip().splitlines()[-1]))
-    return rows
+def memory(model: str) -> dict[str, Any]:
+    """(a) in a child process, so that its RSS is the engine's and the mixed load's alone."""
+    console.print("(a) memory: in a child process")
+    res = subprocess.run([sys.executable, "-m", "bench.kvcache", "--model", model, "--memory-child"],
+                         capture_output=True, text=True, check=True)
+    result: dict[str, Any] = json.loads(res.stdout.strip().splitlines()[-1])
+    return result
 
 
 def ttft(lm: LoadedModel, system_len: int) -> dict[str, Any]:
@@ -147,22 +144,18 @@ def decode_curve(lm: LoadedModel, contexts: list[int], streams: list[int], steps
 
 
 def throughput(lm: LoadedModel, rounds: int, new: int) -> dict[str, Any]:
-    """(d) 32 streams, paged vs slot, alternated in this process."""
+    """(d) 32 streams to completion, ``rounds`` times in this process: the median tok/s."""
     # short prompts: the time goes to decode (a 1-thread prefill of 32 x 160 tokens took most of a run)
     prompts = [_prompt(n, 50 + i) for i, n in enumerate([16, 24, 32, 48] * 8)]
-    got: dict[str, list[float]] = {"slot": [], "paged": []}
+    rates: list[float] = []
     for r in range(rounds):
-        for variant in ("slot", "paged") if r % 2 == 0 else ("paged", "slot"):
-            engine = SlotEngine(lm, max_batch=32) if variant == "slot" else Engine(lm, max_batch=32)
-            wall, tokens = _run(engine, prompts, new)
-            got[variant].append(tokens / wall)
-            console.print(f"(d) round {r + 1}/{rounds} {variant}: {tokens / wall:.0f} tok/s")
-    ratios = [p / s for p, s in zip(got["paged"], got["slot"], strict=True)]
-    return {"slot_tok_s": statistics.median(got["slot"]), "paged_tok_s": statistics.median(got["paged"]),
-            "ratio": statistics.median(ratios), "ratios": ratios}
+        wall, tokens = _run(Engine(lm, max_batch=32), prompts, new)
+        rates.append(tokens / wall)
+        console.print(f"(d) round {r + 1}/{rounds}: {tokens / wall:.0f} tok/s")
+    return {"tok_s": statistics.median(rates), "rounds_tok_s": rates}
 
 
-def capacity(lm: LoadedModel, budget_mb: float, max_seq_len: int = 2048) -> dict[str, Any]:
+def capacity(lm: LoadedModel, budget_mb: float) -> dict[str, Any]:
     """(e) streams one budget holds at once: chat-like lengths (prompt 100-1,200, answer 50-400)."""
     rnd = random.Random(3)
     per_pos = bytes_per_position(lm.model, lm.dtype)
@@ -174,9 +167,7 @@ def capacity(lm: LoadedModel, budget_mb: float, max_seq_len: int = 2048) -> dict
         if used + need > blocks:
             break
         used, paged = used + need, paged + 1
-    slot = int(budget_mb * 2**20 // (per_pos * max_seq_len))  # each slot sized for the longest sequence
-    return {"budget_mb": budget_mb, "mean_len": statistics.mean(lengths[:paged]), "paged_streams": paged,
-            "slot_streams": slot}
+    return {"budget_mb": budget_mb, "mean_len": statistics.mean(lengths[:paged]), "streams": paged}
 
 
 def up_ttft(model: str) -> dict[str, Any]:
@@ -298,15 +289,16 @@ def up_memory(model: str, interval_s: float = 0.1) -> dict[str, Any]:
     return asyncio.run(main())
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--quick", action="store_true", help="shorter curve (context to 2k) and 2 A/B rounds")
-    ap.add_argument("--memory-child", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--quick", action="store_true", help="shorter curve (context to 2k) and 2 throughput rounds")
+    ap.add_argument("--memory-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--only", choices=["up-memory", "throughput"], help="run one part and print it")
-    args = ap.parse_args()
+    ap.add_argument("--out", default=str(OUT))
+    args = ap.parse_args(argv)
     if args.memory_child:
-        print(json.dumps(memory_child(args.model, args.memory_child)))
+        print(json.dumps(memory_child(args.model)))
         return
     if args.only:
         print(json.dumps(_only(args.only, args.model, args.quick), indent=2))
@@ -328,8 +320,7 @@ def main() -> None:
     many = sorted({min(c, top) for c in [128, 512, 1024]})
     results["decode"] = decode_curve(lm, one, [1], 8) + decode_curve(lm, many, [32], 8)
     results["capacity"] = capacity(lm, 1024)
-    OUT.parent.mkdir(exist_ok=True)
-    OUT.write_text(json.dumps(results, indent=2))
+    write_json(args.out, results)
     report(results)
 
 
@@ -349,11 +340,12 @@ def report(r: dict[str, Any]) -> None:
     out = Console()
     out.print(f"CPU: {r['cpu']}; model {r['model']} {r['dtype']} quant={r['quant']}, {r['threads']} threads")
     t = Table(title="(a) KV memory under a mixed load (1 x 1,600 + 31 short prompts, 16 new tokens each)")
-    for col in ("variant", "KV written MB", "KV needed MB", "written/needed", "RSS idle MB", "RSS after MB"):
+    for col in ("KV written MB", "KV needed MB", "written/needed", "RSS idle MB", "RSS engine built MB",
+                "RSS after MB"):
         t.add_column(col)
-    for m in r["memory"]:
-        t.add_row(m["variant"], f"{m['kv_written_mb']:.0f}", f"{m['kv_needed_mb']:.0f}", f"{m['kv_over_needed']:.2f}",
-                  f"{m['rss_idle_mb']:.0f}", f"{m['rss_after_mb']:.0f}")
+    m = r["memory"]
+    t.add_row(f"{m['kv_written_mb']:.0f}", f"{m['kv_needed_mb']:.0f}", f"{m['kv_over_needed']:.2f}",
+              f"{m['rss_idle_mb']:.0f}", f"{m['rss_built_mb']:.0f}", f"{m['rss_after_mb']:.0f}")
     out.print(t)
     mu = r["memory_up"]
     out.print(f"(a) through `tokenpipe up`: generator RSS idle {mu['rss_idle_mb']:.0f} MB, after the chats "
@@ -373,11 +365,10 @@ def report(r: dict[str, Any]) -> None:
         t.add_row(str(d["streams"]), str(d["context"]), f"{d['tok_s']:.0f}")
     out.print(t)
     th = r["throughput"]
-    out.print(f"(d) 32 streams: slot {th['slot_tok_s']:.0f} tok/s, paged {th['paged_tok_s']:.0f} tok/s, paged/slot "
-              f"{th['ratio']:.2f} (per round: {', '.join(f'{x:.2f}' for x in th['ratios'])})")
+    out.print(f"(d) 32 streams: {th['tok_s']:.0f} tok/s (median; per round: "
+              f"{', '.join(f'{x:.0f}' for x in th['rounds_tok_s'])})")
     c = r["capacity"]
-    out.print(f"(e) {c['budget_mb']:.0f} MB holds {c['paged_streams']} streams of mean {c['mean_len']:.0f} positions "
-              f"paged, {c['slot_streams']} slot streams of 2,048")
+    out.print(f"(e) {c['budget_mb']:.0f} MB holds {c['streams']} streams of mean {c['mean_len']:.0f} positions")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from bench.ceilings import cpu_summary
+from bench.common import cpu_summary
 from generator.model.forward import decode_step, prefill
 from generator.model.kvcache import BLOCK_SIZE, PagedKVCache, bytes_per_position
 from generator.model.loader import LoadedModel, load_model, resolve_threads

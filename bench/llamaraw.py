@@ -26,7 +26,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from .ceilings import cpu_summary
+from .common import cpu_summary, write_json
 from .peers import LLAMA_PYTHON
 
 __all__ = ["main"]
@@ -95,10 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     table.add_row(", ".join(f"{r:.1f}" for r in rounds), f"{median:.1f}", f"{1000 / median:.2f}")
     table.caption = f"{cpu['line']}; {threads} threads; {args.tokens} tokens a round after one prefill"
     console.print(table)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-                                          "cpu": cpu, "build": build, "threads": threads, "tokens": args.tokens,
-                                          "rounds_tok_s": rounds, "tok_s": median}, indent=2))
+    write_json(args.out, {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+                          "cpu": cpu, "build": build, "threads": threads, "tokens": args.tokens,
+                          "rounds_tok_s": rounds, "tok_s": median}, indent=2)
     console.print(f"wrote {args.out}")
     return 0
 

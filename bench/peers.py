@@ -25,7 +25,7 @@ tokenpipe in the same run, and writes ``bench/out/peers.json``.
       ~/.cache/tokenpipe/peers/bin/pip install --no-cache-dir 'llama-cpp-python[server]'
 
   On a CPU that lists AMX (``amx_*`` in ``/proc/cpuinfo``) the native build segfaults on
-  multi-token prompts: build it for AVX-512 without AMX instead (bench/RESULTS.md, part 10)::
+  multi-token prompts: build it for AVX-512 without AMX instead::
 
       CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_BF16=ON -DGGML_AVX512_VNNI=ON \
         -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" \
@@ -66,7 +66,7 @@ from tokenpipe_cli.launch import free_port
 from tokenpipe_cli.loadgen import Record, record_batch
 from tokenpipe_cli.stats import summarize
 
-from .ceilings import cpu_summary
+from .common import cpu_summary, write_json
 
 console = Console(width=190)
 # llama.cpp's build flags on a CPU listing AMX, where its native build segfaults on multi-token prompts
@@ -298,7 +298,6 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {}
     skipped: list[str] = []
     builds: dict[str, str] = {}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     for peer in make_peers(args, data_dir, model_dir, gguf):
         if isinstance(peer, str):
             console.print(f"[yellow]skipped[/] {escape(peer)}")
@@ -345,11 +344,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _save(args: argparse.Namespace, cpu: dict[str, Any], results: dict[str, Any], skipped: list[str],
           builds: dict[str, str]) -> None:
-    Path(args.out).write_text(json.dumps({"cpu": cpu, "prompt_tokens": args.prompt_tokens, "threads": args.threads,
-                                          "builds": builds,
-                                          "max_tokens": args.max_tokens, "results": results, "skipped": skipped,
-                                          "env": {k: v for k, v in os.environ.items() if k.startswith("TOKENPIPE_")}},
-                                         indent=2))
+    write_json(args.out, {"cpu": cpu, "prompt_tokens": args.prompt_tokens, "threads": args.threads, "builds": builds,
+                          "max_tokens": args.max_tokens, "results": results, "skipped": skipped,
+                          "env": {k: v for k, v in os.environ.items() if k.startswith("TOKENPIPE_")}})
 
 
 def _table(args: argparse.Namespace, cpu: dict[str, Any], results: dict[str, Any]) -> Table:

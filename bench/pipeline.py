@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import json
 import os
 import platform
 import sys
@@ -36,6 +35,7 @@ from rich.progress import Progress
 from generator.model.loader import load_model, resolve_threads
 from tokenpipe.settings import Settings
 
+from .common import write_json
 from .drive import Runs, drive, drive_ttft
 from .pipeline_report import render, render_ttft
 from .pipeline_results import goals, pipeline_figures, ratios, stage_breakdown, ttft_figures
@@ -135,8 +135,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _write(results: dict[str, Any], path: str, console: Console) -> None:
     out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
+    write_json(out, results, indent=2)
     console.print(f"wrote {out}")
 
 

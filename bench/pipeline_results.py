@@ -10,11 +10,11 @@ import statistics
 from typing import Any
 
 from tokenpipe_cli.loadgen import Record
-from tokenpipe_cli.stats import percentile
 
+from .common import pct
 from .drive import Round, Runs
 
-__all__ = ["added_ms", "goals", "pct", "pipeline_figures", "ratios", "stage_breakdown", "ttft_figures"]
+__all__ = ["added_ms", "goals", "pipeline_figures", "ratios", "stage_breakdown", "ttft_figures"]
 
 # Where the first batch's time goes: (from, to) timestamps, the batch's own stamps plus the
 # client's wall clock at the POST ("start") and at the first event ("arrival"), same host clock.
@@ -24,11 +24,6 @@ STAGES = {"client → relay (POST → request built)": ("start", "created"),
           "prefill (admitted → first token)": ("admitted", "first_token"),
           "coalescer (first token → emitted)": ("first_token", "emitted"),
           "generator → client (emitted → first SSE event)": ("emitted", "arrival")}
-
-
-def pct(values: list[float], q: float) -> float:
-    """The ``q``-th percentile (0-100) of unsorted ``values``."""
-    return percentile(sorted(values), q / 100)
 
 
 def added_ms(recs: list[Record]) -> list[float]:

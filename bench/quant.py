@@ -1,6 +1,6 @@
 """Weight-only quantization: speed and quality side by side, one run.
 
-    python -m bench.quant [--variants float32/none,float32/int8,...] [--threads N] [--isa avx2]
+    python -m bench.quant [--variants float32/none,float32/int8,...] [--threads N] [--device cuda]
 
 For each variant (dtype/quant) of the real SmolLM2-135M: tokenpipe's own decode step at batch
 1 and 32 (tok/s, context 104 like bench.pipeline), the prefill of one 64-token prompt (ms),
@@ -12,20 +12,15 @@ alternate the variants (the order reversed every other round) and report each va
 median, range, and its median per-round ratio to the baseline: this machine is shared, only
 ratios within one run mean anything.
 
-``--isa avx2`` re-runs itself with torch's kernels, oneDNN and MKL limited to AVX2
-(``ATEN_CPU_CAPABILITY=avx2``, ``ONEDNN_MAX_CPU_ISA=AVX2``, ``MKL_ENABLE_INSTRUCTIONS=AVX2``):
-the code paths an AVX2-only CPU takes, on this CPU's memory system.
-JSON goes to ``bench/out/quant.json`` (``quant-avx2.json`` with ``--isa avx2``, ``quant-cuda.json``
-with ``--device cuda``: torch's int8pack and tinygemm int4 kernels on the GPU).
+The code paths of a CPU with fewer extensions: ``python -m bench.ascpu avx2 -- python -m bench.quant``.
+JSON goes to ``bench/out/quant.json`` (``quant-cuda.json`` with ``--device cuda``: torch's int8pack and
+tinygemm int4 kernels on the GPU).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -40,12 +35,12 @@ from generator.model.loader import LoadedModel, load_model
 from tokenpipe.settings import Settings
 from tokenpipe.wire import SamplingParams
 
-from .ceilings import cpu_summary, decode_step_flops, gemm_peak_gflops, prefill_flops
+from .ceilings import decode_step_flops, gemm_peak_gflops, prefill_flops, sync
+from .common import alternate, cpu_summary, write_json
 from .kvstep import RawSteps
 
 console = Console(width=190)
 
-AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 DEFAULT_VARIANTS = "float32/none,bfloat16/none,float32/int8,float32/int4,bfloat16/int8,bfloat16/int4"
 CONTEXT = 104  # bench.pipeline's ceiling context: a ~40-token prompt plus half of 128 output tokens
 QUESTIONS = ["What is the capital of France?", "Explain photosynthesis in one paragraph.",
@@ -72,14 +67,9 @@ def _rounds(fns: dict[str, Callable[[], float]], rounds: int) -> dict[str, list[
     res: dict[str, list[float]] = {k: [] for k in fns}
     items = list(fns.items())
     for r in range(rounds):
-        for key, fn in items if r % 2 == 0 else items[::-1]:
+        for key, fn in alternate(items, r):
             res[key].append(fn())
     return res
-
-
-def _sync(lm: LoadedModel) -> None:
-    if lm.device.type == "cuda":
-        torch.cuda.synchronize(lm.device)  # kernels are asynchronous: time what ran, not what was queued
 
 
 def _decode(lm: LoadedModel, batch: int, steps: int) -> Callable[[], float]:
@@ -91,11 +81,11 @@ def _decode(lm: LoadedModel, batch: int, steps: int) -> Callable[[], float]:
     pos = torch.full((batch,), CONTEXT, device=lm.device)
 
     def run() -> float:
-        _sync(lm)
+        sync(lm.device)
         t0 = time.perf_counter()
         for i in range(steps):
             raw.decode(tok, pos + i, attend)
-        _sync(lm)
+        sync(lm.device)
         return batch * steps / (time.perf_counter() - t0)
 
     run()
@@ -107,10 +97,10 @@ def _prefill_ms(lm: LoadedModel, length: int) -> Callable[[], float]:
     ids = torch.randint(100, 40_000, (1, length), generator=torch.Generator().manual_seed(1)).to(lm.device)
 
     def run() -> float:
-        _sync(lm)
+        sync(lm.device)
         t0 = time.perf_counter()
         raw.prefill(ids)
-        _sync(lm)
+        sync(lm.device)
         return (time.perf_counter() - t0) * 1e3
 
     run()
@@ -203,15 +193,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
-    ap.add_argument("--isa", choices=("native", "avx2"), default="native")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (the CUDA kernels: int8pack, tinygemm int4)")
     ap.add_argument("--data-dir", default=None)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    if args.isa == "avx2" and os.environ.get("ATEN_CPU_CAPABILITY") != "avx2":
-        env = {**os.environ, **AVX2_ENV}
-        rest = [a for a in (argv if argv is not None else sys.argv[1:]) if a not in ("--isa", "avx2", "--isa=avx2")]
-        os.execvpe(sys.executable, [sys.executable, "-m", "bench.quant", "--isa", "avx2", *rest], env)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     data_dir = args.data_dir or Settings.load().data_dir
@@ -254,14 +239,12 @@ def main(argv: list[str] | None = None) -> int:
     gpu = torch.cuda.get_device_name(torch.device(args.device)) if args.device.startswith("cuda") else None
     if gpu:
         console.print(f"device: {gpu}")
-    result: dict[str, Any] = {"cpu": cpu, "device": args.device, "gpu": gpu, "isa": args.isa,
+    result: dict[str, Any] = {"cpu": cpu, "device": args.device, "gpu": gpu,
                               "kernels": torch.backends.cpu.get_cpu_capability(),
                               "threads": torch.get_num_threads(), "torch": torch.__version__, "model": args.model,
                               "rounds": args.rounds, "gemm_peak_gflops": peaks, "speed": sp, "quality": q}
-    suffix = "-cuda" if gpu else "-avx2" if args.isa == "avx2" else ""
-    out = Path(args.out or f"bench/out/quant{suffix}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    out = Path(args.out or f"bench/out/quant{'-cuda' if gpu else ''}.json")
+    write_json(out, result, indent=2)
     console.print(f"wrote {out}")
     return 0
 

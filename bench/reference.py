@@ -19,7 +19,7 @@ from generator.model.loader import LoadedModel, load_model
 from tokenpipe_cli.stats import percentile
 
 from . import ceilings
-from .workload import chat
+from .common import chat
 
 __all__ = ["engine_again", "measure_engine", "prompt_ids"]
 

@@ -12,7 +12,7 @@ subscribes per stream it serves, so it receives only those streams' batches.
 Each run also starts a bystander: one more relay that serves no stream. Its CPU per batch
 published anywhere is what a relay pays for traffic that is not its own (next to nothing with
 per-stream subscriptions; the removed shared subscription paid for every batch, see
-``bench/RESULTS.md``).
+docs/perf-history.md).
 
 Reported per run: batches delivered per second, every relay's CPU, their sum per delivered
 batch, the busiest relay, what one relay core would deliver at that cost, the bystander's
@@ -24,42 +24,25 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 from rich.console import Console
 from rich.table import Table
 
 from tokenpipe import eventloop
 from tokenpipe.bus import connect
 from tokenpipe.settings import Settings
-from tokenpipe_cli.launch import free_port
 from tokenpipe_cli.natsserver import NatsServer
 from tokenpipe_cli.stats import latency_stats
 
+from .common import cpu_seconds, rss_kib, write_json
 from .fanout import SyntheticSource, _SSEClient
-from .procstat import cpu_seconds, rss_kib
+from .stack import Relays
 
 __all__ = ["main", "run_one"]
-
-
-async def _wait_healthy(port: int) -> None:
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            async with httpx.AsyncClient() as c:
-                if (await c.get(f"http://127.0.0.1:{port}/healthz")).status_code == 200:
-                    return
-        except httpx.HTTPError:
-            if time.monotonic() > deadline:
-                raise
-        await asyncio.sleep(0.2)  # the relay process is still starting
 
 
 async def _drive(nats: NatsServer, ports: list[int], pids: list[int], bystander: int, streams: int, rate: float,
@@ -68,8 +51,6 @@ async def _drive(nats: NatsServer, ports: list[int], pids: list[int], bystander:
     settings = Settings.load(env={}, nats_url=nats.url, replicas="1")
     bus = await connect(settings, name="bench-relays")
     try:
-        for port in ports:
-            await _wait_healthy(port)
         source = SyntheticSource(bus, streams)
         await source.register()
         k = len(ports)
@@ -122,19 +103,9 @@ async def _drive(nats: NatsServer, ports: list[int], pids: list[int], bystander:
 
 def run_one(relays: int, streams: int, rate: float, batches: int) -> dict[str, Any]:
     """One run: a fresh nats-server and ``relays`` relay processes."""
-    with tempfile.TemporaryDirectory() as tmp, NatsServer(Path(tmp) / "nats") as nats:
-        ports = [free_port() for _ in range(relays + 1)]  # the last one is the bystander
-        procs = [subprocess.Popen([sys.executable, "-m", "tokenpipe_cli", "relay", "--nats-url", nats.url, "--data-dir",
-                                   tmp, "--port", str(p), "--log-level", "WARNING"]) for p in ports]
-        try:
-            result = eventloop.run(_drive(nats, ports[:-1], [p.pid for p in procs[:-1]], procs[-1].pid, streams,
-                                          rate, batches))
-        finally:
-            for p in procs:
-                p.terminate()
-            for p in procs:
-                p.wait(30)
-    return result
+    with Relays(relays + 1) as stack:  # the last one is the bystander
+        pids = [c.pid for c in stack.children]
+        return eventloop.run(_drive(stack.nats, stack.ports[:-1], pids[:-1], pids[-1], streams, rate, batches))
 
 
 def table(results: list[dict[str, Any]]) -> Table:
@@ -171,8 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         results.append(run_one(k, args.streams, args.rate, args.batches))
     console.print(table(results))
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"runs": results}, indent=1))
+    write_json(out, {"runs": results}, indent=1)
     return 0 if all(r["batches_delivered"] == r["batches_expected"] for r in results) else 1
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 import tempfile
 import time
@@ -34,7 +33,7 @@ from tokenpipe.wire import TokenBatch, new_request_id
 from tokenpipe_cli.cluster import LocalCluster
 from tokenpipe_cli.stats import latency_stats
 
-from .procstat import cpu_seconds
+from .common import cpu_seconds, write_json
 
 __all__ = ["main", "measure"]
 
@@ -165,8 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     cpu = sum(r["nats_cpu_us_per_batch"] for r in r3) / sum(r["nats_cpu_us_per_batch"] for r in r1)
     console.print(f"R3 ÷ R1, nats-server CPU per batch (all servers): {cpu:.2f}×")
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"runs": results}, indent=1))
+    write_json(out, {"runs": results}, indent=1)
     return 0 if all(r["failed"] == 0 and r["stored"] == r["batches"] for r in results) else 1
 
 

@@ -5,7 +5,7 @@
 
 Loads the default model as a generator does, prefills ``rows`` of the benchmark's chat prompts
 (the longer ones shortened at their start to the shortest one's length, so each still ends where the reply
-begins) and times :func:`generator.sampling.sample` on the logits of the first token of the
+begins) and times :func:`generator.engine.sampling.sample` on the logits of the first token of the
 reply, every row with the same parameters: greedy, temperature only (OpenAI's defaults: no top-k, top-p 1),
 top-p 0.9 and top-k 50 (both at temperature 0.9). The modes alternate within each round; the
 median of the rounds' means is reported, with the share of a decode step it costs: the engine's
@@ -19,14 +19,13 @@ shared: compare ratios.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from bench.common import write_json
 from bench.kvstep import RawSteps, add_model_args, load_as_generator
 from bench.reference import prompt_ids
 from generator.engine.sampling import RowSampler, sample
@@ -93,11 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         results.append({"rows": rows, "step_ms": step_ms, "sample_ms": ms})
         print(f"{rows:>5} {step_ms:>8.2f} " + " ".join(f"{v:>15.3f} {v / step_ms * 100:>7.1f}%" for v in ms.values()),
               flush=True)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"label": args.label, "cpu": cpu, "threads": torch.get_num_threads(),
-                               "torch": torch.__version__, "model": lm.name, "modes": MODES, "results": results},
-                              indent=2))
+    out = write_json(args.out, {"label": args.label, "cpu": cpu, "threads": torch.get_num_threads(),
+                                "torch": torch.__version__, "model": lm.name, "modes": MODES, "results": results})
     print(f"wrote {out}")
     return 0
 

@@ -1,26 +1,24 @@
-"""A whole pipeline for a benchmark's lifetime: nats-server, one generator process, one relay process."""
+"""The processes a benchmark runs against, for its lifetime: a whole pipeline (nats-server, one generator
+process, one relay process), or relays alone on a fresh nats-server (fed by a synthetic source)."""
 
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 from pathlib import Path
 
-from tokenpipe_cli.launch import Child, LaunchError, free_port, http_ok, spawn, spawn_role, stop_all, wait_ready
+from tokenpipe_cli.launch import Child, LaunchError, free_port, http_ok, spawn_role, stop_all, wait_ready
 from tokenpipe_cli.natsserver import NatsServer
 
-__all__ = ["Pipeline"]
+__all__ = ["Pipeline", "Relays"]
 
 
 class Pipeline:
     """Use as a context manager; ``url`` is the relay's. Role logs go to a temporary directory."""
 
     def __init__(self, model: str, data_dir: str, extra_env: dict[str, str] | None = None,
-                 device: str = "auto", dtype: str = "auto", ready_timeout: float = 300.0,
-                 launcher: str = "tokenpipe_cli") -> None:
+                 device: str = "auto", dtype: str = "auto", ready_timeout: float = 300.0) -> None:
         self.model = model
-        self.launcher = launcher  # the module run as ``python -m <launcher> generator ...`` (a bench's variant)
         self.data_dir = data_dir
         self.device = device
         self.dtype = dtype
@@ -41,9 +39,8 @@ class Pipeline:
         common = ["--nats-url", self.nats.url, "--data-dir", self.data_dir, "--log-level", "WARNING"]
         logs = Path(self.tmp.name)
         try:
-            self.generator = spawn("generator", [sys.executable, "-m", self.launcher, "generator", *common,
-                                                 "--model", self.model, "--device", self.device, "--dtype", self.dtype],
-                                   env=self.env, log=logs / "generator.log")
+            self.generator = spawn_role("generator", *common, "--model", self.model, "--device", self.device,
+                                        "--dtype", self.dtype, env=self.env, log=logs / "generator.log")
             self.relay = spawn_role("relay", *common, "--port", str(self.port), env=self.env, log=logs / "relay.log")
             wait_ready(http_ok(f"{self.url}/readyz"), timeout=self.ready_timeout, what="the benchmark's pipeline",
                        children=[self.generator, self.relay])
@@ -60,6 +57,43 @@ class Pipeline:
         stop_all([c for c in (self.generator, self.relay) if c is not None])
         self.nats.stop()
         self.tmp.cleanup()
+
+
+class Relays:
+    """``count`` relay processes on a fresh nats-server, each ready (``/healthz``) on entry; ``ports`` and
+    ``children`` in the same order. The relays share the server's temporary data dir, ``data_dir``."""
+
+    def __init__(self, count: int = 1) -> None:
+        self.count = count
+        self.tmp = tempfile.TemporaryDirectory(prefix="tokenpipe-bench-")
+        self.data_dir = self.tmp.name
+        self.nats = NatsServer(Path(self.tmp.name) / "nats")
+        self.ports = [free_port() for _ in range(count)]
+        self.children: list[Child] = []
+
+    def __enter__(self) -> Relays:
+        try:
+            self.nats.start()
+            for i, port in enumerate(self.ports):
+                self.children.append(spawn_role("relay", "--nats-url", self.nats.url, "--data-dir", self.data_dir,
+                                                "--port", str(port), "--log-level", "WARNING", name=f"relay-{i}"))
+            for port, child in zip(self.ports, self.children, strict=True):
+                wait_ready(http_ok(f"http://127.0.0.1:{port}/healthz"), timeout=60,
+                           what=f"the benchmark's {child.name}", children=[child])
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        stop_all(self.children, timeout=30)
+        self.nats.stop()
+        self.tmp.cleanup()
+
+    @property
+    def nats_pid(self) -> int:
+        assert self.nats.pid is not None  # started on entry
+        return self.nats.pid
 
 
 def _log_tails(children: list[Child | None], lines: int = 20) -> str:

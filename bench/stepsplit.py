@@ -5,14 +5,14 @@
 
 Loads the default model as a generator does (``TOKENPIPE_DTYPE``/``TOKENPIPE_QUANT``/``TOKENPIPE_KERNELS``),
 fills a context of 104 (as bench.kernels) and, per row count, alternates two timings each round:
-whole decode steps (``generator.forward.decode_step``), and the same steps with every projection
+whole decode steps (``generator.model.forward.decode_step``), and the same steps with every projection
 (qkv, o, gate_up, down per layer, lm_head) swapped for a stub that returns zeros of its output's
 shape: *the rest* — norms, RoPE, attention over the KV cache, residuals, the cache write and
 Python dispatch. The projections' part is the difference, and with it each projection's call
 (dispatch, its output's allocation): the rest is a
-lower bound (bench/RESULTS.md, "issue 21, part 5"). (Timing the projections alone in a
+lower bound: a stubbed projection makes no call at all. (Timing the projections alone in a
 loop and subtracting instead overstated the rest by ~40 %: back to back they run faster than
-between the other ops.) Where the decoder layers run as one call (generator/stack.py), the stubbed step is
+between the other ops.) Where the decoder layers run as one call (generator/model/stack.py), the stubbed step is
 that call with every projection writing zeros, and a third timing each round, the same step op by op,
 gives what the one call saves (``stack x``). At one row it also reports the bytes of weights a step reads
 (the kernel each projection runs at that row count) against this machine's read bandwidth
@@ -28,7 +28,6 @@ shared: only ratios mean anything.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections.abc import Iterator
@@ -39,6 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from bench.common import write_json
 from bench.kvstep import RawSteps, add_model_args, load_as_generator
 from generator.model.kerneltable import kernel_for
 from generator.model.loader import LoadedModel
@@ -100,7 +100,7 @@ def projections_stubbed(plan: Plan, hidden: int, vocab: int) -> Iterator[None]:
         lp.qkv, lp.o = _Zeros(lp.q_size + 2 * lp.kv_size), _Zeros(hidden)
         lp.gate_up, lp.down = _Zeros(2 * lp.inter), _Zeros(hidden)
     plan.lm_head = _Zeros(vocab)
-    # the layers in one call (generator/stack.py): its projections write zeros (getattr: a checkout before the
+    # the layers in one call (generator/model/stack.py): its projections write zeros (getattr: a checkout before the
     # stack is timed with this file too)
     stack = getattr(plan, "stack", None)
     if stack is not None:
@@ -135,7 +135,7 @@ def split(lm: LoadedModel, rows: int, rounds: int, steps: int) -> dict[str, Any]
         step = steps_ms()
         with projections_stubbed(plan, int(cfg.hidden_size), int(cfg.vocab_size)):
             rest = steps_ms()
-        if stack is not None:  # the same step without generator/stack.py, alternated: what the stack saves
+        if stack is not None:  # the same step without generator/model/stack.py, alternated: what the stack saves
             plan.stack = None
             try:
                 op_by_op = steps_ms()
@@ -186,13 +186,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"one row: {per_token / 1e6:.1f} MB of weights per step; read bandwidth {bw:.1f} GB/s "
               f"(ceiling {bw * 1e9 / per_token:.0f} tok/s); the step reaches {share * 100:.0f}% of it")
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"label": args.label, "cpu": cpu,
-                               "threads": torch.get_num_threads(),
-                               "torch": torch.__version__, "model": lm.name, "quant": lm.quant,
-                               "dtype": str(lm.dtype), "context": CONTEXT, "splits": results,
-                               "weight_bytes_per_token": per_token, "read_gb_s": bw,
-                               "bandwidth_share_one_row": share}, indent=2))
+    write_json(out, {"label": args.label, "cpu": cpu,
+                     "threads": torch.get_num_threads(),
+                     "torch": torch.__version__, "model": lm.name, "quant": lm.quant,
+                     "dtype": str(lm.dtype), "context": CONTEXT, "splits": results,
+                     "weight_bytes_per_token": per_token, "read_gb_s": bw,
+                     "bandwidth_share_one_row": share}, indent=2)
     print(f"wrote {out}")
     return 0
 

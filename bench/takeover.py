@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import json
 import os
 import signal
 import statistics
@@ -36,7 +35,7 @@ from producer import aiter_sse
 from tokenpipe.settings import Settings
 from tokenpipe_cli.upprocess import UpProcess
 
-from .procstat import cpu_seconds
+from .common import cpu_seconds, write_json
 
 BODY = {"prompt": "keep going", "temperature": 0, "ignore_eos": True}  # default coalescing, as a user gets
 
@@ -210,8 +209,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{c['nats_server_cpu_ms_per_tick']:.2f} ms nats-server CPU per tick; every 1 s that is "
                       f"{100 * c['worker_core_share_every_1s']:.3f} % of a core "
                       f"(every 30 s: {100 * c['worker_core_share_every_30s']:.4f} %)")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    write_json(args.out, result, indent=1)
     console.print(f"written to {args.out}")
     ok = t["all_contiguous"] and t["all_same_as_undisturbed"]
     return 0 if ok else 1

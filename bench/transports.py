@@ -26,7 +26,6 @@ import os
 import statistics
 import struct
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -38,12 +37,11 @@ from rich.table import Table
 from tokenpipe import eventloop
 from tokenpipe.bus import connect as connect_bus
 from tokenpipe.settings import Settings
-from tokenpipe_cli.launch import free_port, http_ok, spawn_role, wait_ready
-from tokenpipe_cli.natsserver import NatsServer
 from tokenpipe_cli.stats import latency_stats
 
+from .common import cpu_seconds, rss_kib, write_json
 from .fanout import SyntheticSource, _SSEClient
-from .procstat import cpu_seconds, rss_kib
+from .stack import Relays
 
 __all__ = ["main", "run_one"]
 
@@ -217,15 +215,9 @@ async def _drive(transport: str, port: int, relay_pid: int, nats_url: str, strea
 
 def run_one(transport: str, streams: int, sockets: int, batches: int, rate: float) -> dict[str, Any]:
     """One run on a fresh nats-server and relay process."""
-    with tempfile.TemporaryDirectory() as tmp, NatsServer(Path(tmp) / "nats") as nats:
-        port = free_port()
-        relay = spawn_role("relay", "--nats-url", nats.url, "--data-dir", tmp, "--port", str(port),
-                           "--log-level", "WARNING")
-        try:
-            wait_ready(http_ok(f"http://127.0.0.1:{port}/healthz"), timeout=60, what="the relay", children=[relay])
-            return eventloop.run(_drive(transport, port, relay.pid, nats.url, streams, sockets, batches, rate))
-        finally:
-            relay.stop(30)
+    with Relays() as stack:
+        return eventloop.run(_drive(transport, stack.ports[0], stack.children[0].pid, stack.nats.url, streams, sockets,
+                                    batches, rate))
 
 
 def table(results: list[dict[str, Any]]) -> Table:
@@ -272,8 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = ratios(results)
     console.print("WebSocket ÷ SSE (medians): " + ", ".join(f"{k} {v:.2f}" for k, v in summary.items()))
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"runs": results, "websocket_over_sse": summary}, indent=1))
+    write_json(out, {"runs": results, "websocket_over_sse": summary}, indent=1)
     return 0 if all(r["batches_delivered"] == r["batches_expected"] for r in results) else 1
 
 

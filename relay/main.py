@@ -16,8 +16,8 @@ __all__ = ["serve"]
 
 
 # The cyclic GC's default young-generation threshold (700 allocations) made collections walk a heap
-# that grows with every open SSE stream hundreds of times a second (bench/RESULTS.md, "Relay
-# fan-out"). Cycles are still collected, just in larger, rarer rounds.
+# that grows with every open SSE stream hundreds of times a second: at 10,000 streams it doubled the
+# relay's CPU per forwarded batch (81 against 43 µs). Cycles are still collected, in larger, rarer rounds.
 _GC_THRESHOLDS = (200_000, 50, 100)
 
 

@@ -106,60 +106,6 @@ def test_fanout_benchmark_forwards_every_batch(tmp_path: Path) -> None:
         assert r["steady_batches_s"] > 0  # (CPU per batch is not checked: 80 batches are below the clock tick)
 
 
-def test_appends_benchmark_runs_both_variants(tmp_path: Path) -> None:
-    """`bench.appends`: the conditional append against the old unconditional publish, one run."""
-    out = tmp_path / "appends.json"
-    proc = run_bench(["bench.appends", "--streams", "4", "--batches", "10", "--first", "5", "--out", str(out)])
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads(out.read_text())
-    for variant in ("unconditional", "conditional"):
-        assert all(r["batches"] == 40 for r in result["runs"][variant]["paced"])
-    assert result["summary"]["first_p50_ms_conditional"] > 0 and result["summary"]["flat_ratio"] > 0
-
-
-def test_fence_cost_benchmark_runs_the_pipeline_with_and_without_the_single_writer_rule(tmp_path: Path,
-                                                                                         data_dir: Path) -> None:
-    """`bench.fencecost`: whole pipelines A/B, and each variant is what it says (the condition stored or not)."""
-    out = tmp_path / "fencecost.json"
-    proc = run_bench(["bench.fencecost", "--model", "tiny-random", "--data-dir", str(data_dir), "--streams", "2",
-                 "--max-tokens", "8", "--rounds", "1", "--ttft-requests", "2", "--out", str(out)])
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rounds = json.loads(out.read_text())["rounds"]
-    assert [r["conditional_header_stored"] for r in rounds["conditional"]] == [1.0]
-    assert [r["conditional_header_stored"] for r in rounds["unconditional"]] == [0.0]
-    assert all(r["tok_s"] > 0 and r["ttft_p50_ms"] > 0 for rs in rounds.values() for r in rs)
-
-
-def test_cpu_split_benchmark_reads_every_process_cpu_per_token(tmp_path: Path, data_dir: Path) -> None:
-    """`bench.cpusplit`: streams one after another through a real pipeline; each process's CPU per token."""
-    out = tmp_path / "cpusplit.json"
-    proc = run_bench(["bench.cpusplit", "--model", "tiny-random", "--data-dir", str(data_dir), "--streams", "3",
-                 "--max-tokens", "16", "--out", str(out)])
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads(out.read_text())
-    assert result["tokens"] == 48 and result["tok_s"] > 0
-    rows = result["rows"]
-    assert set(rows) == {"generator: event loop", "generator: engine threads", "generator: other threads", "relay",
-                         "nats-server", "client (this process)"}
-    # every process took part: the engine decoded, the relay and nats-server were woken for each batch
-    assert rows["generator: engine threads"]["cpu_ms"] > 0
-    assert all(rows[name]["switches"] > 0 for name in ("generator: event loop", "relay", "nats-server"))
-    assert result["outside_engine"]["cpu_ms"] >= rows["client (this process)"]["cpu_ms"]
-
-
-def test_steal_cost_benchmark_times_the_engine_quiet_and_beside_each_burst_pattern(tmp_path: Path,
-                                                                                  data_dir: Path) -> None:
-    """`bench.stealcost`: one stream quiet, beside a bursting process, and beside bursts holding its GIL."""
-    out = tmp_path / "stealcost.json"
-    proc = run_bench(["bench.stealcost", "--model", "tiny-random", "--data-dir", str(data_dir), "--rounds", "1",
-                 "--max-tokens", "8", "--bursts", "100/1000", "--gil", "--out", str(out)])
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = {r["bursts"]: r for r in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {"quiet", "100/1000", "100/1000 gil"}
-    assert rows["quiet"]["vs_quiet"] == 1.0 and rows["100/1000"]["duty"] == pytest.approx(0.1)
-    assert all(r["tok_s"] > 0 for r in rows.values())
-
-
 def test_step_split_benchmark_times_the_step_and_the_rest(tmp_path: Path, data_dir: Path) -> None:
     """`bench.stepsplit`: whole steps and the rest (projections stubbed), and the bytes a step reads."""
     out = tmp_path / "stepsplit.json"

@@ -36,8 +36,8 @@ pytestmark = pytest.mark.timeout(240)
 # counts) and the meta leader (it places the reading consumer): once they are elected
 # (nats-server's Raft: 4-9 s after a kill -9). A look that fails is retried 0.5-1.5 s later and
 # each try waits up to 5 s for an answer, so the tests assert that bound — every leader elected,
-# then one failed look and a retry — and print the stall against the goal (bench/RESULTS.md
-# reports it). What the bound catches is a stream that does not come back at all.
+# then one failed look and a retry — and print the stall against the goal (docs/perf-history.md
+# has how often it was missed). What the bound catches is a stream that does not come back at all.
 LEADER_KILL_STALL_GOAL_S = 3.0
 RETRIED_LOOK_S = 5.0 + 1.5 + 3.0  # a try's timeout, the retry delay, margin for a busy 2-core machine
 

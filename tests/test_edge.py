@@ -336,22 +336,6 @@ def test_regression_denormal_temperature_or_top_p_made_the_engine_fail_the_batch
         assert sample(logits, samplers) == logits.argmax(-1).tolist()
 
 
-def test_regression_kv_compaction_after_a_grow_failed_outside_inference_mode() -> None:
-    """(The slot cache, now bench.slotcache's A/B reference.) A cache grown inside the (inference-mode)
-    forward holds inference tensors; compacting it
-    when an earlier row retired raised and failed the running batch."""
-    import torch
-
-    from bench.slotcache import SlotKVCache
-
-    cache = SlotKVCache.__new__(SlotKVCache)
-    with torch.inference_mode():  # as ``grow`` inside the forward makes them
-        cache.k = [torch.arange(16.0).reshape(2, 1, 4, 2)]
-        cache.v = [torch.arange(16.0).reshape(2, 1, 4, 2)]
-    cache.move(1, 0, 4)
-    assert torch.equal(cache.k[0][0], cache.k[0][1]) and torch.equal(cache.v[0][0], cache.v[0][1])
-
-
 async def test_a_stream_being_read_holds_its_slot_and_releases_it_when_the_reader_leaves(
         settings: Settings, generator: GeneratorWorker) -> None:
     relay = await start_relay(settings.replace(max_streams_per_key=2, unread_stream_release_s=30.0,

@@ -1,5 +1,5 @@
-"""tokenpipe's own AVX2 (and AVX-512) kernel for quantized projections (generator/gemv.c): exact enough to be
-fp32, a candidate of the measured kernel table, opaque under torch.compile."""
+"""tokenpipe's own AVX2 (and AVX-512) kernel for quantized projections (generator/kernels/csrc/gemv.c):
+exact enough to be fp32, a candidate of the measured kernel table, opaque under torch.compile."""
 
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ def test_one_row_kernels_hold_every_count_of_groups_and_rows(gemv: GemvLib, grou
         assert _rel_err(one, ref) < 2e-4 and _rel_err(tiled, ref) < 2e-4
 
 
-# torch.compile's own C++ is wrong under ATEN_CPU_CAPABILITY=avx2 on a CPU with AVX-512 (bench/RESULTS.md, part 17),
+# torch.compile's own C++ is wrong under ATEN_CPU_CAPABILITY=avx2 on a CPU with AVX-512 (docs/perf-history.md),
 # a path no AVX2-only CPU takes: those two tests are left to the real CPU's run.
 _AVX2_ONLY_RUN = "not into_one_graph and not as_on_an_avx2_only_cpu"
 

@@ -172,19 +172,6 @@ def test_smollm2_prefix_hit_gives_the_same_greedy_tokens(smollm2: LoadedModel) -
         assert seq.generated == again.generated
 
 
-def test_regression_bench_slot_engine_failed_its_first_step_without_a_static_decode(tiny_model: LoadedModel) -> None:
-    """bench.kvcache's slot variant: SlotEngine sets Engine's attributes itself, and since the CUDA
-    graphs it lacked ``static``, which Engine._accept reads (AttributeError at the first token)."""
-    from bench.slotcache import SlotEngine
-
-    engine = SlotEngine(tiny_model, max_batch=2, max_seq_len=64)
-    seqs = [engine.new_sequence(f"s{i}", [5 + i, 9, 13], greedy(4)) for i in range(2)]
-    for seq in seqs:
-        engine.add(seq)
-    engine.run_to_completion()
-    assert [s.finish for s in seqs] == ["length", "length"] and all(len(s.generated) == 4 for s in seqs)
-
-
 def test_decode_reads_blocks_in_any_order(tiny_model: LoadedModel) -> None:
     """Blocks handed out after eviction and reuse are scattered; attention follows the table."""
     engine = Engine(tiny_model, max_batch=2, max_seq_len=128, kv_cache_mb=mb_for(tiny_model, 12 * BLOCK_SIZE))

@@ -204,3 +204,14 @@ def test_the_generator_is_in_layers_each_importing_only_itself_and_those_below()
         if bad:
             wrong[module] = bad
     assert wrong == {}
+
+
+def test_no_product_source_cites_the_benchmark_results_file() -> None:
+    """bench/RESULTS.md is a table of today's figures, rewritten as they change; the product's comments
+    cited its dated sections ("issue 21, part 14") for their reasons, which then pointed nowhere. A comment
+    says its reason itself (docs/perf-history.md keeps the decisions and their figures)."""
+    citing = sorted(str(p.relative_to(ROOT)) for package in (CORE, ROOT_PACKAGE, *ROLES)
+                    for p in (ROOT / package).rglob("*") if p.is_file() and "__pycache__" not in p.parts
+                    and p.suffix in {".py", ".c", ".cpp", ".h", ".html", ".js", ".css", ".md", ".txt"}
+                    and "RESULTS.md" in p.read_text(errors="replace"))
+    assert citing == []

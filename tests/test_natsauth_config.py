@@ -108,7 +108,7 @@ def test_credentials_of_tokenpipe_up_go_only_to_the_server_it_runs(tmp_path: Pat
 
 
 async def test_a_benchmark_on_its_own_nats_server_failed_after_make_up_left_credentials(tmp_path: Path) -> None:
-    """`make up` left credentials in the default data dir; `bench.appends` (and tests) then connected to
+    """`make up` left credentials in the default data dir; a benchmark (and tests) then connected to
     their own open nats-server with them, did not provision, and failed: BucketNotFoundError."""
     data = _beside_up(tmp_path / "data", "nats://127.0.0.1:4222")
     with NatsServer(tmp_path / "nats") as server:

@@ -1,5 +1,5 @@
 """The step's other ops in the kernel library. Decode attention read straight from the paged KV pool
-(generator/attention.c, the op ``tokenpipe.paged_attention``): the attention the torch ops give, in
+(generator/kernels/csrc/attention.c, the op ``tokenpipe.paged_attention``): the attention the torch ops give, in
 fp32 and bf16, over block tables in any order, rows of any length, grouped KV heads; refused inputs
 raise; one graph under torch.compile. RMSNorm (norm.c, ``rms_norm``): rounded as the torch code it
 replaces; the cache write (attention.c, ``kv_write``): each row's heads at its slot, nothing else."""

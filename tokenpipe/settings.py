@@ -103,8 +103,8 @@ class Settings:
     engine_process: EngineProcess = _setting(  # noqa: RUF009
         "auto", "run the engine (steps, sampling, detokenizing) in its own engine-core process, fed and drained over a "
                 "local pipe, so the generator's NATS I/O cannot stall a step through the GIL: `auto` (on with CUDA; "
-                "off on CPU, where the thread stays the default: `python -m bench.enginecore`, bench/RESULTS.md), "
-                "`on`, `off` (the engine thread in the generator's process)")
+                "off on CPU, where the process showed no consistent win on 2 cores and lost throughput with SmolLM2: "
+                "`python -m bench.enginecore`), `on`, `off` (the engine thread in the generator's process)")
     cuda_graphs: CudaGraphs = _setting(  # noqa: RUF009
         "auto", "capture the decode step as CUDA graphs, one per batch-size bucket (1, 2, 4, … 64), replayed each "
                 "step: `auto` (on with CUDA, off on CPU), `on` (refused without a CUDA device), `off`")
@@ -124,11 +124,11 @@ class Settings:
     first_batch_hold_ms: float = _setting(
         1.5, "on a CPU, after a step that produced streams' first tokens, the engine waits until their first batches "
              "went out live (at most 5 ms), then this long more: the relay and NATS get the cores to carry them to the "
-             "client (pipeline-added TTFT p50 2 ms lower on 2 cores, bench/RESULTS.md); 0: no wait. The engine thread "
-             "only, not the engine-core process")
-    coalesce_max_tokens: int = _setting(8, "count window: tokens per published batch (chosen by `python -m "
-                                           "bench.coalesce`, see bench/RESULTS.md; a request's `coalesce` "
-                                           "overrides it)")
+             "client (on 2 cores pipeline-added TTFT p50 2 ms lower, no throughput lost); 0: no wait. The engine "
+             "thread only, not the engine-core process")
+    coalesce_max_tokens: int = _setting(8, "count window: tokens per published batch (with the 20 ms window ~6x "
+                                           "fewer messages for ~+11 ms inter-batch p99: `python -m bench.coalesce`; "
+                                           "a request's `coalesce` overrides it)")
     coalesce_max_delay_ms: float = _setting(20.0, "time window: the longest a token waits to be published")
     ack_wait_s: float = _setting(4.0, "a request whose generator stops acknowledging progress is redelivered after "
                                       "this: how soon a dead worker's streams move on (measured by `python -m "
@@ -142,7 +142,8 @@ class Settings:
     announce_interval_s: float = _setting(
         2.0, "how often a generator announces its model and load (lapses after 3 intervals)")
     threads: int = _setting(0, "torch CPU threads for the engine (0: every core up to 3 cores, one fewer from 4 cores "
-                               "on; see `python -m bench.neighbour`)")
+                               "on, left to the relay and nats-server; 1 on a small machine shared with busy un-niced "
+                               "work, whose OpenMP team would wait at every barrier for a core lent to it)")
     metrics_port: int = _setting(9101, "generator `/metrics` port (`tokenpipe up` counts up from it; 0: off)")
     metrics_host: str = _setting("127.0.0.1", "generator `/metrics` bind address")
     # tokenpipe up (the supervisor)

@@ -38,8 +38,8 @@ class ClusterArgs:
         the route user's password (when there is one) and the other nodes dialled with it; route
         pings every second, three unanswered drop the route. With nats-server's default (two
         minutes) the other nodes kept their routes to a frozen node, and a JetStream request that
-        went through it waited for the thaw: every stream stalled as long as the freeze
-        (bench/RESULTS.md, "A frozen NATS node")."""
+        went through it waited for the thaw: every stream stalled as long as the freeze (a node frozen
+        20 s: 21 s against 9.7 s with these pings)."""
         auth = f"{self.route_user}:{self.route_password}@" if self.route_user else ""
         routes = [u.replace("://", f"://{auth}", 1) for u in self.routes]
         lines = [f"  name: {json.dumps(self.name)}", f"  listen: {json.dumps(f'{host}:{self.port}')}"]
