@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ import httpx
 import pytest
 import uvicorn
 
-from generator.models import LoadedModel, load_model, prepare_smollm2
+from generator.models import SMOLLM2, LoadedModel, _complete, load_model, prepare_smollm2
 from generator.worker import GeneratorWorker
 from producer import aiter_sse
 from relay.app import create_app
@@ -52,11 +53,41 @@ async def wait_until(cond: Callable[[], Awaitable[bool] | bool], timeout: float 
         await asyncio.sleep(0.02)
 
 
+@dataclass
+class Preparation:
+    """Two processes that prepared SmolLM2 at once in one data dir, as generators started together by
+    hand on a fresh one do: the dir, and each process's exit code, stdout and stderr."""
+
+    data_dir: Path
+    procs: list[tuple[int, str, str]]
+
+
+def prepare_together(data: Path) -> Preparation:
+    """:func:`~generator.models.prepare_smollm2` in two processes started together on ``data``."""
+    code = "import sys; from generator.models import prepare_smollm2; print(prepare_smollm2(sys.argv[1]))"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(data)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    return Preparation(data, [(p.returncode, out, err) for p, (out, err) in zip(procs, outs, strict=True)])
+
+
 @pytest.fixture(scope="session")
-def data_dir() -> Path:
-    """A data dir whose model cache is ready (converted once per checkout, ~20 s)."""
+def cache_preparation() -> Preparation | None:
+    """Where the test cache lacks SmolLM2 (CI starts from nothing), its conversion done by two processes
+    at once: the conversion every test needs and the one the regression test of two generators on a
+    fresh data dir checks (test_smollm2.py) are then one, not two (each ~20 s, more on a busy 2-core
+    machine). None where the cache is ready: that test then converts into a directory of its own."""
     MODEL_CACHE.mkdir(parents=True, exist_ok=True)
-    prepare_smollm2(MODEL_CACHE)
+    if _complete(MODEL_CACHE / "models" / SMOLLM2):
+        return None
+    return prepare_together(MODEL_CACHE)
+
+
+@pytest.fixture(scope="session")
+def data_dir(cache_preparation: Preparation | None) -> Path:
+    """A data dir whose model cache is ready (converted once per checkout, ~20 s)."""
+    prepare_smollm2(MODEL_CACHE)  # nothing to do after cache_preparation, unless it failed (its test says how)
     return MODEL_CACHE
 
 
