@@ -39,7 +39,7 @@ from tokenpipe.wire import Request
 from tokenpipe_cli.cluster import LocalCluster
 from tokenpipe_cli.launch import die_with_parent, free_port
 
-from .conftest import wait_until
+from .conftest import one_torch_thread, wait_until
 
 STREAMS = (REQUESTS_STREAM, TOKENS_STREAM, f"KV_{META_BUCKET}")
 PROMPTS = tuple(f"cluster check {i}: keep counting" for i in range(4))
@@ -304,15 +304,16 @@ def greedy_reference(lm: LoadedModel, max_tokens: int = MAX_TOKENS, prompts: int
     from generator.engine.scheduler import Engine
     from tokenpipe.wire import SamplingParams
 
-    engine = Engine(lm, max_batch=len(PROMPTS))
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    seqs = []
-    for i, text in enumerate(PROMPTS[:prompts]):
-        req = Request.from_map({"v": 1, "id": f"ref{i}", "model": "tiny-random", "prompt": text,
-                                "params": params.to_map()})
-        seqs.append(engine.new_sequence(req.id, encode_prompt(lm.tokenizer, req), params))
-        engine.add(seqs[-1])
-    engine.run_to_completion()
+    with one_torch_thread():  # as the stack's generators run
+        engine = Engine(lm, max_batch=len(PROMPTS))
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        seqs = []
+        for i, text in enumerate(PROMPTS[:prompts]):
+            req = Request.from_map({"v": 1, "id": f"ref{i}", "model": "tiny-random", "prompt": text,
+                                    "params": params.to_map()})
+            seqs.append(engine.new_sequence(req.id, encode_prompt(lm.tokenizer, req), params))
+            engine.add(seqs[-1])
+        engine.run_to_completion()
     return [list(s.generated) for s in seqs]
 
 

@@ -3,20 +3,24 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+import torch
 import uvicorn
 
 from generator.model.loader import LoadedModel, load_model
-from generator.model.preparation import prepare_smollm2
+from generator.model.preparation import SMOLLM2, _complete, prepare_smollm2
 from generator.service.worker import GeneratorWorker
 from producer import aiter_sse
 from relay.app import create_app
@@ -53,11 +57,55 @@ async def wait_until(cond: Callable[[], Awaitable[bool] | bool], timeout: float 
         await asyncio.sleep(0.02)
 
 
+@contextlib.contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """torch on one intra-op thread for the block, as the tests' generator processes run
+    (``TOKENPIPE_THREADS=1``): a greedy reference computed in this process is then what they compute.
+    It is also ~10x faster on a busy 2-core machine (1,500 tiny-random tokens: 2.8 s, against 26-37 s
+    with two threads, whose OpenMP team waits for whichever thread lost its core)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@dataclass
+class Preparation:
+    """Two processes that prepared SmolLM2 at once in one data dir, as generators started together by
+    hand on a fresh one do: the dir, and each process's exit code, stdout and stderr."""
+
+    data_dir: Path
+    procs: list[tuple[int, str, str]]
+
+
+def prepare_together(data: Path) -> Preparation:
+    """:func:`~generator.model.preparation.prepare_smollm2` in two processes started together on ``data``."""
+    code = "import sys; from generator.model.preparation import prepare_smollm2; print(prepare_smollm2(sys.argv[1]))"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(data)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    return Preparation(data, [(p.returncode, out, err) for p, (out, err) in zip(procs, outs, strict=True)])
+
+
 @pytest.fixture(scope="session")
-def data_dir() -> Path:
-    """A data dir whose model cache is ready (converted once per checkout, ~20 s)."""
+def cache_preparation() -> Preparation | None:
+    """Where the test cache lacks SmolLM2 (CI starts from nothing), its conversion done by two processes
+    at once: the conversion every test needs and the one the regression test of two generators on a
+    fresh data dir checks (test_smollm2.py) are then one, not two (each ~20 s, more on a busy 2-core
+    machine). None where the cache is ready: that test then converts into a directory of its own."""
     MODEL_CACHE.mkdir(parents=True, exist_ok=True)
-    prepare_smollm2(MODEL_CACHE)
+    if _complete(MODEL_CACHE / "models" / SMOLLM2):
+        return None
+    return prepare_together(MODEL_CACHE)
+
+
+@pytest.fixture(scope="session")
+def data_dir(cache_preparation: Preparation | None) -> Path:
+    """A data dir whose model cache is ready (converted once per checkout, ~20 s)."""
+    prepare_smollm2(MODEL_CACHE)  # nothing to do after cache_preparation, unless it failed (its test says how)
     return MODEL_CACHE
 
 
@@ -106,14 +154,19 @@ async def bus(settings: Settings) -> AsyncIterator[Bus]:
 
 @pytest.fixture(scope="session")
 async def generator(settings: Settings, data_dir: Path) -> AsyncIterator[GeneratorWorker]:
-    """A real worker on the tiny model (its own model instance: the engine thread owns it)."""
+    """A real worker on the tiny model (its own model instance: the engine thread owns it). Its engine
+    steps on one torch thread, as the tests' generator processes do: with two, a step on the busy 2-core
+    machine waits for whichever OpenMP thread lost its core (the schemathesis run: 40 s -> 31 s)."""
     loaded = load_model("tiny-random", device="cpu", dtype="float32", data_dir=data_dir)
     b = await connect(settings, name="test-generator")
-    worker = GeneratorWorker(settings, loaded, b)
+    engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="test-engine",
+                                       initializer=torch.set_num_threads, initargs=(1,))
+    worker = GeneratorWorker(settings, loaded, b, torch_thread=engine_thread)
     await worker.start()
     yield worker
     await worker.stop(drain_timeout=1.0)
     await b.close()
+    engine_thread.shutdown(wait=False)
 
 
 class RelayServer:

@@ -42,6 +42,9 @@ pytestmark = pytest.mark.timeout(300)
 
 MODEL = "tiny-random"
 TOKENPIPE = str(Path(sys.executable).parent / "tokenpipe")
+# The relay's keepalive on this stack: a stream older than it is checked for a wiped history at its GET
+# (the wiped-history test waits that long; the 15 s default would be 15 s of waiting).
+KEEPALIVE_S = 3.0
 BODY = {"model": MODEL, "prompt": "Tell me", "max_tokens": 48, "temperature": 0, "ignore_eos": True,
         "coalesce": {"max_tokens": 0}}
 
@@ -93,7 +96,7 @@ def add_app(up: UpProcess, name: str) -> str:
 async def up(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> AsyncIterator[UpProcess]:
     data = tmp_path_factory.mktemp("tenants")
     (data / "models").symlink_to(data_dir / "models", target_is_directory=True)
-    s = start_stack(data, 1)
+    s = start_stack(data, 1, TOKENPIPE_KEEPALIVE_S=str(KEEPALIVE_S))
     try:
         await s.wait_up()
         for app in ("alice", "mallory"):  # made while it runs: no restart
@@ -242,7 +245,8 @@ async def test_a_wiped_history_answers_404_expired_not_endless_pings(up: UpProce
     """A history removed after the stream ended (here the admin's purge; the wipe of the issue went
     through a relay credential, which may no longer touch the store) is 'expired': a reader waiting
     on it gets an error event and ends, and a GET once the stream is older than the keepalive
-    (15 s by default: younger ones are asked at the first ping) is a 404 with code expired."""
+    (:data:`KEEPALIVE_S` on this stack, 15 s by default: younger ones are asked at the first ping) is a
+    404 with code expired."""
     sid, events = await relay_victim(up)
     assert events[-1][0] == "done"
     await admin.js.purge_stream(TOKENS_STREAM, subject=f"tp.tok.relay.{sid}")
@@ -255,7 +259,8 @@ async def test_a_wiped_history_answers_404_expired_not_endless_pings(up: UpProce
                 assert [e for e, _, _ in out] == ["error"] and out[0][2]["code"] == "expired", out
             else:  # already older than the keepalive on a slow machine
                 assert resp.status_code == 404 and json.loads(await resp.aread())["error"]["code"] == "expired"
-        await wait_until(lambda: time.monotonic() - created > 16, 30, "the stream to be older than the keepalive")
+        await wait_until(lambda: time.monotonic() - created > KEEPALIVE_S + 1, 30,
+                         "the stream to be older than the keepalive")
         r = await http.get(f"/v1/streams/{sid}")
         assert r.status_code == 404 and r.json()["error"]["code"] == "expired", r.text
     await assert_still_stored(up, admin)

@@ -26,7 +26,7 @@ from tokenpipe.wire import Request
 from tokenpipe_cli.launch import Child, free_port, http_ok, spawn_role, wait_ready
 from tokenpipe_cli.natsserver import NatsServer
 
-from .conftest import wait_until
+from .conftest import one_torch_thread, wait_until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -180,10 +180,11 @@ def _greedy_ids(lm: LoadedModel, req: Request) -> list[int]:
     from generator.engine.runner import encode_prompt
     from generator.engine.scheduler import Engine
 
-    engine = Engine(lm, max_batch=1)
-    seq = engine.new_sequence("r", encode_prompt(lm.tokenizer, req), req.params)
-    engine.add(seq)
-    engine.run_to_completion()
+    with one_torch_thread():
+        engine = Engine(lm, max_batch=1)
+        seq = engine.new_sequence("r", encode_prompt(lm.tokenizer, req), req.params)
+        engine.add(seq)
+        engine.run_to_completion()
     return seq.generated
 
 

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -18,7 +15,7 @@ from producer import Producer
 from tokenpipe.bus import connect
 from tokenpipe.settings import Settings
 
-from .conftest import RelayServer, read_sse
+from .conftest import Preparation, RelayServer, prepare_together, read_sse
 from .test_pipeline import in_process
 
 pytestmark = pytest.mark.smollm2
@@ -74,18 +71,16 @@ async def test_sdk_streams_emoji_and_cjk_intact(smol_generator: GeneratorWorker,
     assert result.text == smollm2.tokenizer.decode(result.token_ids, skip_special_tokens=True)
 
 
-def test_regression_two_generators_preparing_one_fresh_data_dir_converted_at_once(tmp_path: Path) -> None:
+def test_regression_two_generators_preparing_one_fresh_data_dir_converted_at_once(
+        cache_preparation: Preparation | None, tmp_path: Path) -> None:
     """Two processes preparing SmolLM2 in one fresh data dir (generators started together by hand)
     both converted it (twice the work) through the same ``.tmp`` directory, where one could remove
     what the other was writing or had just moved into place. Now one converts, under a lock beside
-    the cache, and the other waits for it and uses its cache."""
-    code = "import sys; from generator.model.preparation import prepare_smollm2; print(prepare_smollm2(sys.argv[1]))"
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
-    outs = [p.communicate(timeout=600) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
-    target = tmp_path / "models" / "smollm2-135m"
-    assert [out.strip() for out, _ in outs] == [str(target)] * 2
-    assert sum(err.count("preparing smollm2-135m (one-time") for _, err in outs) == 1
+    the cache, and the other waits for it and uses its cache. (The session's own conversion is this
+    scenario where the test cache started empty; else it runs here, in a fresh directory.)"""
+    prep = cache_preparation or prepare_together(tmp_path)
+    assert [code for code, _, _ in prep.procs] == [0, 0], [err[-2000:] for _, _, err in prep.procs]
+    target = prep.data_dir / "models" / "smollm2-135m"
+    assert [out.strip() for _, out, _ in prep.procs] == [str(target)] * 2
+    assert sum(err.count("preparing smollm2-135m (one-time") for _, _, err in prep.procs) == 1
     assert (target / ".complete").exists() and not target.with_name("smollm2-135m.tmp").exists()
