@@ -18,9 +18,9 @@ from nats.js.errors import KeyNotFoundError, NotFoundError
 
 from . import streamindex
 from .bus import Bus
-from .errors import StreamNotFound, TransportError, WireFormatError
+from .errors import Overloaded, StreamNotFound, TransportError, WireFormatError
 from .reorder import Gap, Reorder
-from .retry import ELECTIONS, Retry, retrying, through_elections
+from .retry import ELECTIONS, Retry, queue_full, retrying, through_elections
 from .subjects import (
     RELAY_OWNER,
     REQUESTS_STREAM,
@@ -68,9 +68,10 @@ async def submit(bus: Bus, request: Request, headers: dict[str, str] | None = No
     """Record ownership (streams made in the relay's namespace) and enqueue as ``bus.owner``;
     the ownership record is returned. Both writes are idempotent (same value; same
     ``Nats-Msg-Id``), so they are tried again together under ``retry`` while NATS is away (a
-    stream between leaders, a server restarting). Raises :class:`TransportError` when it gives
-    up, after cancelling the request (it may be enqueued without an owner record: nobody could
-    read it)."""
+    stream between leaders, a server restarting). Raises :class:`Overloaded` when the queue is at
+    one of its bounds (its size, or this owner's share of it per model), :class:`TransportError`
+    when it gives up, in both cases after cancelling the request (it may be enqueued without an
+    owner record: nobody could read it)."""
     meta = StreamMeta(request.id, request.tenant, request.model, request.created_at or time.time_ns())
     hdrs = dict(headers or {})
     hdrs["Nats-Msg-Id"] = bus.msg_id(request.id)  # unique per owner, and no other owner can forge it
@@ -97,6 +98,9 @@ async def submit(bus: Bus, request: Request, headers: dict[str, str] | None = No
     except Exception as exc:
         if bus.nc.is_connected:
             await cancel(bus, request.id)
+        if queue_full(exc):
+            raise Overloaded(f"the request queue is full ({getattr(exc, 'description', exc)})",
+                             retry_after=5) from exc
         if isinstance(exc, TimeoutError):
             raise TransportError("could not enqueue request: NATS did not answer in time") from exc
         raise TransportError(f"could not enqueue request: {exc or type(exc).__name__}") from exc
