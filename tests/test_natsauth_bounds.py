@@ -28,12 +28,13 @@ from nats.js.errors import APIError, NoStreamResponseError
 
 from producer import Producer
 from tokenpipe.bus import Bus, connect
-from tokenpipe.errors import ConfigError, Overloaded
+from tokenpipe.errors import ConfigError, Overloaded, WireFormatError
 from tokenpipe.natsauth import add_app, ensure_credentials, load_credential
 from tokenpipe.natsconfig import accounts, write_server_config
 from tokenpipe.settings import Settings
+from tokenpipe.streams import history, last_batch
 from tokenpipe.subjects import REQUESTS_STREAM, TOKENS_STREAM, consumer_name
-from tokenpipe.wire import Request
+from tokenpipe.wire import Request, TokenBatch
 from tokenpipe_cli.natsserver import NatsServer
 from tokenpipe_cli.provisioner import Provisioner
 
@@ -272,6 +273,32 @@ async def test_the_relay_answered_its_own_question_onto_alices_next_stream(serve
     finally:
         await relay.close()
         await alice.close()
+
+
+async def test_the_relay_had_its_own_batch_answered_onto_alices_next_stream(server: Server, admin: Bus) -> None:
+    """The relay's own stream ``job-77`` (stored as a generator stores it: admin here, no generator),
+    fetched by a direct get the relay may make, answered onto ``tp.live.alice.job-77``: the server
+    forwards it into alice's account, which stores it as her ``job-77``. Permissions cannot refuse a
+    reply subject; alice's reader must not show it."""
+    planted = TokenBatch(id="job-77", seq=0, index=0, text="the relay wrote this", finish="stop")
+    await admin.js.publish("tp.tok.relay.job-77", planted.encode(), headers={"Nats-Msg-Id": "relay:job-77:0:t"})
+    async with await Producer.connect(settings=server.as_user("app-alice")) as alice:
+        relay = await server.raw("relay")
+        try:
+            await relay.publish(f"$JS.API.DIRECT.GET.{TOKENS_STREAM}.tp.tok.relay.job-77", b"",
+                                reply="tp.live.alice.job-77")
+        finally:
+            await relay.close()
+
+        async def arrived() -> bool:  # the attack got through to alice's store
+            info = await alice.bus.js.stream_info(TOKENS_STREAM, subjects_filter="tp.tok.alice.job-77")
+            return bool(info.state.subjects)
+
+        await wait_until(arrived, 5, "the relay's answer in alice's store")
+        assert await history(alice.bus, "job-77") == []
+        with pytest.raises(WireFormatError):
+            await last_batch(alice.bus, "job-77")
+    await admin.js.purge_stream(TOKENS_STREAM, subject="tp.tok.relay.job-77")
 
 
 # -- item: reserved names --------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Mapping
 from typing import Any
 
 import nats.errors
@@ -107,21 +107,42 @@ async def submit(bus: Bus, request: Request, headers: dict[str, str] | None = No
     return meta
 
 
-def batch_of(bus: Bus, data: bytes, stream_id: str) -> TokenBatch | None:
+def batch_of(bus: Bus, data: bytes, stream_id: str, headers: Mapping[str, str] | None = None,
+             owner: str | None = None) -> TokenBatch | None:
     """``data`` as a batch of ``stream_id``, or None (logged, and counted through
     ``bus.on_dropped_batch``) when it does not decode or names another stream: whoever managed to
-    store or send it there, a reader never shows it as this stream's."""
+    store or send it there, a reader never shows it as this stream's.
+
+    ``headers`` (the message's) with ``owner`` (whose stream it is read as, default ``bus.owner``):
+    also dropped when they show that the batch was written for another owner's stream. Every
+    writer's ``Nats-Msg-Id`` is ``<owner>:<id>:…``, and a server that republishes a stored message (a
+    direct get's answer, a consumer's delivery) keeps it and adds ``Nats-Subject``: the relay had a
+    direct get of its own stream ``job-77`` answered onto ``tp.live.alice.job-77``, and alice's
+    stream of that id showed the relay's text, live and in replay."""
     try:
         batch = TokenBatch.decode(data)
     except WireFormatError as exc:
         reason, detail = "undecodable", exc.message
     else:
-        if batch.id == stream_id:
+        foreign = _foreign(headers or {}, owner or bus.owner, stream_id)
+        if batch.id == stream_id and foreign is None:
             return batch
-        reason, detail = "wrong_stream", f"the batch names stream {batch.id!r}"
+        reason, detail = (("wrong_stream", f"the batch names stream {batch.id!r}") if batch.id != stream_id
+                          else ("wrong_owner", str(foreign)))
     log.warning("token message dropped", extra={"request_id": stream_id, "reason": reason, "error": detail})
     for hook in bus.on_dropped_batch:
         hook(reason)
+    return None
+
+
+def _foreign(headers: Mapping[str, str], owner: str, stream_id: str) -> str | None:
+    """Why ``headers`` show a message written for another stream than ``owner``'s ``stream_id``, or None."""
+    msg_id = headers.get("Nats-Msg-Id")
+    if msg_id is not None and not msg_id.startswith(f"{owner}:{stream_id}:"):
+        return f"written as {msg_id!r}"
+    subject = headers.get("Nats-Subject")  # a republished stored message: where it was stored
+    if subject is not None and subject != token_subject(owner, stream_id):
+        return f"stored on {subject!r}"
     return None
 
 
@@ -158,7 +179,7 @@ async def last_stored(bus: Bus, stream_id: str, *,
         return None
     except Exception as exc:
         raise TransportError(f"could not read stream history: {exc}") from exc
-    batch = batch_of(bus, raw.data or b"", stream_id)
+    batch = batch_of(bus, raw.data or b"", stream_id, raw.headers, owner)
     if batch is None:
         raise WireFormatError(f"the last message stored for stream {stream_id!r} is no batch of it")
     return batch, dict(raw.headers or {})
@@ -250,7 +271,8 @@ async def stored_at(bus: Bus, stream_id: str, *, owner: str | None = None
             msg = await sub.next_msg(timeout=5.0)
             read += 1
             last = max(last, msg.metadata.sequence.stream)
-            batch = batch_of(bus, msg.data, stream_id)  # not a batch of it (nobody's to fix): skipped
+            # Not a batch of it (nobody's to fix): skipped.
+            batch = batch_of(bus, msg.data, stream_id, msg.headers, owner)
             if batch is not None:
                 by_seq.setdefault(batch.seq, (batch, dict(msg.headers or {})))
             if msg.metadata.num_pending == 0:
@@ -287,7 +309,7 @@ async def first_stored(bus: Bus, stream_id: str, *, owner: str | None = None) ->
     try:
         while True:
             msg = await sub.next_msg(timeout=_COUNT_TIMEOUT_S)
-            batch = batch_of(bus, msg.data, stream_id)
+            batch = batch_of(bus, msg.data, stream_id, msg.headers, owner)
             if batch is not None:
                 return batch
     except nats.errors.TimeoutError:
@@ -344,7 +366,7 @@ async def follow(bus: Bus, stream_id: str, *, after_seq: int = -1) -> AsyncGener
                     yield PING
                     continue
             else:
-                batch = batch_of(bus, msg.data, stream_id)
+                batch = batch_of(bus, msg.data, stream_id, msg.headers)
                 if batch is None:
                     continue
                 if oldest is None or batch.seq < oldest.seq:
