@@ -275,6 +275,29 @@ async def test_the_relay_answered_its_own_question_onto_alices_next_stream(serve
         await alice.close()
 
 
+async def test_the_relay_had_a_generator_answer_its_discovery_onto_alices_request_queue(
+        server: Server, admin: Bus) -> None:
+    """A generator answered ``tp.gen.discover`` on the question's reply subject, which the asker
+    chooses: the relay's credential could have its announcement stored as alice's request. A
+    generator now announces on its announce subject; its credential answers nothing."""
+    errors: list[str] = []
+    gen = await server.raw("generator", errors)
+    relay = await server.raw("relay")
+    try:
+        async def answer(msg: Msg) -> None:
+            await msg.respond(b'{"worker": "w", "model": "tiny-random"}')
+
+        await gen.subscribe("tp.gen.discover", cb=answer)
+        await gen.flush()
+        await relay.publish("tp.gen.discover", b"", reply=f"tp.req.{MODEL}.alice")
+        await denied(errors, f"tp.req.{MODEL}.alice")
+    finally:
+        await gen.close()
+        await relay.close()
+    info = await admin.js.stream_info(REQUESTS_STREAM, subjects_filter=f"tp.req.{MODEL}.alice")
+    assert not info.state.subjects
+
+
 async def test_the_relay_had_its_own_batch_answered_onto_alices_next_stream(server: Server, admin: Bus) -> None:
     """The relay's own stream ``job-77`` (stored as a generator stores it: admin here, no generator),
     fetched by a direct get the relay may make, answered onto ``tp.live.alice.job-77``: the server

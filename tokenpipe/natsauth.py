@@ -154,7 +154,6 @@ def permissions(role: str, app: str | None = None) -> Permissions:
                              f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{REQUESTS_STREAM}.*"),
             publish_deny=(REQUEST_WILDCARD, CANCEL_WILDCARD, "$KV.>", *_NEVER),
             subscribe_deny=(TOKEN_WILDCARD, LIVE_WILDCARD),
-            allow_responses=True,  # answers a relay's discovery request on the relay's inbox
         )
     if role == "admin":
         return Permissions(publish_allow=(">",), subscribe_allow=(">",))
