@@ -240,7 +240,7 @@ def _requests_config(settings: Settings, replicas: int) -> js_api.StreamConfig:
         max_bytes=settings.request_max_bytes,
         max_msgs_per_subject=settings.request_max_per_owner,
         discard=js_api.DiscardPolicy.NEW,
-        discard_new_per_subject=True,
+        discard_new_per_subject=settings.request_max_per_owner > 0,  # the server refuses it without a bound
         duplicate_window=min(120.0, settings.request_max_age_s),
         num_replicas=replicas,
     )

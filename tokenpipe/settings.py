@@ -83,7 +83,9 @@ class Settings:
                  "beyond it is refused, never an older one dropped", shown="1073741824 (1 GiB)")
     request_max_per_owner: int = _setting(
         4096, "requests one owner (an application, or the relay for every HTTP client) may have queued or running "
-              "per model (`tp.req.<model>.<owner>`); one more is refused (429 at the relay, `Overloaded` in the SDK)")
+              "per model (`tp.req.<model>.<owner>`); one more is refused (429 at the relay, `Overloaded` in the SDK). "
+              "Keep it above the requests running at once (generators × `TOKENPIPE_MAX_BATCH`) plus "
+              "`TOKENPIPE_MAX_QUEUE_DEPTH`; -1: no bound")
     models: str = _setting(
         "", "the models served, comma-separated (the admin's provisioner; empty: `TOKENPIPE_MODEL`): `TP_REQUESTS` "
             "takes requests for these only (one for any other model is stored nowhere), and the admin makes each "
