@@ -134,7 +134,7 @@ class Fanout:
         readers = self._readers.get(msg.subject)
         if not readers:
             return  # nobody here reads this stream: not even decoded
-        batch = batch_of(self.bus, msg.data, msg.subject.rpartition(".")[2])
+        batch = batch_of(self.bus, msg.data, msg.subject.rpartition(".")[2], msg.headers)
         if batch is None:
             return  # not a batch of this stream: logged and counted
         for reader in readers:

@@ -45,7 +45,6 @@ class RelayState:
         self.metrics = RelayMetrics()
         self.admission = Admission(settings, self.require_bus)
         self.forwarder = Forwarder(settings, self.tracer, self.metrics, self.admission, self.require_bus)
-        self._discover_inbox = ""
         self.missing: list[str] = []  # JetStream state tokenpipe owns that was found deleted (503 until repaired)
         self._repair_task: asyncio.Task[None] | None = None
         self._repair_now: asyncio.Task[None] | None = None
@@ -60,9 +59,8 @@ class RelayState:
         await self.forwarder.start()
         nc = self.bus.nc
         await nc.subscribe(f"{ANNOUNCE_PREFIX}.>", cb=self._on_announce)
-        # Ask running generators to introduce themselves instead of waiting a full interval.
-        self._discover_inbox = nc.new_inbox()
-        await nc.subscribe(self._discover_inbox, cb=self._on_announce)
+        # Ask running generators to introduce themselves instead of waiting a full interval: each
+        # announces at once, on the announce subject (never onto a reply subject the asker chose).
         await self._discover()
         self._repair_task = asyncio.create_task(self._repair_loop(), name="repair")
 
@@ -110,7 +108,7 @@ class RelayState:
         return body, 200 if ready else 503
 
     async def _discover(self) -> None:
-        await self.require_bus().nc.publish(DISCOVER_SUBJECT, b"", reply=self._discover_inbox)
+        await self.require_bus().nc.publish(DISCOVER_SUBJECT, b"")
 
     async def stop(self) -> None:
         # Not by cancel alone: the loop's JetStream requests can swallow one (tokenpipe.background).

@@ -69,7 +69,9 @@ def secure(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Secure]:
     server = NatsServer(d / "data", config_file=conf, tls=True).start()
     secure = Secure(server, creds, pki)
     # Only the admin provisions where there are users (tokenpipe up runs the same Provisioner).
-    admin = Provisioner(secure.settings(Settings.load(env={}), "admin"), server.url, creds / "admin.json").start()
+    # It serves MODEL: TP_REQUESTS takes its requests, and its generators' consumer is the admin's.
+    admin = Provisioner(secure.settings(Settings.load(env={}, model=MODEL), "admin"), server.url,
+                        creds / "admin.json").start()
     yield secure
     admin.stop()
     server.stop()

@@ -31,10 +31,14 @@ from .subjects import (
     REQUESTS_STREAM,
     TOKEN_WILDCARD,
     TOKENS_STREAM,
+    check_model_name,
+    consumer_name,
+    model_request_filter,
     owner_tokens,
 )
 
-__all__ = ["Bus", "connect", "missing", "provision", "provision_copy", "repair", "REPAIR_INTERVAL_S"]
+__all__ = ["Bus", "connect", "consumer_drift", "missing", "provision", "provision_copy", "repair",
+           "request_consumer_config", "served_models", "REPAIR_INTERVAL_S"]
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +177,8 @@ async def _ensure_stream(js: JetStreamContext, config: js_api.StreamConfig, sett
         log.error("stream is sealed", extra={"stream": config.name, "action": _SEALED_ACTION.format(config.name)})
         return
     config.num_replicas = replicas_to_keep(have.num_replicas or 1, config.num_replicas or 1, settings.replicas)
-    wanted = ("subjects", "max_age", "max_bytes", "duplicate_window", "allow_direct", "num_replicas")
+    wanted = ("subjects", "max_age", "max_bytes", "max_msgs_per_subject", "discard", "discard_new_per_subject",
+              "duplicate_window", "allow_direct", "num_replicas")
     if any(getattr(have, k) != getattr(config, k) for k in wanted if getattr(config, k) is not None):
         # Retention/storage can't change in place; the rest can (replicas included), so settings apply.
         await _update_stream(js, config, have.num_replicas or 1)
@@ -215,23 +220,92 @@ def _tokens_config(settings: Settings, subjects: list[str], replicas: int) -> js
     )
 
 
+def served_models(settings: Settings) -> list[str]:
+    """``TOKENPIPE_MODELS`` as a list (empty: any model, an open bus)."""
+    return [check_model_name(m.strip()) for m in settings.models.split(",") if m.strip()]
+
+
 def _requests_config(settings: Settings, replicas: int) -> js_api.StreamConfig:
+    models = served_models(settings)
     return js_api.StreamConfig(
         name=REQUESTS_STREAM,
-        subjects=[REQUEST_WILDCARD],
+        # Only the models served: a request for another one is stored nowhere (20 x 1 MB on
+        # tp.req.nomodel.<app>, which nobody consumes, were kept for a day).
+        subjects=[model_request_filter(m) for m in models] or [REQUEST_WILDCARD],
         retention=js_api.RetentionPolicy.WORK_QUEUE,
         storage=js_api.StorageType.FILE,
         max_age=settings.request_max_age_s,
+        # Bounded, refusing the newest (a queue must not drop a request it accepted): in all, and per
+        # model and owner (one subject), so one owner cannot take every place in the queue.
+        max_bytes=settings.request_max_bytes,
+        max_msgs_per_subject=settings.request_max_per_owner,
+        discard=js_api.DiscardPolicy.NEW,
+        discard_new_per_subject=settings.request_max_per_owner > 0,  # the server refuses it without a bound
         duplicate_window=min(120.0, settings.request_max_age_s),
         num_replicas=replicas,
     )
+
+
+def request_consumer_config(settings: Settings, model: str) -> js_api.ConsumerConfig:
+    """The durable pull consumer ``gen-<model>`` that every generator of ``model`` shares. Where
+    there are users only the admin creates and configures it (:func:`provision`, :func:`repair`);
+    a generator binds to it (a generator that could create it set ``max_ack_pending=1``: every
+    owner's first token then waited 4.5 s)."""
+    return js_api.ConsumerConfig(
+        # A name: nats-py then sends the filtered create form, which permissions can confine.
+        name=consumer_name(model),
+        durable_name=consumer_name(model),
+        filter_subject=model_request_filter(model),
+        ack_policy=js_api.AckPolicy.EXPLICIT,
+        # The same on one node and a cluster: a request redelivered while its holder still runs it
+        # (a leader election delayed its progress acks, a freeze) is safe, because the store takes
+        # appends from one writer only (tokenpipe.append).
+        ack_wait=settings.ack_wait_s,
+        max_deliver=settings.max_deliver,
+        max_ack_pending=-1,
+    )
+
+
+def consumer_drift(have: js_api.ConsumerConfig, want: js_api.ConsumerConfig) -> list[str]:
+    """What differs in ``have`` from ``want`` (a request consumer), one word each."""
+    out = []
+    if abs(float(have.ack_wait or 0) - float(want.ack_wait or 0)) > 1e-3:
+        out.append("ack_wait")
+    for key in ("max_deliver", "filter_subject", "ack_policy"):
+        if getattr(have, key) != getattr(want, key):
+            out.append(key)
+    if (have.max_ack_pending or -1) not in (-1, 0) and have.max_ack_pending != want.max_ack_pending:
+        out.append("max_ack_pending")  # the server reports its default (1000, or -1) for -1
+    return out
+
+
+async def _ensure_consumers(js: JetStreamContext, settings: Settings) -> list[str]:
+    """Create, or restore in place, the request consumer of each served model; what was wrong."""
+    fixed = []
+    for model in served_models(settings):
+        want = request_consumer_config(settings, model)
+        try:
+            drift = consumer_drift((await js.consumer_info(REQUESTS_STREAM, consumer_name(model))).config, want)
+        except NotFoundError:
+            drift = ["missing"]
+        if drift:
+            await js.add_consumer(REQUESTS_STREAM, want)  # create-or-update: same name, these fields
+            fixed.append(f"consumer {consumer_name(model)}: {', '.join(drift)}")
+    return fixed
 
 
 async def provision_copy(js: JetStreamContext, settings: Settings, owner: str, *, replicas: int = 1) -> None:
     """An app in its own account (tokenpipe.natsconfig): its ``TP_TOKENS`` there, which keeps the
     token batches imported from tokenpipe's account (``tp.tok.<owner>.>``) with the same retention."""
     try:
-        await _ensure_stream(js, _tokens_config(settings, [owner_tokens(owner)], replicas), settings)
+        config = _tokens_config(settings, [owner_tokens(owner)], replicas)
+        # Within the account's storage budget (tokenpipe.natsconfig.app_limits): a stream asking for more
+        # is refused, and one with no size cap would stop storing once the budget is full; capped at
+        # it, the oldest batches go first. Each replica counts against it.
+        budget = ((await js.account_info()).limits.max_storage or -1) // max(1, replicas)
+        if budget > 0 and not 0 < (config.max_bytes or -1) <= budget:
+            config.max_bytes = budget
+        await _ensure_stream(js, config, settings)
     except TransportError:
         raise
     except Exception as exc:  # nats.js.errors.* and timeouts; one translation point
@@ -239,11 +313,12 @@ async def provision_copy(js: JetStreamContext, settings: Settings, owner: str, *
 
 
 async def provision(js: JetStreamContext, settings: Settings, *, registry: bool = True, replicas: int = 1) -> None:
-    """Create or update the request/token streams and (``registry``: only the roles that may touch
-    it, tokenpipe.natsauth) the meta bucket, with ``replicas`` replicas (existing ones are scaled
-    up in place). Safe to race."""
+    """Create or update the request/token streams, the request consumer of each served model
+    (:func:`served_models`) and (``registry``: only the roles that may touch it, tokenpipe.natsauth)
+    the meta bucket, with ``replicas`` replicas (existing ones are scaled up in place). Safe to race."""
     try:
         await _ensure_stream(js, _requests_config(settings, replicas), settings)
+        await _ensure_consumers(js, settings)
         await _ensure_stream(js, _tokens_config(settings, [TOKEN_WILDCARD], replicas), settings)
         if not registry:
             return
@@ -293,7 +368,33 @@ async def missing(js: JetStreamContext, *, settings: Settings, registry: bool = 
             raise TransportError(f"cannot check JetStream streams: {exc}") from exc
         if name in wanted:
             gone.extend(_drift(info.config, wanted[name], limits))
+    if limits and REQUESTS_STREAM not in gone:
+        gone.extend(await _consumers_drift(js, settings))
     return gone
+
+
+async def _consumers_drift(js: JetStreamContext, settings: Settings) -> list[str]:
+    """The request consumers of the served models that are missing or reconfigured (the admin's)."""
+    out = []
+    for model in served_models(settings):
+        try:
+            have = (await js.consumer_info(REQUESTS_STREAM, consumer_name(model))).config
+        except NotFoundError:
+            out.append(f"consumer {consumer_name(model)} is missing (the admin re-creates it)")
+            continue
+        except Exception as exc:  # timeouts, no responders while JetStream recovers
+            raise TransportError(f"cannot check JetStream consumers: {exc}") from exc
+        drift = consumer_drift(have, request_consumer_config(settings, model))
+        if drift:
+            out.append(f"consumer {consumer_name(model)}: {', '.join(drift)} changed (the admin restores it)")
+    return out
+
+
+# Judged by the admin alone (``limits``): they follow its settings, which another process need not share
+# (the served models decide TP_REQUESTS' subjects).
+_ADMINS_KEYS = {REQUESTS_STREAM: ("subjects", "max_age", "max_bytes", "max_msgs_per_subject", "discard",
+                                  "discard_new_per_subject"),
+                TOKENS_STREAM: ("max_age", "max_bytes")}
 
 
 def _drift(have: js_api.StreamConfig, want: js_api.StreamConfig, limits: bool) -> list[str]:
@@ -302,7 +403,9 @@ def _drift(have: js_api.StreamConfig, want: js_api.StreamConfig, limits: bool) -
     if have.sealed:
         return [f"{name} is sealed. {_SEALED_ACTION.format(name)}"]
     out = []
-    for key in ("retention", "storage", "subjects", *(("max_age", "max_bytes") if limits else ())):
+    admins = _ADMINS_KEYS.get(name, ())
+    keys = ("retention", "storage", "subjects", *admins)
+    for key in dict.fromkeys(k for k in keys if limits or k not in admins):
         h, w = getattr(have, key), getattr(want, key)
         if w is not None and h != w and not (key == "max_bytes" and w in (-1, None) and h in (-1, None)):
             out.append(f"{name}: {key} is {h!r}, tokenpipe provisions {w!r} (the admin restores it)")

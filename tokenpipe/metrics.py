@@ -91,6 +91,7 @@ class RelayMetrics:
         self.batches = Counter("tokenpipe_relay_batches_forwarded", "Batches forwarded to clients", registry=r)
         self.errors = Counter("tokenpipe_errors", "Errors by kind", ["kind"], registry=r)
         self.dropped_batches = Counter("tokenpipe_dropped_batches", "Token messages a reader dropped: "
-                                       "undecodable, or naming another stream (wrong_stream)", ["reason"], registry=r)
+                                       "undecodable, naming another stream (wrong_stream), or written for another "
+                                       "owner's (wrong_owner)", ["reason"], registry=r)
         self.waiting = Gauge("tokenpipe_num_requests_waiting", "Requests queued in JetStream (consumer lag)",
                              ["model_name"], registry=r)

@@ -4,8 +4,8 @@ The permission table is data (:func:`permissions`), rendered by :mod:`tokenpipe.
 
 Roles: ``relay`` (publishes requests and cancels as owner ``relay``, reads its own token
 streams, the only reader/writer of the ``tp_streams`` registry), ``generator`` (pulls its
-model's work queue, publishes any owner's tokens, hears cancels), ``admin`` (the CLI's
-``streams``/``replay``/``tail``; everything, deleting streams included) and one
+model's work queue through the consumer the admin made, publishes any owner's tokens, hears
+cancels), ``admin`` (the CLI's ``streams``/``replay``/``tail``; everything, deleting streams included) and one
 ``app-<name>`` per application using the producer SDK directly (its own requests, cancels
 and token streams only).
 
@@ -46,6 +46,7 @@ from .subjects import (
 )
 
 __all__ = [
+    "RESERVED_APP_NAMES",
     "ROLES",
     "TLSFiles",
     "Credential",
@@ -53,6 +54,7 @@ __all__ = [
     "Permissions",
     "add_app",
     "app_user",
+    "check_app_name",
     "connect_options",
     "ensure_credentials",
     "identity",
@@ -64,6 +66,10 @@ __all__ = [
 ]
 
 ROLES = ("relay", "generator", "admin", "app")
+# Names an application may not take: an app named "relay" was the owner of every HTTP stream (its
+# account imported their live tokens and their cancel service: it read and cancelled them); the
+# role names and "tokenpipe" (the roles' account) would read as tokenpipe's own users.
+RESERVED_APP_NAMES = frozenset({RELAY_OWNER, *ROLES, "tokenpipe"})
 _JS = "$JS.API"
 _NEVER = (f"{_JS}.STREAM.DELETE.>", f"{_JS}.STREAM.PURGE.>")  # only the admin removes data
 
@@ -120,7 +126,11 @@ def permissions(role: str, app: str | None = None) -> Permissions:
     if role == "relay":
         mine = owner_tokens(RELAY_OWNER)
         return Permissions(
+            # Its answer to another relay's "who reads this stream?" goes to that relay's inbox, which
+            # is named here: with ``allow_responses`` it could answer a question it asked itself with
+            # any reply subject, and planted its own text as alice's next stream (tp.live.alice.<id>).
             publish_allow=(f"tp.req.*.{RELAY_OWNER}", f"tp.cancel.{RELAY_OWNER}.>", DISCOVER_SUBJECT, READERS_WILDCARD,
+                           f"{inbox_prefix('relay')}.>",
                            f"$KV.{META_BUCKET}.>", f"{_JS}.INFO",
                            *_look(REQUESTS_STREAM, TOKENS_STREAM, META_STREAM),
                            f"{_JS}.CONSUMER.INFO.{REQUESTS_STREAM}.*",
@@ -130,14 +140,13 @@ def permissions(role: str, app: str | None = None) -> Permissions:
             subscribe_allow=(f"{inbox_prefix('relay')}.>", f"tp.live.{RELAY_OWNER}.>", f"{ANNOUNCE_PREFIX}.>",
                              READERS_WILDCARD),
             publish_deny=(TOKEN_WILDCARD, LIVE_WILDCARD, *_NEVER),
-            allow_responses=True,  # answers another relay's "who reads this stream?" on its inbox
         )
     if role == "generator":
         return Permissions(
             publish_allow=(TOKEN_WILDCARD, LIVE_WILDCARD, f"{ANNOUNCE_PREFIX}.>", f"{_JS}.INFO",
                            *_look(REQUESTS_STREAM, TOKENS_STREAM),
+                           # Binds the admin's request consumer; never creates or configures it.
                            f"{_JS}.CONSUMER.INFO.{REQUESTS_STREAM}.*",
-                           f"{_JS}.CONSUMER.CREATE.{REQUESTS_STREAM}.*.tp.req.*.>",
                            f"{_JS}.CONSUMER.MSG.NEXT.{REQUESTS_STREAM}.*", f"$JS.ACK.{REQUESTS_STREAM}.>",
                            f"{_JS}.STREAM.MSG.GET.{REQUESTS_STREAM}", f"{_JS}.STREAM.MSG.DELETE.{REQUESTS_STREAM}",
                            *_read_tokens(TOKEN_WILDCARD)),
@@ -145,7 +154,6 @@ def permissions(role: str, app: str | None = None) -> Permissions:
                              f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{REQUESTS_STREAM}.*"),
             publish_deny=(REQUEST_WILDCARD, CANCEL_WILDCARD, "$KV.>", *_NEVER),
             subscribe_deny=(TOKEN_WILDCARD, LIVE_WILDCARD),
-            allow_responses=True,  # answers a relay's discovery request on the relay's inbox
         )
     if role == "admin":
         return Permissions(publish_allow=(">",), subscribe_allow=(">",))
@@ -227,9 +235,20 @@ def ensure_credentials(creds_dir: str | os.PathLike[str]) -> dict[str, Credentia
     return {cred.user: cred for cred in creds}
 
 
+def check_app_name(name: str) -> str:
+    """``name`` if an application may have it; :class:`ConfigError` for a reserved one (compared
+    without case: ``Relay`` reads as the relay too) or one that is no valid owner."""
+    check_owner(name)
+    if name.lower() in RESERVED_APP_NAMES:
+        raise ConfigError(f"{name!r} is reserved for tokenpipe's own roles and streams; choose another "
+                          f"application name (reserved: {', '.join(sorted(RESERVED_APP_NAMES))})", param="name")
+    return name
+
+
 def add_app(creds_dir: str | os.PathLike[str], name: str) -> Path:
-    """Create (or keep) application ``name``'s credentials file; its path."""
-    return _ensure(_creds_dir(creds_dir), app_user(name), name)
+    """Create (or keep) application ``name``'s credentials file; its path. A reserved name
+    (:data:`RESERVED_APP_NAMES`) raises :class:`ConfigError`."""
+    return _ensure(_creds_dir(creds_dir), app_user(check_app_name(name)), name)
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,9 @@ own account. Layout:
 - ``APP_<app>``: one per application (``tokenpipe creds add-app``), with JetStream of its own: the
   imported tokens arrive as ``tp.tok.<app>.>`` (the import maps the subject) and are kept there in
   the app's own ``TP_TOKENS`` (same retention), which is where the SDK reads history and live
-  batches from. Nothing the app does with JetStream reaches tokenpipe's account: it has no import
+  batches from. Bounded (:func:`app_limits`): one stream, file storage, consumers and connections
+  as the settings say, so that no application can fill the server's store or its connection table.
+  Nothing the app does with JetStream reaches tokenpipe's account: it has no import
   of tokenpipe's JetStream API at all (a consumer created across accounts could be given a deliver
   subject in tokenpipe's account).
 """
@@ -34,7 +36,17 @@ from typing import Any
 
 import bcrypt
 
-from .natsauth import Credential, TLSFiles, app_user, ensure_credentials, permissions, write_private
+from .errors import ConfigError
+from .natsauth import (
+    RESERVED_APP_NAMES,
+    Credential,
+    TLSFiles,
+    app_user,
+    ensure_credentials,
+    permissions,
+    write_private,
+)
+from .settings import Settings
 from .subjects import check_owner, owner_tokens
 
 __all__ = [
@@ -42,6 +54,7 @@ __all__ = [
     "account_name",
     "account_table",
     "accounts",
+    "app_limits",
     "chart_accounts",
     "password_env",
     "permission_table",
@@ -75,6 +88,17 @@ def _imports(app: str) -> list[dict[str, Any]]:
             {"stream": {"account": src, "subject": f"tp.live.{app}.>"}, "to": owner_tokens(app)}]
 
 
+def app_limits(settings: Settings) -> dict[str, Any]:
+    """An application account's bounds, as nats-server's account ``jetstream`` and ``limits`` blocks.
+    Unbounded, one app reserved 52 GiB for its token stream (``max_bytes``) and the next app's
+    connect failed ("insufficient storage resources"); and it could open connections without end."""
+    return {"jetstream": {"max_mem": 0,  # memory streams: none (its ordered consumers are not streams)
+                          "max_file": settings.app_max_store_bytes,
+                          "max_streams": 1,  # its TP_TOKENS; its permissions name no other
+                          "max_consumers": settings.app_max_consumers},
+            "limits": {"max_connections": settings.app_max_connections}}
+
+
 def _user(cred: Credential, password: str | None) -> dict[str, Any]:
     perms = permissions(cred.role, cred.owner if cred.role == "app" else None)
     pw = password if password is not None else bcrypt.hashpw(cred.password.encode(),
@@ -82,13 +106,21 @@ def _user(cred: Credential, password: str | None) -> dict[str, Any]:
     return {"user": cred.user, "password": pw, "permissions": perms.as_config()}
 
 
-def accounts(creds: dict[str, Credential], *, passwords: dict[str, str] | None = None) -> dict[str, Any]:
+def accounts(creds: dict[str, Credential], *, passwords: dict[str, str] | None = None,
+             settings: Settings | None = None) -> dict[str, Any]:
     """nats-server's ``accounts`` block for ``creds`` (by user): tokenpipe's roles in
-    :data:`TOKENPIPE_ACCOUNT`, each app in its own. Passwords are bcrypt hashes unless
-    ``passwords`` gives a user's value (the Helm chart's environment references)."""
+    :data:`TOKENPIPE_ACCOUNT`, each app in its own, bounded by ``settings`` (default: the
+    defaults; :func:`app_limits`). Passwords are bcrypt hashes unless ``passwords`` gives a user's
+    value (the Helm chart's environment references). An app with a reserved name (a credentials
+    file written before names were checked) raises :class:`ConfigError`."""
     pw = passwords or {}
+    bounds = app_limits(settings or Settings.load(env={}))
     roles = [c for c in creds.values() if c.role != "app"]
     apps = sorted((c for c in creds.values() if c.role == "app"), key=lambda c: c.owner)
+    for c in apps:
+        if c.owner.lower() in RESERVED_APP_NAMES:
+            raise ConfigError(f"the credentials of application {c.owner!r} ({c.user}.json) use a reserved name: "
+                              "remove the file and add the application under another name")
     out: dict[str, Any] = {TOKENPIPE_ACCOUNT: {
         "jetstream": "enabled",
         "users": [_user(c, pw.get(c.user)) for c in roles],
@@ -96,8 +128,8 @@ def accounts(creds: dict[str, Credential], *, passwords: dict[str, str] | None =
     }}
     for c in apps:
         out[account_name(c.owner)] = {
-            # The app's own copy of its tokens (TP_TOKENS, one stream): JetStream for it alone.
-            "jetstream": "enabled",
+            # The app's own copy of its tokens (TP_TOKENS, one stream): JetStream for it alone, bounded.
+            **bounds,
             "users": [_user(c, pw.get(c.user))],
             "imports": _imports(c.owner),
         }
@@ -132,12 +164,13 @@ def server_config(creds: dict[str, Credential] | None, tls: TLSFiles | None = No
 
 
 def write_server_config(path: str | os.PathLike[str], creds_dir: str | os.PathLike[str],
-                        tls: TLSFiles | None = None) -> Path:
+                        tls: TLSFiles | None = None, settings: Settings | None = None) -> Path:
     """Create the credentials that are missing in ``creds_dir`` (first start), write the accounts
     (bcrypt hashes) into ``creds_dir``/accounts.conf and nats-server's configuration including
     it at ``path`` (both 0600): authorization on, no anonymous user. ``tokenpipe creds add-app``
-    rewrites only accounts.conf and asks the running servers to reload it."""
-    accounts_file = write_accounts(creds_dir)
+    rewrites only accounts.conf and asks the running servers to reload it. ``settings``: the
+    applications' bounds (:func:`app_limits`; default: the defaults)."""
+    accounts_file = write_accounts(creds_dir, settings)
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     # nats-server resolves an include against the including file's directory, absolute or not.
@@ -146,11 +179,12 @@ def write_server_config(path: str | os.PathLike[str], creds_dir: str | os.PathLi
     return out
 
 
-def write_accounts(creds_dir: str | os.PathLike[str]) -> Path:
-    """(Re)write ``creds_dir``/accounts.conf from the credentials there; its path."""
+def write_accounts(creds_dir: str | os.PathLike[str], settings: Settings | None = None) -> Path:
+    """(Re)write ``creds_dir``/accounts.conf from the credentials there (the apps bounded by
+    ``settings``); its path."""
     creds = ensure_credentials(creds_dir)
     path = Path(creds_dir) / ACCOUNTS_FILE
-    write_private(path, f"accounts {_conf_value(accounts(creds))}\n")
+    write_private(path, f"accounts {_conf_value(accounts(creds, settings=settings))}\n")
     return path
 
 

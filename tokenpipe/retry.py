@@ -24,7 +24,7 @@ import nats.js.errors
 
 from .errors import TransportError, WireFormatError
 
-__all__ = ["ELECTIONS", "PATIENCE", "Backoff", "Retry", "retrying", "through_elections", "transient"]
+__all__ = ["ELECTIONS", "PATIENCE", "Backoff", "Retry", "queue_full", "retrying", "through_elections", "transient"]
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ _TRANSIENT: tuple[type[BaseException], ...] = (
 
 def transient(exc: BaseException) -> bool:
     """Whether ``exc`` means "not now" (worth another try) rather than "no"."""
-    if isinstance(exc, WireFormatError):
+    if isinstance(exc, WireFormatError) or queue_full(exc):  # a bound of TP_REQUESTS: refused again on a retry
         return False
     if isinstance(exc, _TRANSIENT):
         return True
@@ -55,6 +55,13 @@ def transient(exc: BaseException) -> bool:
     # (Some subclasses, KeyNotFoundError among them, never set code or description.)
     code, description = getattr(exc, "code", None), getattr(exc, "description", None) or ""
     return code == 503 or (code == 409 and "in process" in description)
+
+
+def queue_full(exc: BaseException) -> bool:
+    """Whether ``exc`` is JetStream refusing a message at a stream's bound (discard new: the
+    request queue's size, or one owner's share of it), which nats-server answers with a 503."""
+    description = str(getattr(exc, "description", None) or "")
+    return isinstance(exc, nats.js.errors.APIError) and description.startswith("maximum ")
 
 
 class Backoff:

@@ -76,7 +76,27 @@ class Settings:
     token_max_bytes: int = _setting(
         -1, "size cap of all token streams together, oldest batches dropped first (-1: none)")
     request_max_age_s: float = _setting(
-        24 * 3600.0, "how long a queued request waits for a generator before JetStream drops it")
+        600.0, "how long a queued request waits for a generator before JetStream drops it (a queue, not an "
+               "archive: a client has long given up on a request older than this)")
+    request_max_bytes: int = _setting(
+        1 << 30, "size cap of the request queue (`TP_REQUESTS`) for all models and owners together; a request "
+                 "beyond it is refused, never an older one dropped", shown="1073741824 (1 GiB)")
+    request_max_per_owner: int = _setting(
+        4096, "requests one owner (an application, or the relay for every HTTP client) may have queued or running "
+              "per model (`tp.req.<model>.<owner>`); one more is refused (429 at the relay, `Overloaded` in the SDK). "
+              "Keep it above the requests running at once (generators × `TOKENPIPE_MAX_BATCH`) plus "
+              "`TOKENPIPE_MAX_QUEUE_DEPTH`; -1: no bound")
+    models: str = _setting(
+        "", "the models served, comma-separated (the admin's provisioner; empty: `TOKENPIPE_MODEL`): `TP_REQUESTS` "
+            "takes requests for these only (one for any other model is stored nowhere), and the admin makes each "
+            "one's generator consumer, which generators only bind to (on an open bus, with no admin: any model, "
+            "each generator makes its own consumer)")
+    app_max_store_bytes: int = _setting(
+        1 << 30, "JetStream file storage one application's account may use (its copy of its token streams; a "
+                 "stream asking for more is refused)", shown="1073741824 (1 GiB)")
+    app_max_consumers: int = _setting(
+        1024, "JetStream consumers one application's account may hold (each reader of a stream holds one)")
+    app_max_connections: int = _setting(64, "NATS connections one application's account may hold at once")
     # generator
     model: str = _setting("smollm2-135m", "model served (generator) / default model (relay): `smollm2-135m`, "
                                           "`tiny-random`, `llama-1b-random` (random weights, for benchmarks), or the "

@@ -9,7 +9,7 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Mapping
 from typing import Any
 
 import nats.errors
@@ -18,9 +18,9 @@ from nats.js.errors import KeyNotFoundError, NotFoundError
 
 from . import streamindex
 from .bus import Bus
-from .errors import StreamNotFound, TransportError, WireFormatError
+from .errors import Overloaded, StreamNotFound, TransportError, WireFormatError
 from .reorder import Gap, Reorder
-from .retry import ELECTIONS, Retry, retrying, through_elections
+from .retry import ELECTIONS, Retry, queue_full, retrying, through_elections
 from .subjects import (
     RELAY_OWNER,
     REQUESTS_STREAM,
@@ -68,9 +68,10 @@ async def submit(bus: Bus, request: Request, headers: dict[str, str] | None = No
     """Record ownership (streams made in the relay's namespace) and enqueue as ``bus.owner``;
     the ownership record is returned. Both writes are idempotent (same value; same
     ``Nats-Msg-Id``), so they are tried again together under ``retry`` while NATS is away (a
-    stream between leaders, a server restarting). Raises :class:`TransportError` when it gives
-    up, after cancelling the request (it may be enqueued without an owner record: nobody could
-    read it)."""
+    stream between leaders, a server restarting). Raises :class:`Overloaded` when the queue is at
+    one of its bounds (its size, or this owner's share of it per model), :class:`TransportError`
+    when it gives up, in both cases after cancelling the request (it may be enqueued without an
+    owner record: nobody could read it)."""
     meta = StreamMeta(request.id, request.tenant, request.model, request.created_at or time.time_ns())
     hdrs = dict(headers or {})
     hdrs["Nats-Msg-Id"] = bus.msg_id(request.id)  # unique per owner, and no other owner can forge it
@@ -97,27 +98,51 @@ async def submit(bus: Bus, request: Request, headers: dict[str, str] | None = No
     except Exception as exc:
         if bus.nc.is_connected:
             await cancel(bus, request.id)
+        if queue_full(exc):
+            raise Overloaded(f"the request queue is full ({getattr(exc, 'description', exc)})",
+                             retry_after=5) from exc
         if isinstance(exc, TimeoutError):
             raise TransportError("could not enqueue request: NATS did not answer in time") from exc
         raise TransportError(f"could not enqueue request: {exc or type(exc).__name__}") from exc
     return meta
 
 
-def batch_of(bus: Bus, data: bytes, stream_id: str) -> TokenBatch | None:
+def batch_of(bus: Bus, data: bytes, stream_id: str, headers: Mapping[str, str] | None = None,
+             owner: str | None = None) -> TokenBatch | None:
     """``data`` as a batch of ``stream_id``, or None (logged, and counted through
     ``bus.on_dropped_batch``) when it does not decode or names another stream: whoever managed to
-    store or send it there, a reader never shows it as this stream's."""
+    store or send it there, a reader never shows it as this stream's.
+
+    ``headers`` (the message's) with ``owner`` (whose stream it is read as, default ``bus.owner``):
+    also dropped when they show that the batch was written for another owner's stream. Every
+    writer's ``Nats-Msg-Id`` is ``<owner>:<id>:…``, and a server that republishes a stored message (a
+    direct get's answer, a consumer's delivery) keeps it and adds ``Nats-Subject``: the relay had a
+    direct get of its own stream ``job-77`` answered onto ``tp.live.alice.job-77``, and alice's
+    stream of that id showed the relay's text, live and in replay."""
     try:
         batch = TokenBatch.decode(data)
     except WireFormatError as exc:
         reason, detail = "undecodable", exc.message
     else:
-        if batch.id == stream_id:
+        foreign = _foreign(headers or {}, owner or bus.owner, stream_id)
+        if batch.id == stream_id and foreign is None:
             return batch
-        reason, detail = "wrong_stream", f"the batch names stream {batch.id!r}"
+        reason, detail = (("wrong_stream", f"the batch names stream {batch.id!r}") if batch.id != stream_id
+                          else ("wrong_owner", str(foreign)))
     log.warning("token message dropped", extra={"request_id": stream_id, "reason": reason, "error": detail})
     for hook in bus.on_dropped_batch:
         hook(reason)
+    return None
+
+
+def _foreign(headers: Mapping[str, str], owner: str, stream_id: str) -> str | None:
+    """Why ``headers`` show a message written for another stream than ``owner``'s ``stream_id``, or None."""
+    msg_id = headers.get("Nats-Msg-Id")
+    if msg_id is not None and not msg_id.startswith(f"{owner}:{stream_id}:"):
+        return f"written as {msg_id!r}"
+    subject = headers.get("Nats-Subject")  # a republished stored message: where it was stored
+    if subject is not None and subject != token_subject(owner, stream_id):
+        return f"stored on {subject!r}"
     return None
 
 
@@ -154,7 +179,7 @@ async def last_stored(bus: Bus, stream_id: str, *,
         return None
     except Exception as exc:
         raise TransportError(f"could not read stream history: {exc}") from exc
-    batch = batch_of(bus, raw.data or b"", stream_id)
+    batch = batch_of(bus, raw.data or b"", stream_id, raw.headers, owner)
     if batch is None:
         raise WireFormatError(f"the last message stored for stream {stream_id!r} is no batch of it")
     return batch, dict(raw.headers or {})
@@ -246,7 +271,8 @@ async def stored_at(bus: Bus, stream_id: str, *, owner: str | None = None
             msg = await sub.next_msg(timeout=5.0)
             read += 1
             last = max(last, msg.metadata.sequence.stream)
-            batch = batch_of(bus, msg.data, stream_id)  # not a batch of it (nobody's to fix): skipped
+            # Not a batch of it (nobody's to fix): skipped.
+            batch = batch_of(bus, msg.data, stream_id, msg.headers, owner)
             if batch is not None:
                 by_seq.setdefault(batch.seq, (batch, dict(msg.headers or {})))
             if msg.metadata.num_pending == 0:
@@ -283,7 +309,7 @@ async def first_stored(bus: Bus, stream_id: str, *, owner: str | None = None) ->
     try:
         while True:
             msg = await sub.next_msg(timeout=_COUNT_TIMEOUT_S)
-            batch = batch_of(bus, msg.data, stream_id)
+            batch = batch_of(bus, msg.data, stream_id, msg.headers, owner)
             if batch is not None:
                 return batch
     except nats.errors.TimeoutError:
@@ -340,7 +366,7 @@ async def follow(bus: Bus, stream_id: str, *, after_seq: int = -1) -> AsyncGener
                     yield PING
                     continue
             else:
-                batch = batch_of(bus, msg.data, stream_id)
+                batch = batch_of(bus, msg.data, stream_id, msg.headers)
                 if batch is None:
                     continue
                 if oldest is None or batch.seq < oldest.seq:

@@ -210,7 +210,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         data_dir = Path(Settings.load().data_dir)
         creds_dir = Path(args.creds_dir) if args.creds_dir else data_dir / "creds"
         print(add_app(creds_dir, args.name))
-        write_accounts(creds_dir)  # the file the running servers' configuration includes
+        write_accounts(creds_dir, Settings.load())  # the file the running servers' configuration includes
         pids = reload_servers(data_dir)
         print(f"nats-server reloaded ({len(pids)} running): the account is live" if pids else
               "no running nats-server found under the data dir: the account is live at its next start",
@@ -270,7 +270,8 @@ def _nats_config(args: argparse.Namespace, data: str) -> Path | None:
     tls = TLSFiles(args.tls_cert, args.tls_key, args.tls_ca or "", args.tls_verify) if args.tls_cert else None
     path = Path(data) / "nats-server.conf"
     if args.auth:
-        return write_server_config(path, args.creds_dir or Path(Settings.load().data_dir) / "creds", tls)
+        settings = Settings.load()
+        return write_server_config(path, args.creds_dir or Path(settings.data_dir) / "creds", tls, settings)
     if tls is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(server_config(None, tls))

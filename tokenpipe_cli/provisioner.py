@@ -4,7 +4,8 @@ Only the admin identity may create or configure streams (tokenpipe.natsauth): ``
 (and ``tokenpipe nats --auth``) run one of these next to nats-server, in a thread with its own
 event loop. It provisions before the roles start, then checks every
 :data:`~tokenpipe.bus.REPAIR_INTERVAL_S` seconds and re-creates or restores whatever was deleted
-or reconfigured (a sealed stream cannot be restored: it logs what the admin must do).
+or reconfigured, the request consumers of the served models included (a sealed stream cannot be
+restored: it logs what the admin must do).
 """
 
 from __future__ import annotations
@@ -31,7 +32,10 @@ class Provisioner:
     def __init__(self, settings: Settings, nats_url: str | None = None, admin_creds: str | Path | None = None) -> None:
         """``admin_creds`` None: ``settings``' own credentials (``TOKENPIPE_NATS_USER=admin`` and its
         password: the Helm chart's provisioner)."""
-        self.settings = settings.replace(nats_url=nats_url or settings.nats_url, app_name="")
+        # The admin makes each served model's request consumer, and TP_REQUESTS takes only their
+        # requests: TOKENPIPE_MODELS, else the one model of these settings (tokenpipe up's).
+        self.settings = settings.replace(nats_url=nats_url or settings.nats_url, app_name="",
+                                         models=settings.models or settings.model)
         if admin_creds is not None:
             self.settings = self.settings.replace(nats_creds=str(admin_creds), nats_user="")
         self._thread: threading.Thread | None = None

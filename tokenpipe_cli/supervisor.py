@@ -82,7 +82,7 @@ class Supervisor:
         # Authorization on, even on loopback: every role gets its own user (tokenpipe.natsauth);
         # the nodes of a local cluster share one configuration (the same users everywhere).
         data = Path(self.settings.data_dir)
-        conf = write_server_config(data / "nats" / "nats-server.conf", data / "creds")
+        conf = write_server_config(data / "nats" / "nats-server.conf", data / "creds", settings=self.settings)
         if self.nats_cluster > 1:
             cluster = self.nats = LocalCluster(data / "nats-cluster", self.nats_cluster, first_port=port,
                                                config_file=conf)

@@ -79,8 +79,11 @@ class Announcer:
         await self.bus.nc.publish(f"{ANNOUNCE_PREFIX}.{self.worker_id}", self.announcement(ready).encode())
 
     async def _on_discover(self, msg: Msg) -> None:
-        if msg.reply:
-            await self.bus.nc.publish(msg.reply, self.announcement().encode())
+        """A relay asks for a round now: announced on the announce subject every relay hears, not
+        onto the question's reply subject, which whoever asks chooses (with ``allow_responses`` the
+        relay's credential could have had a generator publish onto any subject)."""
+        if not self._stopping.is_set():
+            await self.announce()
 
     async def _run(self) -> None:
         while await pause(self._stopping, self.settings.announce_interval_s):

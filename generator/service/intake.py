@@ -18,11 +18,10 @@ from typing import TypeVar
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
-from nats.js import api as js_api
 from nats.js.errors import NotFoundError
 
 from tokenpipe.append import LiveCopies, StreamLost, append_once
-from tokenpipe.bus import Bus
+from tokenpipe.bus import REPAIR_INTERVAL_S, Bus, consumer_drift, request_consumer_config
 from tokenpipe.errors import GenerationError, TokenpipeError, TransportError
 from tokenpipe.retry import PATIENCE, retrying, through_elections
 from tokenpipe.settings import Settings
@@ -48,49 +47,50 @@ class RequestIntake:
         self._psub: JetStreamContext.PullSubscription | None = None
         self._advisories: Subscription | None = None
 
-    def _consumer_config(self) -> js_api.ConsumerConfig:
-        return js_api.ConsumerConfig(
-            # A name: nats-py then sends the filtered create form, which permissions can confine.
-            name=consumer_name(self.model),
-            durable_name=consumer_name(self.model),
-            filter_subject=model_request_filter(self.model),
-            ack_policy=js_api.AckPolicy.EXPLICIT,
-            # The same on one node and a cluster: a request redelivered while its holder still runs it
-            # (a leader election delayed its progress acks, a freeze) is safe, because the store takes
-            # appends from one writer only (tokenpipe.append).
-            ack_wait=self.settings.ack_wait_s,
-            max_deliver=self.settings.max_deliver,
-            max_ack_pending=-1,
-        )
-
     async def _update_consumer(self) -> None:
-        """An existing durable keeps the ``ack_wait``/``max_deliver`` it was created with (nats-py's
-        pull_subscribe only binds to it): bring them to this worker's settings, in place."""
-        config = self._consumer_config()
+        """On an open bus (this generator provisions) an existing durable keeps the
+        ``ack_wait``/``max_deliver`` it was created with (nats-py's pull_subscribe only binds to it):
+        bring them to this worker's settings, in place."""
+        config = request_consumer_config(self.settings, self.model)
         try:
             info = await self.bus.js.consumer_info(REQUESTS_STREAM, consumer_name(self.model))
         except NotFoundError:
             return  # pull_subscribe creates it
-        have = info.config
-        # A consumer made before requests carried their owner filters ``tp.req.<model>``: it would match
-        # nothing now, so its filter moves to ``tp.req.<model>.>`` too (its queue is kept).
-        if (abs(float(have.ack_wait or 0) - self.settings.ack_wait_s) > 1e-3 or have.max_deliver != config.max_deliver
-                or have.filter_subject != config.filter_subject):
+        drift = consumer_drift(info.config, config)
+        if drift:
             await self.bus.js.add_consumer(REQUESTS_STREAM, config)  # create-or-update: same name, new fields
             log.info("request consumer updated", extra={"consumer": consumer_name(self.model),
-                                                         "ack_wait_s": self.settings.ack_wait_s,
-                                                         "was_ack_wait_s": have.ack_wait})
+                                                         "changed": ", ".join(drift)})
+
+    async def _bind(self) -> JetStreamContext.PullSubscription:
+        """Where there are users the consumer is the admin's (tokenpipe.bus.provision): bind to it,
+        never create or change it. Missing (the admin not yet there, or this model not among the
+        ones it serves, ``TOKENPIPE_MODELS``) is said, and asked again."""
+        name = consumer_name(self.model)
+        while True:
+            try:
+                await self.bus.js.consumer_info(REQUESTS_STREAM, name)
+            except NotFoundError:
+                log.error("the request consumer does not exist; the admin creates it for the models in "
+                          "TOKENPIPE_MODELS (else TOKENPIPE_MODEL) of its provisioner",
+                          extra={"consumer": name, "model": self.model})
+                await asyncio.sleep(REPAIR_INTERVAL_S)  # the admin's next repair round; nothing to wait on
+                continue
+            return await self.bus.js.pull_subscribe_bind(durable=name, stream=REQUESTS_STREAM)
 
     async def subscribe(self) -> None:
-        """Bind the model's durable consumer (creating or updating it). Tried again while JetStream does
-        not answer (a cluster still electing its leaders at start): a generator exited on it before."""
-        await through_elections(self._update_consumer)
-        self._psub = await through_elections(lambda: self.bus.js.pull_subscribe(
-            model_request_filter(self.model),
-            durable=consumer_name(self.model),
-            stream=REQUESTS_STREAM,
-            config=self._consumer_config(),
-        ))
+        """Bind the model's durable consumer (on an open bus: creating or updating it). Tried again while
+        JetStream does not answer (a cluster still electing its leaders at start): a generator exited on it before."""
+        if self.bus.provisions:
+            await through_elections(self._update_consumer)
+            self._psub = await through_elections(lambda: self.bus.js.pull_subscribe(
+                model_request_filter(self.model),
+                durable=consumer_name(self.model),
+                stream=REQUESTS_STREAM,
+                config=request_consumer_config(self.settings, self.model),
+            ))
+        else:
+            self._psub = await through_elections(self._bind)
         # One worker per model (queue group) reports requests that ran out of delivery attempts.
         self._advisories = await self.bus.nc.subscribe(
             f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{REQUESTS_STREAM}.{consumer_name(self.model)}",
