@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -28,9 +29,10 @@ from nats.js import api as js_api
 
 from producer import Producer
 from tokenpipe.bus import Bus, connect
+from tokenpipe.errors import GenerationError
 from tokenpipe.natsauth import load_credential
 from tokenpipe.settings import Settings
-from tokenpipe.streams import history
+from tokenpipe.streams import cancel, history
 from tokenpipe.subjects import META_BUCKET, TOKENS_STREAM
 from tokenpipe.wire import Request
 from tokenpipe_cli.upprocess import UpProcess
@@ -344,6 +346,59 @@ async def test_the_servers_configuration_holds_hashes_not_passwords(up: UpProces
     for path in (up.data / "creds").glob("*.json"):
         assert load_credential(path).password not in conf, path.name
     assert conf.count('"password": "$2') == len(list((up.data / "creds").glob("*.json")))
+
+
+# -- ids owned by (owner, id) (issue 48) ---------------------------------------------------------------
+
+async def test_a_stream_id_another_app_is_running_does_not_refuse_the_owners_request(up: UpProcess,
+                                                                                      admin: Bus) -> None:
+    """Mallory runs `job-42`; alice's own `job-42` was refused ("a stream id that is taken", logged
+    only) and she got nothing, no batch, no error."""
+    chosen = f"job-{secrets.token_hex(4)}"
+    async with await Producer.connect(settings=settings_for(up, "app-mallory")) as m:
+        squat = await m.submit(MODEL, prompt="squat", max_tokens=2000, temperature=0, ignore_eos=True,
+                               request_id=chosen)
+        batches = squat.__aiter__()
+        await anext(batches)  # hers runs: the generator holds `chosen` for mallory now
+        assert await asyncio.wait_for(alice_stream(up, admin, chosen), 30) == chosen
+        await squat.cancel()
+        rest = [b async for b in batches]
+    assert rest[-1].finish == "cancelled"  # still running all through alice's stream
+
+
+async def test_a_flood_of_another_apps_cancels_does_not_erase_the_owners_pending_cancel(up: UpProcess) -> None:
+    """10,100 cancels of mallory's own ids erased alice's cancel (remembered for her request still
+    to come): the memory was the last 10,000 cancels of all owners together."""
+    rid = f"queued-{secrets.token_hex(4)}"
+    async with (await Producer.connect(settings=settings_for(up, "app-alice")) as a,
+                await Producer.connect(settings=settings_for(up, "app-mallory")) as m):
+        await a.cancel(rid)  # before her request: remembered until it comes
+        await a.bus.nc.flush()
+        last = await m.submit(MODEL, prompt="flood", max_tokens=2000, temperature=0, ignore_eos=True)
+        batches = last.__aiter__()
+        await anext(batches)
+        for i in range(10_100):
+            await cancel(m.bus, f"flood-{i}")
+        await m.cancel(last.id)  # the flood's last: once it took effect, the generator has seen them all
+        assert [b async for b in batches][-1].finish == "cancelled"
+        handle = await a.submit(MODEL, prompt="Hi", max_tokens=40, temperature=0, ignore_eos=True, request_id=rid)
+        result = await asyncio.wait_for(handle.result(), 30)
+    assert (result.finish, result.token_ids) == ("cancelled", [])
+
+
+async def test_a_huge_prompt_on_the_bus_is_refused_before_tokenizing_with_an_error_batch(up: UpProcess) -> None:
+    """~950 KB prompts were tokenized on the engine thread (every stream waited); now a prompt over
+    `TOKENPIPE_MAX_PROMPT_CHARS` ends its stream with an error batch and is never tokenized, and the
+    relay answers 400 with an OpenAI-style error for it."""
+    huge = "lorem ipsum dolor sit amet " * 36_000  # 972,000 characters
+    async with await Producer.connect(settings=settings_for(up, "app-mallory")) as m:
+        handle = await m.submit(MODEL, prompt=huge, max_tokens=4)
+        with pytest.raises(GenerationError, match="the prompt exceeds 200000 characters"):
+            await asyncio.wait_for(handle.result(), 30)
+        async with httpx.AsyncClient(base_url=up.url, timeout=30) as http:
+            r = await http.post("/v1/completions", json={"model": MODEL, "prompt": huge[:300_000], "max_tokens": 4})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["type"] == "invalid_request_error" and r.json()["error"]["param"] == "prompt"
 
 
 async def test_a_sealed_token_store_is_reported_and_the_relay_survives_a_restart(up: UpProcess, admin: Bus) -> None:
