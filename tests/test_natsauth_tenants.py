@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgpack
 import pytest
 from nats.aio.client import Client as NATS
 from nats.js import api as js_api
@@ -385,6 +386,17 @@ async def test_a_flood_of_another_apps_cancels_does_not_erase_the_owners_pending
         handle = await a.submit(MODEL, prompt="Hi", max_tokens=40, temperature=0, ignore_eos=True, request_id=rid)
         result = await asyncio.wait_for(handle.result(), 30)
     assert (result.finish, result.token_ids) == ("cancelled", [])
+
+
+async def test_a_request_from_a_newer_wire_version_ends_its_stream_with_an_error_not_silence(up: UpProcess) -> None:
+    """A request that did not decode (here: a wire version from the future) but names its id was
+    terminated in silence: its client waited for ever."""
+    rid = f"future-{secrets.token_hex(4)}"
+    async with await Producer.connect(settings=settings_for(up, "app-mallory")) as m:
+        future = msgpack.packb({"v": 99, "id": rid, "model": MODEL, "prompt": "from the future"})
+        await m.bus.js.publish(f"tp.req.{MODEL}.mallory", future)
+        with pytest.raises(GenerationError, match="wire version 99 is newer"):
+            await asyncio.wait_for(m.stream(rid).result(), 30)
 
 
 async def test_a_huge_prompt_on_the_bus_is_refused_before_tokenizing_with_an_error_batch(up: UpProcess) -> None:
