@@ -21,7 +21,7 @@ from tokenpipe.bus import Bus
 from tokenpipe.errors import InvalidRequest, ModelNotFound, StreamNotFound
 from tokenpipe.settings import Settings
 from tokenpipe.streams import follow
-from tokenpipe.subjects import request_subject
+from tokenpipe.subjects import RELAY_OWNER, request_subject, stream_key
 from tokenpipe.wire import Request, SamplingParams, TokenBatch
 from tokenpipe_cli.launch import free_port
 from tokenpipe_cli.natsserver import NatsServer
@@ -167,8 +167,9 @@ async def test_delete_cancels_mid_stream_and_frees_the_slot(http: httpx.AsyncCli
     assert events[-1][0] == "done" and events[-1][1]["finish"] == "cancelled"
     generated = events[-1][1]["usage"]["completion_tokens"]
     assert 3 <= generated < 2000
-    assert sid not in generator.active
-    await wait_until(lambda: all(s.id != sid for s in generator.runner.engine.rows), 10, "engine to drop the row")
+    key = stream_key(RELAY_OWNER, sid)  # what the worker and the engine hold a stream by
+    assert key not in generator.active
+    await wait_until(lambda: all(s.id != key for s in generator.runner.engine.rows), 10, "engine to drop the row")
 
 
 async def test_client_disconnect_cancels_generation(http: httpx.AsyncClient, generator: GeneratorWorker,
@@ -272,7 +273,8 @@ async def test_reused_stream_id_is_refused_though_the_engine_started_before_the_
 
     async def refused() -> bool:
         info = await bus.js.consumer_info("TP_REQUESTS", "gen-tiny-random")
-        return info.num_ack_pending == 0 and info.num_pending == 0 and sid not in generator.active
+        return (info.num_ack_pending == 0 and info.num_pending == 0
+                and stream_key(bus.owner, sid) not in generator.active)
 
     await wait_until(refused, 20, "the reused id to be refused and its slot freed")
     after = [b async for b in follow(bus, sid) if isinstance(b, TokenBatch)]

@@ -170,7 +170,8 @@ async def test_blocking_completion_is_cancelled_when_the_client_hangs_up(relay: 
         # Hang up as soon as the generation runs (not after a fixed delay, which a fast machine
         # could outlast): cancelling the call closes the connection.
         await wait_until(lambda: bool(generator.active), 20, "the completion to start")
-        (rid,) = generator.active
+        (held,) = generator.active.values()  # keyed by owner and id
+        rid = held.request.id
         call.cancel()
         with pytest.raises(asyncio.CancelledError):
             await call

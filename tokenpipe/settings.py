@@ -128,6 +128,10 @@ class Settings:
     cuda_graphs: CudaGraphs = _setting(  # noqa: RUF009
         "auto", "capture the decode step as CUDA graphs, one per batch-size bucket (1, 2, 4, … 64), replayed each "
                 "step: `auto` (on with CUDA, off on CPU), `on` (refused without a CUDA device), `off`")
+    cancel_memory: int = _setting(10_000, "a generator remembers each owner's (app's, the relay's) latest this many "
+                                          "cancelled stream ids, so that a cancel that arrives before its request "
+                                          "still cancels it; per owner: one owner's cancels never make it forget "
+                                          "another's")
     max_batch: int = _setting(32, "most concurrent sequences per generator; free KV-cache blocks decide below it")
     kv_cache_mb: float = _setting(0, "KV-cache budget in MiB, one pool of 16-position blocks, written only as used (0: "
                                      "a quarter of available RAM on CPU, 60 % of free GPU memory on CUDA, at most "
@@ -181,7 +185,9 @@ class Settings:
     port: int = _setting(8000, "relay port")
     keepalive_s: float = _setting(15.0, "SSE ping interval while a stream is idle")
     max_body_bytes: int = _setting(1 << 20, "largest request body (413)", shown="1048576 (1 MiB)")
-    max_prompt_chars: int = _setting(200_000, "longest prompt in characters at the relay (400)")
+    max_prompt_chars: int = _setting(200_000, "longest prompt in characters (all messages together): the relay "
+                                               "answers 400, a generator ends the stream with an `error` batch "
+                                               "before tokenizing it (a request published on the bus)")
     max_tokens_cap: int = _setting(4096, "largest `max_tokens` a request may ask for (400)")
     generator_wait_s: float = _setting(0.0, "how long a request waits for a generator of its model to announce before "
                                             "404/503 (0: answer at once; a generator whose announcements just lapsed "

@@ -37,6 +37,7 @@ __all__ = [
     "owner_tokens",
     "cancel_subject",
     "parse_cancel_subject",
+    "stream_key",
     "consumer_name",
     "check_model_name",
     "check_owner",
@@ -129,6 +130,13 @@ def parse_cancel_subject(subject: str) -> tuple[str, str]:
     if len(parts) != 4 or parts[:2] != ["tp", "cancel"]:
         raise InvalidRequest(f"not a cancel subject: {subject!r}")
     return check_owner(parts[2]), check_stream_id(parts[3])
+
+
+def stream_key(owner: str, stream_id: str) -> str:
+    """What a generator keys a running stream by: its owner and its id (two owners may choose the
+    same id, and neither may displace, refuse or cancel the other's). ``<owner>.<id>``, the tail of
+    its token subject: neither part may hold a dot."""
+    return f"{check_owner(owner)}.{check_stream_id(stream_id)}"
 
 
 def readers_subject(stream_id: str) -> str:

@@ -81,8 +81,8 @@ def _child_main(conn: Connection) -> None:
             os._exit(0)  # the generator is gone (killed): so is its engine, at once
         kind = frame[0]
         if kind == JOB:
-            _, data, resume, more = frame
-            runner.submit(Job(Request.decode(data), resume_ids=tuple(resume), more_coming=more))
+            _, data, resume, more, key = frame
+            runner.submit(Job(Request.decode(data), resume_ids=tuple(resume), more_coming=more, key=key))
             link.accepted += 1  # after submit: the generator's room estimate errs on the low side meanwhile
         elif kind == CANCEL:
             runner.cancel(frame[1])

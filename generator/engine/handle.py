@@ -24,13 +24,21 @@ class Job:
     resume_ids: tuple[int, ...] = ()
     # More of the same burst were fetched with this one and are being handed over right behind it.
     more_coming: bool = False
+    # What the engine keys the job by (its emissions' ``request_id``, :meth:`EngineHandle.cancel`'s
+    # argument): the worker's ``tokenpipe.subjects.stream_key`` (owner and id: two owners may run
+    # the same id at once); the request's id when left empty.
+    key: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.key:
+            object.__setattr__(self, "key", self.request.id)
 
 
 @dataclass(frozen=True, slots=True)
 class Emission:
     """What one engine step produced for one request."""
 
-    request_id: str
+    request_id: str  # the job's key (Job.key)
     token_ids: tuple[int, ...]
     text: str
     at_ns: int
@@ -73,7 +81,7 @@ class EngineHandle(Protocol):
         """Hand a job over; its emissions follow."""
 
     def cancel(self, request_id: str) -> None:
-        """End a request early: its last emission says ``cancelled``."""
+        """End a request early (``request_id``: its job's key): its last emission says ``cancelled``."""
 
     @property
     def memory_room(self) -> int:

@@ -159,7 +159,7 @@ class EngineProcess(EngineHandle):
     # -- the EngineHandle ------------------------------------------------------------
     def submit(self, job: Job) -> None:
         self._sent += 1
-        self._send([JOB, job.request.encode(), list(job.resume_ids), job.more_coming])
+        self._send([JOB, job.request.encode(), list(job.resume_ids), job.more_coming, job.key])
 
     def cancel(self, request_id: str) -> None:
         if self.dead:

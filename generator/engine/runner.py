@@ -1,9 +1,11 @@
 """The engine's thread: jobs in, per-step emissions out. No transport here.
 
-The engine and tokenizer are used only from this thread. Callers hand over jobs
-and cancellations through a queue (thread-safe) and receive, once per engine step,
-a list of :class:`Emission` through ``on_emit`` (called on this thread; the NATS
-worker hops it onto its event loop).
+The engine is used only from this thread. Callers hand over jobs and cancellations
+(thread-safe) and receive, once per engine step, a list of :class:`Emission` through
+``on_emit`` (called on this thread; the NATS worker hops it onto its event loop).
+A job's prompt is encoded first on a thread of its own (the tokenizer thread): a long prompt's
+encoding took the engine thread away from every running stream's steps. Cancellations go the same
+way, so each still follows the jobs handed over before it.
 """
 
 from __future__ import annotations
@@ -109,7 +111,16 @@ def torch_thread() -> ThreadPoolExecutor:
 
 @dataclass(frozen=True, slots=True)
 class _Cancel:
-    request_id: str
+    key: str  # the job's (Job.key)
+
+
+@dataclass(frozen=True, slots=True)
+class _Prepared:
+    """A job with its prompt encoded, or the error its encoding raised (the engine thread reports it)."""
+
+    job: Job
+    prompt: list[int]
+    error: Exception | None = None
 
 
 class _Stop:
@@ -117,7 +128,7 @@ class _Stop:
 
 
 _STOP = _Stop()
-_Inbox = Job | _Cancel | _Stop  # what the worker hands the engine thread, in order
+_Inbox = _Prepared | _Cancel | _Stop  # what the worker hands the engine thread (through the tokenizer thread), in order
 
 
 class Runner(EngineHandle):
@@ -135,6 +146,8 @@ class Runner(EngineHandle):
         self.on_emit = on_emit
         self.on_step = on_step
         self._inbox: queue.SimpleQueue[_Inbox] = queue.SimpleQueue()
+        # One thread, first in first out: jobs and cancellations reach the engine in the order handed over.
+        self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenpipe-tokenize")
         self._states: dict[str, _State] = {}
         self._handed = 0  # jobs submitted and not yet handled (the engine's room does not count them yet)
         self._handed_lock = threading.Lock()
@@ -158,7 +171,7 @@ class Runner(EngineHandle):
     def submit(self, job: Job) -> None:
         with self._handed_lock:
             self._handed += 1
-        self._inbox.put(job)
+        self._tokenizer_thread.submit(self._prepare, job)
 
     @property
     def memory_room(self) -> int:
@@ -167,7 +180,8 @@ class Runner(EngineHandle):
         return self.engine.room - self._handed
 
     def cancel(self, request_id: str) -> None:
-        self._inbox.put(_Cancel(request_id))
+        # Behind the jobs handed over before it: a cancel that overtook its job would be lost.
+        self._tokenizer_thread.submit(self._inbox.put, _Cancel(request_id))
 
     def start(self) -> None:
         if self.torch_thread is not None:
@@ -177,6 +191,7 @@ class Runner(EngineHandle):
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
+        self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)  # jobs not yet encoded are dropped
         self._inbox.put(_STOP)
         if self._thread is not None:
             self._thread.join(timeout)
@@ -197,6 +212,14 @@ class Runner(EngineHandle):
                            blocks_used=pool.used, blocks_capacity=pool.capacity, blocks_cached=pool.cached,
                            prefix_query_tokens=pool.query_tokens, prefix_hit_tokens=pool.hit_tokens)
 
+    # -- tokenizer thread ------------------------------------------------------------
+    def _prepare(self, job: Job) -> None:
+        """Encode ``job``'s prompt and hand it to the engine thread (the error too: reported there, in order)."""
+        try:
+            self._inbox.put(_Prepared(job, encode_prompt(self.loaded.tokenizer, job.request)))
+        except Exception as exc:  # hostile input can fail the tokenizer: the job's error emission says so
+            self._inbox.put(_Prepared(job, [], exc))
+
     # -- engine thread ---------------------------------------------------------------
     def _loop(self) -> None:
         hold_until = 0.0
@@ -211,12 +234,12 @@ class Runner(EngineHandle):
                 if isinstance(item, _Stop):
                     return
                 if isinstance(item, _Cancel):
-                    self.engine.cancel(item.request_id)
+                    self.engine.cancel(item.key)
                 else:
                     self._admit(item)
                     with self._handed_lock:
                         self._handed -= 1
-                    hold_until = self._hold(item, hold_until)
+                    hold_until = self._hold(item.job, hold_until)
                 try:
                     item = self._inbox.get_nowait()
                 except queue.Empty:
@@ -254,23 +277,26 @@ class Runner(EngineHandle):
             return hold_until
         return time.monotonic() + self.admission_hold_s
 
-    def _admit(self, job: Job) -> None:
+    def _admit(self, prepared: _Prepared) -> None:
+        job, key = prepared.job, prepared.job.key
         req = job.request
         carried = len(job.resume_ids)
         try:
-            original = encode_prompt(self.loaded.tokenizer, req)
+            if prepared.error is not None:
+                raise prepared.error
+            original = prepared.prompt
             params = req.params
-            seq = self.engine.new_sequence(req.id, original + list(job.resume_ids), params, carried=carried)
+            seq = self.engine.new_sequence(key, original + list(job.resume_ids), params, carried=carried)
             seq.max_new = min(seq.max_new, params.max_tokens - carried)
             if seq.max_new < 1:
                 raise InvalidRequest("max_tokens already reached by resumed tokens")
         except TokenpipeError as exc:
-            self.on_emit([Emission(req.id, (), "", time.time_ns(), finish="error", error=exc.message,
+            self.on_emit([Emission(key, (), "", time.time_ns(), finish="error", error=exc.message,
                                    usage=Usage(0, carried), error_code=exc.code)])
             return
         except Exception as exc:  # tokenizer failures on hostile input: report, keep serving
             log.exception("could not prepare request", extra={"request_id": req.id})
-            self.on_emit([Emission(req.id, (), "", time.time_ns(), finish="error",
+            self.on_emit([Emission(key, (), "", time.time_ns(), finish="error",
                                    error=f"could not prepare request: {exc}", usage=Usage(0, carried),
                                    error_code="invalid_request")])
             return
@@ -282,10 +308,10 @@ class Runner(EngineHandle):
         for token in job.resume_ids:
             _, matched = stop.feed(detok.push(token))
             if matched:  # the stop string completed exactly at the crash
-                self.on_emit([Emission(req.id, (), "", time.time_ns(), finish="stop",
+                self.on_emit([Emission(key, (), "", time.time_ns(), finish="stop",
                                        usage=Usage(len(original), carried))])
                 return
-        self._states[req.id] = _State(job, seq, detok, stop)
+        self._states[key] = _State(job, seq, detok, stop)
         self.engine.add(seq)
 
     def _emission(self, out: StepOutput) -> Emission:

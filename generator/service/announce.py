@@ -12,7 +12,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -38,14 +38,14 @@ class Announcer:
     """
 
     def __init__(self, bus: Bus, settings: Settings, *, worker_id: str, model: str, device: str,
-                 runner: EngineHandle, streams: Collection[str], metrics: GeneratorMetrics) -> None:
+                 runner: EngineHandle, streams: Callable[[], Collection[str]], metrics: GeneratorMetrics) -> None:
         self.bus = bus
         self.settings = settings
         self.worker_id = worker_id
         self.model = model
         self.device = device
         self.runner = runner
-        self.streams = streams
+        self.streams = streams  # the ids of the streams the worker holds now
         self.metrics = metrics
         self._kv_meter = KVCacheMeter(metrics)
         self._sub: Subscription | None = None
@@ -67,11 +67,11 @@ class Announcer:
             await self._sub.unsubscribe()
 
     def announcement(self, ready: bool = True) -> Announcement:
-        stats = self.runner.stats()
+        stats, held = self.runner.stats(), self.streams()
         return Announcement(
             worker=self.worker_id, model=self.model, ready=ready, max_batch=self.settings.max_batch,
-            running=stats.running, active=len(self.streams), pid=os.getpid(),
-            streams=tuple(sorted(self.streams)), device=self.device,
+            running=stats.running, active=len(held), pid=os.getpid(),
+            streams=tuple(sorted(held)), device=self.device,
             ttl_s=self.settings.announce_interval_s * 3, ts=time.time(),
             free_blocks=stats.free_blocks, block_size=stats.block_size)
 

@@ -133,12 +133,9 @@ class RequestIntake:
             pending = more[-1].metadata.num_pending if more else 0
         return msgs
 
-    async def reject_undecodable(self, msg: Msg, exc: Exception) -> None:
-        log.warning("terminating undecodable request", extra={"subject": msg.subject, "error": str(exc)})
-        await msg.term()
-
     async def reject(self, msg: Msg, exc: TokenpipeError) -> None:
-        """A decodable but invalid request: tell its stream (if it has an id), then terminate."""
+        """A request that cannot run (undecodable, invalid, its prompt over the bound): tell its stream
+        (if an id can be read from it), then terminate. Never silence: its client would wait for ever."""
         rid = peek_request_id(msg.data)
         log.warning("rejecting invalid request", extra={"request_id": rid, "error": exc.message})
         try:

@@ -35,7 +35,7 @@ from tokenpipe.append import LiveCopies, StreamLost, conditional, refused_at, st
 from tokenpipe.bus import Bus
 from tokenpipe.errors import TokenpipeError
 from tokenpipe.retry import ELECTIONS, Backoff, transient
-from tokenpipe.subjects import token_subject
+from tokenpipe.subjects import stream_key, token_subject
 
 __all__ = ["AppendChain", "BatchPublisher"]
 
@@ -69,12 +69,14 @@ class AppendChain:
     last: int
     on_lost: Callable[[StreamLost], None]
     subject: str = field(init=False)
+    key: str = field(init=False)  # tokenpipe.subjects.stream_key: what the engine names the stream by
     lost: bool = False
     queue: deque[_Batch | _Ack] = field(default_factory=deque)
     task: asyncio.Task[None] | None = None
 
     def __post_init__(self) -> None:
         self.subject = token_subject(self.owner, self.stream_id)
+        self.key = stream_key(self.owner, self.stream_id)
 
 
 class _PubAcks:
@@ -140,7 +142,7 @@ class BatchPublisher:
         self._busy: set[asyncio.Task[None]] = set()  # chains with something queued or in flight
         self._acks = _PubAcks(bus)
         self.live = LiveCopies(bus)  # the intake's error batches go out through it too
-        self.on_live: Callable[[str], None] | None = None  # told each stream id whose batch went out live
+        self.on_live: Callable[[str], None] | None = None  # told each stream key whose batch went out live
 
     async def start(self) -> None:
         await self._acks.start()
@@ -257,7 +259,7 @@ class BatchPublisher:
         except Exception as exc:  # live is at most once: readers fill the hole from the store
             log.warning("live copy not sent", extra={"subject": chain.subject, "error": repr(exc)})
         if self.on_live is not None:
-            self.on_live(chain.stream_id)
+            self.on_live(chain.key)
 
     async def _was_ours(self, chain: AppendChain, last: int, item: _Batch) -> bool:
         while True:

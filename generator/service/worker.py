@@ -28,11 +28,11 @@ from opentelemetry.trace import SpanKind, TracerProvider
 from tokenpipe.append import StreamLost
 from tokenpipe.background import pause, stop_loops
 from tokenpipe.bus import REPAIR_INTERVAL_S, Bus, repair
-from tokenpipe.errors import TokenpipeError, WireFormatError
+from tokenpipe.errors import InvalidRequest, TokenpipeError, WireFormatError
 from tokenpipe.metrics import GeneratorMetrics
 from tokenpipe.settings import Settings
 from tokenpipe.streams import history_at, last_stored
-from tokenpipe.subjects import CANCEL_WILDCARD, REQUESTS_STREAM, owner_of_request, parse_cancel_subject
+from tokenpipe.subjects import CANCEL_WILDCARD, REQUESTS_STREAM, owner_of_request, parse_cancel_subject, stream_key
 from tokenpipe.telemetry import extract_context, get_tracer
 from tokenpipe.wire import Cancel, Request, TokenBatch, Usage
 
@@ -49,7 +49,6 @@ __all__ = ["GeneratorWorker"]
 
 log = logging.getLogger(__name__)
 
-_RECENT_CANCELS = 10_000
 # The engine's longest wait for new streams' first batches to go out live (FirstBatchGate): a
 # PubAck takes ~0.3 ms on an idle machine, a few ms on two busy cores; past this the step goes on.
 FIRST_BATCH_WAIT_S = 0.005
@@ -79,8 +78,11 @@ class GeneratorWorker:
         else:  # the engine runs in its own process (generator.engine.process), already loaded
             engine_process.on_emit, engine_process.on_step = self._from_engine_thread, on_step
             self.runner = engine_process
-        self.active: dict[str, StreamWriter] = {}  # the requests this worker holds, by stream id
-        self.recent_cancels: OrderedDict[str, None] = OrderedDict()
+        # The requests this worker holds, by stream key (tokenpipe.subjects.stream_key: owner and id).
+        self.active: dict[str, StreamWriter] = {}
+        # Each owner's latest cancels (at most settings.cancel_memory of its ids): a cancel that came
+        # before its request still cancels it, and one owner's flood of cancels forgets only its own.
+        self.recent_cancels: dict[str, OrderedDict[str, None]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._slot_freed = asyncio.Event()
         self._stopping = asyncio.Event()  # no more fetching; running requests may still finish
@@ -91,7 +93,7 @@ class GeneratorWorker:
             self.publisher.on_live = thread.first_batches.sent
         self.intake = RequestIntake(bus, loaded.name, settings, live=self.publisher.live)
         self.announcer = Announcer(bus, settings, worker_id=self.worker_id, model=self.model,
-                                   device=str(loaded.device), runner=self.runner, streams=self.active,
+                                   device=str(loaded.device), runner=self.runner, streams=self._held_ids,
                                    metrics=self.metrics)
         self._output = OutputContext(settings, self.publisher, self.metrics, self.tracer, self._finished, self._lost)
         self._tasks: list[asyncio.Task[None]] = []
@@ -146,7 +148,7 @@ class GeneratorWorker:
             await asyncio.wait(list(self._checks), timeout=_CHECK_WAIT_S)
         handed_back = list(self.active.values())
         for out in handed_back:
-            self.runner.cancel(out.request.id)
+            self.runner.cancel(out.key)
             out.abandon()  # emissions still in flight for it are dropped, unpublished
         self.active.clear()
         for check in list(self._checks):
@@ -169,6 +171,10 @@ class GeneratorWorker:
     def serving(self) -> bool:
         """Started, not stopping, and connected to NATS (the generator's ``/readyz``)."""
         return bool(self._tasks) and not self._stopping.is_set() and self.bus.nc.is_connected
+
+    def _held_ids(self) -> list[str]:
+        """The ids of the streams held now (announced: operators and tests find a stream's holder by its id)."""
+        return [out.request.id for out in self.active.values()]
 
     # -- intake ----------------------------------------------------------------------
     @property
@@ -230,28 +236,26 @@ class GeneratorWorker:
     def _refuse(self, out: StreamWriter) -> None:
         """Nothing of ``out`` is published; its slot is free once the engine has let it go."""
         out.refuse()
-        self.runner.cancel(out.request.id)
+        self.runner.cancel(out.key)
 
     async def _accept(self, msg: Msg, *, more_coming: bool = False) -> None:
         received = time.time_ns()
         try:
             request = Request.decode(msg.data)
             owner = owner_of_request(msg.subject)  # who published it: never taken from the payload
-        except WireFormatError as exc:
-            await self.intake.reject_undecodable(msg, exc)
-            return
-        except TokenpipeError as exc:
+        except TokenpipeError as exc:  # undecodable too: an id that can still be read from it is told
             await self.intake.reject(msg, exc)
             return
-        held = self.active.get(request.id)
-        if held is not None and held.owner == owner:
+        key = stream_key(owner, request.id)  # another owner's stream of the same id is another stream
+        if key in self.active:
             # Redelivered while we still run it (a late progress ack): keep it ours, do not ack it away.
             await msg.in_progress()
             return
-        if held is not None:
-            log.warning("refusing a request for a stream id that is taken", extra={"request_id": request.id,
-                                                                                   "owner": owner})
-            await msg.term()  # no error batch: that stream belongs to its first request
+        if request.prompt_chars > self.settings.max_prompt_chars:
+            # Refused before its prompt reaches the tokenizer: encoding ~1 MB took the engine from every stream.
+            await self.intake.reject(msg, InvalidRequest(
+                f"the prompt exceeds {self.settings.max_prompt_chars} characters",
+                param="messages" if request.messages is not None else "prompt"))
             return
         ctx = extract_context(msg.headers)
         span = self.tracer.start_span(f"generate {self.model}", context=ctx, kind=SpanKind.CONSUMER, attributes={
@@ -286,7 +290,7 @@ class GeneratorWorker:
         span.set_attribute("tokenpipe.delivery", msg.metadata.num_delivered)
         span.set_attribute("tokenpipe.resumed_tokens", len(resume))
         first = msg.metadata.num_delivered == 1
-        out = self.active[request.id] = StreamWriter(self._output, request, msg, span, past=past,
+        out = self.active[key] = StreamWriter(self._output, request, msg, span, past=past,
                                                       stored_last=stored_last, received=received,
                                                       owner=owner, cleared=not first)
         if past:
@@ -296,10 +300,10 @@ class GeneratorWorker:
             check = asyncio.get_running_loop().create_task(self._check_id(out, msg), name=f"check-{request.id}")
             self._checks.add(check)
             check.add_done_callback(self._checks.discard)
-        if f"{owner}.{request.id}" in self.recent_cancels:
-            out.emit(Emission(request.id, (), "", time.time_ns(), finish="cancelled", usage=Usage(0, len(resume))))
+        if request.id in self.recent_cancels.get(owner, ()):
+            out.emit(Emission(key, (), "", time.time_ns(), finish="cancelled", usage=Usage(0, len(resume))))
             return
-        self.runner.submit(Job(request, resume_ids=resume, more_coming=more_coming))
+        self.runner.submit(Job(request, resume_ids=resume, more_coming=more_coming, key=key))
 
     # -- cancellation ----------------------------------------------------------------
     async def _on_cancel(self, msg: Msg) -> None:
@@ -314,13 +318,15 @@ class GeneratorWorker:
             log.warning("cancel dropped", extra={"subject": msg.subject, "error": exc.message})
             self.metrics.labels(self.metrics.dropped_cancels).inc()
             return
-        self.recent_cancels[f"{owner}.{rid}"] = None
-        while len(self.recent_cancels) > _RECENT_CANCELS:
-            self.recent_cancels.popitem(last=False)
-        out = self.active.get(rid)
-        if out is not None and out.owner == owner:
-            log.info("cancel requested", extra={"request_id": rid})
-            self.runner.cancel(rid)
+        remembered = self.recent_cancels.setdefault(owner, OrderedDict())
+        remembered[rid] = None
+        remembered.move_to_end(rid)
+        while len(remembered) > self.settings.cancel_memory:
+            remembered.popitem(last=False)
+        key = stream_key(owner, rid)
+        if key in self.active:
+            log.info("cancel requested", extra={"request_id": rid, "owner": owner})
+            self.runner.cancel(key)
 
     @property
     def progress_every(self) -> float:
@@ -362,7 +368,7 @@ class GeneratorWorker:
 
     def _on_emissions(self, emissions: list[Emission]) -> None:
         for em in emissions:
-            out = self.active.get(em.request_id)
+            out = self.active.get(em.request_id)  # the job's key: the stream's
             if out is None:
                 continue  # finished, or handed back while this step ran
             try:
@@ -373,18 +379,18 @@ class GeneratorWorker:
     def _lost(self, out: StreamWriter, exc: StreamLost) -> None:
         """The store refused one of ``out``'s appends: another worker holds the stream now (its
         request was redelivered while this one stalled). Stop generating it at once and free the slot."""
-        rid = out.request.id
         self.metrics.labels(self.metrics.lost_streams).inc()
         log.warning("lost a stream to another writer; stopped generating it",
-                    extra={"request_id": rid, "owner": out.owner, "error": exc.message})
-        if self.active.get(rid) is out:
-            self.active.pop(rid)
-            self.runner.cancel(rid)
+                    extra={"request_id": out.request.id, "owner": out.owner, "error": exc.message})
+        if self.active.get(out.key) is out:
+            self.active.pop(out.key)
+            self.runner.cancel(out.key)
             self._slot_freed.set()
 
     def _finished(self, out: StreamWriter, batch: TokenBatch) -> None:
         rid = out.request.id
-        self.active.pop(rid, None)
+        if self.active.get(out.key) is out:
+            self.active.pop(out.key)
         self._slot_freed.set()
         if out.refused:
             return

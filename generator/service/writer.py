@@ -29,7 +29,7 @@ from opentelemetry.trace import Tracer
 from tokenpipe.append import StreamLost
 from tokenpipe.metrics import GeneratorMetrics
 from tokenpipe.settings import Settings
-from tokenpipe.subjects import RELAY_OWNER
+from tokenpipe.subjects import RELAY_OWNER, stream_key
 from tokenpipe.telemetry import inject_headers
 from tokenpipe.wire import Request, TokenBatch
 
@@ -71,6 +71,7 @@ class StreamWriter:
         self.ctx = ctx
         self.request = request
         self.owner = owner
+        self.key = stream_key(owner, request.id)  # the worker's and the engine's name for this stream
         self.msg = msg
         self.span = span
         resumed = sum(len(b.token_ids) for b in past)

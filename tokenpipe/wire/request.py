@@ -73,6 +73,11 @@ class Request:
         if given != 1:
             raise InvalidRequest("exactly one of 'prompt', 'messages' or 'input_ids' is required")
 
+    @property
+    def prompt_chars(self) -> int:
+        """The prompt's length in characters, all messages together (``input_ids``: 0, bounded in tokens)."""
+        return len(self.prompt or "") + sum(len(m["content"]) for m in self.messages or ())
+
     @classmethod
     def build(cls, model: str, *, prompt: Any = None, messages: Any = None, input_ids: Any = None,
               params: Mapping[str, Any] | None = None, coalesce: Any = None, tenant: str = "default",
