@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     gguf = _gguf_dir() / _GGUF_FILE
     if not Path(args.llama_python).exists():
         console.print(f"bench.llamaraw: no {args.llama_python}; install llama-cpp-python there first (bench/peers.py's "
-                      "docstring says how)")
+                      "docstring says how)", soft_wrap=True)  # a path split over lines cannot be copied
         return 2
     console.print(f"[bold]bench.llamaraw[/] · {cpu['line']}; {threads} threads; {args.rounds} rounds of "
                   f"{args.tokens} tokens")

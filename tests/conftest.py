@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
+import json
 import os
 import subprocess
 import sys
@@ -40,6 +42,25 @@ def run_bench(args: list[str], timeout: float = 240,
                           env={**os.environ, **(env or {})})
 # The converted SmolLM2 cache outlives one run (it takes ~20 s to build); CI starts from nothing.
 MODEL_CACHE = Path(os.environ.get("TOKENPIPE_TEST_DATA_DIR", ROOT / ".tokenpipe" / "test-data"))
+
+
+# The suite runs on two pytest-xdist workers, a test module at a time on one of them (--dist loadfile:
+# module-scoped stacks are built once; the session's in-process stack once per worker). The longest
+# modules start first (seconds each, measured with the suite on two workers on 2 cores), so that none is
+# left to run alone at the end; the rest follow in collection order (--no-loadscope-reorder keeps it).
+_LONGEST_FIRST = ("test_cluster_faults.py", "test_chaos.py", "test_heal.py", "test_bench.py",  # 130-88 s
+                  "test_resilience.py", "test_kernels.py", "test_natsauth_tenants.py", "test_cluster.py",  # 72-41 s
+                  "test_schema.py", "test_engineproc.py", "test_smollm2.py", "test_edge_defects.py",  # 36-30 s
+                  "test_packaging.py", "test_engine.py", "test_kvcache.py", "test_cluster_relays.py")  # 31-22 s
+
+
+def _rank(item: pytest.Item) -> int:
+    name = item.nodeid.split("::", 1)[0].rpartition("/")[2]
+    return _LONGEST_FIRST.index(name) if name in _LONGEST_FIRST else len(_LONGEST_FIRST)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    items.sort(key=_rank)  # stable: each module keeps its tests' order
 
 
 async def wait_until(cond: Callable[[], Awaitable[bool] | bool], timeout: float = 30.0,
@@ -95,11 +116,26 @@ def cache_preparation() -> Preparation | None:
     """Where the test cache lacks SmolLM2 (CI starts from nothing), its conversion done by two processes
     at once: the conversion every test needs and the one the regression test of two generators on a
     fresh data dir checks (test_smollm2.py) are then one, not two (each ~20 s, more on a busy 2-core
-    machine). None where the cache is ready: that test then converts into a directory of its own."""
+    machine). None where the cache is ready: that test then converts into a directory of its own.
+
+    Under pytest-xdist every worker asks: the first does the conversion under a lock and leaves what its
+    two processes said for the others of the same run, so each worker's test sees that one conversion."""
     MODEL_CACHE.mkdir(parents=True, exist_ok=True)
-    if _complete(MODEL_CACHE / "models" / SMOLLM2):
-        return None
-    return prepare_together(MODEL_CACHE)
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID", "")
+    record = MODEL_CACHE / f".preparation-{run}.json"
+    with (MODEL_CACHE / ".preparation.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if run and record.exists():
+            seen = json.loads(record.read_text())
+            return None if seen is None else Preparation(Path(seen["data_dir"]),
+                                                         [(int(c), str(o), str(e)) for c, o, e in seen["procs"]])
+        prep = None if _complete(MODEL_CACHE / "models" / SMOLLM2) else prepare_together(MODEL_CACHE)
+        if run:
+            for old in MODEL_CACHE.glob(".preparation-*.json"):  # earlier runs'
+                old.unlink(missing_ok=True)
+            record.write_text(json.dumps(None if prep is None else
+                                         {"data_dir": str(prep.data_dir), "procs": prep.procs}))
+        return prep
 
 
 @pytest.fixture(scope="session")

@@ -32,7 +32,8 @@ _POLL_S = 0.05  # up.json is a file another process writes: polled
 
 
 class UpProcess:
-    """``tokenpipe up --port <free> --data-dir <data> *args`` started at once; output in ``up.log``.
+    """``tokenpipe up --port <free> --data-dir <data> *args`` started at once (NATS on a free port too
+    unless ``args`` name one); output in ``up.log``.
 
     ``command`` is how ``tokenpipe`` is run (default: this interpreter's ``-m tokenpipe_cli``;
     tests pass the installed console script, as a user runs it)."""
@@ -44,6 +45,10 @@ class UpProcess:
         self.log = self.data / "up.log"
         self.announcements: dict[int, Announcement] = {}  # generator pid -> its last announcement
         self.nc: nats.NATS | None = None
+        if not {"--nats-port", "--nats-url"} & set(args):
+            # a free port, not up's 4222-unless-taken: stacks started side by side (the tests' two workers)
+            # both found 4222 free, and the second nats-server then could not bind it
+            args = ("--nats-port", str(free_port()), *args)
         cmd = [*command, "up", "--port", str(self.port), "--data-dir", str(self.data), *args]
         self.child = spawn("tokenpipe up", cmd, env=env, log=self.log)
         self.proc = self.child.proc
