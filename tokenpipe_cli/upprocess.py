@@ -46,7 +46,7 @@ class UpProcess:
         self.announcements: dict[int, Announcement] = {}  # generator pid -> its last announcement
         self.nc: nats.NATS | None = None
         if not {"--nats-port", "--nats-url"} & set(args):
-            # a free port, not up's 4222-unless-taken: stacks started side by side (the tests' two workers)
+            # a free port, not up's 4222-unless-taken: stacks started side by side (the tests' workers)
             # both found 4222 free, and the second nats-server then could not bind it
             args = ("--nats-port", str(free_port()), *args)
         cmd = [*command, "up", "--port", str(self.port), "--data-dir", str(self.data), *args]
