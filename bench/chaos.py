@@ -1,7 +1,7 @@
 """Chaos: random kills and freezes under a steady load, every stream checked against its stored replay.
 
-    python -m bench.chaos [--duration 1800] [--faults 200] [--rate 1] [--max-stop 40] [--only generator,relay,nats]
-                           [--out bench/out/chaos.json]
+    python -m bench.chaos [--duration 1800] [--faults 200] [--rate 1] [--max-stop 40]
+                           [--only generator,relay,nats|'generator kill -9'] [--out bench/out/chaos.json]
 
 Starts ``tokenpipe up --nats-cluster 3 --generators 2 --model tiny-random`` plus a second relay
 (a ``tokenpipe relay`` on the same cluster), submits sampled streams (temperature 0.9, no seed:
@@ -167,9 +167,11 @@ class Chaos:
         self.faults: list[Fault] = []
         self.runs: list[StreamRun] = []
         self.killed: set[int] = set()  # pids killed: the stack is whole once none of them is listed
-        self.kinds = [k for k in KINDS if not args.only or k.split(" ", 1)[0] in args.only.split(",")]
+        only = {s.strip() for s in args.only.split(",") if s.strip()}
+        self.kinds = [k for k in KINDS if not only or k in only or k.split(" ", 1)[0] in only]
         if not self.kinds:
-            raise SystemExit(f"--only {args.only!r} names no role of: generator, relay, nats")
+            raise SystemExit(f"--only {args.only!r} names no role (generator, relay, nats) and no fault of: "
+                             f"{', '.join(KINDS)}")
 
     @property
     def urls(self) -> list[str]:
@@ -378,8 +380,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--faults", type=int, default=200, help="stop after this many faults")
     p.add_argument("--rate", type=float, default=1.0, help="new streams per second")
     p.add_argument("--max-stop", type=float, default=40.0, help="longest SIGSTOP, seconds (the shortest is 2)")
-    p.add_argument("--only", default="", help="inject faults into these roles only (comma-separated: generator, "
-                   "relay, nats); default all three")
+    p.add_argument("--only", default="", help="inject only these faults (comma-separated roles: generator, relay, "
+                   "nats; or faults: 'generator kill -9' for takeovers alone); default every fault of all three")
     p.add_argument("--seed", type=int, default=None, help="the fault schedule's random seed")
     p.add_argument("--data-dir", default=Settings.load().data_dir, help="where the converted models are cached")
     p.add_argument("--out", default="bench/out/chaos.json")

@@ -73,6 +73,11 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("chaos", "system", "bench.chaos",
              "random kills and freezes on a 3-node cluster under load; every stream checked against its replay",
              quick=("--duration", "60", "--faults", "6", "--max-stop", "6", "--rate", "0.7")),
+    Scenario("takeovers", "system", "bench.chaos",
+             "kill -9 of a generator, 30 times under load on a 3-node cluster: the stalls are takeovers alone",
+             full=("--only", "generator kill -9", "--faults", "30", "--out", "bench/out/takeovers.json"),
+             quick=("--only", "generator kill -9", "--faults", "3", "--duration", "60",
+                    "--out", "bench/out/takeovers.json")),
     # engine: the model in this process
     Scenario("kernels", "engine", "bench.kernels",
              "the kernel table measured on this CPU, its start-up cost, decode steps against the hand rules",
