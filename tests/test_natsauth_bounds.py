@@ -33,7 +33,7 @@ from tokenpipe.natsauth import add_app, ensure_credentials, load_credential
 from tokenpipe.natsconfig import accounts, write_server_config
 from tokenpipe.settings import Settings
 from tokenpipe.streams import history, last_batch
-from tokenpipe.subjects import REQUESTS_STREAM, TOKENS_STREAM, consumer_name
+from tokenpipe.subjects import REQUESTS_STREAM, TOKENS_STREAM, consumer_name, intake_stream
 from tokenpipe.wire import Request, TokenBatch
 from tokenpipe_cli.natsserver import NatsServer
 from tokenpipe_cli.provisioner import Provisioner
@@ -175,13 +175,18 @@ async def test_requests_for_a_model_nobody_serves_were_stored_for_a_day(server: 
             await js.publish("tp.req.nomodel.mallory", big)
     finally:
         await nc.close()
-    info = await admin.js.stream_info(REQUESTS_STREAM, subjects_filter="tp.req.nomodel.>")
-    assert not info.state.subjects
-    cfg = info.config
-    assert cfg.subjects == [f"tp.req.{MODEL}.>"]
-    assert cfg.max_age is not None and cfg.max_age <= 3600
-    assert (cfg.max_bytes, cfg.max_msgs_per_subject, cfg.discard, cfg.discard_new_per_subject) == (
-        BOUNDS["request_max_bytes"], BOUNDS["request_max_per_owner"], js_api.DiscardPolicy.NEW, True)
+    # TP_REQUESTS stores the relay's requests itself and sources each app's intake stream, which
+    # takes that app's requests for the served models only.
+    for stream, subject in ((REQUESTS_STREAM, "relay"), (intake_stream("mallory"), "mallory")):
+        info = await admin.js.stream_info(stream, subjects_filter="tp.req.nomodel.>")
+        assert not info.state.subjects
+        cfg = info.config
+        assert cfg.subjects == [f"tp.req.{MODEL}.{subject}"]
+        assert cfg.max_age is not None and cfg.max_age <= 3600
+        assert (cfg.max_bytes, cfg.max_msgs_per_subject, cfg.discard, cfg.discard_new_per_subject) == (
+            BOUNDS["request_max_bytes"], BOUNDS["request_max_per_owner"], js_api.DiscardPolicy.NEW, True)
+    sources = (await admin.js.stream_info(REQUESTS_STREAM)).config.sources or []
+    assert sorted(s.name for s in sources) == [intake_stream(a) for a in ("alice", "default", "mallory")]
 
 
 async def test_one_app_filled_the_request_queue(server: Server, admin: Bus) -> None:
@@ -201,7 +206,8 @@ async def test_one_app_filled_the_request_queue(server: Server, admin: Bus) -> N
             await (await alice.submit(MODEL, prompt="mine", max_tokens=1)).cancel()
     finally:
         await nc.close()
-        await admin.js.purge_stream(REQUESTS_STREAM)  # no generator here takes them
+        for stream in (REQUESTS_STREAM, intake_stream("mallory"), intake_stream("alice")):
+            await admin.js.purge_stream(stream)  # no generator here takes them
 
 
 # -- item: least privilege for the generators and the relay -------------------------------------------

@@ -99,8 +99,8 @@ def app_limits(settings: Settings) -> dict[str, Any]:
             "limits": {"max_connections": settings.app_max_connections}}
 
 
-def _user(cred: Credential, password: str | None) -> dict[str, Any]:
-    perms = permissions(cred.role, cred.owner if cred.role == "app" else None)
+def _user(cred: Credential, password: str | None, apps: list[str]) -> dict[str, Any]:
+    perms = permissions(cred.role, cred.owner if cred.role == "app" else None, apps=apps)
     pw = password if password is not None else bcrypt.hashpw(cred.password.encode(),
                                                              bcrypt.gensalt(_BCRYPT_ROUNDS)).decode()
     return {"user": cred.user, "password": pw, "permissions": perms.as_config()}
@@ -123,14 +123,14 @@ def accounts(creds: dict[str, Credential], *, passwords: dict[str, str] | None =
                               "remove the file and add the application under another name")
     out: dict[str, Any] = {TOKENPIPE_ACCOUNT: {
         "jetstream": "enabled",
-        "users": [_user(c, pw.get(c.user)) for c in roles],
+        "users": [_user(c, pw.get(c.user), [a.owner for a in apps]) for c in roles],
         "exports": [e for c in apps for e in _exports(c.owner)],
     }}
     for c in apps:
         out[account_name(c.owner)] = {
             # The app's own copy of its tokens (TP_TOKENS, one stream): JetStream for it alone, bounded.
             **bounds,
-            "users": [_user(c, pw.get(c.user))],
+            "users": [_user(c, pw.get(c.user), [])],
             "imports": _imports(c.owner),
         }
     return out
@@ -212,7 +212,7 @@ def permission_table() -> str:
             "|---|---|---|---|---|---|"]
     for role, user, account in (("relay", "relay", TOKENPIPE_ACCOUNT), ("generator", "generator", TOKENPIPE_ACCOUNT),
                                 ("admin", "admin", TOKENPIPE_ACCOUNT), ("app", "app-<name>", "APP_<name>")):
-        p = permissions(role, "NAME" if role == "app" else None)
+        p = permissions(role, "NAME" if role == "app" else None, apps=("NAME",))
         extra = " (+ replies to requests it receives)" if p.allow_responses else ""
         rows.append(f"| {role} (`{user}`) | `{account}` | {cell(p.publish_allow)}{extra} | {cell(p.publish_deny)} "
                     f"| {cell(p.subscribe_allow)} | {cell(p.subscribe_deny)} |")

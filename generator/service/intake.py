@@ -21,7 +21,7 @@ from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
 from tokenpipe.append import LiveCopies, StreamLost, append_once
-from tokenpipe.bus import REPAIR_INTERVAL_S, Bus, consumer_drift, request_consumer_config
+from tokenpipe.bus import REPAIR_INTERVAL_S, Bus, consumer_drift, release_intake, request_consumer_config
 from tokenpipe.errors import GenerationError, TokenpipeError, TransportError
 from tokenpipe.retry import PATIENCE, retrying, through_elections
 from tokenpipe.settings import Settings
@@ -152,6 +152,7 @@ class RequestIntake:
                 log.warning("cannot end the rejected request's stream", extra={"request_id": rid,
                                                                               "error": repr(exc2)})
         await msg.term()
+        await release_intake(self.bus.js, msg.subject, msg.headers)
 
     async def _on_max_deliveries(self, msg: Msg) -> None:
         """Every attempt failed (workers died): end the client's stream with a clear error.
@@ -193,6 +194,7 @@ class RequestIntake:
                     window_s=PATIENCE.budget_s)
                 log.error("request exhausted its deliveries", extra={"request_id": request.id, "attempts": attempts})
             await through_elections(lambda: self.bus.js.delete_msg(REQUESTS_STREAM, seq), window_s=PATIENCE.budget_s)
+            await release_intake(self.bus.js, raw.subject or "", raw.headers)
         except Exception as exc:  # JetStream stayed unavailable for PATIENCE.budget_s, or refused
             log.error("cannot end a request that exhausted its deliveries",
                       extra={"request_id": request.id, "error": repr(exc)})

@@ -32,7 +32,7 @@ from nats.aio.subscription import Subscription
 from nats.js.api import PubAck
 
 from tokenpipe.append import LiveCopies, StreamLost, conditional, refused_at, stored_as
-from tokenpipe.bus import Bus
+from tokenpipe.bus import Bus, release_intake
 from tokenpipe.errors import TokenpipeError
 from tokenpipe.retry import ELECTIONS, Backoff, transient
 from tokenpipe.subjects import stream_key, token_subject
@@ -205,6 +205,8 @@ class BatchPublisher:
                         await item.msg.ack()
                     except Exception as exc:  # an ack on a dead connection: the request is redelivered and resumed
                         log.warning("ack failed", extra={"request_id": chain.stream_id, "error": repr(exc)})
+                    else:  # its place in its app's bound is free (the redelivered copy's finish frees it else)
+                        await release_intake(self.bus.js, item.msg.subject, item.msg.headers)
                 else:
                     try:
                         await self._append(chain, item)

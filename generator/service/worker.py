@@ -27,7 +27,7 @@ from opentelemetry.trace import SpanKind, TracerProvider
 
 from tokenpipe.append import StreamLost
 from tokenpipe.background import pause, stop_loops
-from tokenpipe.bus import REPAIR_INTERVAL_S, Bus, repair
+from tokenpipe.bus import REPAIR_INTERVAL_S, Bus, release_intake, repair
 from tokenpipe.errors import InvalidRequest, TokenpipeError, WireFormatError
 from tokenpipe.metrics import GeneratorMetrics
 from tokenpipe.settings import Settings
@@ -232,6 +232,7 @@ class GeneratorWorker:
         log.warning("refusing a request for a stream id that is taken", extra={"request_id": rid, "owner": out.owner})
         self._refuse(out)
         await msg.term()  # no error batch: that stream belongs to its first request
+        await release_intake(self.bus.js, msg.subject, msg.headers)
 
     def _refuse(self, out: StreamWriter) -> None:
         """Nothing of ``out`` is published; its slot is free once the engine has let it go."""
@@ -285,6 +286,7 @@ class GeneratorWorker:
             if past and past[-1].is_final:
                 span.end()
                 await msg.ack()  # it finished; only the ack was lost
+                await release_intake(self.bus.js, msg.subject, msg.headers)
                 return
         resume = tuple(t for b in past for t in b.token_ids)
         span.set_attribute("tokenpipe.delivery", msg.metadata.num_delivered)
