@@ -13,7 +13,11 @@ exporting account mapped back to the importer, so every answer an app provokes l
 own account. Layout:
 
 - ``TOKENPIPE``: the relay, the generators and the admin; JetStream with ``TP_REQUESTS``,
-  ``TP_TOKENS`` and the ``tp_streams`` registry. For each app it exports, to that app's account
+  ``TP_TOKENS``, the ``tp_streams`` registry and, per app, the intake stream ``TP_REQ_<app>``
+  where its requests land, which ``TP_REQUESTS`` sources (tokenpipe.bus.intake_config: a
+  publisher's ``Nats-Expected-Last-Subject-Sequence-Subject`` header is then evaluated against
+  the app's own requests alone, never another app's; the generators may delete a finished
+  request's copy there). For each app it exports, to that app's account
   only, the services ``tp.req.*.<app>`` (its requests; JetStream's PubAck is the reply) and
   ``tp.cancel.<app>.>`` (its cancels), and the stream ``tp.live.<app>.>`` (its tokens, live: each
   batch once tokenpipe's ``TP_TOKENS`` accepted it, never one it refused, tokenpipe.append).

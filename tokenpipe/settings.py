@@ -91,6 +91,10 @@ class Settings:
             "takes requests for these only (one for any other model is stored nowhere), and the admin makes each "
             "one's generator consumer, which generators only bind to (on an open bus, with no admin: any model, "
             "each generator makes its own consumer)")
+    apps: str = _setting(
+        "", "the applications, comma-separated, for the admin's provisioner where no credentials directory tells it "
+            "(the Helm chart; `tokenpipe up` reads its `creds/app-*.json`): each gets an intake stream `TP_REQ_<app>` "
+            "that `TP_REQUESTS` sources, so that its requests are checked against its own alone")
     app_max_store_bytes: int = _setting(
         1 << 30, "JetStream file storage one application's account may use (its copy of its token streams; a "
                  "stream asking for more is refused)", shown="1073741824 (1 GiB)")

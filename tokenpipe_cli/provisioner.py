@@ -21,7 +21,7 @@ from pathlib import Path
 from tokenpipe.background import pause
 from tokenpipe.bus import REPAIR_INTERVAL_S, Bus, connect, repair
 from tokenpipe.errors import TokenpipeError, TransportError
-from tokenpipe.natsauth import app_names
+from tokenpipe.natsauth import app_names, check_app_name
 from tokenpipe.settings import Settings
 
 __all__ = ["Provisioner"]
@@ -42,7 +42,7 @@ class Provisioner:
         if admin_creds is not None:
             self.settings = self.settings.replace(nats_creds=str(admin_creds), nats_user="")
         # Where the applications' credentials are (None: not known here, e.g. the Helm chart's
-        # user and password; TP_REQUESTS' subjects and sources are then left as they are).
+        # user and password, which names them in TOKENPIPE_APPS).
         self._creds_dir = Path(self.settings.nats_creds).parent if self.settings.nats_creds else None
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
@@ -108,8 +108,12 @@ class Provisioner:
             await pause(self._stop, 0.5)  # the cluster forming: no event to wait for
 
     def apps(self) -> list[str] | None:
-        """The applications whose intake streams the admin keeps; None where it cannot know them."""
-        return None if self._creds_dir is None else app_names(self._creds_dir)
+        """The applications whose intake streams the admin keeps: those with credentials next to the
+        admin's, else ``TOKENPIPE_APPS``; None where neither tells (TP_REQUESTS is then left as it is)."""
+        if self._creds_dir is not None:
+            return app_names(self._creds_dir)
+        named = [check_app_name(a.strip()) for a in self.settings.apps.split(",") if a.strip()]
+        return sorted(set(named)) or None
 
     async def _repair(self, bus: Bus) -> None:
         if not bus.nc.is_connected:
