@@ -24,7 +24,7 @@ import pytest
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import api as js_api
-from nats.js.errors import APIError, NoStreamResponseError
+from nats.js.errors import APIError, NoStreamResponseError, NotFoundError
 
 from producer import Producer
 from tokenpipe.bus import Bus, connect
@@ -346,3 +346,44 @@ def test_an_app_named_relay_read_and_cancelled_the_http_streams(tmp_path: Path, 
         .replace('"app-billing"', json.dumps(f"app-{name}")))
     with pytest.raises(ConfigError, match="reserved"):
         write_server_config(tmp_path / "nats.conf", tmp_path / "creds")
+
+
+# -- item: each application's requests in a stream of their own (the sequence oracle) ----------------
+
+async def _sourced(admin: Bus, app: str) -> bool:
+    """Whether ``app``'s intake stream exists and TP_REQUESTS sources it."""
+    try:
+        await admin.js.stream_info(intake_stream(app))
+    except NotFoundError:
+        return False
+    sources = (await admin.js.stream_info(REQUESTS_STREAM)).config.sources or []
+    return intake_stream(app) in [s.name for s in sources]
+
+
+async def test_a_deleted_intake_stream_is_recreated_and_its_requests_reach_the_queue_at_once(
+        server: Server, admin: Bus) -> None:
+    await admin.js.delete_stream(intake_stream("alice"))
+    await wait_until(lambda: _sourced(admin, "alice"), 10, "the admin to re-create alice's intake stream")
+    nc = await server.raw("app-alice")
+    try:
+        js = nc.jetstream(timeout=5)
+        ack = await js.publish(f"tp.req.{MODEL}.alice", Request.build(MODEL, prompt="again", params={"max_tokens": 1})
+                               .encode())
+        assert ack.stream == intake_stream("alice") and ack.seq == 1  # her own sequence, nobody else's
+
+        async def queued() -> bool:
+            info = await admin.js.stream_info(REQUESTS_STREAM, subjects_filter=f"tp.req.{MODEL}.alice")
+            return (info.state.subjects or {}).get(f"tp.req.{MODEL}.alice") == 1
+
+        # A source added while its stream was missing is retried by the server only after ~30 s.
+        await wait_until(queued, 5, "alice's request to be sourced into TP_REQUESTS")
+    finally:
+        await nc.close()
+        for stream in (REQUESTS_STREAM, intake_stream("alice")):
+            await admin.js.purge_stream(stream)
+
+
+async def test_an_app_added_while_the_admin_runs_gets_its_intake_stream(server: Server, admin: Bus) -> None:
+    add_app(server.creds, "carol")  # `tokenpipe creds add-app carol`: the admin reads the directory each round
+    await wait_until(lambda: _sourced(admin, "carol"), 10, "the admin to make carol's intake stream")
+    assert (await admin.js.stream_info(intake_stream("carol"))).config.subjects == [f"tp.req.{MODEL}.carol"]
