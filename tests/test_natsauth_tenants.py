@@ -290,7 +290,7 @@ async def test_a_request_id_published_first_by_another_app_does_not_swallow_the_
     payload = Request.build(MODEL, prompt="squat", params={"max_tokens": 2}, request_id=chosen).encode()
     for msg_id in (f"alice:{chosen}", chosen, f"relay:{chosen}"):
         ack = await js.publish(f"tp.req.{MODEL}.mallory", payload, headers={"Nats-Msg-Id": msg_id})
-        assert ack.stream == "TP_REQUESTS"
+        assert ack.stream == intake_stream("mallory")  # stored: her own intake, sourced into TP_REQUESTS
     assert await alice_stream(up, admin, chosen) == chosen
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hashlib
 import hmac
@@ -47,6 +48,7 @@ __all__ = ["Bus", "connect", "consumer_drift", "intake_config", "missing", "prov
 
 log = logging.getLogger(__name__)
 
+_RELEASE_TIMEOUT_S = 2.0  # release_intake's wait for its delete
 REPAIR_INTERVAL_S = 2.0  # how often the relay and the generators check that what tokenpipe provisions exists
 
 
@@ -319,7 +321,10 @@ async def release_intake(js: JetStreamContext, subject: str, headers: dict[str, 
         log.warning("a sourced request names another intake stream", extra={"subject": subject, "source": stream})
         return
     try:
-        await js.delete_msg(stream, int(seq))
+        # Bounded: a delete its permissions do not allow (an app its credentials were not rendered
+        # for) is never answered, and the caller's chain of appends must not wait 10 s on it.
+        async with asyncio.timeout(_RELEASE_TIMEOUT_S):
+            await js.delete_msg(stream, int(seq))
     except NotFoundError:
         pass  # deleted already (a request redelivered and finished twice), or expired
     except Exception as exc:  # nats errors and timeouts: the copy expires with max_age
