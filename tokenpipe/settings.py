@@ -79,11 +79,14 @@ class Settings:
         600.0, "how long a queued request waits for a generator before JetStream drops it (a queue, not an "
                "archive: a client has long given up on a request older than this)")
     request_max_bytes: int = _setting(
-        1 << 30, "size cap of the request queue (`TP_REQUESTS`) for all models and owners together; a request "
-                 "beyond it is refused, never an older one dropped", shown="1073741824 (1 GiB)")
+        1 << 30, "size cap of the request queue (`TP_REQUESTS`) for all models and owners together, and of each "
+                 "application's intake stream (`TP_REQ_<app>`); a request beyond it is refused, never an older one "
+                 "dropped (an app's request past the queue's cap waits in its intake stream until there is room)",
+        shown="1073741824 (1 GiB)")
     request_max_per_owner: int = _setting(
         4096, "requests one owner (an application, or the relay for every HTTP client) may have queued or running "
-              "per model (`tp.req.<model>.<owner>`); one more is refused (429 at the relay, `Overloaded` in the SDK). "
+              "per model (`tp.req.<model>.<owner>`; an application's counted in its intake stream `TP_REQ_<app>`); "
+              "one more is refused (429 at the relay, `Overloaded` in the SDK). "
               "Keep it above the requests running at once (generators × `TOKENPIPE_MAX_BATCH`) plus "
               "`TOKENPIPE_MAX_QUEUE_DEPTH`; -1: no bound")
     models: str = _setting(
