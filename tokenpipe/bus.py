@@ -287,7 +287,7 @@ def intake_config(settings: Settings, app: str, replicas: int) -> js_api.StreamC
     requests). Limits retention, not a work queue: a work queue would give each request up as soon
     as TP_REQUESTS copied it, and the bound per owner (``max_msgs_per_subject``, refusing the new
     one at the app's publish) must count what is queued or running. The generator done with a
-    request deletes it here (:func:`release_intake`); one that died first leaves it to ``max_age``."""
+    request deletes it here (:func:`release_intake`) before its ack."""
     return js_api.StreamConfig(
         name=intake_stream(app),
         subjects=owner_request_subjects(app, served_models(settings)),
@@ -305,10 +305,12 @@ def intake_config(settings: Settings, app: str, replicas: int) -> js_api.StreamC
 
 async def release_intake(js: JetStreamContext, subject: str, headers: dict[str, str] | None) -> None:
     """Delete the intake copy (:func:`intake_config`) of the request ``TP_REQUESTS`` delivered with
-    ``subject`` and ``headers``, once it is done with (acked or terminated): its place in its owner's
-    bound is free again. A request stored in TP_REQUESTS itself (the relay's) has none. The source
-    header is the server's own (a publisher's is refused); it must name the intake stream of the
-    owner in the subject. Never raises: the copy then expires with the intake's ``max_age``."""
+    ``subject`` and ``headers``, once it is done with, just before it is acked or terminated: its
+    place in its owner's bound is free again (before, so that a generator dying in between leaves no
+    copy behind: the redelivered request is found final and only acked). A request stored in
+    TP_REQUESTS itself (the relay's) has none. The source header is the server's own (a publisher's
+    is refused); it must name the intake stream of the owner in the subject. Never raises: a copy
+    it could not delete expires with the intake's ``max_age``."""
     source = (headers or {}).get("Nats-Stream-Source", "").split()
     if len(source) < 2:
         return

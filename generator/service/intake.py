@@ -151,8 +151,8 @@ class RequestIntake:
             except Exception as exc2:  # JetStream away: the client's reader ends on its own timeout
                 log.warning("cannot end the rejected request's stream", extra={"request_id": rid,
                                                                               "error": repr(exc2)})
-        await msg.term()
         await release_intake(self.bus.js, msg.subject, msg.headers)
+        await msg.term()
 
     async def _on_max_deliveries(self, msg: Msg) -> None:
         """Every attempt failed (workers died): end the client's stream with a clear error.
@@ -193,8 +193,8 @@ class RequestIntake:
                     lambda: append_once(self.bus, owner, batch, expected_last=stored_last, live=self.live),
                     window_s=PATIENCE.budget_s)
                 log.error("request exhausted its deliveries", extra={"request_id": request.id, "attempts": attempts})
-            await through_elections(lambda: self.bus.js.delete_msg(REQUESTS_STREAM, seq), window_s=PATIENCE.budget_s)
             await release_intake(self.bus.js, raw.subject or "", raw.headers)
+            await through_elections(lambda: self.bus.js.delete_msg(REQUESTS_STREAM, seq), window_s=PATIENCE.budget_s)
         except Exception as exc:  # JetStream stayed unavailable for PATIENCE.budget_s, or refused
             log.error("cannot end a request that exhausted its deliveries",
                       extra={"request_id": request.id, "error": repr(exc)})

@@ -201,12 +201,14 @@ class BatchPublisher:
             while chain.queue:
                 item = chain.queue.popleft()
                 if isinstance(item, _Ack):
+                    # Its place in its app's bound is free first: dying between the two then leaves no copy
+                    # behind (the redelivery finds the stream final and only acks), the other way round
+                    # one for max_age.
+                    await release_intake(self.bus.js, item.msg.subject, item.msg.headers)
                     try:
                         await item.msg.ack()
                     except Exception as exc:  # an ack on a dead connection: the request is redelivered and resumed
                         log.warning("ack failed", extra={"request_id": chain.stream_id, "error": repr(exc)})
-                    else:  # its place in its app's bound is free (the redelivered copy's finish frees it else)
-                        await release_intake(self.bus.js, item.msg.subject, item.msg.headers)
                 else:
                     try:
                         await self._append(chain, item)

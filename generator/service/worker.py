@@ -231,8 +231,8 @@ class GeneratorWorker:
             return
         log.warning("refusing a request for a stream id that is taken", extra={"request_id": rid, "owner": out.owner})
         self._refuse(out)
+        await release_intake(self.bus.js, msg.subject, msg.headers)  # before: tokenpipe.bus.release_intake
         await msg.term()  # no error batch: that stream belongs to its first request
-        await release_intake(self.bus.js, msg.subject, msg.headers)
 
     def _refuse(self, out: StreamWriter) -> None:
         """Nothing of ``out`` is published; its slot is free once the engine has let it go."""
@@ -285,8 +285,8 @@ class GeneratorWorker:
                 return
             if past and past[-1].is_final:
                 span.end()
-                await msg.ack()  # it finished; only the ack was lost
                 await release_intake(self.bus.js, msg.subject, msg.headers)
+                await msg.ack()  # it finished; only the ack was lost
                 return
         resume = tuple(t for b in past for t in b.token_ids)
         span.set_attribute("tokenpipe.delivery", msg.metadata.num_delivered)
