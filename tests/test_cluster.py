@@ -20,11 +20,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import nats.js.errors
 import pytest
+from nats.js import api as js_api
 
 from relay.fanout import Fanout
 from tokenpipe.append import send_live
-from tokenpipe.bus import Bus, connect
+from tokenpipe.bus import Bus, connect, release_intake
 from tokenpipe.cluster import (
     cluster_size,
     parse_replicas,
@@ -37,7 +39,7 @@ from tokenpipe.natsconfig import write_server_config
 from tokenpipe.retry import through_elections
 from tokenpipe.settings import Settings
 from tokenpipe.streams import Gap, follow
-from tokenpipe.subjects import META_BUCKET, REQUESTS_STREAM, TOKENS_STREAM, consumer_name, token_subject
+from tokenpipe.subjects import META_BUCKET, REQUESTS_STREAM, TOKENS_STREAM, consumer_name, intake_stream, token_subject
 from tokenpipe.wire import TokenBatch, new_request_id
 from tokenpipe_cli.cli import build_parser
 from tokenpipe_cli.cluster import LocalCluster
@@ -167,6 +169,36 @@ async def test_single_replica_streams_are_scaled_to_three_in_place(three_nodes: 
         await asyncio.to_thread(three_nodes.wait_healthy, 30)
         again = await connect(on(three_nodes, replicas="auto"), name="test-auto-again")  # idempotent
         await again.close()
+    finally:
+        await bus.close()
+
+
+async def test_intake_streams_on_three_replicas_are_sourced_into_the_request_queue(three_nodes: LocalCluster) -> None:
+    """The admin's layout with applications (tokenpipe.bus.intake_config), made over an existing
+    TP_REQUESTS that took every request itself: its subjects narrow to the relay's, each app's
+    intake stream is made with three replicas, and an app's request reaches TP_REQUESTS' consumers."""
+    settings = on(three_nodes, request_max_per_owner=2)
+    bus = await connect(settings, name="test-intake", apps=["alice"])
+    try:
+        assert [await replicas(bus, s) for s in (REQUESTS_STREAM, intake_stream("alice"))] == [3, 3]
+        cfg = (await bus.js.stream_info(REQUESTS_STREAM)).config
+        assert cfg.subjects == ["tp.req.*.relay"] and [s.name for s in cfg.sources or []] == [intake_stream("alice")]
+        await bus.js.add_consumer(REQUESTS_STREAM, js_api.ConsumerConfig(
+            name="test-intake", durable_name="test-intake", filter_subject="tp.req.m.>",
+            ack_policy=js_api.AckPolicy.EXPLICIT))
+        pull = await bus.js.pull_subscribe_bind("test-intake", stream=REQUESTS_STREAM)
+        for i in range(2):
+            ack = await through_elections(lambda i=i: bus.js.publish("tp.req.m.alice", b"r%d" % i))
+            assert ack.stream == intake_stream("alice")
+        with pytest.raises(nats.js.errors.APIError, match="maximum messages per subject"):
+            await bus.js.publish("tp.req.m.alice", b"one too many")  # her bound, refused at her publish
+        got = await pull.fetch(2, timeout=10)
+        assert [m.data for m in got] == [b"r0", b"r1"] and {m.subject for m in got} == {"tp.req.m.alice"}
+        for m in got:
+            await m.ack_sync()
+            await release_intake(bus.js, m.subject, m.headers)
+        assert (await bus.js.stream_info(intake_stream("alice"))).state.messages == 0  # her places are free
+        await bus.js.delete_consumer(REQUESTS_STREAM, "test-intake")
     finally:
         await bus.close()
 

@@ -24,7 +24,7 @@ import pytest
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import api as js_api
-from nats.js.errors import APIError, NoStreamResponseError
+from nats.js.errors import APIError, NoStreamResponseError, NotFoundError
 
 from producer import Producer
 from tokenpipe.bus import Bus, connect
@@ -33,7 +33,7 @@ from tokenpipe.natsauth import add_app, ensure_credentials, load_credential
 from tokenpipe.natsconfig import accounts, write_server_config
 from tokenpipe.settings import Settings
 from tokenpipe.streams import history, last_batch
-from tokenpipe.subjects import REQUESTS_STREAM, TOKENS_STREAM, consumer_name
+from tokenpipe.subjects import REQUESTS_STREAM, TOKENS_STREAM, consumer_name, intake_stream
 from tokenpipe.wire import Request, TokenBatch
 from tokenpipe_cli.natsserver import NatsServer
 from tokenpipe_cli.provisioner import Provisioner
@@ -175,13 +175,18 @@ async def test_requests_for_a_model_nobody_serves_were_stored_for_a_day(server: 
             await js.publish("tp.req.nomodel.mallory", big)
     finally:
         await nc.close()
-    info = await admin.js.stream_info(REQUESTS_STREAM, subjects_filter="tp.req.nomodel.>")
-    assert not info.state.subjects
-    cfg = info.config
-    assert cfg.subjects == [f"tp.req.{MODEL}.>"]
-    assert cfg.max_age is not None and cfg.max_age <= 3600
-    assert (cfg.max_bytes, cfg.max_msgs_per_subject, cfg.discard, cfg.discard_new_per_subject) == (
-        BOUNDS["request_max_bytes"], BOUNDS["request_max_per_owner"], js_api.DiscardPolicy.NEW, True)
+    # TP_REQUESTS stores the relay's requests itself and sources each app's intake stream, which
+    # takes that app's requests for the served models only.
+    for stream, subject in ((REQUESTS_STREAM, "relay"), (intake_stream("mallory"), "mallory")):
+        info = await admin.js.stream_info(stream, subjects_filter="tp.req.nomodel.>")
+        assert not info.state.subjects
+        cfg = info.config
+        assert cfg.subjects == [f"tp.req.{MODEL}.{subject}"]
+        assert cfg.max_age is not None and cfg.max_age <= 3600
+        assert (cfg.max_bytes, cfg.max_msgs_per_subject, cfg.discard, cfg.discard_new_per_subject) == (
+            BOUNDS["request_max_bytes"], BOUNDS["request_max_per_owner"], js_api.DiscardPolicy.NEW, True)
+    sources = (await admin.js.stream_info(REQUESTS_STREAM)).config.sources or []
+    assert sorted(s.name for s in sources) == [intake_stream(a) for a in ("alice", "default", "mallory")]
 
 
 async def test_one_app_filled_the_request_queue(server: Server, admin: Bus) -> None:
@@ -201,7 +206,8 @@ async def test_one_app_filled_the_request_queue(server: Server, admin: Bus) -> N
             await (await alice.submit(MODEL, prompt="mine", max_tokens=1)).cancel()
     finally:
         await nc.close()
-        await admin.js.purge_stream(REQUESTS_STREAM)  # no generator here takes them
+        for stream in (REQUESTS_STREAM, intake_stream("mallory"), intake_stream("alice")):
+            await admin.js.purge_stream(stream)  # no generator here takes them
 
 
 # -- item: least privilege for the generators and the relay -------------------------------------------
@@ -340,3 +346,44 @@ def test_an_app_named_relay_read_and_cancelled_the_http_streams(tmp_path: Path, 
         .replace('"app-billing"', json.dumps(f"app-{name}")))
     with pytest.raises(ConfigError, match="reserved"):
         write_server_config(tmp_path / "nats.conf", tmp_path / "creds")
+
+
+# -- item: each application's requests in a stream of their own (the sequence oracle) ----------------
+
+async def _sourced(admin: Bus, app: str) -> bool:
+    """Whether ``app``'s intake stream exists and TP_REQUESTS sources it."""
+    try:
+        await admin.js.stream_info(intake_stream(app))
+    except NotFoundError:
+        return False
+    sources = (await admin.js.stream_info(REQUESTS_STREAM)).config.sources or []
+    return intake_stream(app) in [s.name for s in sources]
+
+
+async def test_a_deleted_intake_stream_is_recreated_and_its_requests_reach_the_queue_at_once(
+        server: Server, admin: Bus) -> None:
+    await admin.js.delete_stream(intake_stream("alice"))
+    await wait_until(lambda: _sourced(admin, "alice"), 10, "the admin to re-create alice's intake stream")
+    nc = await server.raw("app-alice")
+    try:
+        js = nc.jetstream(timeout=5)
+        ack = await js.publish(f"tp.req.{MODEL}.alice", Request.build(MODEL, prompt="again", params={"max_tokens": 1})
+                               .encode())
+        assert ack.stream == intake_stream("alice") and ack.seq == 1  # her own sequence, nobody else's
+
+        async def queued() -> bool:
+            info = await admin.js.stream_info(REQUESTS_STREAM, subjects_filter=f"tp.req.{MODEL}.alice")
+            return (info.state.subjects or {}).get(f"tp.req.{MODEL}.alice") == 1
+
+        # A source added while its stream was missing is retried by the server only after ~30 s.
+        await wait_until(queued, 5, "alice's request to be sourced into TP_REQUESTS")
+    finally:
+        await nc.close()
+        for stream in (REQUESTS_STREAM, intake_stream("alice")):
+            await admin.js.purge_stream(stream)
+
+
+async def test_an_app_added_while_the_admin_runs_gets_its_intake_stream(server: Server, admin: Bus) -> None:
+    add_app(server.creds, "carol")  # `tokenpipe creds add-app carol`: the admin reads the directory each round
+    await wait_until(lambda: _sourced(admin, "carol"), 10, "the admin to make carol's intake stream")
+    assert (await admin.js.stream_info(intake_stream("carol"))).config.subjects == [f"tp.req.{MODEL}.carol"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hashlib
 import hmac
@@ -21,7 +22,7 @@ from nats.js.kv import KeyValue
 
 from . import natsauth
 from .cluster import connected_server, replicas_to_keep, resolve_replicas, server_list
-from .errors import TransportError
+from .errors import InvalidRequest, TransportError
 from .settings import Settings
 from .subjects import (
     META_BUCKET,
@@ -33,15 +34,21 @@ from .subjects import (
     TOKENS_STREAM,
     check_model_name,
     consumer_name,
+    intake_stream,
     model_request_filter,
+    owner_of_intake,
+    owner_of_request,
+    owner_request_subjects,
     owner_tokens,
 )
 
-__all__ = ["Bus", "connect", "consumer_drift", "missing", "provision", "provision_copy", "repair",
-           "request_consumer_config", "served_models", "REPAIR_INTERVAL_S"]
+__all__ = ["Bus", "connect", "consumer_drift", "intake_config", "missing", "provision", "provision_copy",
+           "release_intake", "repair", "request_consumer_config", "requests_config", "served_models",
+           "REPAIR_INTERVAL_S"]
 
 log = logging.getLogger(__name__)
 
+_RELEASE_TIMEOUT_S = 2.0  # release_intake's wait for its delete
 REPAIR_INTERVAL_S = 2.0  # how often the relay and the generators check that what tokenpipe provisions exists
 
 
@@ -88,9 +95,11 @@ class Bus:
             await self.nc.close()  # the server is gone: nothing can be drained to it
 
 
-async def connect(settings: Settings, *, name: str, provision_streams: bool = True, role: str = "relay") -> Bus:
+async def connect(settings: Settings, *, name: str, provision_streams: bool = True, role: str = "relay",
+                  apps: list[str] | None = None) -> Bus:
     """Connect as ``role`` (its credentials, TLS and inbox: :mod:`tokenpipe.natsauth`; retrying
-    forever on disconnect), provision streams, open the meta bucket."""
+    forever on disconnect), provision streams (``apps``: the admin's applications, :func:`provision`),
+    open the meta bucket."""
     ident = natsauth.identity(settings, role)
 
     bus: Bus | None = None
@@ -142,7 +151,7 @@ async def connect(settings: Settings, *, name: str, provision_streams: bool = Tr
     replicas = _replicas(js, settings)
     try:
         if provision_streams and ident.provisions:
-            await provision(js, settings, registry=ident.registry, replicas=replicas)
+            await provision(js, settings, registry=ident.registry, replicas=replicas, apps=apps)
         if ident.own_account:
             await provision_copy(js, settings, ident.owner, replicas=replicas)
         # An app may not touch the registry: it gets a handle that was never opened (any use is denied).
@@ -177,9 +186,15 @@ async def _ensure_stream(js: JetStreamContext, config: js_api.StreamConfig, sett
         log.error("stream is sealed", extra={"stream": config.name, "action": _SEALED_ACTION.format(config.name)})
         return
     config.num_replicas = replicas_to_keep(have.num_replicas or 1, config.num_replicas or 1, settings.replicas)
+    if config.sources is None and have.sources:
+        # Provisioned without knowing the applications (not the admin's provisioner): their intake
+        # streams and TP_REQUESTS' subjects stay as the provisioner made them (widening the subjects
+        # would overlap the intake streams, and an update without sources would drop them).
+        config.subjects, config.sources = have.subjects, have.sources
     wanted = ("subjects", "max_age", "max_bytes", "max_msgs_per_subject", "discard", "discard_new_per_subject",
               "duplicate_window", "allow_direct", "num_replicas")
-    if any(getattr(have, k) != getattr(config, k) for k in wanted if getattr(config, k) is not None):
+    if any(getattr(have, k) != getattr(config, k) for k in wanted if getattr(config, k) is not None) or (
+            config.sources is not None and _source_names(have) != _source_names(config)):
         # Retention/storage can't change in place; the rest can (replicas included), so settings apply.
         await _update_stream(js, config, have.num_replicas or 1)
 
@@ -225,13 +240,28 @@ def served_models(settings: Settings) -> list[str]:
     return [check_model_name(m.strip()) for m in settings.models.split(",") if m.strip()]
 
 
-def _requests_config(settings: Settings, replicas: int) -> js_api.StreamConfig:
+def _source_names(config: js_api.StreamConfig) -> list[str]:
+    return sorted(s.name for s in config.sources or ())
+
+
+def requests_config(settings: Settings, replicas: int, apps: list[str] | None = None) -> js_api.StreamConfig:
+    """``TP_REQUESTS``, the queue every generator of a model takes requests from. ``apps`` None (an
+    open bus, or a process that does not know the applications): it stores every request itself.
+    Else (the admin's provisioner, which knows them): only the relay's, and it sources each
+    application's intake stream (:func:`intake_config`)."""
     models = served_models(settings)
-    return js_api.StreamConfig(
-        name=REQUESTS_STREAM,
+    if apps is None:
         # Only the models served: a request for another one is stored nowhere (20 x 1 MB on
         # tp.req.nomodel.<app>, which nobody consumes, were kept for a day).
-        subjects=[model_request_filter(m) for m in models] or [REQUEST_WILDCARD],
+        subjects = [model_request_filter(m) for m in models] or [REQUEST_WILDCARD]
+    else:
+        subjects = owner_request_subjects(RELAY_OWNER, models)
+    return js_api.StreamConfig(
+        name=REQUESTS_STREAM,
+        subjects=subjects,
+        # A sourced message keeps its subject (tp.req.<model>.<app>): the generators' consumers
+        # filter by model, whoever stored it. The server drops its Nats-Expected-* headers on the way.
+        sources=None if apps is None else [js_api.StreamSource(name=intake_stream(a)) for a in sorted(apps)],
         retention=js_api.RetentionPolicy.WORK_QUEUE,
         storage=js_api.StorageType.FILE,
         max_age=settings.request_max_age_s,
@@ -244,6 +274,64 @@ def _requests_config(settings: Settings, replicas: int) -> js_api.StreamConfig:
         duplicate_window=min(120.0, settings.request_max_age_s),
         num_replicas=replicas,
     )
+
+
+def intake_config(settings: Settings, app: str, replicas: int) -> js_api.StreamConfig:
+    """Application ``app``'s intake stream ``TP_REQ_<app>`` (in tokenpipe's account): where its
+    requests land (its service import), sourced into ``TP_REQUESTS``.
+
+    Of its own so that a publisher's JetStream headers are evaluated against its own requests
+    only: in the shared TP_REQUESTS, an app's request with ``Nats-Expected-Last-Subject-Sequence:
+    0`` and ``Nats-Expected-Last-Subject-Sequence-Subject: tp.req.<model>.alice`` was refused with
+    "wrong last sequence: 132" while alice worked (and its PubAck's sequence counted every owner's
+    requests). Limits retention, not a work queue: a work queue would give each request up as soon
+    as TP_REQUESTS copied it, and the bound per owner (``max_msgs_per_subject``, refusing the new
+    one at the app's publish) must count what is queued or running. The generator done with a
+    request deletes it here (:func:`release_intake`) before its ack."""
+    return js_api.StreamConfig(
+        name=intake_stream(app),
+        subjects=owner_request_subjects(app, served_models(settings)),
+        retention=js_api.RetentionPolicy.LIMITS,
+        storage=js_api.StorageType.FILE,
+        max_age=settings.request_max_age_s,
+        max_bytes=settings.request_max_bytes,
+        max_msgs_per_subject=settings.request_max_per_owner,
+        discard=js_api.DiscardPolicy.NEW,
+        discard_new_per_subject=settings.request_max_per_owner > 0,
+        duplicate_window=min(120.0, settings.request_max_age_s),
+        num_replicas=replicas,
+    )
+
+
+async def release_intake(js: JetStreamContext, subject: str, headers: dict[str, str] | None) -> None:
+    """Delete the intake copy (:func:`intake_config`) of the request ``TP_REQUESTS`` delivered with
+    ``subject`` and ``headers``, once it is done with, just before it is acked or terminated: its
+    place in its owner's bound is free again (before, so that a generator dying in between leaves no
+    copy behind: the redelivered request is found final and only acked). A request stored in
+    TP_REQUESTS itself (the relay's) has none. The source header is the server's own (a publisher's
+    is refused); it must name the intake stream of the owner in the subject. Never raises: a copy
+    it could not delete expires with the intake's ``max_age``."""
+    source = (headers or {}).get("Nats-Stream-Source", "").split()
+    if len(source) < 2:
+        return
+    stream, seq = source[0].split(":")[0], source[1]
+    try:
+        owner = owner_of_request(subject)
+    except InvalidRequest:
+        return
+    if owner_of_intake(stream) != owner or not seq.isdigit():
+        log.warning("a sourced request names another intake stream", extra={"subject": subject, "source": stream})
+        return
+    try:
+        # Bounded: a delete its permissions do not allow (an app its credentials were not rendered
+        # for) is never answered, and the caller's chain of appends must not wait 10 s on it.
+        async with asyncio.timeout(_RELEASE_TIMEOUT_S):
+            await js.delete_msg(stream, int(seq))
+    except NotFoundError:
+        pass  # deleted already (a request redelivered and finished twice), or expired
+    except Exception as exc:  # nats errors and timeouts: the copy expires with max_age
+        log.warning("cannot release a request's intake copy", extra={"stream": stream, "seq": seq,
+                                                                     "error": repr(exc)})
 
 
 def request_consumer_config(settings: Settings, model: str) -> js_api.ConsumerConfig:
@@ -312,12 +400,39 @@ async def provision_copy(js: JetStreamContext, settings: Settings, owner: str, *
         raise TransportError(f"cannot provision the app's token store: {exc}") from exc
 
 
-async def provision(js: JetStreamContext, settings: Settings, *, registry: bool = True, replicas: int = 1) -> None:
+async def _ensure_requests(js: JetStreamContext, settings: Settings, replicas: int, apps: list[str] | None) -> None:
+    """TP_REQUESTS and (``apps`` given) each application's intake stream, in an order the server
+    accepts: TP_REQUESTS first gives up the apps' subjects (two streams of one account may not
+    share a subject), then the intake streams that are missing are created, then TP_REQUESTS
+    sources them. A source added before its stream exists is retried by the server only after
+    ~30 s; one whose stream was deleted and is created again is dropped and added back here."""
+    if apps is None:
+        await _ensure_stream(js, requests_config(settings, replicas), settings)
+        return
+    exist = []
+    for app in apps:
+        try:
+            await js.stream_info(intake_stream(app))
+            exist.append(app)
+        except NotFoundError:
+            pass
+    await _ensure_stream(js, requests_config(settings, replicas, exist), settings)
+    for app in apps:
+        await _ensure_stream(js, intake_config(settings, app, replicas), settings)
+    if len(exist) < len(apps):
+        await _ensure_stream(js, requests_config(settings, replicas, apps), settings)
+
+
+async def provision(js: JetStreamContext, settings: Settings, *, registry: bool = True, replicas: int = 1,
+                    apps: list[str] | None = None) -> None:
     """Create or update the request/token streams, the request consumer of each served model
     (:func:`served_models`) and (``registry``: only the roles that may touch it, tokenpipe.natsauth)
-    the meta bucket, with ``replicas`` replicas (existing ones are scaled up in place). Safe to race."""
+    the meta bucket, with ``replicas`` replicas (existing ones are scaled up in place). ``apps``:
+    the applications, each with an intake stream that TP_REQUESTS sources (the admin's
+    provisioner; None: TP_REQUESTS' subjects and sources are kept as they are, or on an open bus
+    it takes every request itself: :func:`requests_config`). Safe to race."""
     try:
-        await _ensure_stream(js, _requests_config(settings, replicas), settings)
+        await _ensure_requests(js, settings, replicas, apps)
         await _ensure_consumers(js, settings)
         await _ensure_stream(js, _tokens_config(settings, [TOKEN_WILDCARD], replicas), settings)
         if not registry:
@@ -348,17 +463,20 @@ async def _scale_bucket(js: JetStreamContext, replicas: int, settings: Settings)
 
 
 async def missing(js: JetStreamContext, *, settings: Settings, registry: bool = True,
-                  limits: bool = False) -> list[str]:
+                  limits: bool = False, apps: list[str] | None = None) -> list[str]:
     """The streams (and, with ``registry``, the meta bucket's stream) that tokenpipe provisions and
     that do not exist now, also each one that is broken (sealed; retention policy, storage or
     subjects changed) and, with ``limits``, each whose age or size limit
     differs from ``settings`` (only the admin judges those: another process may run with other
-    settings), as a sentence that says what is wrong. Raises :class:`TransportError` when
-    JetStream cannot be asked."""
+    settings), as a sentence that says what is wrong; with ``apps``, also each application's
+    intake stream and TP_REQUESTS' sources of them (:func:`requests_config`). Raises
+    :class:`TransportError` when JetStream cannot be asked."""
     gone: list[str] = []
-    wanted = {REQUESTS_STREAM: _requests_config(settings, 1),
-              TOKENS_STREAM: _tokens_config(settings, [TOKEN_WILDCARD], 1)}
-    for name in (REQUESTS_STREAM, TOKENS_STREAM, *((META_STREAM,) if registry else ())):
+    wanted = {REQUESTS_STREAM: requests_config(settings, 1, apps),
+              TOKENS_STREAM: _tokens_config(settings, [TOKEN_WILDCARD], 1),
+              **{intake_stream(a): intake_config(settings, a, 1) for a in apps or ()}}
+    for name in (REQUESTS_STREAM, TOKENS_STREAM, *((META_STREAM,) if registry else ()),
+                 *(intake_stream(a) for a in apps or ())):
         try:
             info = await js.stream_info(name)
         except NotFoundError:
@@ -391,10 +509,9 @@ async def _consumers_drift(js: JetStreamContext, settings: Settings) -> list[str
 
 
 # Judged by the admin alone (``limits``): they follow its settings, which another process need not share
-# (the served models decide TP_REQUESTS' subjects).
-_ADMINS_KEYS = {REQUESTS_STREAM: ("subjects", "max_age", "max_bytes", "max_msgs_per_subject", "discard",
-                                  "discard_new_per_subject"),
-                TOKENS_STREAM: ("max_age", "max_bytes")}
+# (the served models decide TP_REQUESTS' subjects, the applications its sources).
+_REQUEST_LIMITS = ("subjects", "max_age", "max_bytes", "max_msgs_per_subject", "discard", "discard_new_per_subject")
+_ADMINS_KEYS = {REQUESTS_STREAM: _REQUEST_LIMITS, TOKENS_STREAM: ("max_age", "max_bytes")}
 
 
 def _drift(have: js_api.StreamConfig, want: js_api.StreamConfig, limits: bool) -> list[str]:
@@ -403,27 +520,32 @@ def _drift(have: js_api.StreamConfig, want: js_api.StreamConfig, limits: bool) -
     if have.sealed:
         return [f"{name} is sealed. {_SEALED_ACTION.format(name)}"]
     out = []
-    admins = _ADMINS_KEYS.get(name, ())
+    admins = _ADMINS_KEYS.get(name, _REQUEST_LIMITS if owner_of_intake(name) else ())
     keys = ("retention", "storage", "subjects", *admins)
     for key in dict.fromkeys(k for k in keys if limits or k not in admins):
         h, w = getattr(have, key), getattr(want, key)
         if w is not None and h != w and not (key == "max_bytes" and w in (-1, None) and h in (-1, None)):
             out.append(f"{name}: {key} is {h!r}, tokenpipe provisions {w!r} (the admin restores it)")
+    if limits and want.sources is not None and _source_names(have) != _source_names(want):
+        out.append(f"{name}: sources are {_source_names(have)}, tokenpipe provisions {_source_names(want)} "
+                   "(the admin restores them)")
     return out
 
 
 async def repair(js: JetStreamContext, settings: Settings, *, registry: bool = True,
-                 provision_streams: bool = True, restore_limits: bool = False) -> list[str]:
+                 provision_streams: bool = True, restore_limits: bool = False,
+                 apps: list[str] | None = None) -> list[str]:
     """Re-provision whatever :func:`missing` reports (deleted, or broken); what was wrong.
     ``registry``: whether this role may touch the meta bucket (``Bus.registry``);
     ``provision_streams``: whether it may configure streams (``Bus.provisions``), else it only
     reports; ``restore_limits``: also put back age and size limits that differ from ``settings``
-    (the admin's provisioner: one process's settings, not every role's)."""
-    gone = await missing(js, registry=registry, settings=settings, limits=restore_limits)
+    (the admin's provisioner: one process's settings, not every role's); ``apps``: the applications
+    whose intake streams it keeps (the admin's provisioner, :func:`provision`)."""
+    gone = await missing(js, registry=registry, settings=settings, limits=restore_limits, apps=apps)
     if gone and provision_streams:
         log.warning("JetStream state tokenpipe owns is missing or changed; re-provisioning",
                     extra={"missing": "; ".join(gone)})
-        await provision(js, settings, registry=registry, replicas=_replicas(js, settings))
+        await provision(js, settings, registry=registry, replicas=_replicas(js, settings), apps=apps)
     elif gone:
         log.error("JetStream state tokenpipe owns is missing or changed; tokenpipe's admin repairs it",
                   extra={"missing": "; ".join(gone)})

@@ -20,6 +20,7 @@ import json
 import os
 import secrets
 import ssl
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,7 @@ from .subjects import (
     TOKEN_WILDCARD,
     TOKENS_STREAM,
     check_owner,
+    intake_stream,
     owner_tokens,
 )
 
@@ -53,6 +55,7 @@ __all__ = [
     "Identity",
     "Permissions",
     "add_app",
+    "app_names",
     "app_user",
     "check_app_name",
     "connect_options",
@@ -121,8 +124,9 @@ def _read_tokens(tokens: str) -> tuple[str, ...]:
             f"$JS.FC.{TOKENS_STREAM}.>")
 
 
-def permissions(role: str, app: str | None = None) -> Permissions:
-    """The permissions of ``role`` (``app`` needs the application's name)."""
+def permissions(role: str, app: str | None = None, *, apps: Iterable[str] = ()) -> Permissions:
+    """The permissions of ``role`` (``app`` needs the application's name; ``apps``, every
+    application: a generator deletes a finished request's copy in its intake stream)."""
     if role == "relay":
         mine = owner_tokens(RELAY_OWNER)
         return Permissions(
@@ -149,6 +153,8 @@ def permissions(role: str, app: str | None = None) -> Permissions:
                            f"{_JS}.CONSUMER.INFO.{REQUESTS_STREAM}.*",
                            f"{_JS}.CONSUMER.MSG.NEXT.{REQUESTS_STREAM}.*", f"$JS.ACK.{REQUESTS_STREAM}.>",
                            f"{_JS}.STREAM.MSG.GET.{REQUESTS_STREAM}", f"{_JS}.STREAM.MSG.DELETE.{REQUESTS_STREAM}",
+                           # A finished request's place in its app's bound (tokenpipe.bus.release_intake).
+                           *(f"{_JS}.STREAM.MSG.DELETE.{intake_stream(a)}" for a in apps),
                            *_read_tokens(TOKEN_WILDCARD)),
             subscribe_allow=(f"{inbox_prefix('generator')}.>", CANCEL_WILDCARD, DISCOVER_SUBJECT,
                              f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{REQUESTS_STREAM}.*"),
@@ -222,6 +228,14 @@ def load_credential(path: str | os.PathLike[str]) -> Credential:
                           str(raw.get("inbox_prefix") or ""))
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise InvalidRequest(f"unusable credentials file {path}: {exc}") from exc
+
+
+def app_names(creds_dir: str | os.PathLike[str]) -> list[str]:
+    """The applications with credentials in ``creds_dir`` (``app-*.json``; none if it does not
+    exist), without creating anything; a reserved name is left out (:func:`check_app_name`)."""
+    d = Path(creds_dir)
+    owners = [load_credential(path).owner for path in sorted(d.glob("app-*.json"))] if d.is_dir() else []
+    return sorted({o for o in owners if o.lower() not in RESERVED_APP_NAMES})
 
 
 def ensure_credentials(creds_dir: str | os.PathLike[str]) -> dict[str, Credential]:

@@ -13,7 +13,11 @@ exporting account mapped back to the importer, so every answer an app provokes l
 own account. Layout:
 
 - ``TOKENPIPE``: the relay, the generators and the admin; JetStream with ``TP_REQUESTS``,
-  ``TP_TOKENS`` and the ``tp_streams`` registry. For each app it exports, to that app's account
+  ``TP_TOKENS``, the ``tp_streams`` registry and, per app, the intake stream ``TP_REQ_<app>``
+  where its requests land, which ``TP_REQUESTS`` sources (tokenpipe.bus.intake_config: a
+  publisher's ``Nats-Expected-Last-Subject-Sequence-Subject`` header is then evaluated against
+  the app's own requests alone, never another app's; the generators may delete a finished
+  request's copy there). For each app it exports, to that app's account
   only, the services ``tp.req.*.<app>`` (its requests; JetStream's PubAck is the reply) and
   ``tp.cancel.<app>.>`` (its cancels), and the stream ``tp.live.<app>.>`` (its tokens, live: each
   batch once tokenpipe's ``TP_TOKENS`` accepted it, never one it refused, tokenpipe.append).
@@ -99,8 +103,8 @@ def app_limits(settings: Settings) -> dict[str, Any]:
             "limits": {"max_connections": settings.app_max_connections}}
 
 
-def _user(cred: Credential, password: str | None) -> dict[str, Any]:
-    perms = permissions(cred.role, cred.owner if cred.role == "app" else None)
+def _user(cred: Credential, password: str | None, apps: list[str]) -> dict[str, Any]:
+    perms = permissions(cred.role, cred.owner if cred.role == "app" else None, apps=apps)
     pw = password if password is not None else bcrypt.hashpw(cred.password.encode(),
                                                              bcrypt.gensalt(_BCRYPT_ROUNDS)).decode()
     return {"user": cred.user, "password": pw, "permissions": perms.as_config()}
@@ -123,14 +127,14 @@ def accounts(creds: dict[str, Credential], *, passwords: dict[str, str] | None =
                               "remove the file and add the application under another name")
     out: dict[str, Any] = {TOKENPIPE_ACCOUNT: {
         "jetstream": "enabled",
-        "users": [_user(c, pw.get(c.user)) for c in roles],
+        "users": [_user(c, pw.get(c.user), [a.owner for a in apps]) for c in roles],
         "exports": [e for c in apps for e in _exports(c.owner)],
     }}
     for c in apps:
         out[account_name(c.owner)] = {
             # The app's own copy of its tokens (TP_TOKENS, one stream): JetStream for it alone, bounded.
             **bounds,
-            "users": [_user(c, pw.get(c.user))],
+            "users": [_user(c, pw.get(c.user), [])],
             "imports": _imports(c.owner),
         }
     return out
@@ -212,7 +216,7 @@ def permission_table() -> str:
             "|---|---|---|---|---|---|"]
     for role, user, account in (("relay", "relay", TOKENPIPE_ACCOUNT), ("generator", "generator", TOKENPIPE_ACCOUNT),
                                 ("admin", "admin", TOKENPIPE_ACCOUNT), ("app", "app-<name>", "APP_<name>")):
-        p = permissions(role, "NAME" if role == "app" else None)
+        p = permissions(role, "NAME" if role == "app" else None, apps=("NAME",))
         extra = " (+ replies to requests it receives)" if p.allow_responses else ""
         rows.append(f"| {role} (`{user}`) | `{account}` | {cell(p.publish_allow)}{extra} | {cell(p.publish_deny)} "
                     f"| {cell(p.subscribe_allow)} | {cell(p.subscribe_deny)} |")

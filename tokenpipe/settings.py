@@ -79,11 +79,14 @@ class Settings:
         600.0, "how long a queued request waits for a generator before JetStream drops it (a queue, not an "
                "archive: a client has long given up on a request older than this)")
     request_max_bytes: int = _setting(
-        1 << 30, "size cap of the request queue (`TP_REQUESTS`) for all models and owners together; a request "
-                 "beyond it is refused, never an older one dropped", shown="1073741824 (1 GiB)")
+        1 << 30, "size cap of the request queue (`TP_REQUESTS`) for all models and owners together, and of each "
+                 "application's intake stream (`TP_REQ_<app>`); a request beyond it is refused, never an older one "
+                 "dropped (an app's request past the queue's cap waits in its intake stream until there is room)",
+        shown="1073741824 (1 GiB)")
     request_max_per_owner: int = _setting(
         4096, "requests one owner (an application, or the relay for every HTTP client) may have queued or running "
-              "per model (`tp.req.<model>.<owner>`); one more is refused (429 at the relay, `Overloaded` in the SDK). "
+              "per model (`tp.req.<model>.<owner>`; an application's counted in its intake stream `TP_REQ_<app>`); "
+              "one more is refused (429 at the relay, `Overloaded` in the SDK). "
               "Keep it above the requests running at once (generators × `TOKENPIPE_MAX_BATCH`) plus "
               "`TOKENPIPE_MAX_QUEUE_DEPTH`; -1: no bound")
     models: str = _setting(
@@ -91,6 +94,10 @@ class Settings:
             "takes requests for these only (one for any other model is stored nowhere), and the admin makes each "
             "one's generator consumer, which generators only bind to (on an open bus, with no admin: any model, "
             "each generator makes its own consumer)")
+    apps: str = _setting(
+        "", "the applications, comma-separated, for the admin's provisioner where no credentials directory tells it "
+            "(the Helm chart; `tokenpipe up` reads its `creds/app-*.json`): each gets an intake stream `TP_REQ_<app>` "
+            "that `TP_REQUESTS` sources, so that its requests are checked against its own alone")
     app_max_store_bytes: int = _setting(
         1 << 30, "JetStream file storage one application's account may use (its copy of its token streams; a "
                  "stream asking for more is refused)", shown="1073741824 (1 GiB)")

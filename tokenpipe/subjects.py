@@ -6,7 +6,9 @@ producer SDK). NATS permissions are subject-based, so putting the owner in the s
 what lets an app's credentials reach only its own streams (:mod:`tokenpipe.natsauth`):
 
 - ``tp.req.<model>.<owner>``: a request; a generator takes the owner from the subject,
-  never from the payload;
+  never from the payload. An application's requests are stored first in a stream of its own
+  (:func:`intake_stream`), which ``TP_REQUESTS`` sources: a publisher's JetStream headers are
+  evaluated against that stream alone (tokenpipe.bus);
 - ``tp.tok.<owner>.<id>``: a stream's token batches, as stored (``TP_TOKENS``; each append is
   conditional on the stream's last stored batch, :mod:`tokenpipe.append`);
 - ``tp.live.<owner>.<id>``: the same batches for live readers, sent only once stored (an app's
@@ -22,6 +24,9 @@ from .errors import InvalidRequest
 
 __all__ = [
     "REQUESTS_STREAM",
+    "intake_stream",
+    "owner_of_intake",
+    "owner_request_subjects",
     "TOKENS_STREAM",
     "META_BUCKET",
     "META_STREAM",
@@ -55,6 +60,7 @@ META_BUCKET = "tp_streams"
 META_STREAM = f"KV_{META_BUCKET}"  # the stream JetStream keeps a KV bucket in
 
 REQUEST_WILDCARD = "tp.req.>"
+_INTAKE_PREFIX = "TP_REQ_"
 TOKEN_WILDCARD = "tp.tok.>"
 LIVE_WILDCARD = "tp.live.>"
 CANCEL_WILDCARD = "tp.cancel.>"
@@ -96,6 +102,27 @@ def request_subject(model: str, owner: str) -> str:
 def model_request_filter(model: str) -> str:
     """Every owner's requests for ``model``: the filter of its generators' consumer."""
     return f"tp.req.{check_model_name(model)}.>"
+
+
+def owner_request_subjects(owner: str, models: list[str]) -> list[str]:
+    """``owner``'s request subjects for ``models`` (none: for any model)."""
+    return [request_subject(m, owner) for m in models] or [f"tp.req.*.{check_owner(owner)}"]
+
+
+def intake_stream(app: str) -> str:
+    """The stream an application's requests are stored in first (``TP_REQ_<app>``, in tokenpipe's
+    account), which ``TP_REQUESTS`` sources."""
+    return _INTAKE_PREFIX + check_owner(app)
+
+
+def owner_of_intake(stream: str) -> str | None:
+    """The application whose intake stream ``stream`` is; None for any other stream."""
+    if not stream.startswith(_INTAKE_PREFIX):
+        return None
+    try:
+        return check_owner(stream[len(_INTAKE_PREFIX):])
+    except InvalidRequest:
+        return None
 
 
 def owner_of_request(subject: str) -> str:

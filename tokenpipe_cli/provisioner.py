@@ -5,7 +5,9 @@ Only the admin identity may create or configure streams (tokenpipe.natsauth): ``
 event loop. It provisions before the roles start, then checks every
 :data:`~tokenpipe.bus.REPAIR_INTERVAL_S` seconds and re-creates or restores whatever was deleted
 or reconfigured, the request consumers of the served models included (a sealed stream cannot be
-restored: it logs what the admin must do).
+restored: it logs what the admin must do). The applications are those with credentials next to
+the admin's (``app-*.json``, read again each round: ``tokenpipe creds add-app`` while it runs);
+each gets its intake stream, which ``TP_REQUESTS`` sources (tokenpipe.bus.intake_config).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 from tokenpipe.background import pause
 from tokenpipe.bus import REPAIR_INTERVAL_S, Bus, connect, repair
 from tokenpipe.errors import TokenpipeError, TransportError
+from tokenpipe.natsauth import app_names, check_app_name
 from tokenpipe.settings import Settings
 
 __all__ = ["Provisioner"]
@@ -38,6 +41,9 @@ class Provisioner:
                                          models=settings.models or settings.model)
         if admin_creds is not None:
             self.settings = self.settings.replace(nats_creds=str(admin_creds), nats_user="")
+        # Where the applications' credentials are (None: not known here, e.g. the Helm chart's
+        # user and password, which names them in TOKENPIPE_APPS).
+        self._creds_dir = Path(self.settings.nats_creds).parent if self.settings.nats_creds else None
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._error: BaseException | None = None
@@ -90,7 +96,7 @@ class Provisioner:
         deadline = time.monotonic() + timeout
         while True:
             try:
-                return await connect(self.settings, name="tokenpipe-admin", role="admin")
+                return await connect(self.settings, name="tokenpipe-admin", role="admin", apps=self.apps())
             except TokenpipeError as exc:
                 if time.monotonic() > deadline or self._stop is None or self._stop.is_set():
                     self._error = exc
@@ -101,10 +107,18 @@ class Provisioner:
                 return None
             await pause(self._stop, 0.5)  # the cluster forming: no event to wait for
 
+    def apps(self) -> list[str] | None:
+        """The applications whose intake streams the admin keeps: those with credentials next to the
+        admin's, else ``TOKENPIPE_APPS``; None where neither tells (TP_REQUESTS is then left as it is)."""
+        if self._creds_dir is not None:
+            return app_names(self._creds_dir)
+        named = [check_app_name(a.strip()) for a in self.settings.apps.split(",") if a.strip()]
+        return sorted(set(named)) or None
+
     async def _repair(self, bus: Bus) -> None:
         if not bus.nc.is_connected:
             return  # nats-server restarting: the next round asks again
         try:
-            await repair(bus.js, self.settings, restore_limits=True)
+            await repair(bus.js, self.settings, restore_limits=True, apps=self.apps())
         except TokenpipeError as exc:  # JetStream recovering, or a change NATS refuses: said, retried
             log.warning("JetStream repair failed", extra={"error": exc.message})

@@ -21,7 +21,7 @@ from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
 from tokenpipe.append import LiveCopies, StreamLost, append_once
-from tokenpipe.bus import REPAIR_INTERVAL_S, Bus, consumer_drift, request_consumer_config
+from tokenpipe.bus import REPAIR_INTERVAL_S, Bus, consumer_drift, release_intake, request_consumer_config
 from tokenpipe.errors import GenerationError, TokenpipeError, TransportError
 from tokenpipe.retry import PATIENCE, retrying, through_elections
 from tokenpipe.settings import Settings
@@ -151,6 +151,7 @@ class RequestIntake:
             except Exception as exc2:  # JetStream away: the client's reader ends on its own timeout
                 log.warning("cannot end the rejected request's stream", extra={"request_id": rid,
                                                                               "error": repr(exc2)})
+        await release_intake(self.bus.js, msg.subject, msg.headers)
         await msg.term()
 
     async def _on_max_deliveries(self, msg: Msg) -> None:
@@ -192,6 +193,7 @@ class RequestIntake:
                     lambda: append_once(self.bus, owner, batch, expected_last=stored_last, live=self.live),
                     window_s=PATIENCE.budget_s)
                 log.error("request exhausted its deliveries", extra={"request_id": request.id, "attempts": attempts})
+            await release_intake(self.bus.js, raw.subject or "", raw.headers)
             await through_elections(lambda: self.bus.js.delete_msg(REQUESTS_STREAM, seq), window_s=PATIENCE.budget_s)
         except Exception as exc:  # JetStream stayed unavailable for PATIENCE.budget_s, or refused
             log.error("cannot end a request that exhausted its deliveries",

@@ -32,7 +32,7 @@ from nats.aio.subscription import Subscription
 from nats.js.api import PubAck
 
 from tokenpipe.append import LiveCopies, StreamLost, conditional, refused_at, stored_as
-from tokenpipe.bus import Bus
+from tokenpipe.bus import Bus, release_intake
 from tokenpipe.errors import TokenpipeError
 from tokenpipe.retry import ELECTIONS, Backoff, transient
 from tokenpipe.subjects import stream_key, token_subject
@@ -201,6 +201,10 @@ class BatchPublisher:
             while chain.queue:
                 item = chain.queue.popleft()
                 if isinstance(item, _Ack):
+                    # Its place in its app's bound is free first: dying between the two then leaves no copy
+                    # behind (the redelivery finds the stream final and only acks), the other way round
+                    # one for max_age.
+                    await release_intake(self.bus.js, item.msg.subject, item.msg.headers)
                     try:
                         await item.msg.ack()
                     except Exception as exc:  # an ack on a dead connection: the request is redelivered and resumed

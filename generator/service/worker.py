@@ -27,7 +27,7 @@ from opentelemetry.trace import SpanKind, TracerProvider
 
 from tokenpipe.append import StreamLost
 from tokenpipe.background import pause, stop_loops
-from tokenpipe.bus import REPAIR_INTERVAL_S, Bus, repair
+from tokenpipe.bus import REPAIR_INTERVAL_S, Bus, release_intake, repair
 from tokenpipe.errors import InvalidRequest, TokenpipeError, WireFormatError
 from tokenpipe.metrics import GeneratorMetrics
 from tokenpipe.settings import Settings
@@ -231,6 +231,7 @@ class GeneratorWorker:
             return
         log.warning("refusing a request for a stream id that is taken", extra={"request_id": rid, "owner": out.owner})
         self._refuse(out)
+        await release_intake(self.bus.js, msg.subject, msg.headers)  # before: tokenpipe.bus.release_intake
         await msg.term()  # no error batch: that stream belongs to its first request
 
     def _refuse(self, out: StreamWriter) -> None:
@@ -284,6 +285,7 @@ class GeneratorWorker:
                 return
             if past and past[-1].is_final:
                 span.end()
+                await release_intake(self.bus.js, msg.subject, msg.headers)
                 await msg.ack()  # it finished; only the ack was lost
                 return
         resume = tuple(t for b in past for t in b.token_ids)
