@@ -34,8 +34,8 @@ from tokenpipe.bus import Bus, connect
 from tokenpipe.errors import GenerationError
 from tokenpipe.natsauth import load_credential
 from tokenpipe.settings import Settings
-from tokenpipe.streams import cancel, history
-from tokenpipe.subjects import META_BUCKET, TOKENS_STREAM, intake_stream
+from tokenpipe.streams import cancel, history, stored_count
+from tokenpipe.subjects import META_BUCKET, META_STREAM, TOKENS_STREAM, intake_stream
 from tokenpipe.wire import Request
 from tokenpipe_cli.upprocess import UpProcess
 
@@ -443,6 +443,122 @@ async def test_another_apps_request_sequence_cannot_be_read_from_a_refusal(up: U
         return counts == [0, 0]
 
     await wait_until(released, 10, "the intake copies of the finished requests to be deleted")
+
+
+# -- the relay's credential (issue 48) --------------------------------------------------------------
+
+@pytest.mark.xfail(strict=True, reason="issue 48: STREAM.INFO's subjects_filter is in the request body, which no "
+                                       "permission sees; closing it needs the relay in an account of its own")
+async def test_the_relays_credential_lists_only_its_own_stream_ids(up: UpProcess, admin: Bus) -> None:
+    """The relay may ask TP_TOKENS' state (its stored counts); with ``subjects_filter: ">"`` that
+    listed every owner's stream ids."""
+    await alice_stream(up, admin)
+    relay = await Client.connect(up, "relay")
+    try:
+        info = await relay.nc.jetstream(timeout=5).stream_info(TOKENS_STREAM, subjects_filter=">")
+    finally:
+        await relay.nc.close()
+    subjects = set(info.state.subjects or {})
+    assert all(s.startswith("tp.tok.relay.") for s in subjects), sorted(subjects)[:5]
+
+
+async def plant_junk(relay: Client, target: str, relay_sid: str) -> int:
+    """Have the server store its own answers on ``target`` (a reply subject no permission checks,
+    inside tokenpipe's account): a registry value the relay wrote, got back, an error PubAck, a
+    JetStream API answer. How many messages that stores there."""
+    value = json.dumps({"last_by_subj": f"$KV.{META_BUCKET}.{relay_sid}"}).encode()
+    sends: list[tuple[str, bytes, dict[str, str] | None]] = [
+        (f"$JS.API.STREAM.MSG.GET.{META_STREAM}", value, None),
+        (f"$KV.{META_BUCKET}.{relay_sid}", b"x", {"Nats-Expected-Stream": "NOPE"}),  # refused: the value stays
+        ("$JS.API.INFO", b"", None)]
+    for subject, data, hdrs in sends:
+        await relay.nc.publish(subject, data, reply=target, headers=hdrs)
+    await relay.nc.flush()
+    assert not relay.errors, relay.errors  # allowed: the attack was made
+    return len(sends)
+
+
+async def stored_junk(admin: Bus, owner: str, stream_id: str) -> int:
+    """Messages on the stream's subject that are no batch of it (its batches are contiguous from 0)."""
+    return await stored_count(admin, stream_id, owner=owner) - len(await history(admin, stream_id, owner=owner))
+
+
+async def test_junk_the_relay_had_stored_in_alices_running_stream_did_not_stop_it(up: UpProcess, admin: Bus) -> None:
+    """Each message stored on ``tp.tok.alice.<id>`` while her stream ran refused her generator's next
+    append: the stream stopped until a redelivery (ack_wait), and the third ended it with an error
+    (its deliveries used up). The generator now appends after junk; her readers never show it."""
+    sid, _ = await relay_victim(up)  # the relay's own stream: a registry value to have fetched
+    relay = await Client.connect(up, "relay")
+    planted = 0
+    try:
+        async with await Producer.connect(settings=settings_for(up, "app-alice")) as a:
+            handle = await a.submit(MODEL, prompt="Hi", max_tokens=2000, temperature=0, ignore_eos=True)
+            batches = handle.__aiter__()
+            seen = [await anext(batches)]
+            for _ in range(3):  # the request's delivery attempts (TOKENPIPE_MAX_DELIVER): each used to cost one
+                planted += await plant_junk(relay, f"tp.tok.alice.{handle.id}", sid)
+                for _ in range(2):
+                    seen.append(await asyncio.wait_for(anext(batches), 30))
+                    assert not seen[-1].is_final, seen[-1]
+            await handle.cancel()
+            seen += [b async for b in batches]
+            own = [t for b in await history(a.bus, handle.id) for t in b.token_ids]
+    finally:
+        await relay.nc.close()
+    assert seen[-1].finish == "cancelled", seen[-1]
+    assert [b.seq for b in seen] == list(range(len(seen)))
+    live = [t for b in seen for t in b.token_ids]
+    assert own == live
+    assert [t for b in await history(admin, handle.id, owner="alice") for t in b.token_ids] == live
+    assert await stored_junk(admin, "alice", handle.id) == planted  # the attack landed, and nothing else
+
+
+async def test_a_batch_and_junk_the_relay_pre_planted_for_alices_next_id_are_not_hers(
+        up: UpProcess, admin: Bus) -> None:
+    """The relay's own batch (a direct get of its stream) and the server's answers, stored on
+    ``tp.tok.alice.job-77`` and sent to ``tp.live.alice.job-77`` before alice chose that id: her
+    stream showed the relay's text, live and in replay. Now her stream runs after them and holds
+    only her generator's batches."""
+    sid, events = await relay_victim(up)
+    theirs = "".join(d.get("text", "") for e, _, d in events if e == "tokens")
+    chosen = f"job-{secrets.token_hex(4)}"
+    relay = await Client.connect(up, "relay")
+    try:
+        for target in (f"tp.tok.alice.{chosen}", f"tp.live.alice.{chosen}"):
+            await relay.nc.publish(f"$JS.API.DIRECT.GET.{TOKENS_STREAM}.tp.tok.relay.{sid}", b"", reply=target)
+            await plant_junk(relay, target, sid)
+    finally:
+        await relay.nc.close()
+    await wait_until(lambda: _has_stored(admin, "alice", chosen), 10, "the planted messages in the store")
+    assert await alice_stream(up, admin, chosen) == chosen  # finished, her copy and the store hold what she saw
+    async with await Producer.connect(settings=settings_for(up, "app-alice")) as a:
+        mine = await a.stream(chosen).result()
+    assert theirs and theirs not in mine.text
+    assert await stored_junk(admin, "alice", chosen) >= 3
+
+
+async def _has_stored(admin: Bus, owner: str, stream_id: str) -> bool:
+    return await stored_count(admin, stream_id, owner=owner) > 0
+
+
+async def test_a_refused_request_after_pre_planted_junk_still_ends_with_an_error_batch(
+        up: UpProcess, admin: Bus) -> None:
+    """A request the generator refuses (here a wire version from the future) ends with an error batch
+    appended as the stream's first (expected last sequence 0); with junk already on the subject that
+    append was refused too, logged as "a stream that has history", and the client heard nothing."""
+    sid, _ = await relay_victim(up)
+    rid = f"future-{secrets.token_hex(4)}"
+    relay = await Client.connect(up, "relay")
+    try:
+        await plant_junk(relay, f"tp.tok.alice.{rid}", sid)
+    finally:
+        await relay.nc.close()
+    await wait_until(lambda: _has_stored(admin, "alice", rid), 10, "the planted messages in the store")
+    async with await Producer.connect(settings=settings_for(up, "app-alice")) as a:
+        future = msgpack.packb({"v": 99, "id": rid, "model": MODEL, "prompt": "from the future"})
+        await a.bus.js.publish(f"tp.req.{MODEL}.alice", future)
+        with pytest.raises(GenerationError, match="wire version 99 is newer"):
+            await asyncio.wait_for(a.stream(rid).result(), 30)
 
 
 async def test_a_sealed_token_store_is_reported_and_the_relay_survives_a_restart(up: UpProcess, admin: Bus) -> None:

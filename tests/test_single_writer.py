@@ -14,7 +14,7 @@ from generator.service.publisher import BatchPublisher
 from tokenpipe.append import StreamLost, append_once, conditional
 from tokenpipe.bus import Bus, connect
 from tokenpipe.settings import Settings
-from tokenpipe.streams import history_at, stored
+from tokenpipe.streams import history_at, stored, stored_count
 from tokenpipe.subjects import RELAY_OWNER, live_subject, token_subject
 from tokenpipe.wire import TokenBatch
 
@@ -110,6 +110,56 @@ async def test_an_error_batch_is_not_appended_to_a_stream_that_has_history(bus: 
     with pytest.raises(StreamLost):
         await append_once(bus, RELAY_OWNER, TokenBatch.error_for(sid, "no", "invalid_request"), expected_last=0)
     assert [x.token_ids for x in (await history_at(bus, sid))[0]] == [(1,)]
+
+
+async def test_junk_stored_on_a_streams_subject_does_not_take_it_from_its_writer(bus: Bus) -> None:
+    """issue 48: whatever the server was made to store on the subject (a JetStream answer sent there as
+    a reply subject; here an API answer and another stream's batch) refused the writer's next append
+    and it gave the stream up. It now appends after junk; a batch of the stream there (another
+    writer's) still takes the stream from it."""
+    sid = f"sw-{secrets.token_hex(4)}"
+    subject = token_subject(RELAY_OWNER, sid)
+    pub = BatchPublisher(bus)
+    await pub.start()
+    lost: list[StreamLost] = []
+    try:
+        await bus.nc.publish("$JS.API.INFO", b"", reply=subject)  # junk first: the first append expects 0
+        await bus.nc.flush()
+        await wait_until(lambda: _count(bus, sid, 1), 5, "the junk in the store")
+        chain = pub.chain(RELAY_OWNER, sid, last=0, on_lost=lost.append)
+        pub.publish(chain, _batch(sid, 0, 10).encode(), _headers(sid, 0, "a"))
+        await pub.flush()
+        other = _batch("someone-else", 0, 99).encode()  # junk mid-stream: another stream's batch
+        await bus.js.publish(subject, other, headers={"Nats-Msg-Id": f"{RELAY_OWNER}:someone-else:0:x"})
+        pub.publish(chain, _batch(sid, 1, 11).encode(), _headers(sid, 1, "a"))
+        await pub.flush()
+        assert not lost and [x.token_ids for x in (await history_at(bus, sid))[0]] == [(10,), (11,)]
+        # A second writer's batch 2 behind more junk: that is no junk, the stream is lost.
+        await bus.js.publish(subject, _batch(sid, 2, 22).encode(), headers=_headers(sid, 2, "b"))
+        await bus.nc.publish("$JS.API.INFO", b"", reply=subject)
+        await bus.nc.flush()
+        await wait_until(lambda: _count(bus, sid, 5), 5, "the second writer's batch and junk in the store")
+        pub.publish(chain, _batch(sid, 2, 12, final=True).encode(), _headers(sid, 2, "a"))
+        await pub.flush()
+        assert len(lost) == 1 and chain.lost
+        assert [x.token_ids for x in (await history_at(bus, sid))[0]] == [(10,), (11,), (22,)]
+    finally:
+        await pub.close()
+
+
+async def test_an_error_batch_goes_after_junk_on_an_empty_stream(bus: Bus) -> None:
+    """The intake's error batch for a refused request (the stream's first, expected last sequence 0)
+    was refused by junk stored first on the subject, and its client heard nothing."""
+    sid = f"sw-{secrets.token_hex(4)}"
+    await bus.nc.publish("$JS.API.INFO", b"", reply=token_subject(RELAY_OWNER, sid))
+    await bus.nc.flush()
+    await wait_until(lambda: _count(bus, sid, 1), 5, "the junk in the store")
+    await append_once(bus, RELAY_OWNER, TokenBatch.error_for(sid, "no", "invalid_request"), expected_last=0)
+    assert [x.error for x in (await history_at(bus, sid))[0]] == ["no"]
+
+
+async def _count(bus: Bus, sid: str, n: int) -> bool:
+    return await stored_count(bus, sid) >= n
 
 
 async def test_a_last_live_copy_lost_with_its_server_is_sent_again_after_a_reconnect(bus: Bus,

@@ -39,11 +39,12 @@ from nats.js.errors import NotFoundError
 
 from .bus import Bus
 from .errors import TokenpipeError, TransportError
+from .streams import batches_between
 from .subjects import TOKENS_STREAM, live_subject, token_subject
 from .wire import TokenBatch
 
-__all__ = ["EXPECTED_LAST", "LiveCopies", "StreamLost", "WRONG_LAST_SEQUENCE", "append_once", "conditional",
-           "refused_at", "send_live", "stored_as"]
+__all__ = ["EXPECTED_LAST", "JUNK_SKIPS", "LiveCopies", "StreamLost", "WRONG_LAST_SEQUENCE", "append_once",
+           "conditional", "junk_since", "refused_at", "send_live", "stored_as"]
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,9 @@ EXPECTED_LAST = "Nats-Expected-Last-Subject-Sequence"
 WRONG_LAST_SEQUENCE = 10071  # JetStream's JSStreamWrongLastSequenceErrF
 _LAST_RE = re.compile(r"(\d+)\s*$")
 _LOOK_TRIES = 5  # a direct get answered by a replica that is behind the leader is asked again
+# How often one append goes on after junk stored on its subject (junk_since) before the writer
+# gives the stream up: each time costs the attacker one message, the writer one read.
+JUNK_SKIPS = 32
 # A stream's last live copy is sent again after a reconnect if it went out this recently: as long
 # as a quiet reader waits before it reads the store anyway (relay.fanout's resync), so a copy lost
 # on a connection that took long to be declared dead (a frozen server: ~6 s of missed pings) counts.
@@ -163,6 +167,22 @@ async def stored_as(bus: Bus, subject: str, last: int, msg_id: str) -> bool:
     return False
 
 
+async def junk_since(bus: Bus, owner: str, stream_id: str, after: int, upto: int) -> bool:
+    """Whether everything stored on the stream's subject after sequence ``after`` up to ``upto`` (where
+    a refusal says the subject's last is) is junk, no batch of the stream: an append refused because of
+    it goes on after it. Inside tokenpipe's account the server sends its own answers (a PubAck, a
+    direct get of a registry value, any JetStream reply) to whatever reply subject a client names,
+    without permission checks: the relay's credential could have them stored on ``tp.tok.alice.<id>``
+    before or during alice's stream, and each refused the generator's append (her stream stalled
+    until a redelivery, and three of them ended it with an error). A batch of the stream there
+    (another writer's) is no junk: the append is then lost, as before. False when it cannot be read."""
+    try:
+        return await batches_between(bus, stream_id, after, upto, owner=owner) == 0
+    except TokenpipeError as exc:
+        log.warning("cannot read what refused an append", extra={"request_id": stream_id, "error": exc.message})
+        return False
+
+
 async def append_once(bus: Bus, owner: str, batch: TokenBatch, *, expected_last: int,
                       headers: Mapping[str, str] | None = None, live: LiveCopies | None = None) -> int:
     """Append ``batch`` outside a writer (an error batch the intake ends a request with): stored
@@ -172,17 +192,26 @@ async def append_once(bus: Bus, owner: str, batch: TokenBatch, *, expected_last:
     subject = token_subject(owner, batch.id)
     hdrs = {**(headers or {}), "Nats-Msg-Id": f"{owner}:{batch.id}:{batch.seq}:intake"}
     data = batch.encode()
-    try:
-        ack = await bus.js.publish(subject, data, headers=conditional(hdrs, expected_last))
-    except nats.js.errors.APIError as exc:
-        last = refused_at(exc)
-        if last is None:
-            raise
-        if not await stored_as(bus, subject, last, hdrs["Nats-Msg-Id"]):
-            raise StreamLost(f"stream {batch.id} was appended to by another writer", stored_last=last) from exc
-        ack_seq = last
+    for _ in range(JUNK_SKIPS + 1):
+        try:
+            ack = await bus.js.publish(subject, data, headers=conditional(hdrs, expected_last))
+        except nats.js.errors.APIError as exc:
+            last = refused_at(exc)
+            if last is None:
+                raise
+            if await stored_as(bus, subject, last, hdrs["Nats-Msg-Id"]):
+                ack_seq = last
+                break
+            if not await junk_since(bus, owner, batch.id, expected_last, last):
+                raise StreamLost(f"stream {batch.id} was appended to by another writer", stored_last=last) from exc
+            log.warning("appending after junk stored on a stream's subject", extra={"request_id": batch.id,
+                                                                                     "owner": owner})
+            expected_last = last
+        else:
+            ack_seq = ack.seq
+            break
     else:
-        ack_seq = ack.seq
+        raise StreamLost(f"stream {batch.id}: junk keeps being stored on its subject", stored_last=expected_last)
     if live is not None:
         await live.send(owner, batch.id, data, hdrs)
     else:

@@ -32,9 +32,9 @@ from .subjects import (
 )
 from .wire import Cancel, Request, StreamMeta, TokenBatch
 
-__all__ = ["PING", "Gap", "Ping", "StreamItem", "cancel", "emitted_before", "first_stored", "follow", "get_meta",
-           "batch_of", "history", "history_at", "last_batch", "last_stored", "paced", "pending_requests", "stored",
-           "stored_at", "stored_count",
+__all__ = ["PING", "Gap", "Ping", "StreamItem", "batches_between", "cancel", "emitted_before", "first_stored",
+           "follow", "get_meta", "batch_of", "history", "history_at", "id_taken", "last_batch", "last_stored", "paced",
+           "pending_requests", "stored", "stored_at", "stored_count",
            "stream_not_found", "submit"]
 
 log = logging.getLogger(__name__)
@@ -222,9 +222,10 @@ async def _leader_count(bus: Bus, stream: str, subject: str, failed: str) -> int
 
 
 async def _open_history(bus: Bus, stream_id: str, owner: str | None, *, failed: str = "could not read stream history",
-                        timeout: float | None = _CONSUMER_CREATE_TIMEOUT_S, **options: Any) -> Any:
-    """An ordered consumer over ``stream_id``'s stored batches, from the first (``options``: more of
-    ``js.subscribe``'s)."""
+                        timeout: float | None = _CONSUMER_CREATE_TIMEOUT_S, start_seq: int = 0, **options: Any) -> Any:
+    """An ordered consumer over ``stream_id``'s stored batches, from the first (``start_seq``: from
+    that stream sequence on; ``options``: more of ``js.subscribe``'s)."""
+    policy = js_api.DeliverPolicy.BY_START_SEQUENCE if start_seq > 0 else js_api.DeliverPolicy.ALL
     try:
         # Bounded: while TP_TOKENS is between leaders nobody answers the consumer create, and a
         # caller that retries (a reader filling a hole) should do so well before a 10 s API timeout.
@@ -233,8 +234,10 @@ async def _open_history(bus: Bus, stream_id: str, owner: str | None, *, failed: 
         # permissions confine a reader to its owner's token subjects (tokenpipe.natsauth).
         return await asyncio.wait_for(
             bus.js.subscribe(token_subject(owner or bus.owner, stream_id), stream=TOKENS_STREAM,
-                             ordered_consumer=True, deliver_policy=js_api.DeliverPolicy.ALL,
-                             config=js_api.ConsumerConfig(name=f"tp{secrets.token_hex(10)}"), **options),
+                             ordered_consumer=True, deliver_policy=policy,
+                             config=js_api.ConsumerConfig(name=f"tp{secrets.token_hex(10)}",
+                                                          opt_start_seq=start_seq if start_seq > 0 else None),
+                             **options),
             timeout=timeout)
     except Exception as exc:
         raise TransportError(f"{failed}: {exc}") from exc
@@ -316,6 +319,51 @@ async def first_stored(bus: Bus, stream_id: str, *, owner: str | None = None) ->
         return None  # nothing stored (yet, or any more)
     finally:
         await _unsubscribe(sub, stream_id)
+
+
+async def batches_between(bus: Bus, stream_id: str, after: int, upto: int, *, owner: str | None = None) -> int:
+    """How many of the messages stored for ``stream_id`` (of ``owner``) at stream sequences
+    ``after < seq <= upto`` are batches of it (:func:`batch_of`). 0: whatever sits there is junk that
+    someone had the server store on the stream's subject (a JetStream answer sent to it as a reply
+    subject: inside one account no permission checks where the server's own answers go), which a
+    writer may append after (tokenpipe.append). Raises :class:`TransportError` when the messages up
+    to ``upto`` cannot be read (JetStream away; or removed meanwhile: nothing then says they were junk)."""
+    if upto <= after:
+        return 0
+    sub = await _open_history(bus, stream_id, owner, start_seq=after + 1)
+    found = 0
+    try:
+        while True:
+            msg = await sub.next_msg(timeout=_COUNT_TIMEOUT_S)
+            seq = msg.metadata.sequence.stream
+            if seq > upto:
+                break
+            if batch_of(bus, msg.data, stream_id, msg.headers, owner) is not None:
+                found += 1
+            if seq == upto:
+                break
+    except nats.errors.TimeoutError as exc:
+        raise TransportError(f"stream {stream_id}: its messages up to sequence {upto} could not be read") from exc
+    finally:
+        await _unsubscribe(sub, stream_id)
+    return found
+
+
+async def id_taken(bus: Bus, stream_id: str, *, owner: str | None = None) -> bool:
+    """Whether ``stream_id`` (of ``owner``) has any batch stored: a new stream may not take its id.
+    Junk on its subject (:func:`batches_between`) does not take it: the relay's credential could have
+    the server store a JetStream answer there before the owner's stream existed, and the owner's
+    request was then refused, or delayed by a redelivery."""
+    subject = token_subject(owner or bus.owner, stream_id)
+    try:
+        raw = await bus.js.get_last_msg(TOKENS_STREAM, subject, direct=True)
+    except NotFoundError:
+        return False
+    except Exception as exc:
+        raise TransportError(f"could not read stream history: {exc}") from exc
+    if batch_of(bus, raw.data or b"", stream_id, raw.headers, owner) is not None:
+        return True
+    return await batches_between(bus, stream_id, 0, int(raw.seq or 0), owner=owner) > 0
 
 
 async def _unsubscribe(sub: Any, stream_id: str) -> None:

@@ -7,7 +7,9 @@ the sequence comes from the previous PubAck, so a batch waits for its predecesso
 different streams' appends run concurrently. A stored batch then goes to the stream's live
 subject, so live readers see only what the store accepted.
 
-A refused append (error 10071: someone else appended since) means this worker lost the stream:
+A refused append (error 10071: someone else appended since) means this worker lost the stream
+(unless all that was stored since is junk, no batch of the stream: it appends after it,
+:func:`~tokenpipe.append.junk_since`):
 the chain drops what it still holds (its request's ack included: the delivery is the new
 holder's now) and calls its ``on_lost``. Failures that mean "NATS is away" are retried until the
 batch is stored; a retry whose earlier try was stored after all is told apart from a second
@@ -31,7 +33,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.api import PubAck
 
-from tokenpipe.append import LiveCopies, StreamLost, conditional, refused_at, stored_as
+from tokenpipe.append import JUNK_SKIPS, LiveCopies, StreamLost, conditional, junk_since, refused_at, stored_as
 from tokenpipe.bus import Bus, release_intake
 from tokenpipe.errors import TokenpipeError
 from tokenpipe.retry import ELECTIONS, Backoff, transient
@@ -226,7 +228,7 @@ class BatchPublisher:
         # No tight loop while JetStream is unavailable (a stream between leaders refuses at once);
         # the first retry is immediate (a reconnect already waited).
         backoff = Backoff(ELECTIONS.first_delay_s, ELECTIONS.max_delay_s, immediate=True)
-        tries = 0
+        tries = skips = 0
         while True:
             if tries:
                 await asyncio.sleep(backoff.next())
@@ -245,6 +247,14 @@ class BatchPublisher:
                     if await self._was_ours(chain, last, item):
                         chain.last = last  # an earlier try was stored after all
                         break
+                    if skips < JUNK_SKIPS and await junk_since(self.bus, chain.owner, chain.stream_id,
+                                                               chain.last, last):
+                        # No writer but junk the server was made to store there: still ours, after it.
+                        log.warning("appending after junk stored on a stream's subject",
+                                    extra={"subject": chain.subject, "stored_last": last, "expected": chain.last})
+                        skips += 1
+                        chain.last = last
+                        continue
                     raise StreamLost(f"stream {chain.stream_id} was appended to by another writer "
                                      f"(stored last: {last}, expected {chain.last})", stored_last=last) from exc
                 if not transient(exc):

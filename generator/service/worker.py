@@ -31,7 +31,7 @@ from tokenpipe.bus import REPAIR_INTERVAL_S, Bus, release_intake, repair
 from tokenpipe.errors import InvalidRequest, TokenpipeError, WireFormatError
 from tokenpipe.metrics import GeneratorMetrics
 from tokenpipe.settings import Settings
-from tokenpipe.streams import history_at, last_stored
+from tokenpipe.streams import history_at, id_taken
 from tokenpipe.subjects import CANCEL_WILDCARD, REQUESTS_STREAM, owner_of_request, parse_cancel_subject, stream_key
 from tokenpipe.telemetry import extract_context, get_tracer
 from tokenpipe.wire import Cancel, Request, TokenBatch, Usage
@@ -215,8 +215,8 @@ class GeneratorWorker:
         try:
             # Waited out while JetStream is between leaders, the delivery kept: a nak would spend
             # one of the request's few delivery attempts on an outage that is not its fault.
-            last = await patiently(lambda: last_stored(self.bus, rid, owner=out.owner), what="checking a stream id",
-                                   request_id=rid, msg=msg)
+            taken = await patiently(lambda: id_taken(self.bus, rid, owner=out.owner), what="checking a stream id",
+                                    request_id=rid, msg=msg)
         except TokenpipeError as exc:
             if out.closed:
                 return  # handed back meanwhile
@@ -226,7 +226,7 @@ class GeneratorWorker:
             return
         if out.closed:
             return
-        if last is None:  # the id is free
+        if not taken:  # the id is free (junk on its subject does not take it: the first append goes after it)
             out.clear()
             return
         log.warning("refusing a request for a stream id that is taken", extra={"request_id": rid, "owner": out.owner})
