@@ -182,7 +182,7 @@ class GeneratorWorker:
     @property
     def free_slots(self) -> int:
         """Requests to pull: below ``max_batch``, as many as the KV cache's free blocks can take;
-        while batch work is held, :data:`LOOKAHEAD` more.
+        while batch work runs here, :data:`LOOKAHEAD` more.
 
         The queue is one FIFO per model, so an interactive request is seen only once the requests
         ahead of it are pulled. Pulling the whole backlog to find it would hold batch work here that
@@ -192,7 +192,10 @@ class GeneratorWorker:
         interactive one among them preempts a batch row (generator.engine.scheduler), and what it
         holds beyond its slots stays bounded by ``LOOKAHEAD``."""
         room = min(self.settings.max_batch - len(self.active), self.runner.memory_room)
-        return room + LOOKAHEAD if any(out.request.batch for out in self.active.values()) else room
+        batch = sum(1 for out in self.active.values() if out.request.batch)
+        # More batch requests held than could all be waiting beyond the slots: one of them runs, and
+        # an interactive request pulled now can take its row.
+        return room + LOOKAHEAD if batch > max(len(self.active) - self.settings.max_batch, 0) else room
 
     async def _fetch_loop(self) -> None:
         while not self._stopping.is_set():
