@@ -22,7 +22,7 @@ from tokenpipe.settings import Settings
 from tokenpipe.streams import Gap, Ping, cancel, follow, paced, submit
 from tokenpipe.subjects import check_model_name, request_subject
 from tokenpipe.telemetry import get_tracer, producer_span
-from tokenpipe.wire import Request, TokenBatch, Usage
+from tokenpipe.wire import Request, ServiceTier, TokenBatch, Usage
 
 __all__ = ["Producer", "StreamHandle", "Result"]
 
@@ -119,12 +119,14 @@ class Producer:
     async def submit(self, model: str, *, prompt: str | None = None,
                      messages: Sequence[Mapping[str, str]] | None = None, input_ids: Sequence[int] | None = None,
                      coalesce: Mapping[str, Any] | None = None, request_id: str | None = None,
-                     **params: Any) -> StreamHandle:
+                     service_tier: ServiceTier = "auto", **params: Any) -> StreamHandle:
         """Enqueue a job; ``params`` are sampling parameters (max_tokens, temperature, top_p, top_k,
-        stop, seed, ignore_eos). Invalid values raise :class:`tokenpipe.errors.InvalidRequest`."""
+        stop, seed, ignore_eos). ``service_tier="flex"`` marks batch work: generators serve waiting
+        interactive requests (every other tier) first and preempt batch ones for them. Invalid
+        values raise :class:`tokenpipe.errors.InvalidRequest`."""
         check_model_name(model)
         req = Request.build(model, prompt=prompt, messages=messages, input_ids=input_ids, params=params,
-                            coalesce=coalesce, tenant=self.tenant, request_id=request_id)
+                            coalesce=coalesce, tenant=self.tenant, request_id=request_id, service_tier=service_tier)
         with producer_span(self.tracer, request_subject(model, self.bus.owner),
                            {"gen_ai.request.model": model, "tokenpipe.stream.id": req.id}) as headers:
             await submit(self.bus, req, headers)

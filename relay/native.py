@@ -83,7 +83,8 @@ def router(bodies: Bodies) -> APIRouter:
     @takes(bodies.native)
     async def create_stream(body: NativeCreate, request: Request) -> JSONResponse:
         req, _ = await start_stream(state_of(request), body, tenant_of(request))
-        created = StreamCreated(id=req.id, model=req.model, stream_url=f"/v1/streams/{req.id}")
+        created = StreamCreated(id=req.id, model=req.model, stream_url=f"/v1/streams/{req.id}",
+                                service_tier=req.served_tier)
         return JSONResponse(created.model_dump(), status_code=201,
                             headers={"X-Request-Id": req.id, "Location": created.stream_url})
 

@@ -116,10 +116,11 @@ async def _complete_blocking(request: Request, state: RelayState, session: Sessi
     reply: ChatCompletion | Completion
     if chat:
         reply = ChatCompletion(id=_object_id(req.id, chat), created=created, model=req.model, usage=usage,
+                               service_tier=req.served_tier,
                                choices=[ChatChoice(finish_reason=finish, message=AssistantMessage(content=full))])
     else:
         reply = Completion(id=_object_id(req.id, chat), created=created, model=req.model, usage=usage,
-                           choices=[CompletionChoice(finish_reason=finish, text=full)])
+                           service_tier=req.served_tier, choices=[CompletionChoice(finish_reason=finish, text=full)])
     return JSONResponse(reply.model_dump(), headers={"X-Request-Id": req.id})
 
 
@@ -136,7 +137,8 @@ def _object_id(stream_id: str, chat: bool) -> str:
 async def _chunks(state: RelayState, session: Session, req: TpRequest, created: int, chat: bool,
                   include_usage: bool) -> AsyncIterator[bytes]:
     kind = "chat.completion.chunk" if chat else "text_completion"
-    base: dict[str, Any] = {"id": _object_id(req.id, chat), "object": kind, "created": created, "model": req.model}
+    base: dict[str, Any] = {"id": _object_id(req.id, chat), "object": kind, "created": created, "model": req.model,
+                            "service_tier": req.served_tier}
     if include_usage:
         base["usage"] = None
 

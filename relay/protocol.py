@@ -31,7 +31,7 @@ from pydantic_core import PydanticCustomError
 from tokenpipe.errors import InvalidRequest
 from tokenpipe.params import MAX_TOKENS_LIMIT, MaxTokens, Whole, invalid_request
 from tokenpipe.settings import Settings
-from tokenpipe.wire import CoalesceParams, Message, Role, SamplingParams, TokenId, chat_message
+from tokenpipe.wire import CoalesceParams, Message, Role, SamplingParams, ServedTier, ServiceTier, TokenId, chat_message
 from tokenpipe.wire import Request as TpRequest
 from tokenpipe.wire.frames import ID_PATTERN
 
@@ -59,6 +59,9 @@ else:  # from SamplingParams: a new sampling field is in every body, and in the 
 class _Create(_Sampling):
     max_tokens_cap: ClassVar[int] = MAX_TOKENS_LIMIT  # this relay's limits, set by Bodies
     max_prompt_chars: ClassVar[int] = 1 << 62
+    service_tier: ServiceTier | None = Field(
+        None, description="class of service: `flex` is batch work (served after interactive work, preempted "
+                          "for it); `auto` (the default), `default` and `priority` are interactive")
 
     def _wire(self, *, model: str, tenant: str, max_tokens: int | None = None, prompt: str | None = None,
               messages: Sequence[Mapping[str, Any]] | None = None, input_ids: list[int] | None = None,
@@ -71,7 +74,8 @@ class _Create(_Sampling):
         sampling["max_tokens"] = max_tokens or min(SamplingParams().max_tokens, self.max_tokens_cap)
         return TpRequest.create(model, prompt=prompt, input_ids=tuple(input_ids) if input_ids is not None else None,
                                 messages=tuple(messages) if messages is not None else None, tenant=tenant,
-                                params=SamplingParams(**sampling), coalesce=coalesce or CoalesceParams())
+                                params=SamplingParams(**sampling), coalesce=coalesce or CoalesceParams(),
+                                service_tier=self.service_tier or "auto")
 
 
 class NativeCreate(_Create):
@@ -108,7 +112,7 @@ def _neutral(value: Any) -> Any:
 # OpenAI fields accepted only with the value that changes nothing (left out of the document).
 _NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "logprobs": False, "parallel_tool_calls": None,
             "logit_bias": None, "tools": None, "tool_choice": None, "response_format": None, "echo": False,
-            "best_of": 1, "suffix": None, "top_logprobs": None, "service_tier": None, "store": None,
+            "best_of": 1, "suffix": None, "top_logprobs": None, "store": None,
             "metadata": None, "prediction": None, "modalities": None, "reasoning_effort": None}
 if TYPE_CHECKING:
     _OpenAIFields = _Create
@@ -266,6 +270,7 @@ class StreamCreated(BaseModel):
     id: StreamId
     model: str
     stream_url: str
+    service_tier: ServedTier
 
 
 class StreamCancelled(BaseModel):
@@ -317,6 +322,7 @@ class Completion(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None
+    service_tier: ServedTier
 
 
 class ChatCompletion(Completion):

@@ -213,7 +213,8 @@ class Connection:
     async def _create(self, frame: CreateFrame, tenant: str) -> None:
         body = self.bodies.parse_native(frame.body)
         req, session = await native.start_stream(self.state, body, tenant)  # exactly POST /v1/streams' path
-        await self.outbox.put(CreatedFrame(ref=frame.ref, id=req.id, model=req.model).encode())
+        created = CreatedFrame(ref=frame.ref, id=req.id, model=req.model, service_tier=req.served_tier)
+        await self.outbox.put(created.encode())
         self._follow(session, after=-1, speed=None)
 
     async def _attach(self, attach: AttachFrame, tenant: str) -> None:

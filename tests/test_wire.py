@@ -16,6 +16,7 @@ from tokenpipe.errors import InvalidRequest, WireFormatError
 from tokenpipe.subjects import cancel_subject, owner_of_request, parse_cancel_subject, request_subject, token_subject
 from tokenpipe.telemetry import producer_span
 from tokenpipe.wire import (
+    SERVICE_TIERS,
     WIRE_VERSION,
     Announcement,
     Cancel,
@@ -135,6 +136,30 @@ def test_build_validates_untrusted_values_and_stamps_id_and_time() -> None:
     with pytest.raises(InvalidRequest) as info:
         Request.build("m", messages="not a list")
     assert info.value.param == "messages"
+
+
+def test_service_tier_round_trips_and_a_request_without_one_is_interactive() -> None:
+    old = msgpack.packb({"v": 1, "id": "r", "model": "m", "prompt": "p"})  # written before the field
+    req = Request.decode(old)
+    assert (req.service_tier, req.batch, req.served_tier) == ("auto", False, "default")
+    assert "service_tier" not in msgpack.unpackb(req.encode())  # the default: bytes as before the field
+    for tier in SERVICE_TIERS:
+        given = Request.build("m", prompt="p", service_tier=tier)
+        again = Request.decode(given.encode())
+        assert again == given and again.service_tier == tier and again.batch == (tier == "flex")
+        assert IndexedRequest.decode(IndexedRequest(given, "tp").encode()).request == given
+    assert Request.build("m", prompt="p", service_tier=None).service_tier == "auto"  # null: the default
+    assert Request.build("m", prompt="p", service_tier="priority").served_tier == "priority"
+
+
+@pytest.mark.parametrize("tier", ["batch", "FLEX", "", 1, ["flex"]])
+def test_an_unknown_service_tier_is_refused_naming_the_accepted_ones(tier: Any) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        Request.build("m", prompt="p", service_tier=tier)
+    assert info.value.param == "service_tier"
+    assert all(f"'{t}'" in info.value.message for t in SERVICE_TIERS), info.value.message
+    with pytest.raises(InvalidRequest):
+        Request.decode(msgpack.packb({"v": 1, "id": "r", "model": "m", "prompt": "p", "service_tier": tier}))
 
 
 @pytest.mark.parametrize("data, expected", [

@@ -286,7 +286,8 @@ class Runner(EngineHandle):
                 raise prepared.error
             original = prepared.prompt
             params = req.params
-            seq = self.engine.new_sequence(key, original + list(job.resume_ids), params, carried=carried)
+            seq = self.engine.new_sequence(key, original + list(job.resume_ids), params, carried=carried,
+                                           batch=req.batch)
             seq.max_new = min(seq.max_new, params.max_tokens - carried)
             if seq.max_new < 1:
                 raise InvalidRequest("max_tokens already reached by resumed tokens")

@@ -5,6 +5,12 @@ running sequences the blocks their next position needs (preempting the youngest 
 the pool is short), admits waiting sequences whose blocks fit (one batched prefill of
 what the prefix cache does not already hold, bounded by a token budget), runs one decode
 step for the sequences already running, samples, and retires finished sequences.
+
+Two classes of service: interactive sequences wait ahead of batch ones (``flex``), and when
+the first waiting interactive sequence has no slot or too few blocks, running batch rows are
+preempted for it, youngest first. A preempted row keeps its full blocks as cached prefix (they
+are reused on its return unless the pool needed them meanwhile) and is resumed with the tokens
+an uninterrupted run gives: its tokens are recomputed, and its sampler drew nothing meanwhile.
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ class Sequence:
     keys: list[bytes] = field(default_factory=list)  # prefix keys of its full blocks, as far as computed
     computed: int = 0  # positions whose K/V its blocks hold
     order: int = 0  # admission count: the highest is the youngest, preempted first
+    batch: bool = False  # batch work (``flex``): waits behind interactive sequences, preempted for them
 
     @property
     def tokens(self) -> list[int]:
@@ -120,11 +127,13 @@ class Engine:
                 self.static = static
 
     # -- admission -------------------------------------------------------------------
-    def new_sequence(self, seq_id: str, prompt: list[int], params: SamplingParams, carried: int = 0) -> Sequence:
+    def new_sequence(self, seq_id: str, prompt: list[int], params: SamplingParams, carried: int = 0, *,
+                     batch: bool = False) -> Sequence:
         """Validate and build a sequence; raises :class:`InvalidRequest` if it cannot run.
 
         ``carried`` trailing prompt tokens were generated earlier (crash continuation): they count
-        against the context and ``max_tokens`` but not against the prompt-length limit."""
+        against the context and ``max_tokens`` but not against the prompt-length limit. ``batch``:
+        the sequence is batch work (see the module docstring)."""
         if not prompt:
             raise InvalidRequest("the prompt is empty", param="prompt")
         vocab = int(self.model.config.vocab_size)
@@ -139,11 +148,20 @@ class Engine:
             raise InvalidRequest(f"prompt has {len(prompt) - carried} tokens; the limit here is "
                                  f"{self.max_prompt_tokens}", param="prompt")
         return Sequence(id=seq_id, prompt=list(prompt), params=params, max_new=min(params.max_tokens, room),
-                        sampler=RowSampler.from_params(params, self.device))
+                        sampler=RowSampler.from_params(params, self.device), batch=batch)
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        self._enqueue(seq)
         self.room = self._room()
+
+    def _enqueue(self, seq: Sequence, *, front: bool = False) -> None:
+        """Queue ``seq`` behind the waiting sequences of its class (``front``: ahead of them, a
+        preempted one); every interactive sequence waits ahead of every batch one."""
+        interactive = sum(1 for s in self.waiting if not s.batch)  # the waiting deque is partitioned so
+        if seq.batch:
+            self.waiting.insert(interactive if front else len(self.waiting), seq)
+        else:
+            self.waiting.insert(0 if front else interactive, seq)
 
     def cancel(self, seq_id: str) -> bool:
         """Mark a sequence; it leaves the batch (and frees its blocks) at the next step."""
@@ -193,6 +211,7 @@ class Engine:
         self._retire()
 
         self._grow()  # may preempt: the rows left all have a block for their next position
+        self._yield_to_interactive()  # may preempt batch rows: before the rows to decode are taken
         decoding = list(self.rows)  # rows admitted below get their first token from prefill
         admitted = self._admit()
         if admitted:
@@ -205,20 +224,38 @@ class Engine:
         return out
 
     def _grow(self) -> None:
-        """Give every running row a block for its next position; preempt the youngest when short."""
+        """Give every running row a block for its next position; preempt the youngest when short
+        (a batch row before any interactive one)."""
         for seq in list(self.rows):
             while seq.row >= 0 and seq.next_position // BLOCK_SIZE >= len(seq.blocks):
                 if self.pool.available:
                     seq.blocks.append(self.pool.allocate())
                 else:
-                    self._preempt(max(self.rows, key=lambda s: s.order))
+                    self._preempt(max(self.rows, key=lambda s: (s.batch, s.order)), "KV blocks ran out")
 
-    def _preempt(self, seq: Sequence) -> None:
-        log.info("preempting a sequence: KV blocks ran out", extra={"request_id": seq.id,
-                                                                    "tokens": len(seq.tokens)})
-        self._free(seq)
+    def _yield_to_interactive(self) -> None:
+        """Preempt batch rows, youngest first, until the waiting interactive sequences have a slot
+        and their blocks each, in order (as :meth:`_admit` takes them), or no batch row is left.
+
+        Blocks are counted without the prefix cache (a cached prompt needs fewer): at worst one
+        batch row more waits, never an interactive one."""
+        slots = blocks = 0  # taken by the interactive sequences ahead
+        for seq in [s for s in self.waiting if not s.batch]:
+            need = -(-len(seq.tokens) // BLOCK_SIZE)
+            while (self.max_batch - len(self.rows) - slots < 1
+                   or self.pool.available - len(self.rows) - blocks < need):
+                running = [r for r in self.rows if r.batch]
+                if not running:
+                    return
+                self._preempt(max(running, key=lambda s: s.order), "an interactive request waits")
+            slots, blocks = slots + 1, blocks + need + 1  # and a block for its next step, as _admit reserves
+
+    def _preempt(self, seq: Sequence, why: str) -> None:
+        log.info("preempting a sequence: %s", why, extra={"request_id": seq.id, "tokens": len(seq.tokens),
+                                                         "batch": seq.batch})
+        self._free(seq)  # its full blocks stay cached (keyed): its return prefills only what was evicted
         self.rows.remove(seq)
-        self.waiting.appendleft(seq)  # first in line again; its tokens are recomputed then
+        self._enqueue(seq, front=True)  # first of its class again; its tokens are recomputed then
         self.preemptions += 1
 
     def _admit(self) -> list[Sequence]:

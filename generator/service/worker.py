@@ -52,6 +52,8 @@ log = logging.getLogger(__name__)
 # The engine's longest wait for new streams' first batches to go out live (FirstBatchGate): a
 # PubAck takes ~0.3 ms on an idle machine, a few ms on two busy cores; past this the step goes on.
 FIRST_BATCH_WAIT_S = 0.005
+# Requests a generator holding batch work pulls beyond its slots (see GeneratorWorker.free_slots).
+LOOKAHEAD = 4
 _CHECK_WAIT_S = 5.0  # at most this long a stopping worker waits for the stream-id checks in flight
 
 
@@ -179,8 +181,21 @@ class GeneratorWorker:
     # -- intake ----------------------------------------------------------------------
     @property
     def free_slots(self) -> int:
-        """Requests to pull: below ``max_batch``, as many as the KV cache's free blocks can take."""
-        return min(self.settings.max_batch - len(self.active), self.runner.memory_room)
+        """Requests to pull: below ``max_batch``, as many as the KV cache's free blocks can take;
+        while batch work runs here, :data:`LOOKAHEAD` more.
+
+        The queue is one FIFO per model, so an interactive request is seen only once the requests
+        ahead of it are pulled. Pulling the whole backlog to find it would hold batch work here that
+        other generators could run, each delivery kept alive by progress acks; pulling only for free
+        slots would leave it queued behind running batch rows until one of them finished. The
+        lookahead lets a generator whose slots run batch work take a few requests more: an
+        interactive one among them preempts a batch row (generator.engine.scheduler), and what it
+        holds beyond its slots stays bounded by ``LOOKAHEAD``."""
+        room = min(self.settings.max_batch - len(self.active), self.runner.memory_room)
+        batch = sum(1 for out in self.active.values() if out.request.batch)
+        # More batch requests held than could all be waiting beyond the slots: one of them runs, and
+        # an interactive request pulled now can take its row.
+        return room + LOOKAHEAD if batch > max(len(self.active) - self.settings.max_batch, 0) else room
 
     async def _fetch_loop(self) -> None:
         while not self._stopping.is_set():

@@ -13,7 +13,18 @@ from ..params import CoalesceParams, SamplingParams
 from .batch import FINISH_REASONS, FinishReason, TokenBatch, Usage
 from .codec import WIRE_VERSION, new_request_id, now_ns
 from .control import Announcement, Cancel, IndexedRequest, StreamMeta
-from .request import Message, Request, Role, TokenId, chat_message, peek_request_id
+from .request import (
+    DEFAULT_TIER,
+    SERVICE_TIERS,
+    Message,
+    Request,
+    Role,
+    ServedTier,
+    ServiceTier,
+    TokenId,
+    chat_message,
+    peek_request_id,
+)
 
 __all__ = [
     "WIRE_VERSION",
@@ -23,6 +34,10 @@ __all__ = [
     "CoalesceParams",
     "Request",
     "Role",
+    "ServiceTier",
+    "ServedTier",
+    "SERVICE_TIERS",
+    "DEFAULT_TIER",
     "Message",
     "chat_message",
     "TokenId",

@@ -90,7 +90,8 @@ class IndexedRequest:
     v: Annotated[int, Field(strict=True, le=WIRE_VERSION)] = WIRE_VERSION  # absent in entries written before it
 
     def encode(self) -> bytes:
-        return to_json(self)
+        # the request's own map (its default tier left out, as in its msgpack), in field order
+        return to_json({"request": self.request.to_map(), "traceparent": self.traceparent, "v": self.v})
 
     @classmethod
     def decode(cls, data: bytes) -> IndexedRequest:

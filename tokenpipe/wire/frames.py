@@ -101,7 +101,8 @@ class AuthFrame(_ClientFrame):
 
 class CreateFrame(_ClientFrame):
     """A new stream: every other field is the native create body (``POST /v1/streams``), validated
-    as that route validates it, with this relay's limits (``relay.protocol.Bodies``)."""
+    as that route validates it, with this relay's limits (``relay.protocol.Bodies``): ``service_tier``
+    (``flex`` for batch work) included."""
 
     model_config = ConfigDict(extra="allow", frozen=True)
     type: Literal["create"] = "create"
@@ -199,6 +200,7 @@ class _StreamReply(_Reply):
 class CreatedFrame(_StreamReply):
     type: Literal["created"] = "created"
     model: str
+    service_tier: str | None = None  # the tier it is served at, as the HTTP create's reply names it
 
 
 class AttachedFrame(_StreamReply):

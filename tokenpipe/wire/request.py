@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal
+from types import MappingProxyType
+from typing import Annotated, Any, Literal, get_args
 
 import msgspec
 from pydantic import AfterValidator, BeforeValidator, ConfigDict, Field, StringConstraints, TypeAdapter, with_config
@@ -21,13 +22,22 @@ from ..params import CoalesceParams, SamplingParams, validated
 from ..subjects import check_stream_id
 from .codec import WIRE_VERSION, new_request_id, now_ns, pack, unpack, unpack_any
 
-__all__ = ["Message", "MessageDict", "Request", "Role", "TokenId", "chat_message", "peek_request_id"]
+__all__ = ["DEFAULT_TIER", "SERVICE_TIERS", "Message", "MessageDict", "Request", "Role", "ServedTier", "ServiceTier",
+           "TokenId", "chat_message", "peek_request_id"]
 
 MAX_TOKEN_ID = 1 << 31  # no vocabulary is larger; keeps every id encodable
 TokenId = Annotated[int, Field(strict=True, ge=0, lt=MAX_TOKEN_ID)]
 Role = Literal["system", "user", "assistant", "developer", "tool"]
 _Text = Annotated[str, StringConstraints(strict=True)]
 _Name = Annotated[str, StringConstraints(strict=True, min_length=1)]
+# A request's class of service, with OpenAI's names: ``flex`` is batch work (offline, preemptible),
+# every other tier interactive (waiting interactive work is admitted first and may preempt batch rows).
+ServiceTier = Literal["auto", "default", "flex", "priority"]
+SERVICE_TIERS: tuple[str, ...] = get_args(ServiceTier)
+DEFAULT_TIER: ServiceTier = "auto"
+ServedTier = Literal["default", "flex", "priority"]  # what a response names: ``auto`` is served as ``default``
+_SERVED: Mapping[str, ServedTier] = MappingProxyType({"auto": "default", "default": "default", "flex": "flex",
+                                                     "priority": "priority"})
 
 
 @with_config(ConfigDict(extra="ignore"))
@@ -67,6 +77,9 @@ class Request:
     coalesce: Annotated[CoalesceParams, BeforeValidator(_params)] = field(default_factory=CoalesceParams)
     tenant: _Text = "default"
     created_at: Annotated[int, Field(strict=True)] = 0
+    # Last, and left out of the encoding when it is the default: a request without it is
+    # interactive, and bytes of a default request are what peers before the field wrote.
+    service_tier: ServiceTier = DEFAULT_TIER
 
     def __post_init__(self) -> None:
         given = sum(x is not None for x in (self.prompt, self.messages, self.input_ids))
@@ -78,16 +91,26 @@ class Request:
         """The prompt's length in characters, all messages together (``input_ids``: 0, bounded in tokens)."""
         return len(self.prompt or "") + sum(len(m["content"]) for m in self.messages or ())
 
+    @property
+    def batch(self) -> bool:
+        """Batch work (``flex``): admitted after waiting interactive work, preempted for it."""
+        return self.service_tier == "flex"
+
+    @property
+    def served_tier(self) -> ServedTier:
+        """The tier a response names, as OpenAI's do: ``auto`` is served as ``default``."""
+        return _SERVED[self.service_tier]
+
     @classmethod
     def build(cls, model: str, *, prompt: Any = None, messages: Any = None, input_ids: Any = None,
               params: Mapping[str, Any] | None = None, coalesce: Any = None, tenant: str = "default",
-              request_id: str | None = None) -> Request:
+              request_id: str | None = None, service_tier: Any = None) -> Request:
         """A new request (a fresh id unless given, created now) from untrusted values, validated
         as :meth:`from_map` does: the producer SDK builds its requests here (the relay, with :meth:`create`)."""
         return cls.from_map({
             "id": request_id or new_request_id(), "model": model, "prompt": prompt, "messages": _listed(messages),
             "input_ids": _listed(input_ids), "params": params, "coalesce": coalesce, "tenant": tenant,
-            "created_at": now_ns(),
+            "created_at": now_ns(), "service_tier": service_tier,
         })
 
     @classmethod
@@ -98,11 +121,15 @@ class Request:
         return cls(model=model, **kw)
 
     def to_map(self) -> dict[str, Any]:
-        """The request as a plain map (JSON- and msgpack-ready), as :meth:`from_map` reads it."""
-        return msgspec.to_builtins(self)  # type: ignore[no-any-return]
+        """The request as a plain map (JSON- and msgpack-ready), as :meth:`from_map` reads it; the
+        default ``service_tier`` left out (see the field)."""
+        out: dict[str, Any] = msgspec.to_builtins(self)
+        if self.service_tier == DEFAULT_TIER:
+            del out["service_tier"]
+        return out
 
     def encode(self) -> bytes:
-        return pack(self)
+        return pack(self.to_map())
 
     @classmethod
     def decode(cls, data: bytes) -> Request:

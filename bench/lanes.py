@@ -1,0 +1,118 @@
+"""A person's chat behind an offline backlog: interactive TTFT idle, and behind a backlog created at
+the default tier (the one FIFO of before classes of service) or as batch work (``flex``), in one run.
+
+    python -m bench.lanes [--model tiny-random] [--backlog 16] [--backlog-tokens 256] [--max-batch 16]
+                          [--rounds 3] [--out bench/out/lanes.json]
+
+A whole pipeline (nats-server, one generator process with ``--max-batch`` slots, the relay; see
+:mod:`bench.stack`). The backlog's streams are created through ``POST /v1/streams`` and not read,
+as an offline job does; then one interactive chat is read over SSE and its TTFT taken from the
+POST. The backlog is cancelled before the next measurement. The three cases alternate by round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from rich.console import Console
+from rich.table import Table
+
+from tokenpipe.settings import Settings
+
+from .common import alternate, chat, write_json
+from .rawhttp import raw_stream
+from .stack import Pipeline
+
+__all__ = ["main"]
+
+CASES = ("idle", "behind-default", "behind-flex")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="tiny-random")
+    parser.add_argument("--backlog", type=int, default=16, help="streams created ahead of the chat")
+    parser.add_argument("--backlog-tokens", type=int, default=256, help="max_tokens of each backlog stream")
+    parser.add_argument("--chat-tokens", type=int, default=8)
+    parser.add_argument("--max-batch", type=int, default=16, help="the generator's slots (TOKENPIPE_MAX_BATCH)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--data-dir", default=Settings.load().data_dir)
+    parser.add_argument("--out", default="bench/out/lanes.json")
+    return parser.parse_args(argv)
+
+
+async def _case(url: str, case: str, args: argparse.Namespace, n: int) -> float:
+    """The chat's TTFT in ms for one case; its backlog cancelled after."""
+    base = {"temperature": 0, "ignore_eos": True}
+    ids: list[str] = []
+    async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+        if case != "idle":
+            tier = case.removeprefix("behind-")
+            for i in range(args.backlog):
+                r = await client.post("/v1/streams", json={"messages": chat(100 + i), **base, "service_tier": tier,
+                                                            "max_tokens": args.backlog_tokens})
+                r.raise_for_status()
+                ids.append(r.json()["id"])
+        rec = await raw_stream(url, {"messages": chat(n), **base, "max_tokens": args.chat_tokens})
+        for sid in ids:
+            await client.delete(f"/v1/streams/{sid}")
+        for sid in ids:  # read to its end: its slot is free once its last batch is stored
+            await client.get(f"/v1/streams/{sid}", params={"cancel_on_disconnect": "false"})
+    if not rec.ok:
+        raise RuntimeError(f"the chat failed: {rec.error}")
+    return rec.ttft * 1000
+
+
+async def _measure(url: str, args: argparse.Namespace, console: Console) -> dict[str, list[float]]:
+    await raw_stream(url, {"messages": chat(999), "max_tokens": 4})  # warm-up
+    samples: dict[str, list[float]] = {c: [] for c in CASES}
+    for r in range(args.rounds):
+        for case in alternate(CASES, r):
+            samples[case].append(await _case(url, case, args, r))
+            console.print(f"  round {r + 1} {case}: {samples[case][-1]:.1f} ms")
+    return samples
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    console = Console()
+    load = os.getloadavg()
+    env = {"TOKENPIPE_MAX_BATCH": str(args.max_batch), "TOKENPIPE_KERNELS": "rules"}
+    with Pipeline(args.model, args.data_dir, extra_env=env, device=args.device, dtype=args.dtype,
+                  ready_timeout=900) as p:
+        samples = asyncio.run(_measure(p.url, args, console))
+    medians = {c: statistics.median(v) for c, v in samples.items()}
+    results: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "load_before": load,
+                    "load_after": os.getloadavg()},
+        "config": {k: v for k, v in vars(args).items() if k != "out"},
+        "ttft_ms_median": medians,
+        "over_idle": {c: medians[c] / medians["idle"] for c in CASES},
+        "samples_ms": samples,
+    }
+    table = Table(title=f"chat TTFT behind {args.backlog} x {args.backlog_tokens}-token streams, "
+                        f"{args.max_batch} slots ({args.model})")
+    for col in ("case", "TTFT p50 ms", "x idle"):
+        table.add_column(col, justify="left" if col == "case" else "right")
+    for c in CASES:
+        table.add_row(c, f"{medians[c]:.1f}", f"{results['over_idle'][c]:.1f}")
+    console.print(table)
+    out = write_json(Path(args.out), results)
+    console.print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
