@@ -344,6 +344,7 @@ class Chaos:
 async def run(args: argparse.Namespace, data_dir: Path) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="tokenpipe-chaos-") as tmp:
         data = Path(tmp)
+        (data_dir / "models").mkdir(parents=True, exist_ok=True)  # a fresh machine: converted here, kept there
         (data / "models").symlink_to(data_dir / "models", target_is_directory=True)
         chaos = Chaos(data, args)
         try:

@@ -132,6 +132,8 @@ async def test_kill9_of_the_generator_holding_a_stream_is_taken_over_and_restart
         assert ready["status"] in ("ready", "degraded")  # the new one may not have announced yet
         out = stack.output()
         assert f"continuing redelivered request request_id={sid}" in out
+        # Handed back by the survivor once the server had dropped the dead one's connection, not left to ack_wait.
+        assert "handed back a dead peer's requests" in out
         assert "generator" in out and "SIGKILL" in out and "generators: 1/2 ready" in out
         assert "generators: 2/2 ready" in out.rsplit("generators: 1/2 ready", 1)[1]
         # The stack kept serving.

@@ -30,9 +30,11 @@ from .cluster import server_list
 from .errors import ConfigError, InvalidRequest
 from .settings import Settings
 from .subjects import (
+    ALIVE_PREFIX,
     ANNOUNCE_PREFIX,
     CANCEL_WILDCARD,
     DISCOVER_SUBJECT,
+    HELD_PREFIX,
     LIVE_WILDCARD,
     META_BUCKET,
     META_STREAM,
@@ -148,6 +150,8 @@ def permissions(role: str, app: str | None = None, *, apps: Iterable[str] = ()) 
     if role == "generator":
         return Permissions(
             publish_allow=(TOKEN_WILDCARD, LIVE_WILDCARD, f"{ANNOUNCE_PREFIX}.>", f"{_JS}.INFO",
+                           # What each holds, and the alive probes (generator.service.rescue).
+                           f"{HELD_PREFIX}.>", f"{ALIVE_PREFIX}.>",
                            *_look(REQUESTS_STREAM, TOKENS_STREAM),
                            # Binds the admin's request consumer; never creates or configures it.
                            f"{_JS}.CONSUMER.INFO.{REQUESTS_STREAM}.*",
@@ -157,6 +161,7 @@ def permissions(role: str, app: str | None = None, *, apps: Iterable[str] = ()) 
                            *(f"{_JS}.STREAM.MSG.DELETE.{intake_stream(a)}" for a in apps),
                            *_read_tokens(TOKEN_WILDCARD)),
             subscribe_allow=(f"{inbox_prefix('generator')}.>", CANCEL_WILDCARD, DISCOVER_SUBJECT,
+                             f"{HELD_PREFIX}.>", f"{ALIVE_PREFIX}.>",
                              f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{REQUESTS_STREAM}.*"),
             publish_deny=(REQUEST_WILDCARD, CANCEL_WILDCARD, "$KV.>", *_NEVER),
             subscribe_deny=(TOKEN_WILDCARD, LIVE_WILDCARD),

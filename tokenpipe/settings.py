@@ -167,6 +167,13 @@ class Settings:
     progress_interval_s: float = _setting(1.0, "how often a generator acknowledges progress on every request it holds; "
                                                "a worker stalled longer than `TOKENPIPE_ACK_WAIT_S` minus this loses "
                                                "its requests to another worker")
+    peer_check_interval_s: float = _setting(
+        0.25, "how often a generator asks NATS whether each peer holding requests is still connected (a request to "
+              "the peer's `tp.gen.alive` subject: \"no responders\" is the server's word that its connection is gone)")
+    peer_gone_after_s: float = _setting(
+        1.0, "a peer the server has seen gone this long (0: at once) has its held requests handed back (NAK) by one "
+             "surviving generator, so they move on before `TOKENPIPE_ACK_WAIT_S`; the wait rides out a client moving "
+             "to another NATS node; negative: off (a dead worker's requests then wait out `ack_wait`)")
     drain_timeout_s: float = _setting(
         10.0, "on SIGTERM, how long running requests may finish before they are handed back")
     max_deliver: int = _setting(3, "delivery attempts per request; after the last, the stream ends with an `error`")

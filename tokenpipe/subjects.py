@@ -30,8 +30,10 @@ __all__ = [
     "TOKENS_STREAM",
     "META_BUCKET",
     "META_STREAM",
+    "ALIVE_PREFIX",
     "ANNOUNCE_PREFIX",
     "DISCOVER_SUBJECT",
+    "HELD_PREFIX",
     "RELAY_OWNER",
     "request_subject",
     "model_request_filter",
@@ -69,6 +71,12 @@ CANCEL_WILDCARD = "tp.cancel.>"
 READERS_WILDCARD = "tp.readers.*"
 ANNOUNCE_PREFIX = "tp.gen.announce"
 DISCOVER_SUBJECT = "tp.gen.discover"
+# Which requests (their JetStream ack subjects) each generator holds: tp.gen.held.<model>.<worker>,
+# heard by the generators of the model alone (generator.service.rescue).
+HELD_PREFIX = "tp.gen.held"
+# tp.gen.alive.<worker>: subscribed by that generator and never answered. A request there times out
+# while the worker is connected and gets "no responders" from the server once its connection is gone.
+ALIVE_PREFIX = "tp.gen.alive"
 
 # The owner of every stream made through a relay: tenants are mapped only in the relay.
 RELAY_OWNER = "relay"

@@ -43,6 +43,7 @@ from ..model.loader import LoadedModel
 from .announce import Announcer
 from .intake import RequestIntake, keep, patiently
 from .publisher import BatchPublisher
+from .rescue import Rescuer
 from .writer import OutputContext, StreamWriter
 
 __all__ = ["GeneratorWorker"]
@@ -97,6 +98,8 @@ class GeneratorWorker:
         self.announcer = Announcer(bus, settings, worker_id=self.worker_id, model=self.model,
                                    device=str(loaded.device), runner=self.runner, streams=self._held_ids,
                                    metrics=self.metrics)
+        self.rescuer = Rescuer(bus, settings, worker_id=self.worker_id, model=self.model,
+                               held=self._held_deliveries, progress_every=self.progress_every)
         self._output = OutputContext(settings, self.publisher, self.metrics, self.tracer, self._finished, self._lost)
         self._tasks: list[asyncio.Task[None]] = []
         self._checks: set[asyncio.Task[None]] = set()  # stream-id checks of first deliveries still running
@@ -122,6 +125,7 @@ class GeneratorWorker:
             asyncio.create_task(self._repair_loop(), name="repair"),
         ]
         await self.announcer.start()
+        await self.rescuer.start()
         log.info("generator ready", extra={"model": self.model, "worker": self.worker_id,
                                            "max_batch": self.settings.max_batch, "device": str(self.loaded.device)})
 
@@ -163,6 +167,7 @@ class GeneratorWorker:
         if handed_back:
             log.info("handed back unfinished requests", extra={"count": len(handed_back)})
         await self.announcer.stop()
+        await self.rescuer.stop()
         await stop_loops(self._closing, self._tasks)  # not by cancel alone: see tokenpipe.background
         await self.publisher.close()
         if self._cancels is not None:
@@ -177,6 +182,10 @@ class GeneratorWorker:
     def _held_ids(self) -> list[str]:
         """The ids of the streams held now (announced: operators and tests find a stream's holder by its id)."""
         return [out.request.id for out in self.active.values()]
+
+    def _held_deliveries(self) -> list[Msg]:
+        """The deliveries of the requests held now (published for the peers: generator.service.rescue)."""
+        return [out.msg for out in self.active.values() if out.msg is not None]
 
     # -- intake ----------------------------------------------------------------------
     @property
@@ -310,6 +319,7 @@ class GeneratorWorker:
         out = self.active[key] = StreamWriter(self._output, request, msg, span, past=past,
                                                       stored_last=stored_last, received=received,
                                                       owner=owner, cleared=not first)
+        self.rescuer.changed()
         if past:
             log.info("continuing redelivered request", extra={"request_id": request.id, "resumed_tokens": len(resume),
                                                               "delivery": msg.metadata.num_delivered})
@@ -401,6 +411,7 @@ class GeneratorWorker:
                     extra={"request_id": out.request.id, "owner": out.owner, "error": exc.message})
         if self.active.get(out.key) is out:
             self.active.pop(out.key)
+            self.rescuer.changed()
             self.runner.cancel(out.key)
             self._slot_freed.set()
 
@@ -408,6 +419,7 @@ class GeneratorWorker:
         rid = out.request.id
         if self.active.get(out.key) is out:
             self.active.pop(out.key)
+            self.rescuer.changed()
         self._slot_freed.set()
         if out.refused:
             return

@@ -12,7 +12,7 @@ the NATS shapes from this package; the relay's WebSocket frames are in :mod:`.fr
 from ..params import CoalesceParams, SamplingParams
 from .batch import FINISH_REASONS, FinishReason, TokenBatch, Usage
 from .codec import WIRE_VERSION, new_request_id, now_ns
-from .control import Announcement, Cancel, IndexedRequest, StreamMeta
+from .control import Announcement, Cancel, Held, IndexedRequest, StreamMeta
 from .request import (
     DEFAULT_TIER,
     SERVICE_TIERS,
@@ -43,6 +43,7 @@ __all__ = [
     "TokenId",
     "TokenBatch",
     "Cancel",
+    "Held",
     "Usage",
     "StreamMeta",
     "IndexedRequest",

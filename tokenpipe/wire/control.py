@@ -1,8 +1,9 @@
 """The control plane's shapes, JSON so operators read them with ``nats sub`` and ``nats kv get``:
 a stream's owner (:class:`StreamMeta`), its index entry (:class:`IndexedRequest`), a
-:class:`Cancel`, and a generator's :class:`Announcement`. Each is declared once: a msgspec Struct
-(its version the tag ``v``, absent in entries written before the field existed), except the index
-entry, which carries a :class:`~.request.Request` and is validated as one is."""
+:class:`Cancel`, a generator's :class:`Announcement` and the requests it holds (:class:`Held`).
+Each is declared once: a msgspec Struct (its version the tag ``v``, absent in entries written
+before the field existed), except the index entry, which carries a :class:`~.request.Request` and
+is validated as one is."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from ..params import invalid_request
 from .codec import WIRE_VERSION, decoded, to_json
 from .request import Request, _present
 
-__all__ = ["Announcement", "Cancel", "IndexedRequest", "StreamMeta"]
+__all__ = ["Announcement", "Cancel", "Held", "IndexedRequest", "StreamMeta"]
 
 
 class _Control(msgspec.Struct, frozen=True, tag_field="v", tag=WIRE_VERSION):
@@ -78,6 +79,19 @@ class Announcement(_Control, frozen=True):
     ts: float = 0.0  # wall-clock seconds when sent
     free_blocks: int = 0  # KV-cache blocks a new sequence could get now (free or cached, unheld)
     block_size: int = 0  # positions per KV block
+
+
+class Held(_Control, frozen=True):
+    """The requests a generator holds: the JetStream ack subjects of their deliveries, published on
+    ``tp.gen.held.<model>.<worker>`` when the set changes and every progress interval (JSON). The
+    model's other generators keep the latest; once the server says the worker's connection is gone,
+    one of them hands these deliveries back (NAK) so that they move on before ``ack_wait``."""
+
+    _what: ClassVar[str] = "held requests"
+    worker: str
+    model: str
+    acks: tuple[str, ...] = ()
+    leaving: bool = False  # a worker stopping: its requests are handed back by itself
 
 
 @dataclass(frozen=True, slots=True)
