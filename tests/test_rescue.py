@@ -70,8 +70,8 @@ async def test_a_dead_peers_request_is_handed_back_long_before_ack_wait(
     await alive.start()
     await dead.start()
     try:
-        await wait_until(lambda: alive.peers.get("w-dead") is not None and bool(alive.peers["w-dead"].acks), 10,
-                         "the survivor to hear what its peer holds")
+        await wait_until(lambda: "w-dead" in alive.said_heard and bool(alive.peers["w-dead"].acks), 10,
+                         "the survivor to hear what its peer holds (and say so)")
         gone = time.monotonic()
         await dying.nc.close()  # its connection is gone, as on kill -9: the server drops its subscriptions
         again = await take(survivor, queue, timeout=ACK_WAIT_S / 2)
@@ -125,10 +125,14 @@ async def test_only_the_lowest_live_worker_hands_a_dead_peer_back(settings: Sett
         await r.start()
     await dead.start()
     try:
-        await wait_until(lambda: all("w-b-dead" in r.peers and len(r.peers) == 2 for r in lives), 10,
-                         "every survivor to hear every peer")
+        def everyone_knows() -> bool:  # each survivor said it heard the dead one, and heard the other say so
+            return all("w-b-dead" in r.said_heard and len(r.peers) == 2 for r in lives) and all(
+                "w-b-dead" in p.knows for r in lives for w, p in r.peers.items() if w != "w-b-dead")
+
+        await wait_until(everyone_knows, 10, "every survivor to hear every peer")
         await dying.nc.close()
-        await wait_until(lambda: all("w-b-dead" not in r.peers for r in lives), 10, "both to see the peer gone")
+        await wait_until(lambda: all(r.peers["w-b-dead"].gone_since is not None and not r.peers["w-b-dead"].acks
+                                     for r in lives), 10, "both to see the peer gone")
         assert [r.handed_back for r in lives] == [1, 0]
         again = await take(others[0], queue)
         assert again[0].metadata.num_delivered == 2
@@ -137,3 +141,30 @@ async def test_only_the_lowest_live_worker_hands_a_dead_peer_back(settings: Sett
             await r.stop()
         for b in others:
             await b.close()
+
+
+async def test_a_worker_that_came_up_after_the_death_is_not_left_to_hand_it_back(
+        settings: Settings, bus: Bus, queue: str) -> None:
+    """Regression: the killed generator's replacement had the lowest worker id; the survivor left
+    the hand-back to it, which had never heard what the dead one held, so it waited out ack_wait."""
+    await bus.js.publish(f"{queue.lower()}.a", b"job")
+    dying, survivor, late = [await connect(settings, name=n) for n in ("dying", "survivor", "late")]
+    held = await take(dying, queue)
+    dead, old = rescuer(dying, settings, "w-m-dead", held), rescuer(survivor, settings, "w-z", [])
+    await old.start()
+    await dead.start()
+    newcomer = rescuer(late, settings, "w-a-new", [])
+    try:
+        await wait_until(lambda: "w-m-dead" in old.said_heard and bool(old.peers["w-m-dead"].acks), 10,
+                         "the survivor to hear what the dead one holds")
+        await dying.nc.close()
+        await newcomer.start()  # it hears the survivor, never the dead one
+        again = await take(survivor, queue, timeout=ACK_WAIT_S / 2)
+        assert again[0].metadata.num_delivered == 2
+        assert (old.handed_back, newcomer.handed_back) == (1, 0)
+        assert "w-m-dead" not in newcomer.said_heard
+    finally:
+        for r in (old, dead, newcomer):
+            await r.stop()
+        await survivor.close()
+        await late.close()

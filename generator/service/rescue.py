@@ -62,6 +62,7 @@ def stream_sequence(ack_subject: str) -> int | None:
 class _Peer:
     acks: tuple[str, ...] = ()
     alive: float = 0.0  # its last sign of life (a held set heard, a probe that timed out), monotonic
+    knows: tuple[str, ...] = ()  # the workers it said it has heard
     gone_since: float | None = None  # the first "no responders" of the current run of them
 
 
@@ -82,6 +83,7 @@ class Rescuer:
         self.progress_every = progress_every
         self.peers: dict[str, _Peer] = {}
         self.handed_back = 0  # deliveries of dead peers this worker handed back
+        self.said_heard: frozenset[str] = frozenset()  # the peers named in our last published held set
         self._dirty = asyncio.Event()
         self._closing = asyncio.Event()
         self._subs: list[Subscription] = []
@@ -115,8 +117,10 @@ class Rescuer:
     # -- what this worker holds ---------------------------------------------------------
     async def _publish(self, *, leaving: bool = False) -> None:
         acks = () if leaving else tuple(m.reply for m in self.held() if m.reply)
-        held = Held(worker=self.worker_id, model=self.model, acks=acks, leaving=leaving)
+        peers = tuple(sorted(self.peers))
+        held = Held(worker=self.worker_id, model=self.model, acks=acks, peers=peers, leaving=leaving)
         await self.bus.nc.publish(f"{HELD_PREFIX}.{self.model}.{self.worker_id}", held.encode())
+        self.said_heard = frozenset(peers)
 
     async def _publish_loop(self) -> None:
         while not self._closing.is_set():
@@ -141,8 +145,10 @@ class Rescuer:
         if held.leaving:
             self.peers.pop(held.worker, None)
             return
+        if held.worker not in self.peers:
+            self.changed()  # our peers are part of what we publish
         peer = self.peers.setdefault(held.worker, _Peer())
-        peer.acks, peer.alive, peer.gone_since = held.acks, time.monotonic(), None
+        peer.acks, peer.knows, peer.alive, peer.gone_since = held.acks, held.peers, time.monotonic(), None
 
     async def _watch_loop(self) -> None:
         while await pause(self._closing, self.settings.peer_check_interval_s):
@@ -170,24 +176,30 @@ class Rescuer:
             return
         log.warning("a peer answered its alive probe", extra={"peer": worker})  # never: nobody answers there
 
-    def _rescuer(self, now: float) -> str:
-        """Who hands a dead peer's requests back: the lowest worker id among those alive (every
-        survivor hears the same held sets, so all pick the same one; if none did, ack_wait does it)."""
+    def _rescuer(self, dead: str, now: float) -> str | None:
+        """Who hands ``dead``'s requests back: the lowest worker id among the live ones whose
+        published held set said they had heard it, this one judged by what it published too, so
+        that every survivor, hearing the same held sets, picks the same one (None: nobody knew it;
+        ack_wait moves them). A worker that came up after the death never heard what the dead one
+        held: picking it left the requests to ack_wait (the killed generator's replacement)."""
         recent = max(3 * self.progress_every, 1.0)
-        alive = [w for w, p in self.peers.items() if p.gone_since is None and now - p.alive < recent]
-        return min([self.worker_id, *alive])
+        knew = [w for w, p in self.peers.items()
+                if p.gone_since is None and now - p.alive < recent and dead in p.knows]
+        if dead in self.said_heard:
+            knew.append(self.worker_id)
+        return min(knew, default=None)
 
     async def _hand_on(self, worker: str, peer: _Peer) -> None:
         now = time.monotonic()
-        self.peers.pop(worker, None)
-        if self._rescuer(now) != self.worker_id:
+        acks_held, peer.acks = peer.acks, ()  # kept as a peer we heard (published) until forgotten
+        if self._rescuer(worker, now) != self.worker_id:
             return
         if now - peer.alive >= self.settings.ack_wait_s - self.progress_every:
             # Its deliveries may have timed out and gone to another worker: a NAK would take them away.
-            log.info("a dead peer's requests left to ack_wait", extra={"peer": worker, "count": len(peer.acks)})
+            log.info("a dead peer's requests left to ack_wait", extra={"peer": worker, "count": len(acks_held)})
             return
         mine = {stream_sequence(m.reply) for m in self.held() if m.reply}
-        acks = [a for a in peer.acks if stream_sequence(a) not in mine]
+        acks = [a for a in acks_held if stream_sequence(a) not in mine]
         for ack in acks:
             await self.bus.nc.publish(ack, b"-NAK")
         await self.bus.nc.flush()

@@ -91,6 +91,7 @@ class Held(_Control, frozen=True):
     worker: str
     model: str
     acks: tuple[str, ...] = ()
+    peers: tuple[str, ...] = ()  # the workers it has heard: who may hand a dead one's requests back
     leaving: bool = False  # a worker stopping: its requests are handed back by itself
 
 
