@@ -95,7 +95,7 @@ class GeneratorWorker:
             self.publisher.on_live = thread.first_batches.sent
         self.intake = RequestIntake(bus, loaded.name, settings, live=self.publisher.live)
         self.announcer = Announcer(bus, settings, worker_id=self.worker_id, model=self.model,
-                                   device=str(loaded.device), runner=self.runner, streams=self._held_ids,
+                                   device=str(loaded.device), runner=self.runner, streams=self._held,
                                    metrics=self.metrics)
         self._output = OutputContext(settings, self.publisher, self.metrics, self.tracer, self._finished, self._lost)
         self._tasks: list[asyncio.Task[None]] = []
@@ -174,9 +174,10 @@ class GeneratorWorker:
         """Started, not stopping, and connected to NATS (the generator's ``/readyz``)."""
         return bool(self._tasks) and not self._stopping.is_set() and self.bus.nc.is_connected
 
-    def _held_ids(self) -> list[str]:
-        """The ids of the streams held now (announced: operators and tests find a stream's holder by its id)."""
-        return [out.request.id for out in self.active.values()]
+    def _held(self) -> list[tuple[str, str]]:
+        """``(owner, id)`` of the streams held now (the announcements count them all and name the
+        relay's: operators and tests find an HTTP stream's holder by its id)."""
+        return [(out.owner, out.request.id) for out in self.active.values()]
 
     # -- intake ----------------------------------------------------------------------
     @property
