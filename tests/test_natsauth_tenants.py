@@ -35,8 +35,16 @@ from tokenpipe.errors import GenerationError
 from tokenpipe.natsauth import load_credential
 from tokenpipe.settings import Settings
 from tokenpipe.streams import cancel, history, stored_count
-from tokenpipe.subjects import META_BUCKET, META_STREAM, TOKENS_STREAM, intake_stream
-from tokenpipe.wire import Request
+from tokenpipe.subjects import (
+    ANNOUNCE_PREFIX,
+    DISCOVER_SUBJECT,
+    META_BUCKET,
+    META_STREAM,
+    REQUESTS_STREAM,
+    TOKENS_STREAM,
+    intake_stream,
+)
+from tokenpipe.wire import Announcement, Request
 from tokenpipe_cli.upprocess import UpProcess
 
 from .conftest import wait_until
@@ -447,8 +455,19 @@ async def test_another_apps_request_sequence_cannot_be_read_from_a_refusal(up: U
 
 # -- the relay's credential (issue 48) --------------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason="issue 48: STREAM.INFO's subjects_filter is in the request body, which no "
-                                       "permission sees; closing it needs the relay in an account of its own")
+# What still lists other owners through the relay's credential is one API call answered by a stream's
+# leader: STREAM.INFO, whose ``subjects_filter`` is in the request body, which no permission sees. The
+# relay needs it for leader-side counts (streams.stored_count: its catch-up reads must not trust a
+# replica that is behind, or a stream stalled for good after a node freeze; streams.pending_requests)
+# and /readyz (a sealed store); the JetStream calls that would be confined by subject (a direct get, a
+# consumer) are answered by any replica, and STREAM.MSG.GET, the leader's, has its subject in the body
+# too. Closing these needs the relay in an account of its own (docs/architecture.md, Security).
+_LEADER_ONLY = ("issue 48: STREAM.INFO's subjects_filter is in the request body, which no permission sees, and "
+                "the relay needs STREAM.INFO for leader-side counts; closing it needs the relay in an account "
+                "of its own")
+
+
+@pytest.mark.xfail(strict=True, reason=_LEADER_ONLY)
 async def test_the_relays_credential_lists_only_its_own_stream_ids(up: UpProcess, admin: Bus) -> None:
     """The relay may ask TP_TOKENS' state (its stored counts); with ``subjects_filter: ">"`` that
     listed every owner's stream ids."""
@@ -460,6 +479,137 @@ async def test_the_relays_credential_lists_only_its_own_stream_ids(up: UpProcess
         await relay.nc.close()
     subjects = set(info.state.subjects or {})
     assert all(s.startswith("tp.tok.relay.") for s in subjects), sorted(subjects)[:5]
+
+
+@pytest.mark.xfail(strict=True, reason=_LEADER_ONLY)
+async def test_the_relays_credential_sees_no_other_apps_queued_requests(up: UpProcess) -> None:
+    """TP_REQUESTS' state (the relay's count of its own queued requests) with ``subjects_filter: ">"``
+    lists every application that has a request queued or running, and how many (an app's requests
+    keep their subject ``tp.req.<model>.<app>`` when TP_REQUESTS sources them)."""
+    relay = await Client.connect(up, "relay")
+    try:
+        async with await Producer.connect(settings=settings_for(up, "app-alice")) as a:
+            busy = await a.submit(MODEL, prompt="busy", max_tokens=2000, temperature=0, ignore_eos=True)
+            batches = busy.__aiter__()
+            await anext(batches)  # running: her request stays in the queue until its final batch is stored
+            try:
+                info = await relay.nc.jetstream(timeout=5).stream_info(REQUESTS_STREAM, subjects_filter=">")
+            finally:
+                await busy.cancel()
+                assert [b async for b in batches][-1].finish == "cancelled"
+    finally:
+        await relay.nc.close()
+    subjects = set(info.state.subjects or {})
+    assert all(s.endswith(".relay") for s in subjects), sorted(subjects)
+
+
+async def test_the_generators_announcements_name_no_other_owners_stream_ids(up: UpProcess) -> None:
+    """Every relay hears the generators' announcements, which named every stream a generator held:
+    the relay's credential had a live list of every owner's running stream ids (alice's chosen
+    ``job-…`` included). They now count hers and name only the relay's own (an HTTP stream's holder
+    is still found by its id)."""
+    chosen = f"job-{secrets.token_hex(4)}"
+    heard: list[Announcement] = []
+
+    async def on(msg: Any) -> None:
+        heard.append(Announcement.decode(msg.data))
+
+    relay = await Client.connect(up, "relay")
+    await relay.nc.subscribe(f"{ANNOUNCE_PREFIX}.>", cb=on)
+    try:
+        async with (await Producer.connect(settings=settings_for(up, "app-alice")) as a,
+                    httpx.AsyncClient(base_url=up.url, timeout=60) as http):
+            hers = await a.submit(MODEL, prompt="Hi", max_tokens=2000, temperature=0, ignore_eos=True,
+                                  request_id=chosen)
+            batches = hers.__aiter__()
+            await anext(batches)  # a generator holds hers now
+            r = await http.post("/v1/streams", json={**BODY, "max_tokens": 2000})
+            assert r.status_code == 201, r.text
+            sid = r.json()["id"]
+
+            async def both_held() -> bool:  # a round that holds the relay's stream and hers
+                await relay.nc.publish(DISCOVER_SUBJECT, b"")  # the relay's own question: a round now
+                return any(sid in ann.streams and ann.active >= 2 for ann in heard)
+
+            try:
+                await wait_until(both_held, 30, "an announcement holding both streams")
+            finally:
+                assert (await http.delete(f"/v1/streams/{sid}")).status_code == 200
+                await hers.cancel()
+                assert [b async for b in batches][-1].finish == "cancelled"
+    finally:
+        await relay.nc.close()
+    named = {rid for ann in heard for rid in ann.streams}
+    assert chosen not in named and not any(hers.id in ann.streams for ann in heard), sorted(named)
+
+
+async def test_the_relays_credential_reads_no_other_owners_batch_through_a_direct_get(
+        up: UpProcess, admin: Bus) -> None:
+    """A direct get with its request in the body (``multi_last``, ``next_by_subj`` over ``tp.tok.>``,
+    another owner's ``last_by_subj``) would list or read any owner's batches: the body form is not
+    the relay's to use; the subject form (``$JS.API.DIRECT.GET.TP_TOKENS.<subject>``, the one it may
+    use, for its own subjects) refuses a body, and its wildcard stays within the relay's subjects."""
+    sid, _ = await relay_victim(up)
+    aid = await alice_stream(up, admin)
+    widen = [{"multi_last": ["tp.tok.>"]}, {"next_by_subj": "tp.tok.>", "seq": 1},
+             {"last_by_subj": f"tp.tok.alice.{aid}"}]
+    relay = await Client.connect(up, "relay")
+    try:
+        for body in widen:
+            await relay.denied(relay.nc.request(f"$JS.API.DIRECT.GET.{TOKENS_STREAM}", json.dumps(body).encode(),
+                                                timeout=5), f'"$JS.API.DIRECT.GET.{TOKENS_STREAM}"')
+            answer = await relay.nc.request(f"$JS.API.DIRECT.GET.{TOKENS_STREAM}.tp.tok.relay.{sid}",
+                                            json.dumps(body).encode(), timeout=5)
+            assert (answer.headers or {}).get("Status") == "408" and not answer.data, (body, answer.headers)
+        answer = await relay.nc.request(f"$JS.API.DIRECT.GET.{TOKENS_STREAM}.tp.tok.relay.>", b"", timeout=5)
+        assert (answer.headers or {}).get("Nats-Subject", "").startswith("tp.tok.relay."), answer.headers
+    finally:
+        await relay.nc.close()
+
+
+async def test_the_relays_credential_cannot_widen_a_history_consumer_past_its_own_subjects(up: UpProcess) -> None:
+    """The relay creates ordered consumers with its own subject in the create subject; a body whose
+    filter reaches further (another filter, ``filter_subjects``) is refused by the server, and
+    nothing is delivered."""
+    sid, _ = await relay_victim(up)
+    relay = await Client.connect(up, "relay")
+    delivered: list[str] = []
+
+    async def on(msg: Any) -> None:
+        delivered.append(msg.subject)
+
+    try:
+        inbox = relay.nc.new_inbox()
+        await relay.nc.subscribe(inbox, cb=on)
+        for n, widened in enumerate([{"filter_subject": "tp.tok.>"},
+                                     {"filter_subject": f"tp.tok.relay.{sid}", "filter_subjects": ["tp.tok.>"]},
+                                     {"filter_subjects": [f"tp.tok.relay.{sid}", "tp.tok.>"]}]):
+            name = f"wide{n}{secrets.token_hex(4)}"
+            body = {"stream_name": TOKENS_STREAM,
+                    "config": {"name": name, "deliver_subject": inbox, "ack_policy": "none", **widened}}
+            answer = json.loads((await relay.nc.request(
+                f"$JS.API.CONSUMER.CREATE.{TOKENS_STREAM}.{name}.tp.tok.relay.{sid}", json.dumps(body).encode(),
+                timeout=5)).data)
+            assert answer.get("error", {}).get("code") == 400, answer
+        await relay.nc.request("$JS.API.INFO", b"", timeout=5)  # answered after anything those could deliver
+    finally:
+        await relay.nc.close()
+    assert not delivered, delivered
+
+
+@pytest.mark.parametrize("api", ["STREAM.NAMES", "STREAM.LIST", f"CONSUMER.LIST.{TOKENS_STREAM}",
+                                 f"CONSUMER.NAMES.{TOKENS_STREAM}", f"CONSUMER.LIST.{REQUESTS_STREAM}",
+                                 f"STREAM.MSG.GET.{TOKENS_STREAM}", f"STREAM.MSG.GET.{REQUESTS_STREAM}"])
+async def test_the_relays_credential_may_not_list_streams_or_consumers_or_get_anyones_message(
+        up: UpProcess, api: str) -> None:
+    """Listing streams or consumers names the applications and their readers; the leader's message
+    get takes any subject in its body (``last_by_subj: tp.tok.alice.<id>``)."""
+    relay = await Client.connect(up, "relay")
+    try:
+        body = json.dumps({"last_by_subj": "tp.tok.alice.x"} if "MSG.GET" in api else {}).encode()
+        await relay.denied(relay.nc.request(f"$JS.API.{api}", body, timeout=5), f'"$JS.API.{api}"')
+    finally:
+        await relay.nc.close()
 
 
 async def plant_junk(relay: Client, target: str, relay_sid: str) -> int:

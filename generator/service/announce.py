@@ -21,7 +21,7 @@ from tokenpipe.background import pause, stop_loops
 from tokenpipe.bus import Bus
 from tokenpipe.metrics import GeneratorMetrics
 from tokenpipe.settings import Settings
-from tokenpipe.subjects import ANNOUNCE_PREFIX, DISCOVER_SUBJECT, REQUESTS_STREAM, consumer_name
+from tokenpipe.subjects import ANNOUNCE_PREFIX, DISCOVER_SUBJECT, RELAY_OWNER, REQUESTS_STREAM, consumer_name
 from tokenpipe.wire import Announcement
 
 from ..engine.handle import EngineHandle, EngineStats
@@ -34,18 +34,23 @@ log = logging.getLogger(__name__)
 class Announcer:
     """Announces one worker (and answers discovery) from :meth:`start` until :meth:`stop`.
 
-    ``streams`` is the live collection of stream ids the worker holds (read, never changed).
+    ``streams`` is the live collection of ``(owner, id)`` of the streams the worker holds (read,
+    never changed). An announcement counts them all (``active``) but names only the relay's own
+    (``streams``): every relay hears it, and the ids of the applications' streams named there gave
+    the relay's credential a live list of every owner's running stream ids (alice's ``job-77``
+    included), which its permissions keep it from listing anywhere else.
     """
 
     def __init__(self, bus: Bus, settings: Settings, *, worker_id: str, model: str, device: str,
-                 runner: EngineHandle, streams: Callable[[], Collection[str]], metrics: GeneratorMetrics) -> None:
+                 runner: EngineHandle, streams: Callable[[], Collection[tuple[str, str]]],
+                 metrics: GeneratorMetrics) -> None:
         self.bus = bus
         self.settings = settings
         self.worker_id = worker_id
         self.model = model
         self.device = device
         self.runner = runner
-        self.streams = streams  # the ids of the streams the worker holds now
+        self.streams = streams  # (owner, id) of the streams the worker holds now
         self.metrics = metrics
         self._kv_meter = KVCacheMeter(metrics)
         self._sub: Subscription | None = None
@@ -71,7 +76,7 @@ class Announcer:
         return Announcement(
             worker=self.worker_id, model=self.model, ready=ready, max_batch=self.settings.max_batch,
             running=stats.running, active=len(held), pid=os.getpid(),
-            streams=tuple(sorted(held)), device=self.device,
+            streams=tuple(sorted(rid for owner, rid in held if owner == RELAY_OWNER)), device=self.device,
             ttl_s=self.settings.announce_interval_s * 3, ts=time.time(),
             free_blocks=stats.free_blocks, block_size=stats.block_size)
 

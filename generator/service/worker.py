@@ -96,7 +96,7 @@ class GeneratorWorker:
             self.publisher.on_live = thread.first_batches.sent
         self.intake = RequestIntake(bus, loaded.name, settings, live=self.publisher.live)
         self.announcer = Announcer(bus, settings, worker_id=self.worker_id, model=self.model,
-                                   device=str(loaded.device), runner=self.runner, streams=self._held_ids,
+                                   device=str(loaded.device), runner=self.runner, streams=self._held,
                                    metrics=self.metrics)
         self.rescuer = Rescuer(bus, settings, worker_id=self.worker_id, model=self.model,
                                held=self._held_deliveries, progress_every=self.progress_every)
@@ -179,9 +179,10 @@ class GeneratorWorker:
         """Started, not stopping, and connected to NATS (the generator's ``/readyz``)."""
         return bool(self._tasks) and not self._stopping.is_set() and self.bus.nc.is_connected
 
-    def _held_ids(self) -> list[str]:
-        """The ids of the streams held now (announced: operators and tests find a stream's holder by its id)."""
-        return [out.request.id for out in self.active.values()]
+    def _held(self) -> list[tuple[str, str]]:
+        """``(owner, id)`` of the streams held now (the announcements count them all and name the
+        relay's: operators and tests find an HTTP stream's holder by its id)."""
+        return [(out.owner, out.request.id) for out in self.active.values()]
 
     def _held_deliveries(self) -> list[Msg]:
         """The deliveries of the requests held now (published for the peers: generator.service.rescue)."""
