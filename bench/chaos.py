@@ -1,7 +1,7 @@
 """Chaos: random kills and freezes under a steady load, every stream checked against its stored replay.
 
     python -m bench.chaos [--duration 1800] [--faults 200] [--rate 1] [--max-stop 40]
-                           [--only generator,relay,nats|'generator kill -9'] [--out bench/out/chaos.json]
+                           [--only generator,relay,nats|'generator kill -9'] [--out bench/out/chaos.json] [--log FILE]
 
 Starts ``tokenpipe up --nats-cluster 3 --generators 2 --model tiny-random`` plus a second relay
 (a ``tokenpipe relay`` on the same cluster), submits sampled streams (temperature 0.9, no seed:
@@ -339,6 +339,8 @@ class Chaos:
         if self.relay2 is not None and self.relay2.poll() is None:
             self.relay2.terminate()
         await self.up.stop()
+        if self.args.log:
+            Path(self.args.log).write_text(self.up.output())
 
 
 async def run(args: argparse.Namespace, data_dir: Path) -> dict[str, Any]:
@@ -386,6 +388,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None, help="the fault schedule's random seed")
     p.add_argument("--data-dir", default=Settings.load().data_dir, help="where the converted models are cached")
     p.add_argument("--out", default="bench/out/chaos.json")
+    p.add_argument("--log", default="", help="keep the stack's log (every role's lines) in this file")
     return p
 
 

@@ -161,10 +161,10 @@ class Settings:
                                            "fewer messages for ~+11 ms inter-batch p99: `python -m bench.coalesce`; "
                                            "a request's `coalesce` overrides it)")
     coalesce_max_delay_ms: float = _setting(20.0, "time window: the longest a token waits to be published")
-    ack_wait_s: float = _setting(4.0, "a request whose generator stops acknowledging progress is redelivered after "
-                                      "this: how soon a dead worker's streams move on (measured by `python -m "
-                                      "bench.takeover`)")
-    progress_interval_s: float = _setting(1.0, "how often a generator acknowledges progress on every request it holds; "
+    ack_wait_s: float = _setting(2.0, "a request whose generator stops acknowledging progress is redelivered after "
+                                      "this: how soon a frozen worker's streams move on, and a dead one's that no "
+                                      "peer could hand back (measured by `python -m bench.takeover`)")
+    progress_interval_s: float = _setting(0.5, "how often a generator acknowledges progress on every request it holds; "
                                                "a worker stalled longer than `TOKENPIPE_ACK_WAIT_S` minus this loses "
                                                "its requests to another worker")
     peer_check_interval_s: float = _setting(

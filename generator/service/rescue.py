@@ -115,8 +115,17 @@ class Rescuer:
                 await sub.unsubscribe()
 
     # -- what this worker holds ---------------------------------------------------------
-    async def _publish(self, *, leaving: bool = False) -> None:
-        acks = () if leaving else tuple(m.reply for m in self.held() if m.reply)
+    async def arrived(self, msgs: Collection[Msg]) -> None:
+        """Deliveries just fetched, before they are taken: published at once with what is held.
+        A request delivered to a worker that died before it published it is unknown to the peers
+        and waits out ack_wait; the time between a delivery and its publication is that window."""
+        try:
+            await self._publish(extra=msgs)
+        except Exception as exc:  # a reconnect in progress: the loop publishes it again
+            log.debug("held set not published", extra={"error": repr(exc)})
+
+    async def _publish(self, *, leaving: bool = False, extra: Collection[Msg] = ()) -> None:
+        acks = () if leaving else tuple(m.reply for m in (*self.held(), *extra) if m.reply)
         peers = tuple(sorted(self.peers))
         held = Held(worker=self.worker_id, model=self.model, acks=acks, peers=peers, leaving=leaving)
         await self.bus.nc.publish(f"{HELD_PREFIX}.{self.model}.{self.worker_id}", held.encode())

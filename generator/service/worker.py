@@ -223,6 +223,7 @@ class GeneratorWorker:
                 log.warning("fetch failed; retrying", extra={"error": repr(exc)})
                 await asyncio.sleep(0.5)
                 continue
+            await self.rescuer.arrived(msgs)
             # All but the last of a burst are flagged: an idle engine holds its first prefill
             # (at most admission_hold_ms) so that the burst is prefilled together.
             for i, msg in enumerate(msgs):
