@@ -79,7 +79,7 @@ SCENARIOS: tuple[Scenario, ...] = (
              quick=("--duration", "60", "--faults", "6", "--max-stop", "6", "--rate", "0.7")),
     Scenario("takeovers", "system", "bench.chaos",
              "kill -9 of a generator, 30 times under load on a 3-node cluster: the stalls are takeovers alone",
-             full=("--only", "generator kill -9", "--faults", "30", "--out", "bench/out/takeovers.json"),
+             full=("--only", "generator kill -9", "--faults", "30", "--rate", "3", "--out", "bench/out/takeovers.json"),
              quick=("--only", "generator kill -9", "--faults", "3", "--duration", "60",
                     "--out", "bench/out/takeovers.json")),
     # engine: the model in this process
