@@ -28,11 +28,19 @@ from opentelemetry.trace import SpanKind, TracerProvider
 from tokenpipe.append import StreamLost
 from tokenpipe.background import pause, stop_loops
 from tokenpipe.bus import REPAIR_INTERVAL_S, Bus, release_intake, repair
-from tokenpipe.errors import InvalidRequest, TokenpipeError, WireFormatError
+from tokenpipe.errors import InvalidRequest, RateLimited, TokenpipeError, WireFormatError
 from tokenpipe.metrics import GeneratorMetrics
+from tokenpipe.quota import TokenRate, fair_owner, request_cost
 from tokenpipe.settings import Settings
 from tokenpipe.streams import history_at, id_taken
-from tokenpipe.subjects import CANCEL_WILDCARD, REQUESTS_STREAM, owner_of_request, parse_cancel_subject, stream_key
+from tokenpipe.subjects import (
+    CANCEL_WILDCARD,
+    RELAY_OWNER,
+    REQUESTS_STREAM,
+    owner_of_request,
+    parse_cancel_subject,
+    stream_key,
+)
 from tokenpipe.telemetry import extract_context, get_tracer
 from tokenpipe.wire import Cancel, Request, TokenBatch, Usage
 
@@ -85,6 +93,8 @@ class GeneratorWorker:
         # Each owner's latest cancels (at most settings.cancel_memory of its ids): a cancel that came
         # before its request still cancels it, and one owner's flood of cancels forgets only its own.
         self.recent_cancels: dict[str, OrderedDict[str, None]] = {}
+        # Tokens per minute of each application on the bus (the relay's tenants are charged at the relay).
+        self.token_rate = TokenRate(settings.owner_tokens_per_min)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._slot_freed = asyncio.Event()
         self._stopping = asyncio.Event()  # no more fetching; running requests may still finish
@@ -182,7 +192,12 @@ class GeneratorWorker:
     @property
     def free_slots(self) -> int:
         """Requests to pull: below ``max_batch``, as many as the KV cache's free blocks can take;
-        while batch work runs here, :data:`LOOKAHEAD` more.
+        while batch work runs here, :data:`LOOKAHEAD` more; and up to ``waiting_room`` held waiting.
+
+        The waiting room is for fair share: the queue is one FIFO per model, so another owner's
+        request behind one owner's backlog is seen only once the backlog ahead of it is pulled. Held
+        here, the engine admits from it by fair share between owners (generator.engine.scheduler)
+        and preempts a row of the owner over its share for it.
 
         The queue is one FIFO per model, so an interactive request is seen only once the requests
         ahead of it are pulled. Pulling the whole backlog to find it would hold batch work here that
@@ -195,7 +210,11 @@ class GeneratorWorker:
         batch = sum(1 for out in self.active.values() if out.request.batch)
         # More batch requests held than could all be waiting beyond the slots: one of them runs, and
         # an interactive request pulled now can take its row.
-        return room + LOOKAHEAD if batch > max(len(self.active) - self.settings.max_batch, 0) else room
+        if batch > max(len(self.active) - self.settings.max_batch, 0):
+            room += LOOKAHEAD
+        # Held and not running: waiting in the engine (or on their way to it).
+        waiting = len(self.active) - self.runner.running
+        return max(room, self.settings.waiting_room - waiting) if room <= 0 else room
 
     async def _fetch_loop(self) -> None:
         while not self._stopping.is_set():
@@ -267,6 +286,12 @@ class GeneratorWorker:
             # Redelivered while we still run it (a late progress ack): keep it ours, do not ack it away.
             await msg.in_progress()
             return
+        if owner != RELAY_OWNER and msg.metadata.num_delivered == 1:  # a redelivery was charged already
+            try:
+                self.token_rate.charge(owner, request_cost(request.params.max_tokens, request.prompt_chars))
+            except RateLimited as exc:
+                await self.intake.reject(msg, exc)
+                return
         if request.prompt_chars > self.settings.max_prompt_chars:
             # Refused before its prompt reaches the tokenizer: encoding ~1 MB took the engine from every stream.
             await self.intake.reject(msg, InvalidRequest(
@@ -359,6 +384,18 @@ class GeneratorWorker:
             for out in list(self.active.values()):
                 if out.msg is not None:
                     await keep(out.msg, out.request.id)
+            self._count_owners()
+
+    def _count_owners(self) -> None:
+        """Each owner's running and waiting requests here, into the gauges (a request runs from its
+        first token on; one preempted meanwhile still counts as running)."""
+        counts: dict[str, tuple[int, int]] = {}
+        for out in self.active.values():
+            owner = fair_owner(out.owner, out.request.tenant)
+            running, waiting = counts.get(owner, (0, 0))
+            started = bool(out.timeline.first_token or out.timeline.admitted)
+            counts[owner] = (running + started, waiting + (not started))
+        self.metrics.set_owners(counts)
 
     async def _repair_loop(self) -> None:
         """Re-provision the streams and bucket when someone deleted them; a new ``TP_REQUESTS``
