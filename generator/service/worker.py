@@ -214,7 +214,7 @@ class GeneratorWorker:
             room += LOOKAHEAD
         # Held and not running: waiting in the engine (or on their way to it).
         waiting = len(self.active) - self.runner.running
-        return max(room, self.settings.waiting_room - waiting) if room <= 0 else room
+        return room if room > 0 else max(room, self.settings.waiting_room - waiting)
 
     async def _fetch_loop(self) -> None:
         while not self._stopping.is_set():
@@ -286,18 +286,19 @@ class GeneratorWorker:
             # Redelivered while we still run it (a late progress ack): keep it ours, do not ack it away.
             await msg.in_progress()
             return
-        if owner != RELAY_OWNER and msg.metadata.num_delivered == 1:  # a redelivery was charged already
-            try:
-                self.token_rate.charge(owner, request_cost(request.params.max_tokens, request.prompt_chars))
-            except RateLimited as exc:
-                await self.intake.reject(msg, exc)
-                return
         if request.prompt_chars > self.settings.max_prompt_chars:
             # Refused before its prompt reaches the tokenizer: encoding ~1 MB took the engine from every stream.
             await self.intake.reject(msg, InvalidRequest(
                 f"the prompt exceeds {self.settings.max_prompt_chars} characters",
                 param="messages" if request.messages is not None else "prompt"))
             return
+        if owner != RELAY_OWNER and msg.metadata.num_delivered == 1:  # a redelivery was charged already;
+            # the relay's requests were charged at the relay, to their tenants
+            try:
+                self.token_rate.charge(owner, request_cost(request.params.max_tokens, request.prompt_chars))
+            except RateLimited as exc:
+                await self.intake.reject(msg, exc)
+                return
         ctx = extract_context(msg.headers)
         span = self.tracer.start_span(f"generate {self.model}", context=ctx, kind=SpanKind.CONSUMER, attributes={
             "messaging.system": "nats",
