@@ -10,8 +10,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from generator.engine.scheduler import Engine, Sequence
+from generator.model.kvcache import BLOCK_SIZE
 from generator.model.loader import LoadedModel, load_model
 from generator.service.worker import GeneratorWorker
 from producer import Producer
@@ -88,6 +91,31 @@ def test_owner_max_running_caps_an_owner_and_lends_the_slot_to_others(tiny_model
     flood(engine, "bob", 5, start=20)
     engine.step()
     assert sorted(s.owner for s in engine.rows) == ["alice", "alice", "bob", "bob"]
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.integers(1, 3), st.lists(st.tuples(st.integers(0, 10), st.sampled_from(["a", "b", "c"]), st.booleans(),
+                                             st.integers(1, 2 * BLOCK_SIZE), st.integers(1, 16),
+                                             st.none() | st.integers(0, 2**31)), min_size=2, max_size=7))
+def test_tokens_identical_however_fair_share_preempts(
+        tiny_model: LoadedModel, slots: int, reqs: list[tuple[int, str, bool, int, int, int | None]]) -> None:
+    """Owners a (weight 2), b and c arriving at random steps, in both classes: every request's tokens
+    are those of its run alone, however often fair share preempted it."""
+    engine = Engine(tiny_model, max_batch=slots, max_seq_len=128)
+    weights = {"a": 2.0, "b": 1.0, "c": 1.0}
+    seqs: list[Sequence] = []
+    step = 0
+    while step <= 10 or not engine.idle:
+        for i, (at, owner, batch, length, n, seed) in enumerate(reqs):
+            if at == step:
+                seqs.append(engine.new_sequence(f"r{i}", prompt_of(i, length), params(n, seed), owner=owner,
+                                                weight=weights[owner], batch=batch))
+                engine.add(seqs[-1])
+        engine.step()
+        step += 1
+    for seq in seqs:
+        assert seq.generated == alone(tiny_model, seq.prompt, seq.params), (seq.id, engine.preemptions)
+    assert engine.pool.used == 0
 
 
 # -- the quota's arithmetic --------------------------------------------------------------------------
