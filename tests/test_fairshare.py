@@ -188,6 +188,45 @@ async def test_another_apps_request_behind_one_apps_backlog_on_the_bus_finishes_
         server.stop()
 
 
+async def test_a_tenants_stream_behind_another_tenants_backlog_at_the_relay_finishes_before_it(
+        settings: Settings, data_dir: Path, generator: GeneratorWorker) -> None:
+    """Behind the relay the owner is the tenant (every HTTP request is the relay's on the bus): bob's
+    stream created after alice's six on a two-slot generator is stored complete before any of hers."""
+    loaded = load_model("tiny-random", device="cpu", dtype="float32", data_dir=data_dir)
+    loaded.name = "tiny-tenants"
+    bus = await connect_bus(settings, name="tenants-generator")
+    worker = GeneratorWorker(settings.replace(max_batch=2, progress_interval_s=0.1), loaded, bus)
+    await worker.start()
+    relay = await start_relay(settings.replace(api_keys="key-alice:alice,key-bob:bob"),
+                              ready_headers={"Authorization": "Bearer key-alice"})
+    try:
+        async with httpx.AsyncClient(base_url=relay.url, timeout=60) as http:
+            body = {"model": "tiny-tenants", "temperature": 0, "ignore_eos": True}
+            alice = {"Authorization": "Bearer key-alice"}
+            hers = []
+            for i in range(6):
+                r = await http.post("/v1/streams", headers=alice,
+                                    json={**body, "prompt": f"job {i}", "max_tokens": 150})
+                assert r.status_code == 201, r.text
+                hers.append(r.json()["id"])
+            await wait_until(lambda: gauge(worker, "tokenpipe_num_requests_waiting_per_owner", "alice") >= 1,
+                             30, "alice's backlog waiting, by tenant")
+            r = await http.post("/v1/streams", headers={"Authorization": "Bearer key-bob"},
+                                json={**body, "prompt": "mine", "max_tokens": 5})
+            his = r.json()["id"]
+            read = await http.get(f"/v1/streams/{his}", headers={"Authorization": "Bearer key-bob"})  # to its end
+            assert "event: done" in read.text, read.text
+            his_last = (await history_at(bus, his))[1]
+            for sid in hers:  # read to their end: stored after his
+                await http.get(f"/v1/streams/{sid}", headers=alice)
+            hers_last = [(await history_at(bus, sid))[1] for sid in hers]
+            assert his_last < min(hers_last), (his_last, hers_last)
+    finally:
+        await relay.stop()
+        await worker.stop(drain_timeout=1.0)
+        await bus.close()
+
+
 async def test_an_apps_request_past_its_tokens_per_minute_ends_with_an_error_batch_naming_the_quota(
         settings: Settings, data_dir: Path) -> None:
     loaded = load_model("tiny-random", device="cpu", dtype="float32", data_dir=data_dir)
