@@ -227,6 +227,48 @@ async def test_a_tenants_stream_behind_another_tenants_backlog_at_the_relay_fini
         await bus.close()
 
 
+def generated(worker: GeneratorWorker) -> float:
+    return worker.metrics.registry.get_sample_value("tokenpipe_generation_tokens_total",
+                                                    {"model_name": worker.model}) or 0.0
+
+
+async def test_a_stopping_generator_hands_its_waiting_room_back_at_once_and_drains_what_runs(
+        settings: Settings, data_dir: Path) -> None:
+    """One slot, one long request running and three waiting: on stop the three go back to the queue
+    at once (never started by the drain) and another generator runs them; the first finishes the
+    long one. Who generated what is read from each generator's token counter."""
+    loaded = load_model("tiny-random", device="cpu", dtype="float32", data_dir=data_dir)
+    loaded.name = "tiny-handback"
+    buses = [await connect_bus(settings, name=f"handback-{i}") for i in range(2)]
+    first = GeneratorWorker(settings.replace(max_batch=1), loaded, buses[0])
+    second = GeneratorWorker(settings.replace(max_batch=1), loaded, buses[1])
+    await first.start()
+    stopping: asyncio.Task[None] | None = None
+    try:
+        async with await Producer.connect(settings=settings.replace(app_name="rolling")) as app:
+            long = await app.submit("tiny-handback", input_ids=prompt_of(1, 9), max_tokens=1500, temperature=0,
+                                    ignore_eos=True)
+            await wait_until(lambda: first.runner.running == 1, 30, "the long request running")
+            short = [await app.submit("tiny-handback", input_ids=prompt_of(2 + i, 9), max_tokens=4, temperature=0,
+                                      ignore_eos=True) for i in range(3)]
+            await wait_until(lambda: len(first.active) == 4 and all(o.checked for o in first.active.values()),
+                             30, "three requests waiting behind it")
+            stopping = asyncio.create_task(first.stop(drain_timeout=120))
+            await wait_until(lambda: len(first.active) == 1, 10, "the waiting ones handed back")
+            await second.start()
+            results = await asyncio.wait_for(asyncio.gather(*(h.result() for h in short)), 60)
+            assert all(r.finish == "length" and len(r.token_ids) == 4 for r in results)
+            assert (await asyncio.wait_for(long.result(), 120)).finish == "length"
+            await stopping
+            assert generated(first) == 1500 and generated(second) == 3 * 4
+    finally:
+        if stopping is None:
+            await first.stop(drain_timeout=1.0)
+        await second.stop(drain_timeout=1.0)
+        for bus in buses:
+            await bus.close()
+
+
 async def test_an_apps_request_past_its_tokens_per_minute_ends_with_an_error_batch_naming_the_quota(
         settings: Settings, data_dir: Path) -> None:
     loaded = load_model("tiny-random", device="cpu", dtype="float32", data_dir=data_dir)

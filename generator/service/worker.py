@@ -140,11 +140,28 @@ class GeneratorWorker:
         self._stopping.set()
         self._slot_freed.set()
         try:
+            await self._hand_back_waiting()
             await self._hand_back(drain_timeout)
         finally:
             # Always: the engine runs on a non-daemon thread that would keep the process alive.
             await asyncio.to_thread(self.runner.stop)
         await self.bus.nc.flush()
+
+    async def _hand_back_waiting(self) -> None:
+        """What waits here unstarted (the waiting room) goes back to the queue at once, for another
+        generator to take now, not started by the drain only to be cut at its end. Nothing of it was
+        published (its emissions, if the engine admitted it meanwhile, are dropped with it); one whose
+        stream-id check has not answered yet stays for :meth:`_hand_back`."""
+        waiting = [(out, out.msg) for out in self.active.values()
+                   if not out.started and out.checked and out.msg is not None]
+        for out, _ in waiting:
+            self.runner.cancel(out.key)
+            out.abandon()
+            self.active.pop(out.key, None)
+        for _, msg in waiting:
+            await msg.nak()
+        if waiting:
+            log.info("handed back waiting requests", extra={"count": len(waiting)})
 
     async def _hand_back(self, drain_timeout: float) -> None:
         deadline = time.monotonic() + drain_timeout
