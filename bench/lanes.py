@@ -1,13 +1,20 @@
 """A person's chat behind an offline backlog: interactive TTFT idle, and behind a backlog created at
-the default tier (the one FIFO of before classes of service) or as batch work (``flex``), in one run.
+the default tier (the one FIFO of before classes of service) or as batch work (``flex``), in one run;
+and two applications on the bus, one submitting ``--bus-jobs`` jobs (fair share between owners).
 
     python -m bench.lanes [--model tiny-random] [--backlog 16] [--backlog-tokens 256] [--max-batch 16]
-                          [--rounds 3] [--out bench/out/lanes.json]
+                          [--rounds 3] [--scenarios http,bus] [--bus-jobs 200] [--bus-tokens 64]
+                          [--weights other=2] [--window 10] [--out bench/out/lanes.json]
 
 A whole pipeline (nats-server, one generator process with ``--max-batch`` slots, the relay; see
 :mod:`bench.stack`). The backlog's streams are created through ``POST /v1/streams`` and not read,
 as an offline job does; then one interactive chat is read over SSE and its TTFT taken from the
 POST. The backlog is cancelled before the next measurement. The three cases alternate by round.
+
+On the bus (:mod:`bench.fairbus`): application ``other``'s short request alone, and behind
+application ``flood``'s jobs, its TTFT from its publish to its first batch; then both
+applications backlogged (``other`` queued behind ``flood``), each one's tokens over ``--window``
+seconds against its weighted share (``TOKENPIPE_OWNER_WEIGHTS`` = ``--weights``).
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from rich.table import Table
 from tokenpipe.settings import Settings
 
 from .common import alternate, chat, write_json
+from .fairbus import bus_scenario, print_bus
 from .rawhttp import raw_stream
 from .stack import Pipeline
 
@@ -48,6 +56,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--data-dir", default=Settings.load().data_dir)
+    parser.add_argument("--scenarios", default="http,bus", help="http (the lanes), bus (fair share), or both")
+    parser.add_argument("--bus-jobs", type=int, default=200, help="jobs application `flood` submits on the bus")
+    parser.add_argument("--bus-tokens", type=int, default=64, help="max_tokens of each of its jobs")
+    parser.add_argument("--weights", default="other=2", help="TOKENPIPE_OWNER_WEIGHTS for the run")
+    parser.add_argument("--window", type=float, default=10.0, help="seconds both applications' tokens are counted")
     parser.add_argument("--out", default="bench/out/lanes.json")
     return parser.parse_args(argv)
 
@@ -88,27 +101,37 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     console = Console()
     load = os.getloadavg()
-    env = {"TOKENPIPE_MAX_BATCH": str(args.max_batch), "TOKENPIPE_KERNELS": "rules"}
+    env = {"TOKENPIPE_MAX_BATCH": str(args.max_batch), "TOKENPIPE_KERNELS": "rules",
+           "TOKENPIPE_OWNER_WEIGHTS": args.weights}
+    scenarios = {s.strip() for s in args.scenarios.split(",")}
+    samples: dict[str, list[float]] = {}
+    bus: dict[str, Any] = {}
     with Pipeline(args.model, args.data_dir, extra_env=env, device=args.device, dtype=args.dtype,
                   ready_timeout=900) as p:
-        samples = asyncio.run(_measure(p.url, args, console))
-    medians = {c: statistics.median(v) for c, v in samples.items()}
+        if "http" in scenarios:
+            samples = asyncio.run(_measure(p.url, args, console))
+        if "bus" in scenarios:
+            bus = asyncio.run(bus_scenario(p.nats.url, args, console))
     results: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "load_before": load,
                     "load_after": os.getloadavg()},
         "config": {k: v for k, v in vars(args).items() if k != "out"},
-        "ttft_ms_median": medians,
-        "over_idle": {c: medians[c] / medians["idle"] for c in CASES},
-        "samples_ms": samples,
     }
-    table = Table(title=f"chat TTFT behind {args.backlog} x {args.backlog_tokens}-token streams, "
-                        f"{args.max_batch} slots ({args.model})")
-    for col in ("case", "TTFT p50 ms", "x idle"):
-        table.add_column(col, justify="left" if col == "case" else "right")
-    for c in CASES:
-        table.add_row(c, f"{medians[c]:.1f}", f"{results['over_idle'][c]:.1f}")
-    console.print(table)
+    if samples:
+        medians = {c: statistics.median(v) for c, v in samples.items()}
+        results |= {"ttft_ms_median": medians, "over_idle": {c: medians[c] / medians["idle"] for c in CASES},
+                    "samples_ms": samples}
+        table = Table(title=f"chat TTFT behind {args.backlog} x {args.backlog_tokens}-token streams, "
+                            f"{args.max_batch} slots ({args.model})")
+        for col in ("case", "TTFT p50 ms", "x idle"):
+            table.add_column(col, justify="left" if col == "case" else "right")
+        for c in CASES:
+            table.add_row(c, f"{medians[c]:.1f}", f"{results['over_idle'][c]:.1f}")
+        console.print(table)
+    if bus:
+        results["bus"] = bus
+        print_bus(bus, args, console)
     out = write_json(Path(args.out), results)
     console.print(f"wrote {out}")
     return 0

@@ -71,9 +71,10 @@ SCENARIOS: tuple[Scenario, ...] = (
              quick=("--models", "tiny-random", "--streams", "1,4", "--max-tokens", "16", "--singles", "2",
                     "--rounds", "1")),
     Scenario("lanes", "system", "bench.lanes",
-             "a chat's TTFT idle and behind a 16-stream backlog at the default tier and as batch work (flex)",
+             "a chat's TTFT idle and behind a 16-stream backlog at the default tier and as batch work (flex); "
+             "an app's request behind another app's 200 jobs on the bus, and both apps' weighted token shares",
              quick=(*_TINY, "--dtype", "float32", "--backlog", "8", "--max-batch", "8", "--backlog-tokens", "64",
-                    "--rounds", "1")),
+                    "--rounds", "1", "--bus-jobs", "40", "--bus-tokens", "32", "--window", "4")),
     Scenario("chaos", "system", "bench.chaos",
              "random kills and freezes on a 3-node cluster under load; every stream checked against its replay",
              quick=("--duration", "60", "--faults", "6", "--max-stop", "6", "--rate", "0.7")),

@@ -44,9 +44,10 @@ def relay_error(message: str, code: str | None, param: str | None, *, status: in
                 retry_after: str | int) -> TokenpipeError:
     """A relay's error (an HTTP error body, or an ``error`` frame) as the exception its ``code`` names:
     the relay sends the class's own ``code`` slug; without one, ``status`` picks the class."""
-    if code == Overloaded.code:
-        return Overloaded(message, retry_after=int(retry_after), param=param)
-    cls = error_class(code or "") or (InvalidRequest if 400 <= status < 500 else TokenpipeError)
+    cls = error_class(code or "")
+    if cls is not None and issubclass(cls, Overloaded):  # Overloaded, RateLimited: with when to retry
+        return cls(message, retry_after=int(retry_after), param=param)
+    cls = cls or (InvalidRequest if 400 <= status < 500 else TokenpipeError)
     return cls(message, param=param)
 
 

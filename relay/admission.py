@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from tokenpipe.bus import Bus
 from tokenpipe.errors import Overloaded, TokenpipeError
+from tokenpipe.quota import TokenRate
 from tokenpipe.settings import Settings
 from tokenpipe.streams import last_batch
 from tokenpipe.subjects import REQUESTS_STREAM, consumer_name
@@ -28,22 +29,27 @@ _QUEUE_INFO_TIMEOUT = 0.5  # ... and how long one reading may take before it cou
 
 
 class Admission:
-    """Stream slots per tenant (``max_streams_per_key``, shared by all of a tenant's keys) and the
-    queue-depth check (``max_queue_depth``)."""
+    """Stream slots per tenant (``max_streams_per_key``, shared by all of a tenant's keys), the
+    queue-depth check (``max_queue_depth``) and each tenant's tokens per minute
+    (``owner_tokens_per_min``, :class:`tokenpipe.quota.TokenRate`)."""
 
-    def __init__(self, settings: Settings, bus: Callable[[], Bus]) -> None:
+    def __init__(self, settings: Settings, bus: Callable[[], Bus], slots: Callable[[str], int] = lambda _: 0) -> None:
         self.settings = settings
         self._bus = bus
+        self._slots = slots  # a model's generators' slots together (relay.registry.GeneratorRegistry.slots)
         self.open_streams: dict[str, dict[str, float]] = {}  # tenant -> {stream id: reservation expiry}
         self._queue_info: dict[str, tuple[float, int]] = {}
+        self.token_rate = TokenRate(settings.owner_tokens_per_min)
 
-    async def admit(self, tenant: str, model: str, stream_id: str) -> None:
-        """Reserve a stream slot for ``tenant``; 429 when the tenant (all its keys together) has too
-        many unfinished streams or the model's queue is too deep. The slot is freed when a reader
-        sees the stream end, when its owner cancels it, or ``unread_stream_release_s`` after it was
-        created or its last reader here left (a stream nobody reads); while a reader is attached it
-        is held. A stream that finished while nobody here read it is found (its final batch in
-        JetStream) when the tenant reaches its limit, and freed then."""
+    async def admit(self, tenant: str, model: str, stream_id: str, cost: int = 0) -> None:
+        """Reserve a stream slot for ``tenant`` and charge ``cost`` tokens to its tokens per minute;
+        429 when the tenant (all its keys together) has too many unfinished streams, the model's queue
+        is too deep, or its tokens per minute are spent (:class:`~tokenpipe.errors.RateLimited`). The
+        slot is freed when a reader sees the stream end, when its owner cancels it, or
+        ``unread_stream_release_s`` after it was created or its last reader here left (a stream
+        nobody reads); while a reader is attached it is held. A stream that finished while nobody
+        here read it is found (its final batch in JetStream) when the tenant reaches its limit, and
+        freed then."""
         mine = self.open_streams.setdefault(tenant, {})
         self._forget_lapsed(mine)
         if len(mine) >= self.settings.max_streams_per_key:
@@ -59,6 +65,7 @@ class Admission:
             if depth > self.settings.max_queue_depth:
                 raise Overloaded(f"{depth} requests are already waiting for {model!r}; retry shortly",
                                  retry_after=2)
+            self.token_rate.charge(tenant, cost)  # last: a request refused otherwise is not charged
         except BaseException:
             self.release(tenant, stream_id)
             raise
@@ -102,7 +109,9 @@ class Admission:
             mine[stream_id] = time.monotonic() + self.settings.unread_stream_release_s
 
     async def queue_depth(self, model: str) -> int:
-        """Requests for ``model`` not yet pulled by any generator (JetStream consumer lag)."""
+        """Requests for ``model`` that wait: not yet pulled by any generator (JetStream consumer lag),
+        and pulled beyond the generators' slots (their waiting rooms: delivered, not acked, past the
+        slots their announcements give; a lower bound where a generator's KV cache runs short first)."""
         now = time.monotonic()
         cached = self._queue_info.get(model)
         if cached is not None and now - cached[0] < _QUEUE_INFO_TTL:
@@ -112,7 +121,7 @@ class Admission:
             # and admission must not wait out a 10 s API timeout for a number it may estimate.
             info = await self._bus().js.consumer_info(REQUESTS_STREAM, consumer_name(model),
                                                       timeout=_QUEUE_INFO_TIMEOUT)
-            depth = int(info.num_pending or 0)
+            depth = int(info.num_pending or 0) + max(0, int(info.num_ack_pending or 0) - self._slots(model))
         except Exception as exc:  # no consumer yet, or NATS restarting (submission retries): nothing counted
             log.debug("consumer info unavailable", extra={"model": model, "error": repr(exc)})
             depth = 0

@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BeforeValidator, WithJsonSchema
 
 from tokenpipe.errors import TokenpipeError
+from tokenpipe.quota import request_cost
 from tokenpipe.streams import Gap, Ping
 from tokenpipe.wire import Request as TpRequest
 from tokenpipe.wire import TokenBatch
@@ -70,7 +71,7 @@ async def start_stream(state: RelayState, body: NativeCreate | ChatCompletionReq
     the OpenAI routes) and a session to read it; with ``follow``, its live reader is registered first."""
     model = await state.registry.resolve(body.model)
     req = body.to_request(model, tenant)
-    await state.admission.admit(tenant, model, req.id)
+    await state.admission.admit(tenant, model, req.id, cost=request_cost(req.params.max_tokens, req.prompt_chars))
     return req, Session(req.id, tenant, live=await state.forwarder.submit(req, follow=follow))
 
 

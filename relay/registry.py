@@ -28,6 +28,7 @@ class GeneratorInfo:
     worker: str
     model: str
     expires: float
+    max_batch: int = 0  # its slots: requests it holds beyond them wait in its waiting room
 
 
 async def _nobody_to_ask() -> None:
@@ -58,10 +59,15 @@ class GeneratorRegistry:
             log.warning("ignoring malformed generator announcement", extra={"error": exc.message})
             return
         if ann.ready:
-            self.workers[ann.worker] = GeneratorInfo(worker=ann.worker, model=ann.model, expires=now + ann.ttl_s)
+            self.workers[ann.worker] = GeneratorInfo(worker=ann.worker, model=ann.model, expires=now + ann.ttl_s,
+                                                     max_batch=ann.max_batch)
             self.seen_models.add(ann.model)
         else:
             self.workers.pop(ann.worker, None)
+
+    def slots(self, model: str) -> int:
+        """The slots of ``model``'s live generators together (what they can run at once)."""
+        return sum(w.max_batch for w in self.live() if w.model == model)
 
     def live(self, now: float | None = None) -> list[GeneratorInfo]:
         now = time.monotonic() if now is None else now

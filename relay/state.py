@@ -43,7 +43,7 @@ class RelayState:
         self.bus: Bus | None = None
         self.watchdog = WriteWatchdog(settings.slow_client_timeout_s)
         self.metrics = RelayMetrics()
-        self.admission = Admission(settings, self.require_bus)
+        self.admission = Admission(settings, self.require_bus, self.registry.slots)
         self.forwarder = Forwarder(settings, self.tracer, self.metrics, self.admission, self.require_bus)
         self.missing: list[str] = []  # JetStream state tokenpipe owns that was found deleted (503 until repaired)
         self._repair_task: asyncio.Task[None] | None = None

@@ -15,6 +15,7 @@ __all__ = [
     "StreamNotFound",
     "StreamExpired",
     "Overloaded",
+    "RateLimited",
     "TransportError",
     "GenerationError",
     "ConfigError",
@@ -78,6 +79,12 @@ class Overloaded(TokenpipeError):
     def __init__(self, message: str, *, retry_after: int = 1, param: str | None = None) -> None:
         super().__init__(message, param=param)
         self.retry_after = retry_after
+
+
+class RateLimited(Overloaded):
+    """An owner's quota (tokens per minute) is spent; retry after ``retry_after`` s. OpenAI's code."""
+
+    code = "rate_limit_exceeded"
 
 
 class TransportError(TokenpipeError):

@@ -63,8 +63,23 @@ class GeneratorMetrics:
                                        "well-formed cancel of that stream by its owner (dropped)", m, registry=r)
         self.lost_streams = Counter("tokenpipe_lost_streams", "Streams this generator stopped writing because the "
                                     "store refused an append (another generator holds them now)", m, registry=r)
+        self.owner_running = Gauge("tokenpipe_num_requests_running_per_owner", "Requests this generator runs, by "
+                                   "owner (a tenant behind the relay, else the application on the bus)",
+                                   [*m, "owner"], registry=r)
+        self.owner_waiting = Gauge("tokenpipe_num_requests_waiting_per_owner", "Requests this generator holds "
+                                   "that have not started, by owner (its waiting room: fair share picks from it)",
+                                   [*m, "owner"], registry=r)
         self.model = model
         self._children: dict[int, Any] = {}
+        self._owners: set[str] = set()
+
+    def set_owners(self, counts: dict[str, tuple[int, int]]) -> None:
+        """Each owner's (running, waiting) now; an owner seen before and absent now reads 0."""
+        for owner in self._owners | counts.keys():
+            running, waiting = counts.get(owner, (0, 0))
+            self.owner_running.labels(model_name=self.model, owner=owner).set(running)
+            self.owner_waiting.labels(model_name=self.model, owner=owner).set(waiting)
+        self._owners |= counts.keys()
 
     def labels(self, metric: Histogram | Counter | Gauge):  # type: ignore[no-untyped-def]
         # The child is cached: prometheus_client's labels() validates and locks on every call,

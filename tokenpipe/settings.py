@@ -16,6 +16,7 @@ from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
 
 from .cluster import parse_replicas, server_list
 from .errors import ConfigError
+from .quota import parse_weights
 
 __all__ = ["CudaGraphs", "Dtype", "EngineProcess", "Kernels", "Quant", "Settings", "default_data_dir"]
 
@@ -140,6 +141,23 @@ class Settings:
                                           "still cancels it; per owner: one owner's cancels never make it forget "
                                           "another's")
     max_batch: int = _setting(32, "most concurrent sequences per generator; free KV-cache blocks decide below it")
+    waiting_room: int = _setting(
+        256, "requests a generator whose slots are full holds beyond them, waiting (kept alive by progress acks): it "
+             "admits from them by fair share between owners, so another owner's request behind one owner's backlog "
+             "is found and started at once as long as fewer than this many requests are ahead of it; what a "
+             "generator holds waiting another one cannot take (0: pull only for free slots, FIFO)")
+    owner_weights: str = _setting(
+        "", "fair-share weights, `owner=weight,…` (an owner: a tenant behind the relay, else the application on the "
+            "bus; not named: 1): within a class of service, owners with work get a generator's slots in proportion, "
+            "a row of the owner most over its share preempted for one under it")
+    owner_max_running: int = _setting(
+        0, "sequences one owner may run at once on a generator (its others wait; 0: no cap beyond fair share, which "
+           "gives way to another owner's work at once and leaves no slot idle)")
+    owner_tokens_per_min: int = _setting(
+        0, "tokens per minute per owner (`max_tokens` plus the prompt at ~4 characters a token, counted when a request "
+           "is accepted, by each relay for its tenants and each generator for the applications on the bus): one more "
+           "is refused naming the quota and when to retry (429 `rate_limit_exceeded` with `Retry-After`; an `error` "
+           "batch on the bus); 0: none")
     kv_cache_mb: float = _setting(0, "KV-cache budget in MiB, one pool of 16-position blocks, written only as used (0: "
                                      "a quarter of available RAM on CPU, 60 % of free GPU memory on CUDA, at most "
                                      "`TOKENPIPE_MAX_BATCH` × `TOKENPIPE_MAX_SEQ_LEN` positions)")
@@ -262,6 +280,7 @@ class Settings:
                                   param=name)
         parse_replicas(self.replicas)
         server_list(self.nats_url)
+        parse_weights(self.owner_weights)
 
     def replace(self, **changes: Any) -> Settings:
         return dataclasses.replace(self, **changes)

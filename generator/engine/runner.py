@@ -14,13 +14,14 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Unpack
 
 from tokenpipe.errors import InvalidRequest, TokenpipeError
+from tokenpipe.quota import fair_owner, parse_weights, weight_of
 from tokenpipe.settings import Settings
 from tokenpipe.wire import FinishReason, Request, Usage
 
@@ -136,8 +137,10 @@ class Runner(EngineHandle):
 
     def __init__(self, loaded: LoadedModel, on_emit: Callable[[list[Emission]], None], *,
                  on_step: Callable[[int], None] | None = None, torch_thread: Executor | None = None,
-                 admission_hold_s: float = 0.01, **engine_args: Unpack[EngineArgs]) -> None:
+                 admission_hold_s: float = 0.01, owner_weights: Mapping[str, float] | None = None,
+                 **engine_args: Unpack[EngineArgs]) -> None:
         self.loaded = loaded
+        self.owner_weights = dict(owner_weights or {})  # fair-share weight per owner (tokenpipe.quota)
         self.admission_hold_s = admission_hold_s
         self.torch_thread = torch_thread
         make = partial(Engine, loaded, **engine_args)
@@ -164,7 +167,8 @@ class Runner(EngineHandle):
                    prefill_token_budget=settings.prefill_token_budget, max_prompt_tokens=settings.max_prompt_tokens,
                    torch_thread=torch_thread, admission_hold_s=settings.admission_hold_ms / 1000,
                    kv_cache_mb=settings.kv_cache_mb, prefix_caching=settings.prefix_caching,
-                   cuda_graphs=settings.cuda_graphs)
+                   cuda_graphs=settings.cuda_graphs, owner_weights=parse_weights(settings.owner_weights),
+                   owner_max_running=settings.owner_max_running)
 
     # -- thread-safe API -------------------------------------------------------------
 
@@ -286,8 +290,11 @@ class Runner(EngineHandle):
                 raise prepared.error
             original = prepared.prompt
             params = req.params
+            # The key is the worker's stream key, ``<bus owner>.<id>`` (tokenpipe.subjects.stream_key).
+            owner = fair_owner(key.partition(".")[0] if "." in key else "", req.tenant)
             seq = self.engine.new_sequence(key, original + list(job.resume_ids), params, carried=carried,
-                                           batch=req.batch)
+                                           batch=req.batch, owner=owner,
+                                           weight=weight_of(self.owner_weights, owner))
             seq.max_new = min(seq.max_new, params.max_tokens - carried)
             if seq.max_new < 1:
                 raise InvalidRequest("max_tokens already reached by resumed tokens")

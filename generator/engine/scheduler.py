@@ -11,6 +11,12 @@ the first waiting interactive sequence has no slot or too few blocks, running ba
 preempted for it, youngest first. A preempted row keeps its full blocks as cached prefix (they
 are reused on its return unless the pool needed them meanwhile) and is resumed with the tokens
 an uninterrupted run gives: its tokens are recomputed, and its sampler drew nothing meanwhile.
+
+Within a class, slots are shared fairly between owners (weighted fair queuing over seats, as
+Kubernetes' API Priority and Fairness): the next sequence admitted is the first waiting one of
+the owner with the fewest running rows of that class per unit of weight, and when none is free,
+the youngest row of the owner most over its share is preempted for an owner under it, as long as
+the move leaves the first no poorer than the second (so two owners never trade a slot back and forth).
 """
 
 from __future__ import annotations
@@ -59,6 +65,8 @@ class Sequence:
     computed: int = 0  # positions whose K/V its blocks hold
     order: int = 0  # admission count: the highest is the youngest, preempted first
     batch: bool = False  # batch work (``flex``): waits behind interactive sequences, preempted for them
+    owner: str = ""  # who it runs for (tokenpipe.quota.fair_owner): slots are shared fairly between owners
+    weight: float = 1.0  # its owner's fair-share weight
 
     @property
     def tokens(self) -> list[int]:
@@ -88,6 +96,7 @@ class EngineArgs(TypedDict, total=False):
     prefix_caching: bool
     admit_reserve_tokens: int
     cuda_graphs: str
+    owner_max_running: int
 
 
 class Engine:
@@ -98,8 +107,10 @@ class Engine:
 
     def __init__(self, loaded: LoadedModel, *, max_batch: int = 32, max_seq_len: int = 2048,
                  prefill_token_budget: int = 4096, max_prompt_tokens: int = 0, kv_cache_mb: float = 0,
-                 prefix_caching: bool = True, admit_reserve_tokens: int = 256, cuda_graphs: str = "off") -> None:
+                 prefix_caching: bool = True, admit_reserve_tokens: int = 256, cuda_graphs: str = "off",
+                 owner_max_running: int = 0) -> None:
         self.loaded = loaded
+        self.owner_max_running = owner_max_running  # per owner, all classes (0: fair share alone)
         self.model = loaded.model
         self.device = loaded.device
         self.max_batch = max_batch
@@ -128,12 +139,13 @@ class Engine:
 
     # -- admission -------------------------------------------------------------------
     def new_sequence(self, seq_id: str, prompt: list[int], params: SamplingParams, carried: int = 0, *,
-                     batch: bool = False) -> Sequence:
+                     batch: bool = False, owner: str = "", weight: float = 1.0) -> Sequence:
         """Validate and build a sequence; raises :class:`InvalidRequest` if it cannot run.
 
         ``carried`` trailing prompt tokens were generated earlier (crash continuation): they count
         against the context and ``max_tokens`` but not against the prompt-length limit. ``batch``:
-        the sequence is batch work (see the module docstring)."""
+        the sequence is batch work; ``owner`` and ``weight``: whom it runs for, and their fair-share
+        weight (see the module docstring)."""
         if not prompt:
             raise InvalidRequest("the prompt is empty", param="prompt")
         vocab = int(self.model.config.vocab_size)
@@ -148,7 +160,8 @@ class Engine:
             raise InvalidRequest(f"prompt has {len(prompt) - carried} tokens; the limit here is "
                                  f"{self.max_prompt_tokens}", param="prompt")
         return Sequence(id=seq_id, prompt=list(prompt), params=params, max_new=min(params.max_tokens, room),
-                        sampler=RowSampler.from_params(params, self.device), batch=batch)
+                        sampler=RowSampler.from_params(params, self.device), batch=batch, owner=owner,
+                        weight=weight)
 
     def add(self, seq: Sequence) -> None:
         self._enqueue(seq)
@@ -212,6 +225,7 @@ class Engine:
 
         self._grow()  # may preempt: the rows left all have a block for their next position
         self._yield_to_interactive()  # may preempt batch rows: before the rows to decode are taken
+        self._yield_to_fair_share()  # may preempt a row of an owner over its share
         decoding = list(self.rows)  # rows admitted below get their first token from prefill
         admitted = self._admit()
         if admitted:
@@ -240,7 +254,7 @@ class Engine:
         Blocks are counted without the prefix cache (a cached prompt needs fewer): at worst one
         batch row more waits, never an interactive one."""
         slots = blocks = 0  # taken by the interactive sequences ahead
-        for seq in [s for s in self.waiting if not s.batch]:
+        for seq in [s for s in self.waiting if not s.batch and not self.capped(s, {})]:
             need = -(-len(seq.tokens) // BLOCK_SIZE)
             while (self.max_batch - len(self.rows) - slots < 1
                    or self.pool.available - len(self.rows) - blocks < need):
@@ -249,6 +263,75 @@ class Engine:
                     return
                 self._preempt(max(running, key=lambda s: s.order), "an interactive request waits")
             slots, blocks = slots + 1, blocks + need + 1  # and a block for its next step, as _admit reserves
+
+    def _short_for(self, need: int) -> bool:
+        """No slot, or too few blocks, for a sequence of ``need`` blocks (and one for its next step)."""
+        return self.max_batch - len(self.rows) < 1 or self.pool.available - len(self.rows) < need + 1
+
+    def _yield_to_fair_share(self) -> None:
+        """Preempt rows of the owner most over its share, youngest first, while the next sequence to
+        admit (:meth:`_next`) finds no slot or too few blocks and belongs to an owner under its share.
+
+        Only rows of its class are taken (batch rows for interactive work went in
+        :meth:`_yield_to_interactive`). A victim owner ``v`` gives up a row to owner ``c`` only if
+        ``(running_v - 1) / weight_v >= (running_c + 1) / weight_c``: after the move ``v`` is still no
+        poorer than ``c``, so the same slot is never taken back at the next step."""
+        for _ in range(self.max_batch):
+            seq = self._next({})
+            if seq is None or self.capped(seq, {}):
+                return
+            if not self._short_for(-(-len(seq.tokens) // BLOCK_SIZE)):
+                return
+            mine = [r for r in self.rows if r.batch == seq.batch]
+            counts = self._running(mine)
+            victims = [r for r in mine if r.owner != seq.owner]
+            if not victims:
+                return
+            worst = max(victims, key=lambda r: (counts[r.owner] / r.weight, r.order))
+            have = counts.get(seq.owner, 0)
+            if (counts[worst.owner] - 1) / worst.weight < (have + 1) / seq.weight:
+                return
+            youngest = max((r for r in victims if r.owner == worst.owner), key=lambda r: r.order)
+            self._preempt(youngest, f"owner {seq.owner!r} is under its fair share")
+
+    @staticmethod
+    def _running(rows: list[Sequence]) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for r in rows:
+            counts[r.owner] = counts.get(r.owner, 0) + 1
+        return counts
+
+    def capped(self, seq: Sequence, admitted: dict[str, int]) -> bool:
+        """``seq``'s owner runs ``owner_max_running`` sequences already (``admitted``: this step's)."""
+        if self.owner_max_running <= 0:
+            return False
+        running = sum(1 for r in self.rows if r.owner == seq.owner) + admitted.get(seq.owner, 0)
+        return running >= self.owner_max_running
+
+    def _next(self, admitted: dict[str, int]) -> Sequence | None:
+        """The waiting sequence to admit next: of the first class waiting (interactive before batch),
+        the first of the owner with the fewest rows of that class per unit of weight (``admitted``:
+        those admitted this step, per owner, counted too), ties to the one waiting longest; an owner
+        at ``owner_max_running`` is passed over. None: nobody can be admitted."""
+        best: Sequence | None = None
+        best_share = 0.0
+        seen: set[tuple[bool, str]] = set()
+        batch = False
+        counts = self._running([r for r in self.rows if not r.batch])
+        for seq in self.waiting:  # partitioned: interactive ones first
+            if seq.batch != batch:
+                if best is not None:
+                    break  # an interactive one goes first
+                batch, counts = True, self._running([r for r in self.rows if r.batch])
+            if (seq.batch, seq.owner) in seen:
+                continue  # each owner's own waiting sequences run first come first served
+            seen.add((seq.batch, seq.owner))
+            if self.capped(seq, admitted):
+                continue
+            share = (counts.get(seq.owner, 0) + admitted.get(seq.owner, 0)) / seq.weight
+            if best is None or share < best_share:
+                best, best_share = seq, share
+        return best
 
     def _preempt(self, seq: Sequence, why: str) -> None:
         log.info("preempting a sequence: %s", why, extra={"request_id": seq.id, "tokens": len(seq.tokens),
@@ -262,8 +345,11 @@ class Engine:
         batch: list[Sequence] = []
         widest = 0
         reserve = len(self.rows)  # a block each for the running rows' next steps
+        admitted: dict[str, int] = {}
         while self.waiting and len(self.rows) + len(batch) < self.max_batch:
-            seq = self.waiting[0]
+            seq = self._next(admitted)
+            if seq is None:
+                break
             tokens = seq.tokens
             held = self.pool.match(self._keys(seq, len(tokens) - 1))  # at least one token left to compute
             fresh = -(-len(tokens) // BLOCK_SIZE) - len(held)
@@ -272,7 +358,8 @@ class Engine:
                     fresh + reserve > self.pool.available:
                 self.pool.release(held)
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
+            admitted[seq.owner] = admitted.get(seq.owner, 0) + 1
             seq.blocks = held + [self.pool.allocate() for _ in range(fresh)]
             seq.computed = len(held) * BLOCK_SIZE
             if not seq.order:  # a prompt's first admission (a preempted one's recompute is not a query)

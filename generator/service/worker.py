@@ -28,11 +28,19 @@ from opentelemetry.trace import SpanKind, TracerProvider
 from tokenpipe.append import StreamLost
 from tokenpipe.background import pause, stop_loops
 from tokenpipe.bus import REPAIR_INTERVAL_S, Bus, release_intake, repair
-from tokenpipe.errors import InvalidRequest, TokenpipeError, WireFormatError
+from tokenpipe.errors import InvalidRequest, RateLimited, TokenpipeError, WireFormatError
 from tokenpipe.metrics import GeneratorMetrics
+from tokenpipe.quota import TokenRate, fair_owner, request_cost
 from tokenpipe.settings import Settings
 from tokenpipe.streams import history_at, id_taken
-from tokenpipe.subjects import CANCEL_WILDCARD, REQUESTS_STREAM, owner_of_request, parse_cancel_subject, stream_key
+from tokenpipe.subjects import (
+    CANCEL_WILDCARD,
+    RELAY_OWNER,
+    REQUESTS_STREAM,
+    owner_of_request,
+    parse_cancel_subject,
+    stream_key,
+)
 from tokenpipe.telemetry import extract_context, get_tracer
 from tokenpipe.wire import Cancel, Request, TokenBatch, Usage
 
@@ -86,6 +94,8 @@ class GeneratorWorker:
         # Each owner's latest cancels (at most settings.cancel_memory of its ids): a cancel that came
         # before its request still cancels it, and one owner's flood of cancels forgets only its own.
         self.recent_cancels: dict[str, OrderedDict[str, None]] = {}
+        # Tokens per minute of each application on the bus (the relay's tenants are charged at the relay).
+        self.token_rate = TokenRate(settings.owner_tokens_per_min)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._slot_freed = asyncio.Event()
         self._stopping = asyncio.Event()  # no more fetching; running requests may still finish
@@ -134,11 +144,28 @@ class GeneratorWorker:
         self._stopping.set()
         self._slot_freed.set()
         try:
+            await self._hand_back_waiting()
             await self._hand_back(drain_timeout)
         finally:
             # Always: the engine runs on a non-daemon thread that would keep the process alive.
             await asyncio.to_thread(self.runner.stop)
         await self.bus.nc.flush()
+
+    async def _hand_back_waiting(self) -> None:
+        """What waits here unstarted (the waiting room) goes back to the queue at once, for another
+        generator to take now, not started by the drain only to be cut at its end. Nothing of it was
+        published (its emissions, if the engine admitted it meanwhile, are dropped with it); one whose
+        stream-id check has not answered yet stays for :meth:`_hand_back`."""
+        waiting = [(out, out.msg) for out in self.active.values()
+                   if not out.started and out.checked and out.msg is not None]
+        for out, _ in waiting:
+            self.runner.cancel(out.key)
+            out.abandon()
+            self.active.pop(out.key, None)
+        for _, msg in waiting:
+            await msg.nak()
+        if waiting:
+            log.info("handed back waiting requests", extra={"count": len(waiting)})
 
     async def _hand_back(self, drain_timeout: float) -> None:
         deadline = time.monotonic() + drain_timeout
@@ -192,7 +219,12 @@ class GeneratorWorker:
     @property
     def free_slots(self) -> int:
         """Requests to pull: below ``max_batch``, as many as the KV cache's free blocks can take;
-        while batch work runs here, :data:`LOOKAHEAD` more.
+        while batch work runs here, :data:`LOOKAHEAD` more; and up to ``waiting_room`` held waiting.
+
+        The waiting room is for fair share: the queue is one FIFO per model, so another owner's
+        request behind one owner's backlog is seen only once the backlog ahead of it is pulled. Held
+        here, the engine admits from it by fair share between owners (generator.engine.scheduler)
+        and preempts a row of the owner over its share for it.
 
         The queue is one FIFO per model, so an interactive request is seen only once the requests
         ahead of it are pulled. Pulling the whole backlog to find it would hold batch work here that
@@ -205,7 +237,11 @@ class GeneratorWorker:
         batch = sum(1 for out in self.active.values() if out.request.batch)
         # More batch requests held than could all be waiting beyond the slots: one of them runs, and
         # an interactive request pulled now can take its row.
-        return room + LOOKAHEAD if batch > max(len(self.active) - self.settings.max_batch, 0) else room
+        if batch > max(len(self.active) - self.settings.max_batch, 0):
+            room += LOOKAHEAD
+        # Held and not running: waiting in the engine (or on their way to it).
+        waiting = len(self.active) - self.runner.running
+        return room if room > 0 else max(room, self.settings.waiting_room - waiting)
 
     async def _fetch_loop(self) -> None:
         while not self._stopping.is_set():
@@ -284,6 +320,13 @@ class GeneratorWorker:
                 f"the prompt exceeds {self.settings.max_prompt_chars} characters",
                 param="messages" if request.messages is not None else "prompt"))
             return
+        if owner != RELAY_OWNER and msg.metadata.num_delivered == 1:  # a redelivery was charged already;
+            # the relay's requests were charged at the relay, to their tenants
+            try:
+                self.token_rate.charge(owner, request_cost(request.params.max_tokens, request.prompt_chars))
+            except RateLimited as exc:
+                await self.intake.reject(msg, exc)
+                return
         ctx = extract_context(msg.headers)
         span = self.tracer.start_span(f"generate {self.model}", context=ctx, kind=SpanKind.CONSUMER, attributes={
             "messaging.system": "nats",
@@ -371,6 +414,18 @@ class GeneratorWorker:
             for out in list(self.active.values()):
                 if out.msg is not None:
                     await keep(out.msg, out.request.id)
+            self._count_owners()
+
+    def _count_owners(self) -> None:
+        """Each owner's running and waiting requests here, into the gauges (a request runs from its
+        first token on; one preempted meanwhile still counts as running)."""
+        counts: dict[str, tuple[int, int]] = {}
+        for out in self.active.values():
+            owner = fair_owner(out.owner, out.request.tenant)
+            running, waiting = counts.get(owner, (0, 0))
+            started = bool(out.timeline.first_token or out.timeline.admitted)
+            counts[owner] = (running + started, waiting + (not started))
+        self.metrics.set_owners(counts)
 
     async def _repair_loop(self) -> None:
         """Re-provision the streams and bucket when someone deleted them; a new ``TP_REQUESTS``

@@ -110,6 +110,16 @@ class StreamWriter:
             self._send(batch)
         self._arm_timer()
 
+    @property
+    def started(self) -> bool:
+        """The engine admitted it (or it produced a token): it runs, or ran and was preempted."""
+        return bool(self.timeline.admitted or self.timeline.first_token)
+
+    @property
+    def checked(self) -> bool:
+        """Its stream id is known to be free (a redelivery is never checked again): it may be handed back."""
+        return self._held is None and not self.refused
+
     def clear(self) -> None:
         """The stream id is free: publish what was held, in order, and every batch from now on at once."""
         held, self._held = self._held, None
