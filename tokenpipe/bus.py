@@ -21,6 +21,7 @@ from nats.js.errors import NotFoundError
 from nats.js.kv import KeyValue
 
 from . import natsauth
+from .batchstore import provision_batch_stores
 from .cluster import connected_server, replicas_to_keep, resolve_replicas, server_list
 from .errors import InvalidRequest, TransportError
 from .settings import Settings
@@ -447,6 +448,7 @@ async def provision(js: JetStreamContext, settings: Settings, *, registry: bool 
             )
         else:
             await _scale_bucket(js, replicas, settings)
+        await provision_batch_stores(js, settings, replicas)  # the Batch API's (the relay's, like the registry)
     except TransportError:
         raise
     except Exception as exc:  # nats.js.errors.* and timeouts; one translation point
