@@ -5,6 +5,7 @@ of the relay."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -20,7 +21,7 @@ import pytest
 from tokenpipe_cli.upprocess import UpProcess
 
 from .conftest import wait_until
-from .test_heal import running_stack
+from .test_heal import TOKENPIPE, running_stack
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -78,7 +79,8 @@ async def test_the_openai_sdk_runs_a_batch_unmodified_and_a_bad_line_goes_to_the
     assert done.request_counts is not None
     assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (5, 3, 2)
     out = [json.loads(x) for x in (await sdk.files.content(done.output_file_id)).text.splitlines()]
-    errors = {e["custom_id"]: e for e in map(json.loads, (await sdk.files.content(done.error_file_id)).text.splitlines())}
+    error_lines = (await sdk.files.content(done.error_file_id)).text.splitlines()
+    errors = {e["custom_id"]: e for e in map(json.loads, error_lines)}
     assert [o["custom_id"] for o in out] == ["q0", "q1", "q2"]
     assert set(errors) == {"bad-body", "bad-url"}
     assert "messages" in errors["bad-body"]["error"]["message"]
@@ -147,7 +149,7 @@ async def test_a_cancelled_batch_stops_its_lines_in_flight_and_keeps_what_was_do
     done = await finished(sdk, batch.id)
     assert done.status == "cancelled" and done.cancelled_at is not None
     counts = done.request_counts
-    assert counts is not None and 1 <= counts.completed and counts.completed + counts.failed < 80
+    assert counts is not None and counts.completed >= 1 and counts.completed + counts.failed < 80
     out = (await sdk.files.content(done.output_file_id)).text.splitlines()
     assert len(out) == counts.completed  # the lines done are kept; the others were never written
 
@@ -176,3 +178,20 @@ async def test_a_batch_survives_a_kill9_of_the_relay(stack: UpProcess) -> None:
     # was generated exactly once.
     finishes = re.findall(rf"request finished request_id=({batch.id}-\d+)", stack.output())
     assert sorted(finishes) == sorted(f"{batch.id}-{i}" for i in range(24))
+
+
+async def test_tokenpipe_submit_batch_runs_a_file_and_writes_its_output(stack: UpProcess, tmp_path: Path) -> None:
+    src = tmp_path / "jobs.jsonl"
+    src.write_bytes(jsonl([chat_line("one", "hello"), chat_line("two", "world"),
+                           {"custom_id": "three", "method": "POST", "url": "/v1/chat/completions", "body": []}]))
+    proc = await asyncio.create_subprocess_exec(
+        TOKENPIPE, "submit", "--batch", str(src), "--url", stack.url, "--api-key", "key-a",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    _, err = await asyncio.wait_for(proc.communicate(), 180)
+    assert proc.returncode == 1, err.decode()  # one line failed
+    assert "completed: 2/3 done, 1 failed" in err.decode()
+    out = [json.loads(x) for x in (tmp_path / "jobs.output.jsonl").read_text().splitlines()]
+    assert [o["custom_id"] for o in out] == ["one", "two"]
+    assert all(o["response"]["body"]["choices"][0]["message"]["content"] for o in out)
+    (error,) = [json.loads(x) for x in (tmp_path / "jobs.output.errors.jsonl").read_text().splitlines()]
+    assert error["custom_id"] == "three" and "'body' must be a JSON object" in error["error"]["message"]
