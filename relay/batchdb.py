@@ -13,6 +13,7 @@ import asyncio
 import base64
 import hashlib
 import json
+import re
 import secrets
 import time
 from collections.abc import Callable
@@ -27,11 +28,13 @@ from tokenpipe.bus import Bus
 from tokenpipe.errors import NotFound, TokenpipeError, TransportError
 from tokenpipe.subjects import BATCHES_BUCKET, FILES_BUCKET, FILES_STREAM
 
-from .batchproto import BatchObject, FileObject
+from .batchproto import BATCH_ID_PATTERN, FILE_ID_PATTERN, BatchObject, FileObject
 
 __all__ = ["BatchDB", "BatchRecord", "Conflict", "new_batch_id", "new_file_id"]
 
 _READ_TIMEOUT_S = 30.0  # one file's chunks, read back
+_FILE_ID = re.compile(FILE_ID_PATTERN)
+_BATCH_ID = re.compile(BATCH_ID_PATTERN)
 
 
 def new_file_id() -> str:
@@ -113,6 +116,8 @@ class BatchDB:
         return file
 
     async def file(self, tenant: str, file_id: str) -> FileObject:
+        if not _FILE_ID.fullmatch(file_id):  # no such key can exist (nor be asked of the bucket)
+            raise NotFound(f"no file {file_id[:80]!r}", param="file_id")
         kv, _ = await self._open()
         entry = await self._get(kv, f"file.{_tenant(tenant)}.{file_id}")
         if entry is None:
@@ -171,6 +176,8 @@ class BatchDB:
         return record
 
     async def batch(self, tenant: str, batch_id: str) -> BatchRecord:
+        if not _BATCH_ID.fullmatch(batch_id):
+            raise NotFound(f"no batch {batch_id[:80]!r}", param="batch_id")
         kv, _ = await self._open()
         entry = await self._get(kv, f"batch.{_tenant(tenant)}.{batch_id}")
         if entry is None:

@@ -69,7 +69,13 @@ class _Job:
     failed: int = 0
     total: int = 0
     cancelled: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    halt: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)  # cancelled, or a line interrupted
+    interrupted: list[TokenpipeError] = dataclasses.field(default_factory=list)
     lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+        self.halt.set()
 
 
 class BatchRunner:
@@ -149,7 +155,8 @@ class BatchRunner:
                 record.batch.request_counts = RequestCounts(total=job.total, completed=job.completed, failed=job.failed)
                 if job.cancelled.is_set() and record.batch.status in ("validating", "in_progress", "finalizing"):
                     record.batch.status = "cancelling"
-                record.lease_until = time.time() + LEASE_S
+                if record.runner == self.id:
+                    record.lease_until = time.time() + LEASE_S
                 try:
                     job.record = await self.db.update(record)
                     return
@@ -158,7 +165,7 @@ class BatchRunner:
                     if fresh.runner != self.id:
                         raise _LeaseLost from None
                     if fresh.batch.status == "cancelling":
-                        job.cancelled.set()
+                        job.cancel()
                         record.batch.cancelling_at = fresh.batch.cancelling_at
                     record.revision = fresh.revision
             raise _LeaseLost
@@ -171,7 +178,7 @@ class BatchRunner:
     async def _run(self, job: _Job) -> None:
         b = job.record.batch
         if b.status == "cancelling":
-            job.cancelled.set()
+            job.cancel()
         heart = asyncio.create_task(self._heartbeat(job), name=f"batch-heartbeat-{b.id}")
         finished = False
         try:
@@ -181,8 +188,9 @@ class BatchRunner:
             log.warning("batch lease lost to another runner", extra={"batch_id": b.id})
             finished = True
         except TokenpipeError as exc:
-            log.warning("batch interrupted; it resumes after its lease lapses", extra={"batch_id": b.id,
-                                                                                       "error": exc.message})
+            log.warning("batch interrupted; it resumes", extra={"batch_id": b.id, "error": exc.message})
+        except Exception:  # a bug: logged, and the batch handed back rather than left held
+            log.exception("batch runner failed", extra={"batch_id": b.id})
         finally:
             heart.cancel()
             with contextlib.suppress(asyncio.CancelledError, _LeaseLost, TokenpipeError):
@@ -214,19 +222,26 @@ class BatchRunner:
 
         async def one(index: int, line: str) -> None:
             try:
-                results[index] = await self._line(job, index, line, seen)
-                if results[index] is not None and results[index][0] == "out":  # type: ignore[index]
-                    job.completed += 1
-                else:
-                    job.failed += 1
-            finally:
-                self._slots.release()
+                result = await self._line(job, index, line, seen)
+            except TokenpipeError as exc:  # not the line's fault (NATS away): the batch stops, to resume later
+                job.interrupted.append(exc)
+                job.halt.set()
+                return
+            results[index] = result
+            if result[0] == "out":
+                job.completed += 1
+            else:
+                job.failed += 1
 
-        cancel_wait = asyncio.ensure_future(job.cancelled.wait())
+        def ended(task: asyncio.Task[None]) -> None:
+            pending.discard(task)
+            self._slots.release()
+
+        halt_wait = asyncio.ensure_future(job.halt.wait())
         try:
             for index, line in enumerate(lines):
                 acquire = asyncio.ensure_future(self._slots.acquire())
-                await asyncio.wait({acquire, cancel_wait, heart}, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait({acquire, halt_wait, heart}, return_when=asyncio.FIRST_COMPLETED)
                 if not acquire.done():
                     acquire.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
@@ -234,21 +249,25 @@ class BatchRunner:
                     if acquire.done() and not acquire.cancelled():
                         self._slots.release()
                     break
-                if heart.done() or job.cancelled.is_set():
+                if heart.done() or job.halt.is_set():
                     self._slots.release()
                     break
                 task = asyncio.create_task(one(index, line))
                 pending.add(task)
-                task.add_done_callback(pending.discard)
-            while pending and not job.cancelled.is_set() and not heart.done():
-                await asyncio.wait({*pending, cancel_wait, heart}, return_when=asyncio.FIRST_COMPLETED)
+                # Released by the task's end however it ends (a task cancelled before it ever ran
+                # runs no finally of its own).
+                task.add_done_callback(ended)
+            while pending and not job.halt.is_set() and not heart.done():
+                await asyncio.wait({*pending, halt_wait, heart}, return_when=asyncio.FIRST_COMPLETED)
             if heart.done():
                 heart.result()  # the lease was lost (raises)
         finally:
-            cancel_wait.cancel()
+            halt_wait.cancel()
             for task in list(pending):
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
+        if job.interrupted and not job.cancelled.is_set():
+            raise job.interrupted[0]
         await self._finalize(job, results)
 
     async def _fail(self, job: _Job, code: str, message: str) -> None:
