@@ -195,3 +195,31 @@ async def test_tokenpipe_submit_batch_runs_a_file_and_writes_its_output(stack: U
     assert all(o["response"]["body"]["choices"][0]["message"]["content"] for o in out)
     (error,) = [json.loads(x) for x in (tmp_path / "jobs.output.errors.jsonl").read_text().splitlines()]
     assert error["custom_id"] == "three" and "'body' must be a JSON object" in error["error"]["message"]
+
+
+async def test_a_batch_survives_a_kill9_of_the_generator(stack: UpProcess) -> None:
+    sdk = client(stack)
+    lines = [chat_line(f"g{i}", f"generator {i}", 64, ignore_eos=True) for i in range(16)]
+    f = await sdk.files.create(file=("g.jsonl", jsonl(lines)), purpose="batch")
+    batch = await sdk.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+
+    async def some_done() -> bool:
+        b = await sdk.batches.retrieve(batch.id)
+        return b.request_counts is not None and b.request_counts.completed >= 1
+
+    await wait_until(some_done, 120, "a line done")
+    generator = next(r for r in stack.status()["roles"] if r["name"].startswith("generator"))
+    os.kill(generator["pid"], signal.SIGKILL)
+    done = await finished(sdk, batch.id, timeout=300)
+    assert done.status == "completed" and done.request_counts is not None
+    assert (done.request_counts.completed, done.request_counts.failed) == (16, 0)
+    out = [json.loads(x) for x in (await sdk.files.content(done.output_file_id)).text.splitlines()]
+    assert sorted(o["custom_id"] for o in out) == sorted(x["custom_id"] for x in lines)
+    # A line continued on the restarted generator has the tokens of an uninterrupted run.
+    by_id = {o["custom_id"]: o["response"]["body"] for o in out}
+    async with httpx.AsyncClient(base_url=stack.url, headers={"Authorization": "Bearer key-a"}, timeout=60) as http:
+        for line in lines:
+            direct = (await http.post("/v1/chat/completions", json=line["body"])).json()
+            got = by_id[line["custom_id"]]
+            assert got["usage"]["completion_tokens"] == 64
+            assert got["choices"][0]["message"]["content"] == direct["choices"][0]["message"]["content"]
