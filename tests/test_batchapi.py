@@ -97,6 +97,10 @@ async def test_the_openai_sdk_runs_a_batch_unmodified_and_a_bad_line_goes_to_the
             # The line ran as a stream of its own, readable through the native API.
             assert (await http.get(f"/v1/streams/{row['response']['request_id']}",
                                    params={"cancel_on_disconnect": "false"})).status_code == 200
+        # The inspector lists the batch's streams: the three lines that ran, not the two refused.
+        page = (await http.get("/v1/streams", params={"batch": done.id, "limit": 100})).json()
+        assert sorted(item["id"] for item in page["data"]) == sorted(row["response"]["request_id"] for row in out)
+        assert {item["status"] for item in page["data"]} == {"finished"}
     listed = await sdk.batches.list(limit=100)
     assert done.id in [b.id for b in listed.data]
 
