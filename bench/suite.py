@@ -71,7 +71,8 @@ SCENARIOS: tuple[Scenario, ...] = (
              quick=("--models", "tiny-random", "--streams", "1,4", "--max-tokens", "16", "--singles", "2",
                     "--rounds", "1")),
     Scenario("lanes", "system", "bench.lanes",
-             "a chat's TTFT idle and behind a 16-stream backlog at the default tier and as batch work (flex)",
+             "a chat's TTFT idle and behind a 16-stream backlog at the default tier, as batch work (flex) and as a "
+             "Batch API batch",
              quick=(*_TINY, "--dtype", "float32", "--backlog", "8", "--max-batch", "8", "--backlog-tokens", "64",
                     "--rounds", "1")),
     Scenario("chaos", "system", "bench.chaos",
