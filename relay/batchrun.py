@@ -27,7 +27,6 @@ from typing import Any
 from tokenpipe.background import stop_loops
 from tokenpipe.bus import Bus
 from tokenpipe.errors import (
-    InvalidRequest,
     ModelNotFound,
     NoGenerator,
     NotFound,
@@ -43,9 +42,10 @@ from tokenpipe.wire import Request as TpRequest
 from tokenpipe.wire import StreamMeta, TokenBatch
 
 from .batchdb import BatchDB, BatchRecord, Conflict
+from .batchlines import LineRejected, Row, check_line, error_row, output_row
 from .batchproto import OPEN_STATUSES, BatchError, BatchErrors, RequestCounts
 from .openai import completion_reply
-from .protocol import Bodies, parse
+from .protocol import Bodies
 from .registry import GeneratorRegistry
 from .sessions import Forwarder, Session
 
@@ -216,7 +216,7 @@ class BatchRunner:
                 r.batch.status, r.batch.in_progress_at = "in_progress", int(time.time())
 
         await self._save(job, started)
-        results: list[tuple[str, dict[str, Any]] | None] = [None] * len(lines)
+        results: list[Row | None] = [None] * len(lines)
         seen: set[str] = set()
         pending: set[asyncio.Task[None]] = set()
 
@@ -277,7 +277,7 @@ class BatchRunner:
             r.runner, r.lease_until = "", 0.0
         await self._save(job, failed)
 
-    async def _finalize(self, job: _Job, results: list[tuple[str, dict[str, Any]] | None]) -> None:
+    async def _finalize(self, job: _Job, results: list[Row | None]) -> None:
         b = job.record.batch
         await self._save(job, lambda r: setattr(r.batch, "finalizing_at", int(time.time())))
         if not job.cancelled.is_set():
@@ -309,55 +309,22 @@ class BatchRunner:
 
     # -- one line ---------------------------------------------------------------------------------
 
-    async def _line(self, job: _Job, index: int, line: str, seen: set[str]) -> tuple[str, dict[str, Any]]:
-        """("out", output line) or ("err", error line) for line ``index`` of the input file."""
+    async def _line(self, job: _Job, index: int, line: str, seen: set[str]) -> Row:
+        """The output or error line of line ``index`` of the input file."""
         b = job.record.batch
         stream_id = f"{b.id}-{index}"
-        custom_id: Any = None
         number = index + 1  # as an editor counts (blank lines aside)
-
-        def error(status: int, code: str, message: str, param: str | None = None) -> tuple[str, dict[str, Any]]:
-            body = {"error": {"message": message, "type": "invalid_request_error" if status < 500 else "server_error",
-                              "param": param, "code": code}}
-            return "err", {"id": f"batch_req_{stream_id}", "custom_id": custom_id,
-                           "response": {"status_code": status, "request_id": stream_id, "body": body},
-                           "error": {"code": code, "message": message}}
-
         try:
-            raw = _loads(line)
-        except ValueError as exc:
-            return error(400, "invalid_json", f"request {number}: not a JSON object ({exc})")
-        custom_id = raw.get("custom_id")
-        if not isinstance(custom_id, str) or not custom_id:
-            custom_id = None
-            return error(400, "missing_custom_id", f"request {number}: 'custom_id' must be a non-empty string",
-                         "custom_id")
-        if custom_id in seen:
-            return error(400, "duplicate_custom_id", f"request {number}: 'custom_id' {custom_id!r} is used twice",
-                         "custom_id")
-        seen.add(custom_id)
-        if raw.get("method", "POST") != "POST":
-            return error(400, "invalid_method", f"request {number}: 'method' must be POST", "method")
-        if raw.get("url") != b.endpoint:
-            return error(400, "invalid_url", f"request {number}: 'url' is {raw.get('url')!r}, but this batch's "
-                                             f"endpoint is {b.endpoint!r}", "url")
-        body = raw.get("body")
-        if not isinstance(body, dict):
-            return error(400, "invalid_body", f"request {number}: 'body' must be a JSON object", "body")
-        if body.get("stream"):
-            return error(400, "invalid_body", f"request {number}: a batch line cannot stream ('stream': true)",
-                         "body.stream")
-        chat = b.endpoint == "/v1/chat/completions"
-        try:
-            parsed = parse(self.bodies.chat if chat else self.bodies.completion, {**body, "service_tier": "flex"})
-        except InvalidRequest as exc:
-            return error(400, exc.code, f"request {number}: {exc.message}", exc.param)
+            custom_id, parsed = check_line(line, stream_id=stream_id, number=number, endpoint=b.endpoint,
+                                           bodies=self.bodies, seen=seen)
+        except LineRejected as rejected:
+            return rejected.row
         while True:
             try:
                 model = await self.registry.resolve(parsed.model)
                 break
             except ModelNotFound as exc:
-                return error(404, exc.code, f"request {number}: {exc.message}", "model")
+                return error_row(stream_id, custom_id, 404, exc.code, f"request {number}: {exc.message}", "model")
             except NoGenerator:
                 await asyncio.sleep(_RETRY_S)  # the batch waits for a generator, as a queued request would
         req = dataclasses.replace(parsed.to_request(model, job.record.tenant), id=stream_id)
@@ -368,10 +335,8 @@ class BatchRunner:
                 with contextlib.suppress(Exception):
                     await asyncio.shield(cancel(self._bus(), stream_id))
             raise
-        status, reply = completion_reply(req, final, text, b.created_at, chat)
-        row = {"id": f"batch_req_{stream_id}", "custom_id": custom_id,
-               "response": {"status_code": status, "request_id": stream_id, "body": reply}, "error": None}
-        return ("out" if status == 200 else "err"), row
+        status, reply = completion_reply(req, final, text, b.created_at, b.endpoint == "/v1/chat/completions")
+        return output_row(stream_id, custom_id, status, reply)
 
     async def _generate(self, req: TpRequest) -> tuple[TokenBatch, str]:
         """The line's stream, whole: submitted unless it exists already (a batch resumed), then read
@@ -408,13 +373,6 @@ class BatchRunner:
                 return await self.forwarder.submit(req, follow=True)
             except Overloaded as exc:  # the queue is full: a batch waits its turn
                 await asyncio.sleep(max(_RETRY_S, float(exc.retry_after)))
-
-
-def _loads(line: str) -> dict[str, Any]:
-    obj = json.loads(line)
-    if not isinstance(obj, dict):
-        raise ValueError("a JSON value that is not an object")
-    return obj
 
 
 def _json_line(row: dict[str, Any]) -> str:
