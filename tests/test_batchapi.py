@@ -227,3 +227,20 @@ async def test_a_batch_survives_a_kill9_of_the_generator(stack: UpProcess) -> No
             got = by_id[line["custom_id"]]
             assert got["usage"]["completion_tokens"] == 64
             assert got["choices"][0]["message"]["content"] == direct["choices"][0]["message"]["content"]
+
+
+async def test_batches_are_listed_newest_first_in_pages(stack: UpProcess) -> None:
+    sdk = client(stack, "key-b")  # bob's own batches only
+    f = await sdk.files.create(file=("p.jsonl", jsonl([chat_line("p", "page", 2)])), purpose="batch")
+    made = [(await sdk.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                      completion_window="24h")).id for _ in range(3)]
+    everything = (await sdk.batches.list(limit=100)).data
+    assert set(made) <= {b.id for b in everything}
+    assert [b.created_at for b in everything] == sorted((b.created_at for b in everything), reverse=True)
+    first = await sdk.batches.list(limit=2)
+    assert first.has_more and len(first.data) == 2 and first.last_id == first.data[-1].id
+    rest = await sdk.batches.list(limit=100, after=first.last_id)
+    assert [b.id for b in first.data] + [b.id for b in rest.data] == [b.id for b in everything]
+    assert not rest.has_more
+    for batch_id in made:
+        assert (await finished(sdk, batch_id)).status == "completed"
