@@ -1,6 +1,7 @@
 """A person's chat behind an offline backlog: interactive TTFT idle, and behind a backlog created at
-the default tier (the one FIFO of before classes of service) or as batch work (``flex``), in one run;
-and two applications on the bus, one submitting ``--bus-jobs`` jobs (fair share between owners).
+the default tier (the one FIFO of before classes of service), as batch work (``flex``), or as a
+Batch API batch of as many lines (``POST /v1/files`` + ``/v1/batches``), in one run; and two
+applications on the bus, one submitting ``--bus-jobs`` jobs (fair share between owners).
 
     python -m bench.lanes [--model tiny-random] [--backlog 16] [--backlog-tokens 256] [--max-batch 16]
                           [--rounds 3] [--scenarios http,bus] [--bus-jobs 200] [--bus-tokens 64]
@@ -9,7 +10,8 @@ and two applications on the bus, one submitting ``--bus-jobs`` jobs (fair share 
 A whole pipeline (nats-server, one generator process with ``--max-batch`` slots, the relay; see
 :mod:`bench.stack`). The backlog's streams are created through ``POST /v1/streams`` and not read,
 as an offline job does; then one interactive chat is read over SSE and its TTFT taken from the
-POST. The backlog is cancelled before the next measurement. The three cases alternate by round.
+POST. The batch case waits until the relay's runner has its lines in flight (the inspector lists
+them). The backlog is cancelled before the next measurement. The cases alternate by round.
 
 On the bus (:mod:`bench.fairbus`): application ``other``'s short request alone, and behind
 application ``flood``'s jobs, its TTFT from its publish to its first batch; then both
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import platform
 import statistics
@@ -42,7 +45,7 @@ from .stack import Pipeline
 
 __all__ = ["main"]
 
-CASES = ("idle", "behind-default", "behind-flex")
+CASES = ("idle", "behind-default", "behind-flex", "behind-batch")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -70,6 +73,8 @@ async def _case(url: str, case: str, args: argparse.Namespace, n: int) -> float:
     base = {"temperature": 0, "ignore_eos": True}
     ids: list[str] = []
     async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+        if case == "behind-batch":
+            return await _behind_batch(client, url, args, n, base)
         if case != "idle":
             tier = case.removeprefix("behind-")
             for i in range(args.backlog):
@@ -82,6 +87,29 @@ async def _case(url: str, case: str, args: argparse.Namespace, n: int) -> float:
             await client.delete(f"/v1/streams/{sid}")
         for sid in ids:  # read to its end: its slot is free once its last batch is stored
             await client.get(f"/v1/streams/{sid}", params={"cancel_on_disconnect": "false"})
+    if not rec.ok:
+        raise RuntimeError(f"the chat failed: {rec.error}")
+    return rec.ttft * 1000
+
+
+async def _behind_batch(client: httpx.AsyncClient, url: str, args: argparse.Namespace, n: int,
+                        base: dict[str, Any]) -> float:
+    lines = "".join(json.dumps({"custom_id": f"b{i}", "method": "POST", "url": "/v1/chat/completions",
+                                "body": {"messages": chat(100 + i), **base, "max_tokens": args.backlog_tokens}}) + "\n"
+                    for i in range(args.backlog))
+    f = await client.post("/v1/files", files={"file": ("backlog.jsonl", lines.encode())}, data={"purpose": "batch"})
+    f.raise_for_status()
+    b = await client.post("/v1/batches", json={"input_file_id": f.json()["id"], "endpoint": "/v1/chat/completions",
+                                               "completion_window": "24h"})
+    b.raise_for_status()
+    batch_id = b.json()["id"]
+    in_flight = min(args.backlog, Settings.load().batch_concurrency)
+    while len((await client.get("/v1/streams", params={"batch": batch_id, "limit": 100})).json()["data"]) < in_flight:
+        await asyncio.sleep(0.05)  # polling the inspector until the runner's lines are all submitted
+    rec = await raw_stream(url, {"messages": chat(n), **base, "max_tokens": args.chat_tokens})
+    await client.post(f"/v1/batches/{batch_id}/cancel")
+    while (await client.get(f"/v1/batches/{batch_id}")).json()["status"] not in ("cancelled", "completed"):
+        await asyncio.sleep(0.05)  # its lines in flight are cancelled and the batch closed
     if not rec.ok:
         raise RuntimeError(f"the chat failed: {rec.error}")
     return rec.ttft * 1000

@@ -71,8 +71,9 @@ SCENARIOS: tuple[Scenario, ...] = (
              quick=("--models", "tiny-random", "--streams", "1,4", "--max-tokens", "16", "--singles", "2",
                     "--rounds", "1")),
     Scenario("lanes", "system", "bench.lanes",
-             "a chat's TTFT idle and behind a 16-stream backlog at the default tier and as batch work (flex); "
-             "an app's request behind another app's 200 jobs on the bus, and both apps' weighted token shares",
+             "a chat's TTFT idle and behind a 16-stream backlog at the default tier, as batch work (flex) and as a "
+             "Batch API batch; an app's request behind another app's 200 jobs on the bus, and both apps' weighted "
+             "token shares",
              quick=(*_TINY, "--dtype", "float32", "--backlog", "8", "--max-batch", "8", "--backlog-tokens", "64",
                     "--rounds", "1", "--bus-jobs", "40", "--bus-tokens", "32", "--window", "4")),
     Scenario("chaos", "system", "bench.chaos",

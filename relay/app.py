@@ -22,8 +22,9 @@ from tokenpipe.metrics import render
 from tokenpipe.params import invalid_request
 from tokenpipe.settings import Settings
 
-from . import inspector, native, openai, ws
+from . import batches, files, inspector, native, openai, ws
 from .auth import TENANT_KEY, AuthMiddleware, authorization_header
+from .batchrun import BatchRunner
 from .http import RAW_SEND, error_body, error_response
 from .observe import ObserveMiddleware
 from .protocol import ERROR_STATUSES, Bodies, ErrorResponse, ModelCard, ModelList
@@ -74,13 +75,17 @@ class _RelayApp(FastAPI):
 def create_app(settings: Settings, tracer_provider: TracerProvider | None = None) -> FastAPI:
     """The relay's ASGI app; NATS is connected in its lifespan."""
     state = RelayState(settings, tracer_provider)
+    bodies = Bodies(settings)
+    runner = BatchRunner(settings, state.batchdb, state.require_bus, state.registry, state.forwarder, bodies)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await state.start()
         try:
+            await runner.start()
             yield
         finally:
+            await runner.stop()  # its batches handed back before the connection closes
             await state.stop()
 
     app = _RelayApp(title="tokenpipe relay", version="0.1.0", lifespan=lifespan)
@@ -142,11 +147,14 @@ def create_app(settings: Settings, tracer_provider: TracerProvider | None = None
             raise ModelNotFound(f"model {model_id!r} is not served here (available: {known})", param="model")
         return ModelCard(id=model_id)
 
-    app.state.bodies = bodies = Bodies(settings)
+    app.state.bodies = bodies
+    app.state.batchrunner = runner
     app.include_router(native.router(bodies), dependencies=api, responses=guarded)
     app.include_router(inspector.router, dependencies=api, responses=guarded)
     app.include_router(inspector.page_router)
     app.include_router(openai.router(bodies), dependencies=api, responses=guarded)
+    app.include_router(files.router, dependencies=api, responses=guarded)
+    app.include_router(batches.router, dependencies=api, responses=guarded)
     app.include_router(ws.router)  # authenticates itself: a header, or a first auth frame (browsers)
     app.add_middleware(AuthMiddleware, keys=state.keys, metrics=settings.metrics_auth)
     app.add_middleware(ObserveMiddleware, tracer=state.tracer, metrics=state.metrics)

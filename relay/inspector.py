@@ -28,6 +28,7 @@ from tokenpipe.streamrecord import StreamRecord, StreamSummary
 from tokenpipe.streams import first_stored, last_batch, stream_not_found
 from tokenpipe.wire import TokenBatch
 
+from .batchproto import BATCH_ID_PATTERN
 from .native import state_of, tenant_of
 from .protocol import ID_PATTERN
 
@@ -112,7 +113,10 @@ async def list_streams(
         limit: Annotated[int, Query(ge=1, le=100)] = 20,
         before: Annotated[str | None, Query(pattern=ID_PATTERN, description="a stream id: older ones")] = None,
         model: Annotated[str | None, Query(pattern=ID_PATTERN, description="only this model's streams")] = None,
-        finish: Annotated[Finish | None, Query(description="only the streams that ended so")] = None) -> StreamList:
+        finish: Annotated[Finish | None, Query(description="only the streams that ended so")] = None,
+        batch: Annotated[str | None, Query(pattern=BATCH_ID_PATTERN,
+                                           description="only this batch's lines (streams `<batch id>-<line>`)")] = None,
+) -> StreamList:
     """The caller's tenant's streams within the token retention, newest first."""
     state = state_of(request)
     bus = state.require_bus()
@@ -126,6 +130,8 @@ async def list_streams(
         entries = entries[at + 1:]
     if model is not None:
         entries = [e for e in entries if e.model == model]
+    if batch is not None:  # the ids are in the index keys' names: no value is read to filter
+        entries = [e for e in entries if e.id.startswith(batch + "-")]
     candidates = entries[:max(limit, SCAN_LIMIT) if finish is not None else limit]
     inspector: Inspector = request.app.state.inspector
     found: list[StreamListItem] = []

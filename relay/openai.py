@@ -39,7 +39,7 @@ from .sessions import Session
 from .sse import sse_comment, sse_event
 from .state import RelayState
 
-__all__ = ["router"]
+__all__ = ["completion_reply", "router"]
 
 log = logging.getLogger(__name__)
 
@@ -107,21 +107,27 @@ async def _complete_blocking(request: Request, state: RelayState, session: Sessi
         return Response(status_code=499, headers={"X-Request-Id": req.id})  # nobody is listening
     collector.result()
     assert final is not None and final.is_final
+    status, body = completion_reply(req, final, "".join(text), created, chat)
+    return JSONResponse(body, status_code=status, headers={"X-Request-Id": req.id})
+
+
+def completion_reply(req: TpRequest, final: TokenBatch, text: str, created: int,
+                     chat: bool) -> tuple[int, dict[str, Any]]:
+    """A finished stream (its ``final`` batch and whole ``text``) as the blocking completion's status
+    and body: the OpenAI routes' answer, and a batch line's ``response`` (relay.batchrun)."""
     if final.finish == "error":
-        status, body = stream_error(final)
-        return JSONResponse(body, status_code=status, headers={"X-Request-Id": req.id})
+        return stream_error(final)
     usage = Usage(**final.usage.to_map()) if final.usage else None
-    full = "".join(text)
     finish = _finish_reason(final.finish)
     reply: ChatCompletion | Completion
     if chat:
         reply = ChatCompletion(id=_object_id(req.id, chat), created=created, model=req.model, usage=usage,
                                service_tier=req.served_tier,
-                               choices=[ChatChoice(finish_reason=finish, message=AssistantMessage(content=full))])
+                               choices=[ChatChoice(finish_reason=finish, message=AssistantMessage(content=text))])
     else:
         reply = Completion(id=_object_id(req.id, chat), created=created, model=req.model, usage=usage,
-                           service_tier=req.served_tier, choices=[CompletionChoice(finish_reason=finish, text=full)])
-    return JSONResponse(reply.model_dump(), headers={"X-Request-Id": req.id})
+                           service_tier=req.served_tier, choices=[CompletionChoice(finish_reason=finish, text=text)])
+    return 200, reply.model_dump()
 
 
 async def _disconnected(request: Request) -> None:

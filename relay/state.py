@@ -22,6 +22,7 @@ from tokenpipe.telemetry import get_tracer
 
 from .admission import Admission
 from .auth import KeyRing
+from .batchdb import BatchDB
 from .http import WriteWatchdog
 from .registry import GeneratorRegistry
 from .sessions import Forwarder
@@ -45,6 +46,7 @@ class RelayState:
         self.metrics = RelayMetrics()
         self.admission = Admission(settings, self.require_bus, self.registry.slots)
         self.forwarder = Forwarder(settings, self.tracer, self.metrics, self.admission, self.require_bus)
+        self.batchdb = BatchDB(self.require_bus)  # the Batch API's files and batches (relay.files, relay.batches)
         self.missing: list[str] = []  # JetStream state tokenpipe owns that was found deleted (503 until repaired)
         self._repair_task: asyncio.Task[None] | None = None
         self._repair_now: asyncio.Task[None] | None = None

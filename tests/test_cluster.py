@@ -26,6 +26,7 @@ from nats.js import api as js_api
 
 from relay.fanout import Fanout
 from tokenpipe.append import send_live
+from tokenpipe.batchstore import BATCH_STREAMS
 from tokenpipe.bus import Bus, connect, release_intake
 from tokenpipe.cluster import (
     cluster_size,
@@ -154,7 +155,8 @@ async def replicas(bus: Bus, stream: str) -> int:
 async def test_single_replica_streams_are_scaled_to_three_in_place(three_nodes: LocalCluster) -> None:
     old = await connect(on(three_nodes, replicas="1"), name="test-r1")
     try:
-        assert [await replicas(old, s) for s in (REQUESTS_STREAM, TOKENS_STREAM, f"KV_{META_BUCKET}")] == [1, 1, 1]
+        assert [await replicas(old, s) for s in (REQUESTS_STREAM, TOKENS_STREAM, f"KV_{META_BUCKET}",
+                                                 *BATCH_STREAMS)] == [1] * 5
         sid = new_request_id()
         await old.js.publish(token_subject(old.owner, sid), TokenBatch(id=sid, seq=0, index=0, token_ids=(1,)).encode())
         await old.meta.put(sid, b"{}")
@@ -162,7 +164,9 @@ async def test_single_replica_streams_are_scaled_to_three_in_place(three_nodes: 
         await old.close()
     bus = await connect(on(three_nodes), name="test-auto")  # replicas=auto on three JetStream servers
     try:
-        assert [await replicas(bus, s) for s in (REQUESTS_STREAM, TOKENS_STREAM, f"KV_{META_BUCKET}")] == [3, 3, 3]
+        # The Batch API's object store and KV bucket too (tokenpipe.batchstore).
+        assert [await replicas(bus, s) for s in (REQUESTS_STREAM, TOKENS_STREAM, f"KV_{META_BUCKET}",
+                                                 *BATCH_STREAMS)] == [3] * 5
         # The data came along, and the streams work once their new peers caught up.
         assert (await bus.js.get_last_msg(TOKENS_STREAM, token_subject(bus.owner, sid))).data is not None
         assert (await through_elections(lambda: bus.meta.get(sid))).value == b"{}"

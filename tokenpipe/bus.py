@@ -21,6 +21,7 @@ from nats.js.errors import NotFoundError
 from nats.js.kv import KeyValue
 
 from . import natsauth
+from .batchstore import BATCH_STREAMS, provision_batch_stores
 from .cluster import connected_server, replicas_to_keep, resolve_replicas, server_list
 from .errors import InvalidRequest, TransportError
 from .settings import Settings
@@ -447,6 +448,7 @@ async def provision(js: JetStreamContext, settings: Settings, *, registry: bool 
             )
         else:
             await _scale_bucket(js, replicas, settings)
+        await provision_batch_stores(js, settings, replicas)  # the Batch API's (the relay's, like the registry)
     except TransportError:
         raise
     except Exception as exc:  # nats.js.errors.* and timeouts; one translation point
@@ -464,9 +466,9 @@ async def _scale_bucket(js: JetStreamContext, replicas: int, settings: Settings)
 
 async def missing(js: JetStreamContext, *, settings: Settings, registry: bool = True,
                   limits: bool = False, apps: list[str] | None = None) -> list[str]:
-    """The streams (and, with ``registry``, the meta bucket's stream) that tokenpipe provisions and
-    that do not exist now, also each one that is broken (sealed; retention policy, storage or
-    subjects changed) and, with ``limits``, each whose age or size limit
+    """The streams (and, with ``registry``, those of the meta bucket and of the Batch API's buckets)
+    that tokenpipe provisions and that do not exist now, also each one that is broken (sealed;
+    retention policy, storage or subjects changed) and, with ``limits``, each whose age or size limit
     differs from ``settings`` (only the admin judges those: another process may run with other
     settings), as a sentence that says what is wrong; with ``apps``, also each application's
     intake stream and TP_REQUESTS' sources of them (:func:`requests_config`). Raises
@@ -475,7 +477,7 @@ async def missing(js: JetStreamContext, *, settings: Settings, registry: bool = 
     wanted = {REQUESTS_STREAM: requests_config(settings, 1, apps),
               TOKENS_STREAM: _tokens_config(settings, [TOKEN_WILDCARD], 1),
               **{intake_stream(a): intake_config(settings, a, 1) for a in apps or ()}}
-    for name in (REQUESTS_STREAM, TOKENS_STREAM, *((META_STREAM,) if registry else ()),
+    for name in (REQUESTS_STREAM, TOKENS_STREAM, *((META_STREAM, *BATCH_STREAMS) if registry else ()),
                  *(intake_stream(a) for a in apps or ())):
         try:
             info = await js.stream_info(name)

@@ -14,6 +14,7 @@ __all__ = [
     "NoGenerator",
     "StreamNotFound",
     "StreamExpired",
+    "NotFound",
     "Overloaded",
     "RateLimited",
     "TransportError",
@@ -63,6 +64,13 @@ class StreamExpired(StreamNotFound):
     will be stored: it is neither queued nor running."""
 
     code = "expired"
+
+
+class NotFound(TokenpipeError):
+    """A file or batch of the Batch API that does not exist, or belongs to another tenant."""
+
+    code = "not_found"
+    status = 404
 
 
 class NoGenerator(TokenpipeError):

@@ -32,8 +32,12 @@ from .settings import Settings
 from .subjects import (
     ALIVE_PREFIX,
     ANNOUNCE_PREFIX,
+    BATCHES_BUCKET,
+    BATCHES_STREAM,
     CANCEL_WILDCARD,
     DISCOVER_SUBJECT,
+    FILES_BUCKET,
+    FILES_STREAM,
     HELD_PREFIX,
     LIVE_WILDCARD,
     META_BUCKET,
@@ -126,6 +130,21 @@ def _read_tokens(tokens: str) -> tuple[str, ...]:
             f"$JS.FC.{TOKENS_STREAM}.>")
 
 
+def _batch_api() -> tuple[str, ...]:
+    """The relay's Batch API (relay.files, relay.batches): write and read objects in ``tp_files`` (a
+    file is never overwritten: that would purge, which only the admin may; retention removes it) and
+    records in ``tp_batches``, read back by get and by ordered consumers."""
+    return (f"$O.{FILES_BUCKET}.>", f"$KV.{BATCHES_BUCKET}.>",
+            *_look(FILES_STREAM, BATCHES_STREAM),
+            f"{_JS}.STREAM.MSG.GET.{FILES_STREAM}",
+            f"{_JS}.DIRECT.GET.{BATCHES_STREAM}.>", f"{_JS}.STREAM.MSG.GET.{BATCHES_STREAM}",
+            # nats-py's ordered consumers (watches, a file's chunks) are created unnamed, so the filter is
+            # not in the subject: the relay may read all of both buckets, which are its own anyway.
+            f"{_JS}.CONSUMER.CREATE.{FILES_STREAM}", f"{_JS}.CONSUMER.CREATE.{BATCHES_STREAM}",
+            f"{_JS}.CONSUMER.INFO.{FILES_STREAM}.*", f"{_JS}.CONSUMER.INFO.{BATCHES_STREAM}.*",
+            f"$JS.FC.{FILES_STREAM}.>", f"$JS.FC.{BATCHES_STREAM}.>")
+
+
 def permissions(role: str, app: str | None = None, *, apps: Iterable[str] = ()) -> Permissions:
     """The permissions of ``role`` (``app`` needs the application's name; ``apps``, every
     application: a generator deletes a finished request's copy in its intake stream)."""
@@ -141,7 +160,7 @@ def permissions(role: str, app: str | None = None, *, apps: Iterable[str] = ()) 
                            *_look(REQUESTS_STREAM, TOKENS_STREAM, META_STREAM),
                            f"{_JS}.CONSUMER.INFO.{REQUESTS_STREAM}.*",
                            f"{_JS}.DIRECT.GET.{META_STREAM}.>", f"{_JS}.STREAM.MSG.GET.{META_STREAM}",
-                           *_read_tokens(mine)),
+                           *_read_tokens(mine), *_batch_api()),
             # Live batches come on tp.live (only what the store accepted); history through JetStream.
             subscribe_allow=(f"{inbox_prefix('relay')}.>", f"tp.live.{RELAY_OWNER}.>", f"{ANNOUNCE_PREFIX}.>",
                              READERS_WILDCARD),

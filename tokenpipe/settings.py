@@ -244,6 +244,13 @@ class Settings:
     unread_stream_release_s: float = _setting(30.0, "a stream no reader is attached to stops counting against its "
                                                     "tenant's `max_streams_per_key` after this long (it is freed at "
                                                     "once when it finishes or is deleted)")
+    batch_file_max_bytes: int = _setting(50 << 20, "largest file `POST /v1/files` takes (413)",
+                                         shown="52428800 (50 MiB)")
+    batch_retention_s: float = _setting(
+        7 * 86400.0, "how long the Batch API's files (JetStream object store `tp_files`) and batch records (KV "
+                     "`tp_batches`) are kept", shown="604800 (7 days)")
+    batch_concurrency: int = _setting(32, "batch lines one relay keeps in flight at once, all its batches together "
+                                          "(each a `flex` request; the generators serve interactive work first)")
     metrics_auth: bool = _setting(False, "`/metrics` requires an API key too (when keys are on)")
     trace_url: str = _setting("", "link template for a stream's trace in a tracing UI, `{trace_id}` filled in (Jaeger: "
                                   "`http://localhost:16686/trace/{trace_id}`); the inspector page (`/inspect`) links "

@@ -31,6 +31,10 @@ __all__ = [
     "META_BUCKET",
     "META_STREAM",
     "ALIVE_PREFIX",
+    "FILES_BUCKET",
+    "FILES_STREAM",
+    "BATCHES_BUCKET",
+    "BATCHES_STREAM",
     "ANNOUNCE_PREFIX",
     "DISCOVER_SUBJECT",
     "HELD_PREFIX",
@@ -60,6 +64,10 @@ REQUESTS_STREAM = "TP_REQUESTS"
 TOKENS_STREAM = "TP_TOKENS"
 META_BUCKET = "tp_streams"
 META_STREAM = f"KV_{META_BUCKET}"  # the stream JetStream keeps a KV bucket in
+FILES_BUCKET = "tp_files"  # the Batch API's files (an object store)
+FILES_STREAM = f"OBJ_{FILES_BUCKET}"
+BATCHES_BUCKET = "tp_batches"  # the Batch API's file records and batch states (a KV bucket)
+BATCHES_STREAM = f"KV_{BATCHES_BUCKET}"
 
 REQUEST_WILDCARD = "tp.req.>"
 _INTAKE_PREFIX = "TP_REQ_"

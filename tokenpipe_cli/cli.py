@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any, get_type_hints
 
-from tokenpipe.errors import ConfigError, TokenpipeError
+from tokenpipe.errors import ConfigError, InvalidRequest, TokenpipeError
 from tokenpipe.eventloop import run
 from tokenpipe.logs import setup_logging
 from tokenpipe.settings import ENV_PREFIX, Settings
@@ -96,9 +96,18 @@ def build_parser() -> argparse.ArgumentParser:
     prep = sub.add_parser("prepare", help="convert and cache the default model (one-time, ~20 s)")
     prep.add_argument("--data-dir")
 
-    submit = sub.add_parser("submit", help="submit a prompt over NATS and stream the answer")
+    submit = sub.add_parser("submit", help="submit a prompt over NATS and stream the answer, or (--batch) a JSONL "
+                                           "file of requests through the relay's Batch API")
     _settings(submit, *_COMMON)
-    submit.add_argument("prompt")
+    submit.add_argument("prompt", nargs="?")
+    submit.add_argument("--batch", metavar="FILE", type=Path, default=None,
+                        help="run FILE (JSONL: custom_id, method, url, body per line) as a batch at the batch class; "
+                             "shows progress, writes FILE.output.jsonl (and .errors.jsonl)")
+    submit.add_argument("--url", default=None, help="--batch: the relay (default: the one `tokenpipe up` runs)")
+    submit.add_argument("--api-key", default="", help="--batch: the relay's API key, when keys are on")
+    submit.add_argument("--endpoint", default="/v1/chat/completions",
+                        choices=["/v1/chat/completions", "/v1/completions"], help="--batch: every line's url")
+    submit.add_argument("--output", type=Path, default=None, help="--batch: where the output lines go")
     submit.add_argument("--model", default=None)
     submit.add_argument("--raw", action="store_true", help="send as a plain prompt, not a chat message")
     submit.add_argument("--max-tokens", type=int, default=256)
@@ -253,7 +262,14 @@ def _dispatch(args: argparse.Namespace) -> int:
             prov.stop()
         print("tokenpipe's streams are provisioned", file=sys.stderr)
         return 0
+    if args.cmd == "submit" and args.batch is not None:
+        from .batchsubmit import relay_url, run_batch
+
+        return run_batch(args.batch, url=relay_url(args.url, settings.data_dir), api_key=args.api_key,
+                         endpoint=args.endpoint, output=args.output)
     if args.cmd == "submit":
+        if args.prompt is None:
+            raise InvalidRequest("submit: give a prompt, or --batch FILE", param="prompt")
         return asyncio.run(_submit(args, settings))
     if args.cmd == "bench":
         return _bench(args)
