@@ -45,7 +45,11 @@ from .stack import Pipeline
 
 __all__ = ["main"]
 
-CASES = ("idle", "behind-default", "behind-flex", "behind-batch")
+CASES = ("idle", "behind-default", "behind-flex", "behind-batch", "behind-other-tenant")
+# API keys of the run: an application's (every backlog) and a person's. The chat is the
+# application's own except in ``behind-other-tenant``, where the person's chat meets the
+# application's default-tier backlog (fair share between tenants).
+APP_KEY, PERSON_KEY = "bench-app-key", "bench-person-key"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -72,17 +76,18 @@ async def _case(url: str, case: str, args: argparse.Namespace, n: int) -> float:
     """The chat's TTFT in ms for one case; its backlog cancelled after."""
     base = {"temperature": 0, "ignore_eos": True}
     ids: list[str] = []
-    async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+    async with httpx.AsyncClient(base_url=url, timeout=60, headers={"Authorization": f"Bearer {APP_KEY}"}) as client:
         if case == "behind-batch":
             return await _behind_batch(client, url, args, n, base)
         if case != "idle":
-            tier = case.removeprefix("behind-")
+            tier = "default" if case == "behind-other-tenant" else case.removeprefix("behind-")
             for i in range(args.backlog):
                 r = await client.post("/v1/streams", json={"messages": chat(100 + i), **base, "service_tier": tier,
                                                             "max_tokens": args.backlog_tokens})
                 r.raise_for_status()
                 ids.append(r.json()["id"])
-        rec = await raw_stream(url, {"messages": chat(n), **base, "max_tokens": args.chat_tokens})
+        rec = await raw_stream(url, {"messages": chat(n), **base, "max_tokens": args.chat_tokens},
+                               PERSON_KEY if case == "behind-other-tenant" else APP_KEY)
         for sid in ids:
             await client.delete(f"/v1/streams/{sid}")
         for sid in ids:  # read to its end: its slot is free once its last batch is stored
@@ -106,7 +111,7 @@ async def _behind_batch(client: httpx.AsyncClient, url: str, args: argparse.Name
     in_flight = min(args.backlog, Settings.load().batch_concurrency)
     while len((await client.get("/v1/streams", params={"batch": batch_id, "limit": 100})).json()["data"]) < in_flight:
         await asyncio.sleep(0.05)  # polling the inspector until the runner's lines are all submitted
-    rec = await raw_stream(url, {"messages": chat(n), **base, "max_tokens": args.chat_tokens})
+    rec = await raw_stream(url, {"messages": chat(n), **base, "max_tokens": args.chat_tokens}, APP_KEY)
     await client.post(f"/v1/batches/{batch_id}/cancel")
     while (await client.get(f"/v1/batches/{batch_id}")).json()["status"] not in ("cancelled", "completed"):
         await asyncio.sleep(0.05)  # its lines in flight are cancelled and the batch closed
@@ -116,7 +121,7 @@ async def _behind_batch(client: httpx.AsyncClient, url: str, args: argparse.Name
 
 
 async def _measure(url: str, args: argparse.Namespace, console: Console) -> dict[str, list[float]]:
-    await raw_stream(url, {"messages": chat(999), "max_tokens": 4})  # warm-up
+    await raw_stream(url, {"messages": chat(999), "max_tokens": 4}, APP_KEY)  # warm-up
     samples: dict[str, list[float]] = {c: [] for c in CASES}
     for r in range(args.rounds):
         for case in alternate(CASES, r):
@@ -130,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     console = Console()
     load = os.getloadavg()
     env = {"TOKENPIPE_MAX_BATCH": str(args.max_batch), "TOKENPIPE_KERNELS": "rules",
-           "TOKENPIPE_OWNER_WEIGHTS": args.weights}
+           "TOKENPIPE_OWNER_WEIGHTS": args.weights, "TOKENPIPE_API_KEYS": f"{APP_KEY}:app,{PERSON_KEY}:person",
+           "TOKENPIPE_MAX_STREAMS_PER_KEY": str(max(64, 2 * args.backlog))}
     scenarios = {s.strip() for s in args.scenarios.split(",")}
     samples: dict[str, list[float]] = {}
     bus: dict[str, Any] = {}

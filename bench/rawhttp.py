@@ -88,26 +88,28 @@ class SSEResponse:
         return self.parser.feed(self._dechunk.feed(data) if self._dechunk is not None else data)
 
 
-def get_request(path: str) -> bytes:
-    """The bytes of ``GET path`` asking for an event stream."""
-    return f"GET {path} HTTP/1.1\r\nHost: bench\r\nAccept: text/event-stream\r\n\r\n".encode()
+def get_request(path: str, api_key: str = "") -> bytes:
+    """The bytes of ``GET path`` asking for an event stream (with ``api_key`` as a bearer token)."""
+    auth = f"Authorization: Bearer {api_key}\r\n" if api_key else ""
+    return f"GET {path} HTTP/1.1\r\nHost: bench\r\n{auth}Accept: text/event-stream\r\n\r\n".encode()
 
 
-async def raw_stream(url: str, body: dict[str, Any]) -> Record:
+async def raw_stream(url: str, body: dict[str, Any], api_key: str = "") -> Record:
     """One request over the native API, timed from the POST, like the load generator's
     :func:`tokenpipe_cli.loadgen.native_stream` but without a client library."""
     host, port = url.removeprefix("http://").split(":")
+    auth = f"Authorization: Bearer {api_key}\r\n".encode() if api_key else b""
     rec = Record(ok=False, start=time.perf_counter())
     payload = json.dumps(body).encode()
     reader, writer = await asyncio.open_connection(host, int(port))
     try:
-        writer.write(b"POST /v1/streams HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
+        writer.write(b"POST /v1/streams HTTP/1.1\r\nHost: bench\r\n%sContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (auth, len(payload), payload))
         head = await reader.readuntil(b"\r\n\r\n")
         length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
                       if line.lower().startswith(b"content-length"))
         sid = json.loads(await reader.readexactly(length))["id"]
-        writer.write(get_request(f"/v1/streams/{sid}"))
+        writer.write(get_request(f"/v1/streams/{sid}", api_key))
         response = SSEResponse()
         ended = False
         while not ended:
