@@ -206,14 +206,13 @@ static inline vi q4_block_dot(vi u, const vi *xq) {
  * last block) and R are constants where inlined, so the loop has no branch per row */
 static inline __attribute__((always_inline)) void q4_step(
     const uint8_t *w, const float *d, const int16_t *xp, const float *dx, long G, long n, int R, long g,
-    const long groups, long ahead, vf *acc)
+    const long groups, vf *acc)
 {
     vi xq[4];
     for (int j = 0; j < 4; j++) xq[j] = vi_load(xp + g * GROUP + j * LANES);
     const vf dxv = vf_spread4(dx + g, groups);
     for (int r = 0; r < R; r++) {
         const uint8_t *wr = w + ((n + r) * G + g) * 16;
-        if (!((g * 16) & 63)) _mm_prefetch((const char *)(wr + ahead), _MM_HINT_T0); /* a line of each row */
         const vf dot = vf_from_i32(q4_block_dot(vi_load_first_bytes(wr, groups * 16), xq));
         acc[r] = vf_fma(vf_mul(dot, dxv), vf_spread4(d + (n + r) * G + g, groups), acc[r]);
     }
@@ -231,9 +230,17 @@ static inline __attribute__((always_inline)) void q4_rows(
         const vf xsv = vf_load_first(xs + g, G - g);
         for (int r = 0; r < R; r++) acc[r] = vf_fma(vf_load_first(m + (n + r) * G + g, G - g), xsv, acc[r]);
     }
+    /* Where a shorter last block is a masked load (VF_MASKED, AVX-512) it is one more step of the loop (two
+     * inlined loops ran ~6 % slower there); elsewhere the loop's blocks are all full, no test per row, and
+     * the last one follows it. */
+    const long body = VF_MASKED ? G : G - G % BLOCK;
     long g = 0;
-    for (; g + BLOCK <= G; g += BLOCK) q4_step(w, d, xp, dx, G, n, R, g, BLOCK, ahead, acc);
-    if (g < G) q4_step(w, d, xp, dx, G, n, R, g, G - g, ahead, acc);
+    for (; g < body; g += BLOCK) {
+        if (!((g * 16) & 63)) /* a cache line of each row */
+            for (int r = 0; r < R; r++) _mm_prefetch((const char *)(w + ((n + r) * G + g) * 16 + ahead), _MM_HINT_T0);
+        q4_step(w, d, xp, dx, G, n, R, g, VF_MASKED && G - g < BLOCK ? G - g : BLOCK, acc);
+    }
+    if (g < G) q4_step(w, d, xp, dx, G, n, R, g, G - g, acc);
     put_rows(y, n, vf_sums4(acc), R, bf16);
 }
 

@@ -27,6 +27,7 @@
 
 #if SIMD_BITS == 512
 #define VF_LANES 16 /* floats (and int32) per vector; int16 lanes are twice as many, bytes four times */
+#define VF_MASKED 1 /* vf_load_first and vi_load_first_bytes are one masked load (any n) */
 typedef __m512 vf;
 typedef __m512i vi;
 
@@ -93,6 +94,7 @@ static inline vi vi_dpbusd(vi acc, vi u8, vi s8) {
 
 #elif SIMD_BITS == 256
 #define VF_LANES 8
+#define VF_MASKED 0 /* they test n (vi_load_first_bytes: 16 or 32 bytes only) */
 typedef __m256 vf;
 typedef __m256i vi;
 
