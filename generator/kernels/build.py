@@ -275,5 +275,5 @@ def load_gemv(data_dir: str | os.PathLike[str], prebuilt: Path | None = None) ->
         return GemvLib(path)
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", "") or str(exc)
-        log.warning("the gemv kernel did not build; the other kernels serve", extra={"error": detail[-2000:]})
+        log.warning("the native kernels did not build or load; torch's kernels serve", extra={"error": detail[-2000:]})
         return None

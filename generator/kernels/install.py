@@ -9,6 +9,7 @@ same directory is waited for, not repeated.
 
 from __future__ import annotations
 
+import platform
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -31,8 +32,8 @@ def build_kernels(out: str | Path | None = None, levels: Sequence[str] = (), str
     Returns the exit status: 1 where a compile failed, or (``strict``) where nothing could be built here."""
     target = Path(out) if out is not None else prebuilt_dir()
     chosen = [level_named(n) for n in levels] if levels else list(LEVELS)
-    why = unsupported()
-    why = why if why.startswith("not an x86-64") else ""  # a CPU without AVX2 still builds for others
+    # a CPU without AVX2 still builds the levels for others (an image's build machine); only x86-64 builds at all
+    why = "" if platform.machine().lower() in ("x86_64", "amd64") else f"not an x86-64 CPU ({platform.machine()})"
     tools = toolchain()
     if why or tools is None:
         _say(f"nothing built: {why or 'no C and C++ compilers (cc, c++; or $CC, $CXX) on PATH'}; "
