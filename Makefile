@@ -9,9 +9,15 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 STAMP := $(VENV)/.tokenpipe-installed
 ARGS ?=
 
-.PHONY: install up test bench bench-peers lint fmt clean
+.PHONY: install kernels up test bench bench-peers lint fmt clean
 
-install: $(STAMP)
+install: $(STAMP) kernels
+
+# The native kernel library for every x86 level, into the venv (generator/kernels/install.py): skipped where
+# up to date (a few seconds), so a generator's first start loads it instead of compiling. Without a
+# compiler it says so and the generator serves with torch's kernels.
+kernels: $(STAMP)
+	@$(VENV)/bin/tokenpipe build-kernels
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || python3 -m venv $(VENV)

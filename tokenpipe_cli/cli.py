@@ -30,6 +30,8 @@ _TYPES = get_type_hints(Settings)
 _COMMON = ("nats_url", "data_dir", "log_level", "log_json", "nats_creds", "nats_user", "nats_ca", "nats_cert",
            "nats_key")
 _MODEL = ("model", "model_path", "device", "dtype", "quant")
+# generator.kernels.levels.LEVELS' names: the parser must not import the generator (a base install has no torch)
+_LEVELS = ("avx2", "avx512", "avx512vnni", "amx")
 
 
 def _settings(p: argparse.ArgumentParser, *names: str) -> None:
@@ -96,6 +98,15 @@ def build_parser() -> argparse.ArgumentParser:
     prep = sub.add_parser("prepare", help="convert and cache the default model (one-time, ~20 s)")
     prep.add_argument("--data-dir")
 
+    kern = sub.add_parser("build-kernels", help="compile the native kernel library for every x86 level "
+                          "(make install runs it; skipped where up to date)")
+    kern.add_argument("--out", help="directory for the objects (default: <venv>/share/tokenpipe/kernels, where "
+                      "the generator looks first)")
+    kern.add_argument("--level", action="append", default=[], choices=_LEVELS,
+                      help="build only this level (repeatable; default every one)")
+    kern.add_argument("--strict", action="store_true",
+                      help="exit 1 where nothing can be built (no compiler, not x86-64), as the image's build does")
+
     submit = sub.add_parser("submit", help="submit a prompt over NATS and stream the answer, or (--batch) a JSONL "
                                            "file of requests through the relay's Batch API")
     _settings(submit, *_COMMON)
@@ -154,7 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
 # What each extra brings (pyproject.toml), by import name: a role command checks for its extra
 # before importing the role, so a base install says what to install instead of a traceback.
 _EXTRAS = {"relay": ("fastapi", "uvicorn"), "generator": ("torch", "transformers", "gguf", "safetensors")}
-_NEEDS = {"up": ("relay", "generator"), "relay": ("relay",), "generator": ("generator",), "prepare": ("generator",)}
+_NEEDS = {"up": ("relay", "generator"), "relay": ("relay",), "generator": ("generator",), "prepare": ("generator",),
+          "build-kernels": ("generator",)}
 
 
 def require_extras(cmd: str) -> None:
@@ -230,6 +242,10 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         print(prepare_smollm2(args.data_dir or Settings.load().data_dir))
         return 0
+    if args.cmd == "build-kernels":
+        from generator.kernels.install import build_kernels
+
+        return build_kernels(args.out, args.level, strict=args.strict)
     settings = Settings.load(**{k: v for k, v in vars(args).items() if k in _FIELDS and v is not None})
     setup_logging(args.cmd, settings.log_level, settings.log_json)
     if args.cmd == "up":

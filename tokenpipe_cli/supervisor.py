@@ -304,11 +304,9 @@ class Supervisor:
         if self.settings.model_path:
             return
         from generator.model.loader import BUILTIN_MODELS
-        from generator.model.preparation import SMOLLM2, prepare_smollm2, prepare_tokenizer
+        from generator.model.preparation import prepare_tokenizer
 
-        if self.settings.model == SMOLLM2:
-            prepare_smollm2(self.settings.data_dir)
-        elif self.settings.model in BUILTIN_MODELS:
+        if self.settings.model in BUILTIN_MODELS:  # SmolLM2's weights are read from its GGUF file by each generator
             prepare_tokenizer(self.settings.data_dir)
 
     def shutdown(self) -> None:

@@ -76,6 +76,8 @@ def apply_table(plan: Plan, table: KernelTable, *, keep_packed: bool = False) ->
                     mod.block()
                 elif not keep_packed:
                     mod.blocked = None
+                if not keep_packed and "quant" not in uses:
+                    mod.drop_torch_weight()  # no band runs torch's quantized kernel: its copy costs memory only
     if plan.stack is not None:
         plan.stack.refresh()
     plan.attention_fp32_rows = table.attention_fp32_rows

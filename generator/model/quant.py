@@ -106,16 +106,18 @@ class QuantLinear(nn.Module):
         w = weight.detach().float()
         gemv_ok = w.device.type == "cpu" and self.in_features % GROUP == 0
         if mode == "int8":
-            self.qweight, self.scales = _quant_int8(w)
-            self.gemv = pack_q8(self.qweight, self.scales) if gemv_ok else None
+            qweight, scales = _quant_int8(w)
+            self.gemv = pack_q8(qweight, scales) if gemv_ok else None
         else:
             if self.in_features % GROUP:
                 raise InvalidRequest(f"int4 needs input sizes divisible by {GROUP}; this layer has {self.in_features}")
-            q, self.scales = _quant_int4(w)  # q [N, K] int32 in 0..15; scales [K/G, N, 2] (scale, zero)
+            q, scales = _quant_int4(w)  # q [N, K] int32 in 0..15; scales [K/G, N, 2] (scale, zero)
             self.q_unpacked = q
-            self.qweight = _pack_int4(q, w.device)
-            self.gemv = pack_q4(q, self.scales[..., 0].T, self.scales[..., 1].T) if gemv_ok else None
-        self.scales = self.scales.to(self.act_dtype)
+            qweight = _pack_int4(q, w.device)
+            self.gemv = pack_q4(q, scales[..., 0].T, scales[..., 1].T) if gemv_ok else None
+        # torch's kernel's copy (None once dropped: drop_torch_weight)
+        self.qweight: Tensor | None = qweight
+        self.scales: Tensor | None = scales.to(self.act_dtype)
         self.fallback = not self._kernel_ok(w)
         if self.fallback:
             log.warning("no working %s kernel on %s here: the float weights serve instead", mode, w.device.type)
@@ -123,6 +125,7 @@ class QuantLinear(nn.Module):
             del self.q_unpacked  # the packed form is all the kernel needs
 
     def _kernel(self, x: Tensor) -> Tensor:
+        assert self.qweight is not None and self.scales is not None  # dropped only where this is not called
         if self.mode == "int8":
             return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
         if x.device.type == "cpu":
@@ -142,6 +145,8 @@ class QuantLinear(nn.Module):
 
     def dequantize(self) -> Tensor:
         """The weight as the kernel sees it, ``[N, K]`` fp32 (tests, the fallback)."""
+        if self.scales is None or self.qweight is None:
+            raise RuntimeError("torch's copy of the quantized weight was dropped")
         s = self.scales.float()
         if self.mode == "int8":
             return self.qweight.float() * s[:, None]
@@ -150,6 +155,14 @@ class QuantLinear(nn.Module):
         scale, zero = s[..., 0].T, s[..., 1].T  # [N, K/G]
         qg = self.q_unpacked.float().view(self.out_features, -1, GROUP)
         return ((qg - 8) * scale[..., None] + zero[..., None]).view(self.out_features, self.in_features)
+
+    def drop_torch_weight(self) -> bool:
+        """Free torch's packed copy of the quantized weight (~0.6 bytes a weight with its bf16 scales) where the
+        library's kernel holds its own and can stand in for it; False (kept) where it cannot."""
+        if self.fallback or self.gemv is None or self.gemv_lib is None:
+            return False
+        self.qweight = self.scales = None
+        return True
 
     def pack(self) -> bool:
         """Pre-pack the float weight for oneDNN (once); False where that is not possible here."""
@@ -172,6 +185,8 @@ class QuantLinear(nn.Module):
                 assert self.gemv_lib is not None and self.blocked is not None
                 return self.gemv_lib.run(x2, self.blocked, tiles=kernel == "amx")  # no tiles: gemm8's loop
             kernel = "quant"  # not built here (logged at start): the other quantized kernel
+        if kernel == "quant" and self.qweight is None:
+            kernel = "gemv"  # torch's copy was dropped (no band uses it, :meth:`drop_torch_weight`)
         if kernel == "gemv":
             if self.gemv is not None and self.gemv_lib is not None:
                 return self.gemv_lib.run(x2, self.gemv)
@@ -196,11 +211,14 @@ class QuantLinear(nn.Module):
         return f"{self.in_features} -> {self.out_features}, {self.mode}{' (fallback)' if self.fallback else ''}"
 
 
-def _quant_int8(w: Tensor) -> tuple[Tensor, Tensor]:
-    """Symmetric per-output-row int8: ``w ≈ q * s``."""
-    s = w.abs().amax(1).clamp(min=1e-8) / 127
-    q = torch.round(w / s[:, None]).clamp(-127, 127).to(torch.int8)
-    return q.contiguous(), s
+def _quant_int8(w: Tensor, chunk: int = 4096) -> tuple[Tensor, Tensor]:
+    """Symmetric per-output-row int8: ``w ≈ q * s``. Rows in chunks: the temporaries of a whole vocabulary-sized
+    lm_head (~4 fp32 copies, ~450 MB for SmolLM2's) were the start's peak of memory."""
+    s = torch.cat([w[i:i + chunk].abs().amax(1) for i in range(0, w.shape[0], chunk)]).clamp(min=1e-8) / 127
+    q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
+    for i in range(0, w.shape[0], chunk):
+        q[i:i + chunk] = torch.round(w[i:i + chunk] / s[i:i + chunk, None]).clamp(-127, 127)
+    return q, s
 
 
 def _quant_int4(w: Tensor) -> tuple[Tensor, Tensor]:

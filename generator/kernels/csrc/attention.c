@@ -19,6 +19,7 @@
 #include <string.h>
 
 #include "rows.h"
+#include "simd.h"
 
 #define BLOCK 16 /* generator.model.kvcache.BLOCK_SIZE */
 #define SERIAL_WORK (1L << 17) /* multiply-adds below which one thread beats waking the team */
@@ -57,82 +58,49 @@ static inline __attribute__((always_inline)) void weigh(float *acc, const float 
 
 /* The group's query heads together: each K and V row is read (and widened from bf16) once for up to
  * TILE_HEADS heads instead of once per head, TILE_POSITIONS positions scored at a time, in vectors of
- * VW floats (16 where built with AVX-512, else 8). hd must be a multiple of VW: block_scores and
+ * VW floats (simd.h: 16 where built with AVX-512, else 8). hd must be a multiple of VW: block_scores and
  * block_weigh below take the other cases one head at a time. The tiles' sums stay in registers:
  * heads x positions score sums, heads x vectors of V. */
 #define TILE_HEADS 3
 #define TILE_POSITIONS 4
 #define TILE_VECTORS 4
 
-#if defined(__AVX512F__)
-#define VW 16
-typedef __m512 vw_t;
-#define VW_ZERO _mm512_setzero_ps
-#define VW_LOAD _mm512_loadu_ps
-#define VW_STORE _mm512_storeu_ps
-#define VW_FMA _mm512_fmadd_ps
-#define VW_SET1 _mm512_set1_ps
-static inline __m512 loadw(const void *p, long i, int bf16) {
-    if (!bf16) return _mm512_loadu_ps((const float *)p + i);
-    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-static inline __m256 half_sum(__m512 a) {
-    return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
-}
-#else
-#define VW 8
-typedef __m256 vw_t;
-#define VW_ZERO _mm256_setzero_ps
-#define VW_LOAD _mm256_loadu_ps
-#define VW_STORE _mm256_storeu_ps
-#define VW_FMA _mm256_fmadd_ps
-#define VW_SET1 _mm256_set1_ps
-#define loadw load8
-static inline __m256 half_sum(__m256 a) { return a; }
-#endif
-
-/* The sums of a[0..3]'s lanes, as 4 floats */
-static inline __m128 sums4(const vw_t *a) {
-    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(half_sum(a[0]), half_sum(a[1])),
-                                    _mm256_hadd_ps(half_sum(a[2]), half_sum(a[3])));
-    return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-}
+#define VW VF_LANES
 
 /* s[r * S + p] = qf[r] · K row p of kp, for p < TILE_POSITIONS and the NH heads at qf (constant: registers) */
 static inline __attribute__((always_inline)) void scores_tile(const float *qf, const char *kp, long hd, long elt,
                                                              int bf16, float *s, long S, const int NH) {
-    vw_t a[TILE_HEADS][TILE_POSITIONS];
+    vf a[TILE_HEADS][TILE_POSITIONS];
     for (int r = 0; r < NH; r++)
-        for (int p = 0; p < TILE_POSITIONS; p++) a[r][p] = VW_ZERO();
+        for (int p = 0; p < TILE_POSITIONS; p++) a[r][p] = vf_zero();
     for (long i = 0; i < hd; i += VW) {
-        vw_t qv[TILE_HEADS];
-        for (int r = 0; r < NH; r++) qv[r] = VW_LOAD(qf + r * hd + i);
+        vf qv[TILE_HEADS];
+        for (int r = 0; r < NH; r++) qv[r] = vf_load(qf + r * hd + i);
         for (int p = 0; p < TILE_POSITIONS; p++) {
-            const vw_t kv = loadw(kp + p * hd * elt, i, bf16);
-            for (int r = 0; r < NH; r++) a[r][p] = VW_FMA(qv[r], kv, a[r][p]);
+            const vf kv = vf_load_row(kp + p * hd * elt, i, bf16);
+            for (int r = 0; r < NH; r++) a[r][p] = vf_fma(qv[r], kv, a[r][p]);
         }
     }
-    for (int r = 0; r < NH; r++) _mm_storeu_ps(s + r * S, sums4(a[r]));
+    for (int r = 0; r < NH; r++) _mm_storeu_ps(s + r * S, vf_sums4(a[r]));
 }
 
 /* acc[r * hd + c0 ..] += Σ_t w[r * S + t] · V row t (vectors c0 / VW .. + N), t < n, for NH heads */
 static inline __attribute__((always_inline)) void weigh_tile(float *acc, const float *w, long S, const char *vb,
                                                             long n, long hd, long elt, int bf16, long c0,
                                                             const int NH, const int N) {
-    vw_t a[TILE_HEADS][TILE_VECTORS];
+    vf a[TILE_HEADS][TILE_VECTORS];
     for (int r = 0; r < NH; r++)
-        for (int c = 0; c < N; c++) a[r][c] = VW_LOAD(acc + r * hd + c0 + c * VW);
+        for (int c = 0; c < N; c++) a[r][c] = vf_load(acc + r * hd + c0 + c * VW);
     for (long t = 0; t < n; t++) {
-        vw_t wt[TILE_HEADS];
-        for (int r = 0; r < NH; r++) wt[r] = VW_SET1(w[r * S + t]);
+        vf wt[TILE_HEADS];
+        for (int r = 0; r < NH; r++) wt[r] = vf_set1(w[r * S + t]);
         for (int c = 0; c < N; c++) {
-            const vw_t vv = loadw(vb + t * hd * elt, c0 + c * VW, bf16);
-            for (int r = 0; r < NH; r++) a[r][c] = VW_FMA(wt[r], vv, a[r][c]);
+            const vf vv = vf_load_row(vb + t * hd * elt, c0 + c * VW, bf16);
+            for (int r = 0; r < NH; r++) a[r][c] = vf_fma(wt[r], vv, a[r][c]);
         }
     }
     for (int r = 0; r < NH; r++)
-        for (int c = 0; c < N; c++) VW_STORE(acc + r * hd + c0 + c * VW, a[r][c]);
+        for (int c = 0; c < N; c++) vf_store(acc + r * hd + c0 + c * VW, a[r][c]);
 }
 
 static void scores_heads(const float *qf, const char *kp, long hd, long elt, int bf16, float *s, long S, long nh) {

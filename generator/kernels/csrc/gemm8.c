@@ -26,48 +26,13 @@
 #define GROUP 32
 #define RT 8 /* rows of x that share one unpacked weight block */
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#define LANES 16
-typedef __m512i vi;
-typedef __m512 vf;
-#define VI_LOAD(p) _mm512_loadu_si512((const void *)(p))
-#define VI_AND _mm512_and_si512
-#define VI_SRL16 _mm512_srli_epi16
-#define VI_SET8 _mm512_set1_epi8
-#define VI_SET32 _mm512_set1_epi32
-#define VI_ZERO _mm512_setzero_si512
-#define VI_ADD32 _mm512_add_epi32
-#define VF_CVT _mm512_cvtepi32_ps
-#define VF_LOAD _mm512_loadu_ps
-#define VF_SET1 _mm512_set1_ps
-#define VF_FMA _mm512_fmadd_ps
-#define VF_MUL _mm512_mul_ps
-#define VF_ZERO _mm512_setzero_ps
-#define VF_STORE _mm512_storeu_ps
-static inline vi dot4(vi acc, vi w, vi x) { return _mm512_dpbusd_epi32(acc, w, x); }
-#else
-#define LANES 8
-typedef __m256i vi;
-typedef __m256 vf;
-#define VI_LOAD(p) _mm256_loadu_si256((const __m256i *)(p))
-#define VI_AND _mm256_and_si256
-#define VI_SRL16 _mm256_srli_epi16
-#define VI_SET8 _mm256_set1_epi8
-#define VI_SET32 _mm256_set1_epi32
-#define VI_ZERO _mm256_setzero_si256
-#define VI_ADD32 _mm256_add_epi32
-#define VF_CVT _mm256_cvtepi32_ps
-#define VF_LOAD _mm256_loadu_ps
-#define VF_SET1 _mm256_set1_ps
-#define VF_FMA _mm256_fmadd_ps
-#define VF_MUL _mm256_mul_ps
-#define VF_ZERO _mm256_setzero_ps
-#define VF_STORE _mm256_storeu_ps
-/* pairs of u8 * s8 summed in int16 (saturating: the caller keeps |x| small enough), then in int32 */
-static inline vi dot4(vi acc, vi w, vi x) {
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
-}
+/* The blocks are VF_LANES features wide (simd.h): 16 where VNNI multiplies four byte pairs an instruction,
+ * else AVX2's 8 (an AVX-512 CPU without VNNI too: its byte products would be AVX2's, only wider). */
+#if !defined(__AVX512VNNI__)
+#define SIMD_BITS 256
 #endif
+#include "simd.h"
+#define LANES VF_LANES
 
 int tp_gemm8_lanes(void) { return LANES; }
 
@@ -106,7 +71,7 @@ static int quantize8(const void *x, int bf16, long M, long Mp, long K, int xmax,
 static inline vi bcast4(const int8_t *p) {
     int32_t v;
     memcpy(&v, p, 4);
-    return VI_SET32(v);
+    return vi_set1_32(v);
 }
 
 /* One block of LANES features against R rows: out[r][l] = y[r, block's feature l] */
@@ -115,34 +80,34 @@ static inline __attribute__((always_inline)) void block_tile(
     const float *xs, long G, long K, int R, float out[RT][LANES])
 {
     vf acc[RT];
-    const vi low = VI_SET8(0x0F);
-    for (int r = 0; r < R; r++) acc[r] = VF_ZERO();
+    const vi low = vi_set1_8(0x0F);
+    for (int r = 0; r < R; r++) acc[r] = vf_zero();
     for (long g = 0; g < G; g++) {
         vi w[8]; /* w[c]: weights 4c..4c+3 of the group, four bytes per feature */
         if (bits == 4) {
             const uint8_t *p = wb + g * LANES * 16;
             for (int c = 0; c < 4; c++) {
-                const vi v = VI_LOAD(p + c * LANES * 4);
-                w[c] = VI_AND(v, low);
-                w[c + 4] = VI_AND(VI_SRL16(v, 4), low);
+                const vi v = vi_load(p + c * LANES * 4);
+                w[c] = vi_and(v, low);
+                w[c + 4] = vi_and(vi_srl16(v, 4), low);
             }
         } else {
             const uint8_t *p = wb + g * LANES * 32;
-            for (int c = 0; c < 8; c++) w[c] = VI_LOAD(p + c * LANES * 4);
+            for (int c = 0; c < 8; c++) w[c] = vi_load(p + c * LANES * 4);
         }
-        const vf d = VF_LOAD(db + g * LANES), m = VF_LOAD(mb + g * LANES);
+        const vf d = vf_load(db + g * LANES), m = vf_load(mb + g * LANES);
         for (int r = 0; r < R; r++) {
             const int8_t *xg = x8 + r * K + g * GROUP;
-            vi a = VI_ZERO(), b = VI_ZERO(); /* two chains: the sum's latency is not the step's */
+            vi a = vi_zero(), b = vi_zero(); /* two chains: the sum's latency is not the step's */
             for (int c = 0; c < 4; c++) {
-                a = dot4(a, w[c], bcast4(xg + 4 * c));
-                b = dot4(b, w[c + 4], bcast4(xg + 16 + 4 * c));
+                a = vi_dpbusd(a, w[c], bcast4(xg + 4 * c));
+                b = vi_dpbusd(b, w[c + 4], bcast4(xg + 16 + 4 * c));
             }
-            acc[r] = VF_FMA(VF_CVT(VI_ADD32(a, b)), VF_MUL(d, VF_SET1(sx[r * G + g])), acc[r]);
-            acc[r] = VF_FMA(m, VF_SET1(xs[r * G + g]), acc[r]);
+            acc[r] = vf_fma(vf_from_i32(vi_add32(a, b)), vf_mul(d, vf_set1(sx[r * G + g])), acc[r]);
+            acc[r] = vf_fma(m, vf_set1(xs[r * G + g]), acc[r]);
         }
     }
-    for (int r = 0; r < R; r++) VF_STORE(out[r], acc[r]);
+    for (int r = 0; r < R; r++) vf_store(out[r], acc[r]);
 }
 
 /* block_tile with the row count as a constant (bits is one where called), so each tile keeps its

@@ -1,9 +1,9 @@
 /* Quantized projections for few rows on AVX2: y[M, N] = x[M, K] @ W.T, W int4 or int8.
  *
- * Built at start-up by generator/kernels/build.py (cc -O3 -mavx2 -mfma -fopenmp, plus -mavx512f -mavx512bw
- * [-mavx512vnni] where the CPU lists them: the one-row int4 loop then runs on AVX-512). Each row of x is
- * quantized to int16 per group of 32 (scale = max|x| / 32767, so the error is ~1e-5 of the
- * group's largest value, far below a bf16 cast's), and each group's dot product is exact in
+ * Built once per x86 level by generator/kernels/build.py (cc -O3 -mavx2 -mfma -fopenmp, plus -mavx512f
+ * -mavx512bw [-mavx512vnni] for the AVX-512 levels: the one-row loops then run on 512-bit vectors, simd.h).
+ * Each row of x is quantized to int16 per group of 32 (scale = max|x| / 32767, so the error is ~1e-5 of
+ * the group's largest value, far below a bf16 cast's), and each group's dot product is exact in
  * int32 (vpmaddwd); one float multiply-add per group scales it. Reading a 4-bit weight this way
  * costs a few integer ops per 16 weights instead of converting each weight to a float.
  *
@@ -16,6 +16,7 @@
 #include <stdlib.h>
 
 #include "rows.h"
+#include "simd.h"
 
 #define GROUP 32
 #define TILE 4 /* rows of x that share one pass over the weight */
@@ -118,12 +119,6 @@ static inline __attribute__((always_inline)) void q8_tile(
 #define ROWS 4 /* rows of W per step */
 #define AHEAD 2048 /* bytes of weights prefetched ahead, at least: the next rows of this thread's share */
 
-/* the lane sums of h[0..ROWS) */
-static inline __m128 reduce_rows(const __m256 *h) {
-    const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(h[0], h[1]), _mm256_hadd_ps(h[2], h[3]));
-    return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-}
-
 static inline void put_rows(void *y, long n, __m128 v, int R, int bf16) {
     float o[ROWS];
     _mm_storeu_ps(o, v);
@@ -143,33 +138,31 @@ static inline void put_rows(void *y, long n, __m128 v, int R, int bf16) {
         }                                                             \
     }
 
-/* lanes below ``left`` (of 8) */
-static inline __m256i first_lanes(long left) {
-    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(left < 8 ? left : 8)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-}
+/* The one-row loops are written once against simd.h's vectors, VF_LANES floats wide: 8 on AVX2, 16 where
+ * the library is built with AVX-512 (generator/kernels/levels.py). */
 
-/* the same for int8 rows of W (scale s[n]) */
-static inline __attribute__((always_inline)) void q8_rows256(
+/* the same for int8 rows of W (scale s[n]): one group of 32 a step, x in its own order, as XV vectors of int16 */
+#define XV (GROUP / (2 * VF_LANES))
+static inline __attribute__((always_inline)) void q8_rows(
     const int8_t *w, const float *s, const int16_t *x16, const float *dx, long K, long n, int R, void *y, int bf16)
 {
     const long G = K / GROUP, ahead = R * K > AHEAD ? R * K : AHEAD;
-    __m256 acc[ROWS];
-    for (int r = 0; r < ROWS; r++) acc[r] = _mm256_setzero_ps();
+    vf acc[ROWS];
+    for (int r = 0; r < ROWS; r++) acc[r] = vf_zero();
     for (long g = 0; g < G; g++) {
-        const __m256i xa = _mm256_loadu_si256((const __m256i *)(x16 + g * GROUP));
-        const __m256i xb = _mm256_loadu_si256((const __m256i *)(x16 + g * GROUP + 16));
-        const __m256 dxg = _mm256_broadcast_ss(dx + g);
+        vi xv[XV];
+        for (int j = 0; j < XV; j++) xv[j] = vi_load(x16 + g * GROUP + j * 2 * VF_LANES);
+        const vf dxg = vf_set1(dx[g]);
         for (int r = 0; r < R; r++) {
             const int8_t *wr = w + (n + r) * K + g * GROUP;
             _mm_prefetch((const char *)(wr + ahead), _MM_HINT_T0);
-            __m256i wa, wb;
-            q8_unpack(wr, &wa, &wb);
-            const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(wa, xa), _mm256_madd_epi16(wb, xb));
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), dxg, acc[r]);
+            vi dot = vi_madd16(vi_widen_i8(wr), xv[0]);
+            for (int j = 1; j < XV; j++) dot = vi_add32(dot, vi_madd16(vi_widen_i8(wr + j * 2 * VF_LANES), xv[j]));
+            acc[r] = vf_fma(vf_from_i32(dot), dxg, acc[r]);
         }
     }
-    for (int r = 0; r < R; r++) acc[r] = _mm256_mul_ps(acc[r], _mm256_set1_ps(s[n + r]));
-    put_rows(y, n, reduce_rows(acc), R, bf16);
+    for (int r = 0; r < R; r++) acc[r] = vf_mul(acc[r], vf_set1(s[n + r]));
+    put_rows(y, n, vf_sums4(acc), R, bf16);
 }
 
 /* The int4 one-row loops need no byte shuffle. Read as lanes of 16 bits, the bytes 2i, 2i+1 of a group
@@ -177,13 +170,9 @@ static inline __attribute__((always_inline)) void q8_rows256(
  * the four nibbles of every lane, where the tiles above spend two cross-lane widenings per group. x is
  * laid out to match, once per call (interleave_x), in blocks of BLOCK groups: one vector of weights (two
  * groups on AVX2, four on AVX-512). Each group owns four of a block's int32 sums, so a block's scales are
- * spread over them. A row whose groups are not a multiple of BLOCK ends with a shorter block: on AVX-512
- * read under a mask, on AVX2 one group's 16 bytes in a zeroed vector. */
-#if defined(__AVX512BW__)
-#define BLOCK 4 /* groups per step */
-#else
-#define BLOCK 2
-#endif
+ * spread over them (vf_spread4). A row whose groups are not a multiple of BLOCK ends with a shorter block,
+ * read into a zeroed vector. */
+#define BLOCK (VF_LANES / 4) /* groups per step */
 #define LANES (8 * BLOCK) /* 16-bit lanes in a vector of one block */
 
 /* xp, per block of BLOCK groups, 4 vectors of LANES: X0[8h + i] = x[32h + 2i], X1 = x[32h + 2i + 16],
@@ -205,145 +194,55 @@ static void interleave_x(const int16_t *x16, int16_t *xp, long G) {
     }
 }
 
-#if !defined(__AVX512BW__)
 /* the int32 sums of a block's weights u with xq: lanes 4h..4h+3 group h's */
-static inline __m256i q4_block_dot(__m256i u, const __m256i *xq) {
-    const __m256i low = _mm256_set1_epi16(0x0F);
-    const __m256i v0 = _mm256_and_si256(u, low), v1 = _mm256_and_si256(_mm256_srli_epi16(u, 4), low);
-    const __m256i v2 = _mm256_and_si256(_mm256_srli_epi16(u, 8), low), v3 = _mm256_srli_epi16(u, 12);
-    return _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(v0, xq[0]), _mm256_madd_epi16(v1, xq[1])),
-                            _mm256_add_epi32(_mm256_madd_epi16(v2, xq[2]), _mm256_madd_epi16(v3, xq[3])));
+static inline vi q4_block_dot(vi u, const vi *xq) {
+    const vi low = vi_set1_16(0x0F);
+    const vi v0 = vi_and(u, low), v1 = vi_and(vi_srl16(u, 4), low);
+    const vi v2 = vi_and(vi_srl16(u, 8), low), v3 = vi_srl16(u, 12);
+    return vi_dpwssd(vi_dpwssd(vi_dpwssd(vi_madd16(v0, xq[0]), v1, xq[1]), v2, xq[2]), v3, xq[3]);
 }
 
-/* p[0] on lanes 0-3, p[1] on 4-7 (0 where the block has one group): a block's scales over its sums */
-static inline __m256 spread2(const float *p, long groups) {
-    return _mm256_blend_ps(_mm256_broadcast_ss(p), groups == BLOCK ? _mm256_broadcast_ss(p + 1) : _mm256_setzero_ps(),
-                           0xF0);
-}
-
-/* acc[r] += the dot of row n + r of W with x over the block at group g, r < R; ``groups`` (BLOCK, or 1 for a
- * last odd group) and R are constants where inlined, so the loop has no branch per row */
-static inline __attribute__((always_inline)) void q4_step256(
-    const uint8_t *w, const float *d, const int16_t *xp, const float *dx, long G, long n, int R, long g, int groups,
-    __m256 *acc)
+/* acc[r] += the dot of row n + r of W with x over the block at group g, r < R; ``groups`` (BLOCK, or fewer for a
+ * last block) and R are constants where inlined, so the loop has no branch per row */
+static inline __attribute__((always_inline)) void q4_step(
+    const uint8_t *w, const float *d, const int16_t *xp, const float *dx, long G, long n, int R, long g,
+    const long groups, vf *acc)
 {
-    __m256i xq[4];
-    for (int j = 0; j < 4; j++) xq[j] = _mm256_loadu_si256((const __m256i *)(xp + g * GROUP + j * LANES));
-    const __m256 dxv = spread2(dx + g, groups);
+    vi xq[4];
+    for (int j = 0; j < 4; j++) xq[j] = vi_load(xp + g * GROUP + j * LANES);
+    const vf dxv = vf_spread4(dx + g, groups);
     for (int r = 0; r < R; r++) {
         const uint8_t *wr = w + ((n + r) * G + g) * 16;
-        const __m256i u = groups == BLOCK ? _mm256_loadu_si256((const __m256i *)wr)
-                                          : _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)wr));
-        const __m256 dot = _mm256_cvtepi32_ps(q4_block_dot(u, xq));
-        acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dot, dxv), spread2(d + (n + r) * G + g, groups), acc[r]);
+        const vf dot = vf_from_i32(q4_block_dot(vi_load_first_bytes(wr, groups * 16), xq));
+        acc[r] = vf_fma(vf_mul(dot, dxv), vf_spread4(d + (n + r) * G + g, groups), acc[r]);
     }
-}
-
-/* y[n..n+R) for one row of x on AVX2, R <= ROWS (a constant where inlined): x as xp, its group scales dx
- * and sums xs */
-static inline __attribute__((always_inline)) void q4_rows256(
-    const uint8_t *w, const float *d, const float *m, const int16_t *xp, const float *dx, const float *xs,
-    long G, long n, int R, void *y, int bf16)
-{
-    const long ahead = R * G * 16 > AHEAD ? R * G * 16 : AHEAD; /* at least the same row of the next step */
-    __m256 acc[ROWS];
-    for (int r = 0; r < ROWS; r++) acc[r] = _mm256_setzero_ps();
-    for (long g = 0; g < G; g += 8) { /* the offset term: the sum of m * xs */
-        const __m256i k = first_lanes(G - g);
-        const __m256 xsv = _mm256_maskload_ps(xs + g, k);
-        for (int r = 0; r < R; r++) acc[r] = _mm256_fmadd_ps(_mm256_maskload_ps(m + (n + r) * G + g, k), xsv, acc[r]);
-    }
-    long g = 0;
-    for (; g + BLOCK <= G; g += BLOCK) {
-        if (!(g & 2)) /* a cache line of each row every two steps */
-            for (int r = 0; r < R; r++) _mm_prefetch((const char *)(w + ((n + r) * G + g) * 16 + ahead), _MM_HINT_T0);
-        q4_step256(w, d, xp, dx, G, n, R, g, BLOCK, acc);
-    }
-    if (g < G) q4_step256(w, d, xp, dx, G, n, R, g, 1, acc);
-    put_rows(y, n, reduce_rows(acc), R, bf16);
-}
-
-#else
-/* The one-row loops on AVX-512 (built where the CPU has it, generator/kernels/build.py): int4 four groups (64
- * bytes, 128 weights) a step, one permute spreading four groups' scales over their sums. */
-
-static inline __m512i q4_block_dot(__m512i u, const int16_t *xq) {
-    const __m512i low = _mm512_set1_epi16(0x0F);
-    const __m512i v0 = _mm512_and_si512(u, low), v1 = _mm512_and_si512(_mm512_srli_epi16(u, 4), low);
-    const __m512i v2 = _mm512_and_si512(_mm512_srli_epi16(u, 8), low), v3 = _mm512_srli_epi16(u, 12);
-    __m512i s = _mm512_madd_epi16(v0, _mm512_loadu_si512(xq));
-#if defined(__AVX512VNNI__)
-    s = _mm512_dpwssd_epi32(s, v1, _mm512_loadu_si512(xq + 32));
-    s = _mm512_dpwssd_epi32(s, v2, _mm512_loadu_si512(xq + 64));
-    s = _mm512_dpwssd_epi32(s, v3, _mm512_loadu_si512(xq + 96));
-#else
-    s = _mm512_add_epi32(s, _mm512_madd_epi16(v1, _mm512_loadu_si512(xq + 32)));
-    s = _mm512_add_epi32(s, _mm512_madd_epi16(v2, _mm512_loadu_si512(xq + 64)));
-    s = _mm512_add_epi32(s, _mm512_madd_epi16(v3, _mm512_loadu_si512(xq + 96)));
-#endif
-    return s; /* lanes 4h..4h+3: group h's partial sums */
-}
-
-/* the lane sums of a[0..ROWS) */
-static inline __m128 reduce_rows512(const __m512 *a) {
-    __m256 h[ROWS];
-    for (int r = 0; r < ROWS; r++)
-        h[r] = _mm256_add_ps(_mm512_castps512_ps256(a[r]), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[r]), 1)));
-    return reduce_rows(h);
 }
 
 /* y[n..n+R) for one row of x, R <= ROWS (a constant where inlined): x as xp, its group scales dx and sums xs */
-static inline __attribute__((always_inline)) void q4_rows512(
+static inline __attribute__((always_inline)) void q4_rows(
     const uint8_t *w, const float *d, const float *m, const int16_t *xp, const float *dx, const float *xs,
     long G, long n, int R, void *y, int bf16)
 {
-    const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
     const long ahead = R * G * 16 > AHEAD ? R * G * 16 : AHEAD; /* at least the same row of the next step */
-    __m512 acc[ROWS];
-    for (int r = 0; r < ROWS; r++) acc[r] = _mm512_setzero_ps();
-    for (long g = 0; g < G; g += 16) { /* the offset term: the sum of m * xs */
-        const __mmask16 k = G - g >= 16 ? 0xFFFF : (__mmask16)((1u << (G - g)) - 1);
-        const __m512 xsv = _mm512_maskz_loadu_ps(k, xs + g);
-        for (int r = 0; r < R; r++) acc[r] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, m + (n + r) * G + g), xsv, acc[r]);
+    vf acc[ROWS];
+    for (int r = 0; r < ROWS; r++) acc[r] = vf_zero();
+    for (long g = 0; g < G; g += VF_LANES) { /* the offset term: the sum of m * xs */
+        const vf xsv = vf_load_first(xs + g, G - g);
+        for (int r = 0; r < R; r++) acc[r] = vf_fma(vf_load_first(m + (n + r) * G + g, G - g), xsv, acc[r]);
     }
-    for (long g = 0; g < G; g += BLOCK) {
-        const long groups = G - g < BLOCK ? G - g : BLOCK;
-        const __mmask64 kw = groups == BLOCK ? ~(__mmask64)0 : ((__mmask64)1 << (groups * 16)) - 1;
-        const __mmask16 kd = (__mmask16)((1u << groups) - 1);
-        const __m512 dxv = _mm512_permutexvar_ps(spread, _mm512_maskz_loadu_ps(kd, dx + g));
-        for (int r = 0; r < R; r++) {
-            const uint8_t *wr = w + ((n + r) * G + g) * 16;
-            _mm_prefetch((const char *)(wr + ahead), _MM_HINT_T0);
-            const __m512 dot = _mm512_cvtepi32_ps(q4_block_dot(_mm512_maskz_loadu_epi8(kw, wr), xp + g * GROUP));
-            const __m512 dr = _mm512_permutexvar_ps(spread, _mm512_maskz_loadu_ps(kd, d + (n + r) * G + g));
-            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dot, dxv), dr, acc[r]);
-        }
+    /* Where a shorter last block is a masked load (VF_MASKED, AVX-512) it is one more step of the loop (two
+     * inlined loops ran ~6 % slower there); elsewhere the loop's blocks are all full, no test per row, and
+     * the last one follows it. */
+    const long body = VF_MASKED ? G : G - G % BLOCK;
+    long g = 0;
+    for (; g < body; g += BLOCK) {
+        if (!((g * 16) & 63)) /* a cache line of each row */
+            for (int r = 0; r < R; r++) _mm_prefetch((const char *)(w + ((n + r) * G + g) * 16 + ahead), _MM_HINT_T0);
+        q4_step(w, d, xp, dx, G, n, R, g, VF_MASKED && G - g < BLOCK ? G - g : BLOCK, acc);
     }
-    put_rows(y, n, reduce_rows512(acc), R, bf16);
+    if (g < G) q4_step(w, d, xp, dx, G, n, R, g, G - g, acc);
+    put_rows(y, n, vf_sums4(acc), R, bf16);
 }
-
-/* the same for int8 rows of W (scale s[n]): one group of 32 a step, x in its own order */
-static inline __attribute__((always_inline)) void q8_rows512(
-    const int8_t *w, const float *s, const int16_t *x16, const float *dx, long K, long n, int R, void *y, int bf16)
-{
-    const long G = K / GROUP, ahead = R * K > AHEAD ? R * K : AHEAD;
-    __m512 acc[ROWS];
-    for (int r = 0; r < ROWS; r++) acc[r] = _mm512_setzero_ps();
-    for (long g = 0; g < G; g++) {
-        const __m512i xg = _mm512_loadu_si512(x16 + g * GROUP);
-        const __m512 dxg = _mm512_set1_ps(dx[g]);
-        for (int r = 0; r < R; r++) {
-            const int8_t *wr = w + (n + r) * K + g * GROUP;
-            _mm_prefetch((const char *)(wr + ahead), _MM_HINT_T0);
-            const __m512i wv = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)wr));
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_madd_epi16(wv, xg)), dxg, acc[r]);
-        }
-    }
-    for (int r = 0; r < R; r++) acc[r] = _mm512_mul_ps(acc[r], _mm512_set1_ps(s[n + r]));
-    put_rows(y, n, reduce_rows512(acc), R, bf16);
-}
-
-#endif
 
 /* Returns 0, or -1 when out of memory. K must be a multiple of 32; x and y are bf16 with ``bf16``,
  * else fp32. */
@@ -357,11 +256,7 @@ int tp_gemv_q4(const uint8_t *w, const float *d, const float *m, const void *x, 
         int16_t *xp = malloc(sizeof(int16_t) * ((G + BLOCK - 1) / BLOCK) * BLOCK * GROUP);
         if (!xp) { free(x16); free(dx); return -1; }
         interleave_x(x16, xp, G);
-#if defined(__AVX512BW__)
-#define Q4_ROWS(R) q4_rows512(w, d, m, xp, dx, xs, G, n, R, y, bf16)
-#else
-#define Q4_ROWS(R) q4_rows256(w, d, m, xp, dx, xs, G, n, R, y, bf16)
-#endif
+#define Q4_ROWS(R) q4_rows(w, d, m, xp, dx, xs, G, n, R, y, bf16)
         FOR_ROWS(N, threads, Q4_ROWS)
         free(xp);
 #undef Q4_ROWS
@@ -397,11 +292,7 @@ int tp_gemv_q8(const int8_t *w, const float *s, const void *x, void *y, long M, 
     if (quantize_rows(x, bf16, M, K, &x16, &dx, &xs)) return -1;
     const long G = K / GROUP;
     if (M == 1) {
-#if defined(__AVX512BW__)
-#define Q8_ROWS(R) q8_rows512(w, s, x16, dx, K, n, R, y, bf16)
-#else
-#define Q8_ROWS(R) q8_rows256(w, s, x16, dx, K, n, R, y, bf16)
-#endif
+#define Q8_ROWS(R) q8_rows(w, s, x16, dx, K, n, R, y, bf16)
         FOR_ROWS(N, threads, Q8_ROWS)
 #undef Q8_ROWS
         free(x16); free(dx);
