@@ -119,14 +119,18 @@ class Producer:
     async def submit(self, model: str, *, prompt: str | None = None,
                      messages: Sequence[Mapping[str, str]] | None = None, input_ids: Sequence[int] | None = None,
                      coalesce: Mapping[str, Any] | None = None, request_id: str | None = None,
-                     service_tier: ServiceTier = "auto", **params: Any) -> StreamHandle:
+                     service_tier: ServiceTier = "auto", session: str | None = None,
+                     **params: Any) -> StreamHandle:
         """Enqueue a job; ``params`` are sampling parameters (max_tokens, temperature, top_p, top_k,
         stop, seed, ignore_eos). ``service_tier="flex"`` marks batch work: generators serve waiting
-        interactive requests (every other tier) first and preempt batch ones for them. Invalid
-        values raise :class:`tokenpipe.errors.InvalidRequest`."""
+        interactive requests (every other tier) first and preempt batch ones for them. ``session``
+        (a conversation or end user) is an affinity hint: its requests go to the generator that holds
+        their history's cache (tokenpipe.placement). Invalid values raise
+        :class:`tokenpipe.errors.InvalidRequest`."""
         check_model_name(model)
         req = Request.build(model, prompt=prompt, messages=messages, input_ids=input_ids, params=params,
-                            coalesce=coalesce, tenant=self.tenant, request_id=request_id, service_tier=service_tier)
+                            coalesce=coalesce, tenant=self.tenant, request_id=request_id, service_tier=service_tier,
+                            session=session)
         with producer_span(self.tracer, request_subject(model, self.bus.owner),
                            {"gen_ai.request.model": model, "tokenpipe.stream.id": req.id}) as headers:
             await submit(self.bus, req, headers)

@@ -62,6 +62,9 @@ class _Create(_Sampling):
     service_tier: ServiceTier | None = Field(
         None, description="class of service: `flex` is batch work (served after interactive work, preempted "
                           "for it); `auto` (the default), `default` and `priority` are interactive")
+    user: Annotated[str, StringConstraints(strict=True, max_length=256)] | None = Field(
+        None, description="the end user or conversation: an affinity hint, so that its requests go to the generator "
+                          "that holds their history's cache")
 
     def _wire(self, *, model: str, tenant: str, max_tokens: int | None = None, prompt: str | None = None,
               messages: Sequence[Mapping[str, Any]] | None = None, input_ids: list[int] | None = None,
@@ -75,7 +78,7 @@ class _Create(_Sampling):
         return TpRequest.create(model, prompt=prompt, input_ids=tuple(input_ids) if input_ids is not None else None,
                                 messages=tuple(messages) if messages is not None else None, tenant=tenant,
                                 params=SamplingParams(**sampling), coalesce=coalesce or CoalesceParams(),
-                                service_tier=self.service_tier or "auto")
+                                service_tier=self.service_tier or "auto", session=self.user or "")
 
 
 class NativeCreate(_Create):
@@ -134,7 +137,6 @@ class _OpenAIRequest(_OpenAIFields):
     stream: Flag | None = None
     stream_options: StreamOptions | None = Field(None, description="only with `stream: true`")
     n: Annotated[int, Whole(1, 1)] | None = None
-    user: Text | None = None
     max_completion_tokens: MaxTokens | None = None
 
     @field_validator("stream_options")

@@ -58,6 +58,8 @@ class RelayState:
                         extra={"host": self.settings.host})
         self.bus = await connect(self.settings, name="tokenpipe-relay")
         self.bus.on_dropped_batch.append(lambda reason: self.metrics.dropped_batches.labels(reason).inc())
+        self.bus.on_placed.append(lambda choice: self.metrics.placements.labels(
+            "shared" if choice is None else choice.reason, "" if choice is None else str(choice.slot)).inc())
         await self.forwarder.start()
         nc = self.bus.nc
         await nc.subscribe(f"{ANNOUNCE_PREFIX}.>", cb=self._on_announce)

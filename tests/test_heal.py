@@ -403,7 +403,7 @@ async def test_a_starting_generator_updates_the_ack_wait_of_an_existing_consumer
     from nats.js import api as js_api
 
     from generator.service.intake import RequestIntake
-    from tokenpipe.subjects import REQUESTS_STREAM, consumer_name, model_request_filter
+    from tokenpipe.subjects import REQUESTS_STREAM, consumer_name, shared_request_filter
 
     model = "ack-wait-upgrade"
     await bus.js.add_consumer(REQUESTS_STREAM, js_api.ConsumerConfig(
@@ -415,7 +415,7 @@ async def test_a_starting_generator_updates_the_ack_wait_of_an_existing_consumer
     try:
         info = await bus.js.consumer_info(REQUESTS_STREAM, consumer_name(model))
         assert info.config.ack_wait == 4.0
-        assert info.config.filter_subject == model_request_filter(model)  # moved to tp.req.<model>.>
+        assert info.config.filter_subject == shared_request_filter(model)  # moved to tp.req.<model>.*
     finally:
         await intake.close()
         await bus.js.delete_consumer(REQUESTS_STREAM, consumer_name(model))

@@ -41,15 +41,15 @@ def test_the_generated_server_config_has_every_role_and_no_anonymous_user(tmp_pa
         assert account == ("APP_default" if cred.role == "app" else "TOKENPIPE")
     assert "no_auth_user" not in conf
     # The app's account imports only its own request/cancel services and its own tokens,
-    # each exported to its account alone.
+    # each exported to its account alone, and the generators' placement summaries (to every app).
     exports = layout["TOKENPIPE"]["exports"]
     assert {e.get("service") or e.get("stream") for e in exports} == {
-        "tp.req.*.default", "tp.cancel.default.>", "tp.live.default.>"}
+        "tp.req.*.default", "tp.req.*.default.*", "tp.cancel.default.>", "tp.live.default.>", "tp.gen.place.>"}
     assert all(e["accounts"] == ["APP_default"] for e in exports)
     assert {(i.get("service") or i.get("stream"))["subject"] for i in layout["APP_default"]["imports"]} == {
-        "tp.req.*.default", "tp.cancel.default.>", "tp.live.default.>"}
+        "tp.req.*.default", "tp.req.*.default.*", "tp.cancel.default.>", "tp.live.default.>", "tp.gen.place.>"}
     # Live batches (only what tokenpipe's store accepted) arrive under the app's own token subjects.
-    assert [i.get("to") for i in layout["APP_default"]["imports"] if "stream" in i] == ["tp.tok.default.>"]
+    assert [i.get("to") for i in layout["APP_default"]["imports"] if "stream" in i] == ["tp.tok.default.>", None]
     again = ensure_credentials(tmp_path / "creds")  # reused, not regenerated
     assert {u: c.password for u, c in again.items()} == {u: c.password for u, c in creds.items()}
 

@@ -24,7 +24,9 @@ from . import natsauth
 from .batchstore import BATCH_STREAMS, provision_batch_stores
 from .cluster import connected_server, replicas_to_keep, resolve_replicas, server_list
 from .errors import InvalidRequest, TransportError
+from .placement import Choice, PlacementTable, follow_summaries
 from .settings import Settings
+from .slots import ensure_slot_consumers, slots_drift
 from .subjects import (
     META_BUCKET,
     META_STREAM,
@@ -41,6 +43,7 @@ from .subjects import (
     owner_of_request,
     owner_request_subjects,
     owner_tokens,
+    shared_request_filter,
 )
 
 __all__ = ["Bus", "connect", "consumer_drift", "intake_config", "missing", "provision", "provision_copy",
@@ -77,6 +80,11 @@ class Bus:
     # the admin, or anyone on an open bus); the others only report what is missing or drifted.
     provisions: bool = True
     secret: bytes = b""  # this identity's own secret (natsauth.Identity.secret)
+    # The generators' placement summaries, where this connection submits requests (the relay, an
+    # app's SDK) and placement is on (tokenpipe.placement); None: every request to the shared queue.
+    placement: PlacementTable | None = None
+    # Called with each request's placement (None: the shared queue): the relay counts them in a metric.
+    on_placed: list[Callable[[Choice | None], None]] = field(default_factory=list)
 
     def msg_id(self, request_id: str) -> str:
         """The ``Nats-Msg-Id`` of ``request_id``'s request: the same on every retry, and not one
@@ -163,6 +171,9 @@ async def connect(settings: Settings, *, name: str, provision_streams: bool = Tr
         raise
     bus = Bus(nc=nc, js=js, meta=meta, owner=ident.owner, registry=ident.registry, replicas=replicas,
               provisions=ident.provisions, secret=ident.secret)
+    if role in ("relay", "app") and settings.placement_slots > 0:
+        bus.placement = PlacementTable()
+        await follow_summaries(nc, bus.placement)
     return bus
 
 
@@ -344,7 +355,7 @@ def request_consumer_config(settings: Settings, model: str) -> js_api.ConsumerCo
         # A name: nats-py then sends the filtered create form, which permissions can confine.
         name=consumer_name(model),
         durable_name=consumer_name(model),
-        filter_subject=model_request_filter(model),
+        filter_subject=shared_request_filter(model),
         ack_policy=js_api.AckPolicy.EXPLICIT,
         # The same on one node and a cluster: a request redelivered while its holder still runs it
         # (a leader election delayed its progress acks, a freeze) is safe, because the store takes
@@ -368,8 +379,14 @@ def consumer_drift(have: js_api.ConsumerConfig, want: js_api.ConsumerConfig) -> 
     return out
 
 
+def _api_of(js: JetStreamContext) -> tuple[NATS, str]:
+    """The connection and API prefix under ``js`` (the slot consumers are made through raw API calls)."""
+    return js._nc, js._prefix
+
+
 async def _ensure_consumers(js: JetStreamContext, settings: Settings) -> list[str]:
-    """Create, or restore in place, the request consumer of each served model; what was wrong."""
+    """Create, or restore in place, the request consumer of each served model and then (their filters
+    are disjoint from its own only once it is restored) its placement slots' consumers; what was wrong."""
     fixed = []
     for model in served_models(settings):
         want = request_consumer_config(settings, model)
@@ -380,6 +397,8 @@ async def _ensure_consumers(js: JetStreamContext, settings: Settings) -> list[st
         if drift:
             await js.add_consumer(REQUESTS_STREAM, want)  # create-or-update: same name, these fields
             fixed.append(f"consumer {consumer_name(model)}: {', '.join(drift)}")
+    nc, prefix = _api_of(js)
+    fixed += await ensure_slot_consumers(nc, settings, served_models(settings), prefix)
     return fixed
 
 
@@ -507,7 +526,8 @@ async def _consumers_drift(js: JetStreamContext, settings: Settings) -> list[str
         drift = consumer_drift(have, request_consumer_config(settings, model))
         if drift:
             out.append(f"consumer {consumer_name(model)}: {', '.join(drift)} changed (the admin restores it)")
-    return out
+    nc, prefix = _api_of(js)
+    return out + await slots_drift(nc, settings, served_models(settings), prefix)
 
 
 # Judged by the admin alone (``limits``): they follow its settings, which another process need not share

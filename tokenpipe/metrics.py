@@ -69,6 +69,9 @@ class GeneratorMetrics:
         self.owner_waiting = Gauge("tokenpipe_num_requests_waiting_per_owner", "Requests this generator holds "
                                    "that have not started, by owner (its waiting room: fair share picks from it)",
                                    [*m, "owner"], registry=r)
+        self.placed = Counter("tokenpipe_placed_requests", "Requests this generator started, by how they came: "
+                              "placed on its own slot (own), placed on another generator's slot and taken over "
+                              "(taken), or from the shared queue (shared)", [*m, "how"], registry=r)
         self.model = model
         self._children: dict[int, Any] = {}
         self._owners: set[str] = set()
@@ -110,3 +113,6 @@ class RelayMetrics:
                                        "owner's (wrong_owner)", ["reason"], registry=r)
         self.waiting = Gauge("tokenpipe_num_requests_waiting", "Requests queued in JetStream (consumer lag)",
                              ["model_name"], registry=r)
+        self.placements = Counter("tokenpipe_placements", "Requests submitted, by placement: on the generator "
+                                  "holding their prompt's start (prefix), by their session hint (session), or to "
+                                  "the shared queue (shared), and the slot chosen", ["decision", "slot"], registry=r)

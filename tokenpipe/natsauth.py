@@ -42,6 +42,7 @@ from .subjects import (
     LIVE_WILDCARD,
     META_BUCKET,
     META_STREAM,
+    PLACE_PREFIX,
     READERS_WILDCARD,
     RELAY_OWNER,
     REQUEST_WILDCARD,
@@ -154,7 +155,8 @@ def permissions(role: str, app: str | None = None, *, apps: Iterable[str] = ()) 
             # Its answer to another relay's "who reads this stream?" goes to that relay's inbox, which
             # is named here: with ``allow_responses`` it could answer a question it asked itself with
             # any reply subject, and planted its own text as alice's next stream (tp.live.alice.<id>).
-            publish_allow=(f"tp.req.*.{RELAY_OWNER}", f"tp.cancel.{RELAY_OWNER}.>", DISCOVER_SUBJECT, READERS_WILDCARD,
+            publish_allow=(f"tp.req.*.{RELAY_OWNER}", f"tp.req.*.{RELAY_OWNER}.*", f"tp.cancel.{RELAY_OWNER}.>",
+                           DISCOVER_SUBJECT, READERS_WILDCARD,
                            f"{inbox_prefix('relay')}.>",
                            f"$KV.{META_BUCKET}.>", f"{_JS}.INFO",
                            *_look(REQUESTS_STREAM, TOKENS_STREAM, META_STREAM),
@@ -163,14 +165,14 @@ def permissions(role: str, app: str | None = None, *, apps: Iterable[str] = ()) 
                            *_read_tokens(mine), *_batch_api()),
             # Live batches come on tp.live (only what the store accepted); history through JetStream.
             subscribe_allow=(f"{inbox_prefix('relay')}.>", f"tp.live.{RELAY_OWNER}.>", f"{ANNOUNCE_PREFIX}.>",
-                             READERS_WILDCARD),
+                             f"{PLACE_PREFIX}.>", READERS_WILDCARD),
             publish_deny=(TOKEN_WILDCARD, LIVE_WILDCARD, *_NEVER),
         )
     if role == "generator":
         return Permissions(
             publish_allow=(TOKEN_WILDCARD, LIVE_WILDCARD, f"{ANNOUNCE_PREFIX}.>", f"{_JS}.INFO",
                            # What each holds, and the alive probes (generator.service.rescue).
-                           f"{HELD_PREFIX}.>", f"{ALIVE_PREFIX}.>",
+                           f"{HELD_PREFIX}.>", f"{ALIVE_PREFIX}.>", f"{PLACE_PREFIX}.>",
                            *_look(REQUESTS_STREAM, TOKENS_STREAM),
                            # Binds the admin's request consumer; never creates or configures it.
                            f"{_JS}.CONSUMER.INFO.{REQUESTS_STREAM}.*",
@@ -196,10 +198,10 @@ def permissions(role: str, app: str | None = None, *, apps: Iterable[str] = ()) 
         # tokenpipe's account; its JetStream API calls reach only its own copy of its tokens
         # (TP_TOKENS there), which it provisions itself.
         return Permissions(
-            publish_allow=(f"tp.req.*.{app}", f"tp.cancel.{app}.>", f"{_JS}.INFO",
+            publish_allow=(f"tp.req.*.{app}", f"tp.req.*.{app}.*", f"tp.cancel.{app}.>", f"{_JS}.INFO",
                            *(f"{_JS}.STREAM.{op}.{TOKENS_STREAM}" for op in ("INFO", "CREATE", "UPDATE")),
                            *_read_tokens(mine)),
-            subscribe_allow=(f"{inbox_prefix(user)}.>", mine),
+            subscribe_allow=(f"{inbox_prefix(user)}.>", mine, f"{PLACE_PREFIX}.>"),
             publish_deny=(TOKEN_WILDCARD, "$KV.>", f"{_JS}.CONSUMER.MSG.NEXT.>", *_NEVER),
         )
     raise ValueError(f"unknown role {role!r}; one of {', '.join(ROLES)}")

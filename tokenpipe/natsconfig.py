@@ -51,7 +51,7 @@ from .natsauth import (
     write_private,
 )
 from .settings import Settings
-from .subjects import check_owner, owner_tokens
+from .subjects import PLACE_PREFIX, check_owner, owner_tokens
 
 __all__ = [
     "TOKENPIPE_ACCOUNT",
@@ -80,6 +80,7 @@ def account_name(app: str) -> str:
 def _exports(app: str) -> list[dict[str, Any]]:
     only = [account_name(app)]
     return [{"service": f"tp.req.*.{app}", "accounts": only},
+            {"service": f"tp.req.*.{app}.*", "accounts": only},
             {"service": f"tp.cancel.{app}.>", "accounts": only},
             {"stream": f"tp.live.{app}.>", "accounts": only}]
 
@@ -87,6 +88,9 @@ def _exports(app: str) -> list[dict[str, Any]]:
 def _imports(app: str) -> list[dict[str, Any]]:
     src = TOKENPIPE_ACCOUNT
     return [{"service": {"account": src, "subject": f"tp.req.*.{app}"}},
+            {"service": {"account": src, "subject": f"tp.req.*.{app}.*"}},
+            # The generators' placement summaries (tokenpipe.placement): the SDK places requests too.
+            {"stream": {"account": src, "subject": f"{PLACE_PREFIX}.>"}},
             {"service": {"account": src, "subject": f"tp.cancel.{app}.>"}},
             # Stored batches only, under the app's own token subjects (what its TP_TOKENS keeps).
             {"stream": {"account": src, "subject": f"tp.live.{app}.>"}, "to": owner_tokens(app)}]
@@ -128,7 +132,9 @@ def accounts(creds: dict[str, Credential], *, passwords: dict[str, str] | None =
     out: dict[str, Any] = {TOKENPIPE_ACCOUNT: {
         "jetstream": "enabled",
         "users": [_user(c, pw.get(c.user), [a.owner for a in apps]) for c in roles],
-        "exports": [e for c in apps for e in _exports(c.owner)],
+        # The placement summaries to every application (a stream export each app imports; none: no apps).
+        "exports": [e for c in apps for e in _exports(c.owner)]
+        + ([{"stream": f"{PLACE_PREFIX}.>", "accounts": [account_name(c.owner) for c in apps]}] if apps else []),
     }}
     for c in apps:
         out[account_name(c.owner)] = {
@@ -227,12 +233,15 @@ def account_table() -> str:
     """docs/architecture.md's table of what crosses between accounts, rendered from :func:`accounts`."""
     layout = accounts({"app-NAME": Credential("app-NAME", "x", "NAME")}, passwords={"app-NAME": ""})
     rows = ["| exported by `TOKENPIPE` | kind | imported by | what it carries |", "|---|---|---|---|"]
-    what = {"tp.req": "the app's requests; JetStream's PubAck comes back as the reply, in the app's account",
+    what = {"tp.req": "the app's requests (placed on a generator's slot or not); JetStream's PubAck comes back as "
+                      "the reply, in the app's account",
+            "tp.gen": "the generators' placement summaries (hashed prompt prefixes, load), for the SDK's placement",
             "tp.cancel": "the app's cancels",
             "tp.live": "the app's token batches, live, each once tokenpipe's `TP_TOKENS` stored it; imported "
                        "as `tp.tok.<name>.>` and kept in the app's own `TP_TOKENS` for history"}
     for e in layout[TOKENPIPE_ACCOUNT]["exports"]:
         kind = "service" if "service" in e else "stream"
         subject = str(e[kind]).replace("NAME", "<name>")
-        rows.append(f"| `{subject}` | {kind} | `APP_<name>` only | {what['.'.join(subject.split('.')[:2])]} |")
+        who = "every `APP_<name>`" if subject.startswith(PLACE_PREFIX) else "`APP_<name>` only"
+        rows.append(f"| `{subject}` | {kind} | {who} | {what['.'.join(subject.split('.')[:2])]} |")
     return "\n".join(rows) + "\n"

@@ -197,6 +197,14 @@ class Settings:
     max_deliver: int = _setting(3, "delivery attempts per request; after the last, the stream ends with an `error`")
     announce_interval_s: float = _setting(
         2.0, "how often a generator announces its model and load (lapses after 3 intervals)")
+    placement_slots: int = _setting(
+        8, "placement slots per model (a durable consumer each, made by the provisioner): a request whose prompt "
+           "prefix or `user` a generator announced is published onto that generator's slot, which it pulls first "
+           "and every other generator pulls once it has idle capacity; 0: no placement, one shared queue")
+    placement_slot: int = _setting(
+        -1, "the placement slot this generator holds (`tokenpipe up` gives its n-th generator slot n; -1: the "
+            "slot numbered at the end of the host name, as a StatefulSet's pods are, else none: the generator then "
+            "takes only unplaced requests and others' overflow)")
     threads: int = _setting(0, "torch CPU threads for the engine (0: every core up to 3 cores, one fewer from 4 cores "
                                "on, left to the relay and nats-server; 1 on a small machine shared with busy un-niced "
                                "work, whose OpenMP team would wait at every barrier for a core lent to it)")

@@ -15,10 +15,12 @@ from typing import Any
 import nats.errors
 from nats.js import api as js_api
 from nats.js.errors import KeyNotFoundError, NotFoundError
+from opentelemetry import trace
 
 from . import streamindex
 from .bus import Bus
 from .errors import Overloaded, StreamNotFound, TransportError, WireFormatError
+from .placement import Choice
 from .reorder import Gap, Reorder
 from .retry import ELECTIONS, Retry, queue_full, retrying, through_elections
 from .subjects import (
@@ -76,13 +78,14 @@ async def submit(bus: Bus, request: Request, headers: dict[str, str] | None = No
     hdrs = dict(headers or {})
     hdrs["Nats-Msg-Id"] = bus.msg_id(request.id)  # unique per owner, and no other owner can forge it
     payload = request.encode()  # before any write: an unencodable request leaves nothing behind
+    choice = _placed(bus, request)
 
     async def both() -> None:
         # Concurrently (one round trip, not two, before the caller's 201): nothing reads the meta
         # entry before submit returns, and a generator never needs it. The request goes out first:
         # the server then stores and delivers it before it writes the meta entry. The registry is
         # the relay's: an app's streams (its own namespace) are not registered there.
-        subject = request_subject(request.model, bus.owner)
+        subject = request_subject(request.model, bus.owner, None if choice is None else choice.slot)
         writes: list[Awaitable[object]] = [bus.js.publish(subject, payload, headers=hdrs)]
         if bus.owner == RELAY_OWNER:
             writes.append(bus.meta.put(request.id, meta.encode()))
@@ -105,6 +108,23 @@ async def submit(bus: Bus, request: Request, headers: dict[str, str] | None = No
             raise TransportError("could not enqueue request: NATS did not answer in time") from exc
         raise TransportError(f"could not enqueue request: {exc or type(exc).__name__}") from exc
     return meta
+
+
+def _placed(bus: Bus, request: Request) -> Choice | None:
+    """Where ``request`` goes (tokenpipe.placement): a generator's slot, or None for the shared queue.
+    Batch work (``flex``) always goes to the shared queue, where fair share between owners orders it.
+    Said on the submitting span (the trace shows the generator chosen and the overlap)."""
+    if bus.placement is None or request.batch:
+        return None
+    choice = bus.placement.choose(request, bus.owner)
+    span = trace.get_current_span()
+    if choice is not None:
+        span.set_attributes({"tokenpipe.placement.worker": choice.worker, "tokenpipe.placement.slot": choice.slot,
+                             "tokenpipe.placement.overlap_chunks": choice.overlap,
+                             "tokenpipe.placement.reason": choice.reason})
+    for hook in bus.on_placed:
+        hook(choice)
+    return choice
 
 
 def batch_of(bus: Bus, data: bytes, stream_id: str, headers: Mapping[str, str] | None = None,
@@ -206,8 +226,10 @@ async def pending_requests(bus: Bus, model: str, owner: str | None = None) -> in
     """How many of ``owner``'s requests for ``model`` the work queue holds: queued, or running (a
     generator acks a request only after its final batch is stored). 0 means none of them can still
     store a batch. Asked of the stream's leader, like :func:`stored_count`."""
-    return await _leader_count(bus, REQUESTS_STREAM, request_subject(model, owner or bus.owner),
-                               "could not read the request queue")
+    # Both forms, the shared queue's subject and those placed on a generator (tokenpipe.placement).
+    return await _leader_count(bus, REQUESTS_STREAM, f"{request_subject(model, owner or bus.owner)}.>",
+                               "could not read the request queue") + await _leader_count(
+        bus, REQUESTS_STREAM, request_subject(model, owner or bus.owner), "could not read the request queue")
 
 
 async def _leader_count(bus: Bus, stream: str, subject: str, failed: str) -> int:
@@ -218,7 +240,7 @@ async def _leader_count(bus: Bus, stream: str, subject: str, failed: str) -> int
         info = await asyncio.wait_for(bus.js.stream_info(stream, subjects_filter=subject), timeout=_COUNT_TIMEOUT_S)
     except Exception as exc:
         raise TransportError(f"{failed}: {exc}") from exc
-    return int((info.state.subjects or {}).get(subject, 0))
+    return sum(int(n) for n in (info.state.subjects or {}).values())  # the filter's subjects (a wildcard: each)
 
 
 async def _open_history(bus: Bus, stream_id: str, owner: str | None, *, failed: str = "could not read stream history",

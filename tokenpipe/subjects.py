@@ -6,7 +6,9 @@ producer SDK). NATS permissions are subject-based, so putting the owner in the s
 what lets an app's credentials reach only its own streams (:mod:`tokenpipe.natsauth`):
 
 - ``tp.req.<model>.<owner>``: a request; a generator takes the owner from the subject,
-  never from the payload. An application's requests are stored first in a stream of its own
+  never from the payload. ``tp.req.<model>.<owner>.p<k>``: one *placed* on the generator that holds
+  placement slot ``k`` (where its prefix is cached, tokenpipe.placement), taken from that slot's
+  consumer (:func:`slot_consumer_name`). An application's requests are stored first in a stream of its own
   (:func:`intake_stream`), which ``TP_REQUESTS`` sources: a publisher's JetStream headers are
   evaluated against that stream alone (tokenpipe.bus);
 - ``tp.tok.<owner>.<id>``: a stream's token batches, as stored (``TP_TOKENS``; each append is
@@ -50,6 +52,11 @@ __all__ = [
     "parse_cancel_subject",
     "stream_key",
     "consumer_name",
+    "slot_consumer_name",
+    "slot_filter",
+    "shared_request_filter",
+    "slot_of_request",
+    "PLACE_PREFIX",
     "check_model_name",
     "check_owner",
     "check_stream_id",
@@ -79,6 +86,9 @@ CANCEL_WILDCARD = "tp.cancel.>"
 READERS_WILDCARD = "tp.readers.*"
 ANNOUNCE_PREFIX = "tp.gen.announce"
 DISCOVER_SUBJECT = "tp.gen.discover"
+# What each generator's prefix cache holds and how loaded it is: tp.gen.place.<model>.<worker>, heard by
+# whoever submits requests (relays, applications' SDKs), for placement (tokenpipe.placement).
+PLACE_PREFIX = "tp.gen.place"
 # Which requests (their JetStream ack subjects) each generator holds: tp.gen.held.<model>.<worker>,
 # heard by the generators of the model alone (generator.service.rescue).
 HELD_PREFIX = "tp.gen.held"
@@ -111,18 +121,32 @@ def check_owner(owner: str) -> str:
     return _checked(owner, "owner (app) names use 1-64 of A-Z a-z 0-9 _ -", "owner")
 
 
-def request_subject(model: str, owner: str) -> str:
-    return f"tp.req.{check_model_name(model)}.{check_owner(owner)}"
+def request_subject(model: str, owner: str, slot: int | None = None) -> str:
+    """Where ``owner`` publishes a request for ``model``: the shared queue, or placed on ``slot``."""
+    base = f"tp.req.{check_model_name(model)}.{check_owner(owner)}"
+    return base if slot is None else f"{base}.p{int(slot)}"
 
 
 def model_request_filter(model: str) -> str:
-    """Every owner's requests for ``model``: the filter of its generators' consumer."""
+    """Every owner's requests for ``model``, placed or not (``TP_REQUESTS``' subjects on an open bus)."""
     return f"tp.req.{check_model_name(model)}.>"
 
 
+def shared_request_filter(model: str) -> str:
+    """The requests for ``model`` placed on no generator: the filter of the shared consumer."""
+    return f"tp.req.{check_model_name(model)}.*"
+
+
+def slot_filter(model: str, slot: int) -> str:
+    """The requests for ``model`` placed on slot ``slot``, every owner's."""
+    return f"tp.req.{check_model_name(model)}.*.p{int(slot)}"
+
+
 def owner_request_subjects(owner: str, models: list[str]) -> list[str]:
-    """``owner``'s request subjects for ``models`` (none: for any model)."""
-    return [request_subject(m, owner) for m in models] or [f"tp.req.*.{check_owner(owner)}"]
+    """``owner``'s request subjects for ``models`` (none: for any model), placed or not."""
+    o = check_owner(owner)
+    bases = [request_subject(m, o) for m in models] or [f"tp.req.*.{o}"]
+    return [s for b in bases for s in (b, f"{b}.*")]
 
 
 def intake_stream(app: str) -> str:
@@ -142,11 +166,21 @@ def owner_of_intake(stream: str) -> str | None:
 
 
 def owner_of_request(subject: str) -> str:
-    """The owner a request was published by, from its subject ``tp.req.<model>.<owner>``."""
+    """The owner a request was published by, from its subject ``tp.req.<model>.<owner>[.p<k>]``."""
     parts = subject.split(".")
-    if len(parts) != 4 or parts[:2] != ["tp", "req"]:
+    if len(parts) not in (4, 5) or parts[:2] != ["tp", "req"] or (len(parts) == 5 and _slot(parts[4]) is None):
         raise InvalidRequest(f"not a request subject: {subject!r}")
     return check_owner(parts[3])
+
+
+def slot_of_request(subject: str) -> int | None:
+    """The placement slot a request subject names, or None (the shared queue)."""
+    parts = subject.split(".")
+    return _slot(parts[4]) if len(parts) == 5 else None
+
+
+def _slot(token: str) -> int | None:
+    return int(token[1:]) if token.startswith("p") and token[1:].isdigit() and len(token) <= 5 else None
 
 
 def token_subject(owner: str, stream_id: str) -> str:
@@ -189,3 +223,10 @@ def readers_subject(stream_id: str) -> str:
 def consumer_name(model: str) -> str:
     """The durable pull consumer shared by every generator serving ``model``."""
     return f"gen-{check_model_name(model)}"
+
+
+def slot_consumer_name(model: str, slot: int) -> str:
+    """The durable pull consumer of the requests placed on slot ``slot`` of ``model``: its holder pulls
+    first, every other generator of the model at a lower priority (``place-<model>-<k>``: the last
+    dash-separated part is the slot, so no two models' names collide)."""
+    return f"place-{check_model_name(model)}-{int(slot)}"

@@ -139,7 +139,9 @@ class Supervisor:
                  "--dtype", s.dtype, "--quant", s.quant, "--metrics-port", str(mport),
                  *(["--model-path", s.model_path] if s.model_path else [])],
                 self._ready_file_check(f"generator-{i}", ready_file),
-                env={**os.environ, "TOKENPIPE_READY_FILE": str(ready_file)}))
+                # Slot i: a generator restarted after a crash holds its slot again, and the requests
+                # placed there meanwhile went to the others (tokenpipe.placement).
+                env={**os.environ, "TOKENPIPE_READY_FILE": str(ready_file), "TOKENPIPE_PLACEMENT_SLOT": str(i)}))
         self._ports["metrics"] = metrics
         self.roles.append(self._child_role(
             "relay", "relay", ["relay", *common, *nats_args("relay"), "--model", s.model, "--host", s.host,

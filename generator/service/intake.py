@@ -26,7 +26,7 @@ from tokenpipe.errors import GenerationError, TokenpipeError, TransportError
 from tokenpipe.retry import PATIENCE, retrying, through_elections
 from tokenpipe.settings import Settings
 from tokenpipe.streams import history_at
-from tokenpipe.subjects import REQUESTS_STREAM, consumer_name, model_request_filter, owner_of_request
+from tokenpipe.subjects import REQUESTS_STREAM, consumer_name, owner_of_request, shared_request_filter
 from tokenpipe.wire import Request, TokenBatch, peek_request_id
 
 __all__ = ["RequestIntake", "keep", "patiently"]
@@ -84,7 +84,7 @@ class RequestIntake:
         if self.bus.provisions:
             await through_elections(self._update_consumer)
             self._psub = await through_elections(lambda: self.bus.js.pull_subscribe(
-                model_request_filter(self.model),
+                shared_request_filter(self.model),
                 durable=consumer_name(self.model),
                 stream=REQUESTS_STREAM,
                 config=request_consumer_config(self.settings, self.model),

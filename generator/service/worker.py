@@ -39,6 +39,7 @@ from tokenpipe.subjects import (
     REQUESTS_STREAM,
     owner_of_request,
     parse_cancel_subject,
+    slot_of_request,
     stream_key,
 )
 from tokenpipe.telemetry import extract_context, get_tracer
@@ -50,6 +51,7 @@ from ..engine.runner import FirstBatchGate, Runner
 from ..model.loader import LoadedModel
 from .announce import Announcer
 from .intake import RequestIntake, keep, patiently
+from .placed import SlotPulls, Summary, slot_for
 from .publisher import BatchPublisher
 from .rescue import Rescuer
 from .writer import OutputContext, StreamWriter
@@ -110,6 +112,11 @@ class GeneratorWorker:
                                    metrics=self.metrics)
         self.rescuer = Rescuer(bus, settings, worker_id=self.worker_id, model=self.model,
                                held=self._held_deliveries, progress_every=self.progress_every)
+        slot = slot_for(settings, socket.gethostname())
+        self.summary = Summary(bus, settings, worker_id=self.worker_id, model=self.model, slot=slot,
+                               load=lambda: (self.runner.running, len(self.active) - self.runner.running))
+        self.slot_pulls = SlotPulls(bus, settings, model=self.model, slot=slot, room=self._room,
+                                    wanted_own=self._wanted_own, deliver=self._arrived)
         self._output = OutputContext(settings, self.publisher, self.metrics, self.tracer, self._finished, self._lost)
         self._tasks: list[asyncio.Task[None]] = []
         self._checks: set[asyncio.Task[None]] = set()  # stream-id checks of first deliveries still running
@@ -122,6 +129,7 @@ class GeneratorWorker:
         try:
             await self.publisher.start()
             await self.intake.subscribe()
+            await self.slot_pulls.start()
         except BaseException:
             # The engine runs on a non-daemon thread: a start that failed here (JetStream not
             # answering yet, a cluster still forming) kept the process alive, never ready and
@@ -136,6 +144,7 @@ class GeneratorWorker:
         ]
         await self.announcer.start()
         await self.rescuer.start()
+        await self.summary.start()
         log.info("generator ready", extra={"model": self.model, "worker": self.worker_id,
                                            "max_batch": self.settings.max_batch, "device": str(self.loaded.device)})
 
@@ -143,6 +152,7 @@ class GeneratorWorker:
         """Stop fetching, let running requests finish for ``drain_timeout``, NAK the rest."""
         self._stopping.set()
         self._slot_freed.set()
+        await self.slot_pulls.stop()
         try:
             await self._hand_back_waiting()
             await self._hand_back(drain_timeout)
@@ -195,11 +205,13 @@ class GeneratorWorker:
             log.info("handed back unfinished requests", extra={"count": len(handed_back)})
         await self.announcer.stop()
         await self.rescuer.stop()
+        await self.summary.stop()
         await stop_loops(self._closing, self._tasks)  # not by cancel alone: see tokenpipe.background
         await self.publisher.close()
         if self._cancels is not None:
             await self._cancels.unsubscribe()
         await self.intake.close()
+        await self.slot_pulls.close()
 
     @property
     def serving(self) -> bool:
@@ -233,15 +245,41 @@ class GeneratorWorker:
         lookahead lets a generator whose slots run batch work take a few requests more: an
         interactive one among them preempts a batch row (generator.engine.scheduler), and what it
         holds beyond its slots stays bounded by ``LOOKAHEAD``."""
+        room = self._room()
+        # Held and not running: waiting in the engine (or on their way to it).
+        waiting = len(self.active) - self.runner.running
+        return room if room > 0 else max(room, self.settings.waiting_room - waiting)
+
+    def _room(self) -> int:
+        """Requests it can start now: free slots the KV cache can take, and the batch lookahead."""
         room = min(self.settings.max_batch - len(self.active), self.runner.memory_room)
         batch = sum(1 for out in self.active.values() if out.request.batch)
         # More batch requests held than could all be waiting beyond the slots: one of them runs, and
         # an interactive request pulled now can take its row.
         if batch > max(len(self.active) - self.settings.max_batch, 0):
             room += LOOKAHEAD
-        # Held and not running: waiting in the engine (or on their way to it).
-        waiting = len(self.active) - self.runner.running
-        return room if room > 0 else max(room, self.settings.waiting_room - waiting)
+        return room
+
+    def _wanted_own(self) -> int:
+        """Requests to pull from its own placement slot: while a peer has idle capacity, only those it can
+        start now (the rest go to that peer at once: tokenpipe.slots); else into its waiting room too,
+        where fair share between owners orders them."""
+        if self._stopping.is_set():
+            return 0
+        idle_peer = self.summary.peers.idle_elsewhere(self.model, self.worker_id)
+        return min(self._room() if idle_peer else self.free_slots, LOOKAHEAD * 2)
+
+    async def _arrived(self, msgs: list[Msg]) -> None:
+        """Requests pulled (from the shared queue or a placement slot): start each."""
+        await self.rescuer.arrived(msgs)
+        # All but the last of a burst are flagged: an idle engine holds its first prefill
+        # (at most admission_hold_ms) so that the burst is prefilled together.
+        for i, msg in enumerate(msgs):
+            if self._stopping.is_set():
+                await msg.nak()  # fetched while stopping: hand it straight back
+            else:
+                await self._accept(msg, more_coming=i < len(msgs) - 1)
+        self.slot_pulls.wake()
 
     async def _fetch_loop(self) -> None:
         while not self._stopping.is_set():
@@ -259,14 +297,7 @@ class GeneratorWorker:
                 log.warning("fetch failed; retrying", extra={"error": repr(exc)})
                 await asyncio.sleep(0.5)
                 continue
-            await self.rescuer.arrived(msgs)
-            # All but the last of a burst are flagged: an idle engine holds its first prefill
-            # (at most admission_hold_ms) so that the burst is prefilled together.
-            for i, msg in enumerate(msgs):
-                if self._stopping.is_set():
-                    await msg.nak()  # fetched while stopping: hand it straight back
-                else:
-                    await self._accept(msg, more_coming=i < len(msgs) - 1)
+            await self._arrived(msgs)
 
     async def _check_id(self, out: StreamWriter, msg: Msg) -> None:
         """A first delivery starts a new stream: unless its id already has token history (then it
@@ -376,6 +407,10 @@ class GeneratorWorker:
             out.emit(Emission(key, (), "", time.time_ns(), finish="cancelled", usage=Usage(0, len(resume))))
             return
         self.runner.submit(Job(request, resume_ids=resume, more_coming=more_coming, key=key))
+        self.summary.record(request, owner)
+        slot = slot_of_request(msg.subject)
+        how = "shared" if slot is None else "own" if slot == self.summary.slot else "taken"
+        self.metrics.placed.labels(model_name=self.model, how=how).inc()
 
     # -- cancellation ----------------------------------------------------------------
     async def _on_cancel(self, msg: Msg) -> None:
@@ -470,14 +505,20 @@ class GeneratorWorker:
             self.active.pop(out.key)
             self.rescuer.changed()
             self.runner.cancel(out.key)
-            self._slot_freed.set()
+            self._freed()
+
+    def _freed(self) -> None:
+        """A slot is free: the fetch loop and the slot pulls may pull again, and the summary says so."""
+        self._slot_freed.set()
+        self.slot_pulls.wake()
+        self.summary.changed()
 
     def _finished(self, out: StreamWriter, batch: TokenBatch) -> None:
         rid = out.request.id
         if self.active.get(out.key) is out:
             self.active.pop(out.key)
             self.rescuer.changed()
-        self._slot_freed.set()
+        self._freed()
         if out.refused:
             return
         log.info("request finished", extra={"request_id": rid, "finish": batch.finish,

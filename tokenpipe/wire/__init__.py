@@ -12,7 +12,7 @@ the NATS shapes from this package; the relay's WebSocket frames are in :mod:`.fr
 from ..params import CoalesceParams, SamplingParams
 from .batch import FINISH_REASONS, FinishReason, TokenBatch, Usage
 from .codec import WIRE_VERSION, new_request_id, now_ns
-from .control import Announcement, Cancel, Held, IndexedRequest, StreamMeta
+from .control import Announcement, Cancel, Held, IndexedRequest, PlacementSummary, StreamMeta
 from .request import (
     DEFAULT_TIER,
     SERVICE_TIERS,
@@ -48,6 +48,7 @@ __all__ = [
     "StreamMeta",
     "IndexedRequest",
     "Announcement",
+    "PlacementSummary",
     "new_request_id",
     "now_ns",
     "peek_request_id",

@@ -19,7 +19,7 @@ from ..params import invalid_request
 from .codec import WIRE_VERSION, decoded, to_json
 from .request import Request, _present
 
-__all__ = ["Announcement", "Cancel", "Held", "IndexedRequest", "StreamMeta"]
+__all__ = ["Announcement", "Cancel", "Held", "IndexedRequest", "PlacementSummary", "StreamMeta"]
 
 
 class _Control(msgspec.Struct, frozen=True, tag_field="v", tag=WIRE_VERSION):
@@ -93,6 +93,25 @@ class Held(_Control, frozen=True):
     acks: tuple[str, ...] = ()
     peers: tuple[str, ...] = ()  # the workers it has heard: who may hand a dead one's requests back
     leaving: bool = False  # a worker stopping: its requests are handed back by itself
+
+
+class PlacementSummary(_Control, frozen=True):
+    """What a generator's prefix cache holds and how loaded it is, for placement
+    (:mod:`tokenpipe.placement`): published on ``tp.gen.place.<model>.<worker>`` when it changes (at
+    most every 100 ms) and every announce interval (JSON). ``keys`` are hashed prompt prefixes (never
+    text), at most :data:`tokenpipe.placement.MAX_KEYS`; ``slot`` the placement slot it pulls first
+    (-1: none). Forgotten ``ttl_s`` after the last one, or at once when ``ready`` is False."""
+
+    _what: ClassVar[str] = "placement summary"
+    worker: str
+    model: str
+    slot: int = -1
+    keys: tuple[str, ...] = ()
+    running: int = 0
+    waiting: int = 0
+    max_batch: int = 0
+    ready: bool = True
+    ttl_s: float = 6.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -80,6 +80,9 @@ class Request:
     # Last, and left out of the encoding when it is the default: a request without it is
     # interactive, and bytes of a default request are what peers before the field wrote.
     service_tier: ServiceTier = DEFAULT_TIER
+    # The OpenAI ``user`` (or the SDK's ``session``): an affinity hint for placement
+    # (tokenpipe.placement), never shown to anyone else. Left out of the encoding when empty.
+    session: Annotated[str, Field(max_length=256)] = ""
 
     def __post_init__(self) -> None:
         given = sum(x is not None for x in (self.prompt, self.messages, self.input_ids))
@@ -104,13 +107,13 @@ class Request:
     @classmethod
     def build(cls, model: str, *, prompt: Any = None, messages: Any = None, input_ids: Any = None,
               params: Mapping[str, Any] | None = None, coalesce: Any = None, tenant: str = "default",
-              request_id: str | None = None, service_tier: Any = None) -> Request:
+              request_id: str | None = None, service_tier: Any = None, session: Any = None) -> Request:
         """A new request (a fresh id unless given, created now) from untrusted values, validated
         as :meth:`from_map` does: the producer SDK builds its requests here (the relay, with :meth:`create`)."""
         return cls.from_map({
             "id": request_id or new_request_id(), "model": model, "prompt": prompt, "messages": _listed(messages),
             "input_ids": _listed(input_ids), "params": params, "coalesce": coalesce, "tenant": tenant,
-            "created_at": now_ns(), "service_tier": service_tier,
+            "created_at": now_ns(), "service_tier": service_tier, "session": session,
         })
 
     @classmethod
@@ -126,6 +129,8 @@ class Request:
         out: dict[str, Any] = msgspec.to_builtins(self)
         if self.service_tier == DEFAULT_TIER:
             del out["service_tier"]
+        if not self.session:
+            del out["session"]
         return out
 
     def encode(self) -> bytes:
