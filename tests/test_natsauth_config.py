@@ -49,7 +49,7 @@ def test_the_generated_server_config_has_every_role_and_no_anonymous_user(tmp_pa
     assert {(i.get("service") or i.get("stream"))["subject"] for i in layout["APP_default"]["imports"]} == {
         "tp.req.*.default", "tp.req.*.default.*", "tp.cancel.default.>", "tp.live.default.>", "tp.gen.place.>"}
     # Live batches (only what tokenpipe's store accepted) arrive under the app's own token subjects.
-    assert [i.get("to") for i in layout["APP_default"]["imports"] if "stream" in i] == ["tp.tok.default.>", None]
+    assert [i.get("to") for i in layout["APP_default"]["imports"] if "stream" in i] == [None, "tp.tok.default.>"]
     again = ensure_credentials(tmp_path / "creds")  # reused, not regenerated
     assert {u: c.password for u, c in again.items()} == {u: c.password for u, c in creds.items()}
 
