@@ -349,6 +349,76 @@ async def test_kill9_of_a_generator_holding_32_streams_all_finish_on_the_other(s
     await stack.wait_up()
 
 
+async def _placed_counts(http: httpx.AsyncClient, stack: UpProcess) -> list[dict[str, float]]:
+    """Each generator's ``tokenpipe_placed_requests_total`` by ``how``, from its /metrics."""
+    out = []
+    for port in stack.status()["ports"]["metrics"]:
+        text = (await http.get(f"http://127.0.0.1:{port}/metrics")).text
+        out.append({how: sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                             if line.startswith("tokenpipe_placed_requests_total{") and f'how="{how}"' in line)
+                    for how in ("own", "taken", "shared")})
+    return out
+
+
+async def test_a_conversations_turns_stay_on_one_generator_over_http_and_the_sdk(stack: UpProcess) -> None:
+    """Issue 47 through `tokenpipe up --generators 2` with NATS authorization on: each later turn of a
+    conversation (over HTTP with `user`, and through the SDK with the app's own credentials, which
+    place through the service import) runs on the generator that ran its first."""
+    from producer import Producer
+    from tokenpipe.placement import prefix_keys, recorded_keys
+    from tokenpipe.settings import Settings
+    from tokenpipe.subjects import PLACE_PREFIX
+    from tokenpipe.wire import PlacementSummary
+
+    await stack.wait_up()
+    assert stack.nc is not None
+    heard: set[str] = set()
+
+    async def on(msg: Any) -> None:
+        heard.update(PlacementSummary.decode(msg.data).keys)
+
+    sub = await stack.nc.subscribe(f"{PLACE_PREFIX}.>", cb=on)
+    words = " ".join(f"w{i}" for i in range(150))
+    try:
+        async with httpx.AsyncClient(base_url=stack.url, timeout=60) as http:
+            before = await _placed_counts(http, stack)
+            prompt = f"document {words}."
+            for turn in range(4):
+                body = {"prompt": prompt, "max_tokens": 3, "temperature": 0, "ignore_eos": True, "user": "conv-1"}
+                _, events = await stream(http, body)
+                assert events[-1][0] == "done", events[-1]
+                if turn == 0:  # the first turn's generator has said it holds this start
+                    last = recorded_keys(prefix_keys(Request.create("tiny-random", prompt=prompt), RELAY_OWNER))[-1]
+                    await wait_until(lambda k=last: k in heard, 10, "the first turn's start in a summary")
+                prompt += f" question {turn} and its answer {words[:150]}"
+            after = await _placed_counts(http, stack)
+            grew = [{how: a[how] - b[how] for how in a} for a, b in zip(after, before, strict=True)]
+            assert sum(g["own"] for g in grew) == 3 and max(g["own"] for g in grew) == 3, grew
+            assert (await http.get("/metrics")).text.count('tokenpipe_placements_total{decision="prefix"') == 1
+
+            creds = stack.data / "creds" / "app-default.json"
+            settings = Settings.load(env={}, nats_url=stack.status()["nats_url"], nats_creds=str(creds))
+            async with await Producer.connect(settings=settings) as app:
+                before = await _placed_counts(http, stack)
+                history = f"notes {words}."
+                for turn in range(3):
+                    handle = await app.submit("tiny-random", prompt=history, max_tokens=2, temperature=0,
+                                              ignore_eos=True, session="conv-2")
+                    assert (await asyncio.wait_for(handle.result(), 60)).finish == "length"
+                    if turn == 0:
+                        table = app.bus.placement
+                        assert table is not None
+                        first = Request.create("tiny-random", prompt=history)
+                        await wait_until(lambda r=first: table.choose(r, app.bus.owner) is not None, 10,
+                                         "the SDK to hear the first turn's generator")
+                    history += f" more {turn} {words[:150]}"
+                after = await _placed_counts(http, stack)
+                grew = [{how: a[how] - b[how] for how in a} for a, b in zip(after, before, strict=True)]
+                assert max(g["own"] for g in grew) == 2 and sum(g["own"] for g in grew) == 2, grew
+    finally:
+        await sub.unsubscribe()
+
+
 async def test_a_role_that_crashes_at_start_is_given_up_and_up_exits_1(tmp_path: Path, data_dir: Path) -> None:
     (tmp_path / "models").symlink_to(data_dir / "models", target_is_directory=True)
     s = start_stack(tmp_path, 1, "--model-path", str(tmp_path / "no-such-model"), TOKENPIPE_RESTART_LIMIT="2",

@@ -181,7 +181,7 @@ async def test_requests_for_a_model_nobody_serves_were_stored_for_a_day(server: 
         info = await admin.js.stream_info(stream, subjects_filter="tp.req.nomodel.>")
         assert not info.state.subjects
         cfg = info.config
-        assert cfg.subjects == [f"tp.req.{MODEL}.{subject}"]
+        assert cfg.subjects == [f"tp.req.{MODEL}.{subject}", f"tp.req.{MODEL}.{subject}.*"]  # shared, placed
         assert cfg.max_age is not None and cfg.max_age <= 3600
         assert (cfg.max_bytes, cfg.max_msgs_per_subject, cfg.discard, cfg.discard_new_per_subject) == (
             BOUNDS["request_max_bytes"], BOUNDS["request_max_per_owner"], js_api.DiscardPolicy.NEW, True)
@@ -386,4 +386,5 @@ async def test_a_deleted_intake_stream_is_recreated_and_its_requests_reach_the_q
 async def test_an_app_added_while_the_admin_runs_gets_its_intake_stream(server: Server, admin: Bus) -> None:
     add_app(server.creds, "carol")  # `tokenpipe creds add-app carol`: the admin reads the directory each round
     await wait_until(lambda: _sourced(admin, "carol"), 10, "the admin to make carol's intake stream")
-    assert (await admin.js.stream_info(intake_stream("carol"))).config.subjects == [f"tp.req.{MODEL}.carol"]
+    assert (await admin.js.stream_info(intake_stream("carol"))).config.subjects == [
+        f"tp.req.{MODEL}.carol", f"tp.req.{MODEL}.carol.*"]
