@@ -409,7 +409,7 @@ async def test_a_conversations_turns_stay_on_one_generator_over_http_and_the_sdk
                         table = app.bus.placement
                         assert table is not None
                         first = Request.create("tiny-random", prompt=history)
-                        await wait_until(lambda r=first: table.choose(r, app.bus.owner) is not None, 10,
+                        await wait_until(lambda r=first, t=table: t.choose(r, app.bus.owner) is not None, 10,
                                          "the SDK to hear the first turn's generator")
                     history += f" more {turn} {words[:150]}"
                 after = await _placed_counts(http, stack)

@@ -123,7 +123,8 @@ async def test_filters_by_model_and_finish(client: httpx.AsyncClient) -> None:
         "object": "list", "data": [], "has_more": False, "next_before": None}
 
 
-async def test_export_is_the_stream_as_read_and_the_request(client: httpx.AsyncClient, settings: Settings) -> None:
+async def test_export_is_the_stream_as_read_and_the_request(client: httpx.AsyncClient, settings: Settings,
+                                                            generator: GeneratorWorker) -> None:
     body = {**BODY, "max_tokens": 9, "coalesce": {"max_tokens": 2, "max_delay_ms": 50}}
     sid, events = await run_stream(client, ALICE, body)
     tokens, done = events[:-1], events[-1]
@@ -143,6 +144,7 @@ async def test_export_is_the_stream_as_read_and_the_request(client: httpx.AsyncC
     assert request["coalesce"] == {"max_tokens": 2, "max_delay_ms": 50.0}
     assert "tenant" not in request
     assert record["summary"]["tokens"] == 9 and record["summary"]["batches"] == len(tokens)
+    assert record["summary"]["served_by"] == [generator.worker_id]  # which generator served it (issue 47)
     assert record["trace_id"] is None or len(record["trace_id"]) == 32
     # Bob cannot export it: the same 404 as for a stream that never existed.
     theirs = await client.get(f"/v1/streams/{sid}/export", headers=auth(BOB))

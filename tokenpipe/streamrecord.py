@@ -21,10 +21,12 @@ from .streamindex import read_request
 from .streams import stored
 from .wire import StreamMeta, TokenBatch
 
-__all__ = ["FORMAT", "BatchRecord", "GapRecord", "StreamRecord", "StreamSummary", "brief", "build", "read",
-           "summarize", "trace_id"]
+__all__ = ["FORMAT", "SERVED_BY_HEADER", "BatchRecord", "GapRecord", "StreamRecord", "StreamSummary", "brief",
+           "build", "read", "summarize", "trace_id"]
 
 FORMAT: Literal["tokenpipe.stream/1"] = "tokenpipe.stream/1"
+# On the first batch a generator stores for a delivery: its worker id (the inspector's "served by").
+SERVED_BY_HEADER = "Tp-Served-By"
 
 
 class BatchRecord(BaseModel):
@@ -68,6 +70,8 @@ class StreamSummary(BaseModel):
     tokens_per_s: float | None = Field(default=None, description="tokens after the first batch / time after it")
     itl_p50_ms: float | None = Field(default=None, description="inter-token latency, median (estimated from batches)")
     itl_p99_ms: float | None = Field(default=None, description="inter-token latency, 99th percentile (estimated)")
+    served_by: list[str] = Field(default_factory=list, description="the generators that served it (worker ids, "
+                                 "from each delivery's first batch), in order: more than one after a takeover")
 
 
 class StreamRecord(BaseModel):
@@ -142,7 +146,7 @@ def summarize(created_at: int, batches: Sequence[TokenBatch]) -> StreamSummary:
 
 
 def build(meta: StreamMeta, batches: Mapping[int, TokenBatch], *, request: Mapping[str, Any] | None = None,
-          traceparent: str | None = None) -> StreamRecord:
+          traceparent: str | None = None, served_by: Sequence[str] = ()) -> StreamRecord:
     """The record of a stream from its stored batches by ``seq`` (up to the final one)."""
     ordered = [batches[s] for s in sorted(batches)]
     final = next((i for i, b in enumerate(ordered) if b.is_final), None)
@@ -155,10 +159,11 @@ def build(meta: StreamMeta, batches: Mapping[int, TokenBatch], *, request: Mappi
             gaps.append(GapRecord(from_seq=expected, to_seq=batch.seq - 1))
         expected = batch.seq + 1
     shown = {k: v for k, v in request.items() if k not in ("tenant", "v")} if request is not None else None
+    summary = summarize(meta.created_at, ordered)
+    summary.served_by = list(served_by)
     return StreamRecord(id=meta.id, model=meta.model, created_at=meta.created_at, request=shown,
                         traceparent=traceparent or None, trace_id=trace_id(traceparent),
-                        batches=[BatchRecord.of(b) for b in ordered], gaps=gaps,
-                        summary=summarize(meta.created_at, ordered))
+                        batches=[BatchRecord.of(b) for b in ordered], gaps=gaps, summary=summary)
 
 
 async def read(bus: Bus, meta: StreamMeta) -> StreamRecord:
@@ -167,5 +172,7 @@ async def read(bus: Bus, meta: StreamMeta) -> StreamRecord:
     indexed = await read_request(bus, meta)
     first_headers = kept[min(kept)][1] if kept else {}
     traceparent = first_headers.get("traceparent") or (indexed.traceparent if indexed is not None else None)
+    served = [h[SERVED_BY_HEADER] for _, (_, h) in sorted(kept.items()) if h.get(SERVED_BY_HEADER)]
     return build(meta, {seq: batch for seq, (batch, _) in kept.items()},
-                 request=indexed.request.to_map() if indexed is not None else None, traceparent=traceparent)
+                 request=indexed.request.to_map() if indexed is not None else None, traceparent=traceparent,
+                 served_by=list(dict.fromkeys(served)))

@@ -117,7 +117,8 @@ class GeneratorWorker:
                                load=lambda: (self.runner.running, len(self.active) - self.runner.running))
         self.slot_pulls = SlotPulls(bus, settings, model=self.model, slot=slot, room=self._room,
                                     wanted_own=self._wanted_own, deliver=self._arrived)
-        self._output = OutputContext(settings, self.publisher, self.metrics, self.tracer, self._finished, self._lost)
+        self._output = OutputContext(settings, self.publisher, self.metrics, self.tracer, self._finished, self._lost,
+                                     worker=self.worker_id)
         self._tasks: list[asyncio.Task[None]] = []
         self._checks: set[asyncio.Task[None]] = set()  # stream-id checks of first deliveries still running
         self._cancels: Subscription | None = None

@@ -29,6 +29,7 @@ from opentelemetry.trace import Tracer
 from tokenpipe.append import StreamLost
 from tokenpipe.metrics import GeneratorMetrics
 from tokenpipe.settings import Settings
+from tokenpipe.streamrecord import SERVED_BY_HEADER
 from tokenpipe.subjects import RELAY_OWNER, stream_key
 from tokenpipe.telemetry import inject_headers
 from tokenpipe.wire import Request, TokenBatch
@@ -54,6 +55,7 @@ class OutputContext:
     tracer: Tracer
     finished: Callable[[StreamWriter, TokenBatch], None]  # after the final batch is queued and the ack with it
     lost: Callable[[StreamWriter, StreamLost], None]  # the store refused an append: another writer holds it
+    worker: str | None = None  # this generator's id, on each delivery's first batch (TokenBatch.served_by)
 
 
 class StreamWriter:
@@ -87,6 +89,7 @@ class StreamWriter:
         )
         self.timeline = Timeline(created=request.created_at, received=received, resumed_tokens=resumed)
         self.headers = inject_headers(span=span)  # every batch carries the generation's trace context
+        self._said_served = False
         self.timer: asyncio.TimerHandle | None = None
         self.closed = False
         self.refused = False  # the stream id was taken: nothing of this request is ever published
@@ -190,6 +193,9 @@ class StreamWriter:
             return
         # Msg-Id per (stream, seq, writer): a retry of this writer's append is recognised as its own.
         headers = {**self.headers, "Nats-Msg-Id": f"{self.owner}:{batch.id}:{batch.seq}:{self._tag}"}
+        if self.ctx.worker and not self._said_served:  # this delivery's first: who serves it (the inspector)
+            headers[SERVED_BY_HEADER] = self.ctx.worker
+            self._said_served = True
         self.timeline.on_batch(self.ctx.metrics, batch, batch.timings["emitted"])  # set by the coalescer
         self.ctx.publisher.publish(self.chain, batch.encode(), headers)
         if batch.is_final:
