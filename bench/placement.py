@@ -48,7 +48,7 @@ from rich.table import Table
 from tokenpipe.settings import Settings
 from tokenpipe_cli.upprocess import UpProcess
 
-from .common import cpu_summary, write_json
+from .common import cpu_summary, pct, write_json
 from .placement_load import Counters, Turn, conversations, delta, fleet_counters, unrelated, wait_counted
 from .rawhttp import raw_stream
 
@@ -107,7 +107,9 @@ def _chats(turns: list[Turn], fleet: dict[str, Any]) -> dict[str, Any]:
     f50, l50 = _p50(first), _p50(later)
     return {**fleet, "turns": len(turns), "failed": sum(not t.ok for t in turns),
             "errors": sorted({str(t.error) for t in turns if not t.ok}),
-            "ttft_ms": {"first_p50": f50, "later_p50": l50, "later_over_first": _ratio(l50, f50)},
+            "ttft_ms": {"first_p50": f50, "later_p50": l50, "later_over_first": _ratio(l50, f50),
+                        # a later turn that missed its history pays a whole prefill: the tail shows them
+                        "later_p90": pct(later, 90) if later else None},
             "prompt_tokens": {"first_p50": _p50([t.prompt_tokens for t in turns if t.ok and t.turn == 0]),
                               "last_p50": _p50([t.prompt_tokens for t in turns if t.ok and t.turn == max(
                                   (u.turn for u in turns), default=0)])},
