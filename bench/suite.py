@@ -76,6 +76,11 @@ SCENARIOS: tuple[Scenario, ...] = (
              "token shares",
              quick=(*_TINY, "--dtype", "float32", "--backlog", "8", "--max-batch", "8", "--backlog-tokens", "64",
                     "--rounds", "1", "--bus-jobs", "40", "--bus-tokens", "32", "--window", "4")),
+    Scenario("placement", "system", "bench.placement",
+             "6 chats x 4 turns, each on its own document, over 1 and 2 generators: the fleet's prefix-cache hit "
+             "rate, later/first-turn TTFT; 32 unrelated streams: the busiest generator's share, tokens/s",
+             quick=(*_TINY, "--conversations", "3", "--turns", "2", "--doc-words", "300", "--unrelated", "8",
+                    "--unrelated-tokens", "16")),
     Scenario("chaos", "system", "bench.chaos",
              "random kills and freezes on a 3-node cluster under load; every stream checked against its replay",
              quick=("--duration", "60", "--faults", "6", "--max-stop", "6", "--rate", "0.7")),
