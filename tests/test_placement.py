@@ -91,8 +91,10 @@ def test_the_longest_matching_start_wins_then_the_session_and_a_busy_target_is_p
     table.update(summary("a", 0, [session_key(hinted, "relay") or ""]))
     choice = table.choose(hinted, "relay")
     assert choice is not None and (choice.worker, choice.reason) == ("a", "session")
+    assert table.free_elsewhere(MODEL, "a") == 4 - 3 and table.free_elsewhere(MODEL, "b") == 4
     table.update(summary("b", 1, recorded_keys(keys[:5]), waiting=4))  # a full batch waits there
     assert table.choose(turn, "relay") is None
+    assert not table.idle_elsewhere(MODEL, "a")  # a burst is no longer split with b
     table.update(summary("b", 1, recorded_keys(keys[:5]), ready=False))  # leaving: forgotten at once
     assert all(s.worker != "b" for s in table.live(MODEL))
     now[0] = 10.0  # past every ttl
@@ -114,16 +116,17 @@ def placed(worker: GeneratorWorker, how: str) -> float:
         "tokenpipe_placed_requests_total", {"model_name": MODEL, "how": how}) or 0.0
 
 
-@pytest.fixture
-async def pair(settings: Settings, data_dir: Path) -> AsyncIterator[list[GeneratorWorker]]:
-    """Generators on slots 0 and 1 of their own model, one engine slot each (placement needs no more)."""
+@pytest.fixture(params=[2])
+async def pair(request: pytest.FixtureRequest, settings: Settings,
+               data_dir: Path) -> AsyncIterator[list[GeneratorWorker]]:
+    """Generators on slots 0 and 1 of their own model, ``param`` engine slots each."""
     workers, buses = [], []
     for slot in (0, 1):
         loaded = load_model("tiny-random", device="cpu", dtype="float32", data_dir=data_dir)
         loaded.name = MODEL
         bus = await connect(settings, name=f"place-generator-{slot}", role="generator")
         buses.append(bus)
-        workers.append(GeneratorWorker(settings.replace(max_batch=1, placement_slot=slot, waiting_room=0),
+        workers.append(GeneratorWorker(settings.replace(max_batch=request.param, placement_slot=slot, waiting_room=0),
                                        loaded, bus))
     for w in workers:
         await w.start()
@@ -154,6 +157,7 @@ async def test_a_conversations_later_turns_go_to_the_generator_that_served_its_f
         assert served.runner.stats().prefix_hit_tokens > 0
 
 
+@pytest.mark.parametrize("pair", [1], indirect=True)  # one slot: one long request fills it
 async def test_a_request_placed_on_a_busy_or_gone_generator_is_taken_by_the_other_at_once(
         pair: list[GeneratorWorker], settings: Settings) -> None:
     busy, free = pair

@@ -152,7 +152,11 @@ class PlacementTable:
 
     def idle_elsewhere(self, model: str, worker: str) -> bool:
         """Whether another generator of ``model`` has a free slot and nothing waiting."""
-        return any(s.worker != worker and s.running + s.waiting < s.max_batch for s in self.live(model))
+        return self.free_elsewhere(model, worker) > 0
+
+    def free_elsewhere(self, model: str, worker: str) -> int:
+        """The free slots of ``model``'s other generators, all together."""
+        return sum(max(0, s.max_batch - s.running - s.waiting) for s in self.live(model) if s.worker != worker)
 
     def choose(self, request: Request, owner: str) -> Choice | None:
         """The generator to place ``request`` (published by ``owner``) on, or None: the shared queue."""

@@ -114,13 +114,17 @@ class RequestIntake:
             raise TransportError("the request intake is not subscribed")
         return self._psub
 
-    async def next_burst(self, free_slots: Callable[[], int], stopping: asyncio.Event) -> list[Msg]:
+    async def next_burst(self, free_slots: Callable[[], int], stopping: asyncio.Event,
+                         share: Callable[[int], int] | None = None) -> list[Msg]:
         """The next request, and whatever else the queue already holds that fits in
-        ``free_slots()``. Raises ``TimeoutError`` when nothing arrived within a second."""
+        ``free_slots()``, at most ``share(pending)`` of the ``pending`` ones (a burst is split with idle
+        peers). Raises ``TimeoutError`` when nothing arrived within a second."""
         # One at a time: nats-py's fetch(n) lingers for all n once the first arrives, which
         # would hold a lone request back; fetch(1) returns as soon as one is available.
         msgs: list[Msg] = await self.pull.fetch(1, timeout=1.0)
         pending = msgs[-1].metadata.num_pending if msgs else 0
+        if share is not None:
+            pending = min(pending, share(pending))
         while pending > 0 and free_slots() > len(msgs) and not stopping.is_set():
             try:
                 more = await self.pull.fetch(min(pending, free_slots() - len(msgs)), timeout=0.02)
@@ -130,7 +134,7 @@ class RequestIntake:
                 log.warning("fetch failed; retrying", extra={"error": repr(exc)})
                 break
             msgs += more
-            pending = more[-1].metadata.num_pending if more else 0
+            pending = min(more[-1].metadata.num_pending, pending - len(more)) if more else 0
         return msgs
 
     async def reject(self, msg: Msg, exc: TokenpipeError) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
 import time
@@ -43,6 +44,8 @@ _PULL_EXPIRES_S = 2.0  # how long one pull waits at the server before it is rene
 # request placed here after those slots filled (from the shared queue), while a peer sat idle. So
 # while it pulls only for what it can start, its pull lasts this long at most.
 _OWN_EXPIRES_S = 0.25
+_RENEW_AHEAD_S = 0.1  # its own pull is renewed this long before it ends
+_LOST_STATUS_S = 1.0  # a pull whose end was not said (a reconnect lost its status) is forgotten after this
 _SUMMARY_EVERY_S = 0.1  # at most this often a changed summary goes out
 _OWN, _PEER = 0, 1  # pull priorities: the holder's first
 
@@ -130,8 +133,13 @@ class Summary:
 
 @dataclass(slots=True)
 class _Pull:
+    slot: int
     deadline: float  # monotonic; past it the server has given it up
     left: int  # deliveries it may still bring
+
+    def open(self, now: float, ahead: float = 0.0) -> bool:
+        """Still open ``ahead`` seconds from ``now``."""
+        return self.left > 0 and self.deadline - ahead > now
 
 
 class SlotPulls:
@@ -147,7 +155,8 @@ class SlotPulls:
         self.room = room  # requests it can start now: peers' slots are pulled only while > 0
         self.wanted_own = wanted_own  # requests to pull from its own slot now
         self.deliver = deliver
-        self._pulls: dict[int, _Pull] = {}
+        self._pulls: dict[int, _Pull] = {}  # by the number in its reply subject
+        self._numbers = itertools.count()
         self._inbox = ""
         self._sub: Subscription | None = None
         self._task: asyncio.Task[None] | None = None
@@ -177,8 +186,11 @@ class SlotPulls:
     @property
     def pulling_own(self) -> bool:
         """Whether a pull of its own slot may still be open at the server."""
-        pull = self._pulls.get(self.slot)
-        return pull is not None and pull.left > 0 and pull.deadline > time.monotonic()
+        # Until the server says it ended (its status), or well past its end: the server's clock for
+        # it started when the pull arrived there, after ours.
+        now = time.monotonic()
+        return any(p.slot == self.slot and p.left > 0 and p.deadline + _LOST_STATUS_S > now
+                   for p in self._pulls.values())
 
     def wake(self) -> None:
         """Room changed: open the pulls it allows now."""
@@ -191,34 +203,45 @@ class SlotPulls:
                 await self._open_pulls()
             except Exception as exc:  # a reconnect in progress: the next round opens them
                 log.warning("slot pull failed", extra={"error": repr(exc)})
-            with contextlib.suppress(TimeoutError):  # a safety round: renewals come on the pulls' ends
-                await asyncio.wait_for(self._wake.wait(), timeout=0.25)
+            # Renewals are due before the pulls end (its own: before the last one ends, so that one is
+            # always open, else a peer's would take what was placed here in between).
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout=self._next_round())
+
+    def _next_round(self) -> float:
+        now = time.monotonic()
+        due = [p.deadline - _RENEW_AHEAD_S - now for p in self._pulls.values() if p.slot == self.slot and p.left > 0]
+        return min([0.25, *(d for d in due if d > 0)]) + 0.001  # one due now was renewed (or is not wanted)
 
     async def _open_pulls(self) -> None:
         now = time.monotonic()
+        for n in [n for n, p in self._pulls.items() if p.left <= 0 or p.deadline + _LOST_STATUS_S < now]:
+            del self._pulls[n]  # filled, or its end's status was lost (a reconnect)
         room = self.room()
         for slot in range(self.settings.placement_slots):
-            want = self.wanted_own() if slot == self.slot else min(room, 1)
-            pull = self._pulls.get(slot)
-            if want <= 0 or (pull is not None and pull.deadline > now and pull.left > 0):
+            own = slot == self.slot
+            want = self.wanted_own() if own else min(room, 1)
+            if want <= 0 or any(p.slot == slot and p.open(now, _RENEW_AHEAD_S if own else 0.0)
+                                for p in self._pulls.values()):
                 continue
-            expires = _OWN_EXPIRES_S if slot == self.slot and want <= room else _PULL_EXPIRES_S
-            self._pulls[slot] = _Pull(now + expires, want)
+            expires = _OWN_EXPIRES_S if own and want <= room else _PULL_EXPIRES_S
+            number = next(self._numbers)
+            self._pulls[number] = _Pull(slot, now + expires, want)
             body = {"batch": want, "expires": int(expires * 1e9), "group": PRIORITY_GROUP,
-                    "priority": _OWN if slot == self.slot else _PEER}
+                    "priority": _OWN if own else _PEER}
             await self.bus.nc.publish(f"{self.bus.js._prefix}.CONSUMER.MSG.NEXT.{REQUESTS_STREAM}."
                                       f"{slot_consumer_name(self.model, slot)}", json.dumps(body).encode(),
-                                      reply=f"{self._inbox}.{slot}")
+                                      reply=f"{self._inbox}.{number}")
 
     async def _on_msg(self, msg: Msg) -> None:
         if not msg.reply:  # a status, on the pull's reply subject: it ended (408 expired, 409 given up)
-            pull = self._pulls.get(int(msg.subject.rsplit(".", 1)[-1]))
-            if pull is not None:
-                pull.left = 0
+            self._pulls.pop(int(msg.subject.rsplit(".", 1)[-1]), None)
             self._wake.set()  # renewed now
             return
-        # A delivery keeps its own subject; its consumer (place-<model>-<k>) names the pull it answers.
-        pull = self._pulls.get(int(msg.metadata.consumer.rsplit("-", 1)[-1]))
+        # A delivery keeps its own subject; its consumer (place-<model>-<k>) names the slot, and the
+        # oldest open pull of that slot is the one the server fills first.
+        slot = int(msg.metadata.consumer.rsplit("-", 1)[-1])
+        pull = next((p for p in self._pulls.values() if p.slot == slot and p.left > 0), None)
         if pull is not None:
             pull.left -= 1
         if self._stopping.is_set():
