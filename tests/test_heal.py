@@ -395,8 +395,16 @@ async def test_a_conversations_turns_stay_on_one_generator_over_http_and_the_sdk
             grew = [{how: a[how] - b[how] for how in a} for a, b in zip(after, before, strict=True)]
             assert sum(g["own"] for g in grew) == 3 and max(g["own"] for g in grew) == 3, grew
             assert (await http.get("/metrics")).text.count('tokenpipe_placements_total{decision="prefix"') == 1
+            # kill -9 of the generator holding the conversation: its next turn, placed there still (its
+            # summary has not lapsed), is taken by the other at once and finishes.
+            holder = next(i for i, g in enumerate(grew) if g["own"] == 3)
+            os.kill(stack.role(f"generator-{holder}")["pid"], signal.SIGKILL)
+            body = {"prompt": prompt, "max_tokens": 3, "temperature": 0, "ignore_eos": True, "user": "conv-1"}
+            _, events = await asyncio.wait_for(stream(http, body), 30)
+            assert events[-1][0] == "done" and events[-1][2]["finish"] == "length", events[-1]
+            await stack.wait_up()
 
-            creds = stack.data / "creds" / "app-default.json"
+            creds = stack.data / "creds" / "app-default.json"  # the SDK, with the app's own credentials
             settings = Settings.load(env={}, nats_url=stack.status()["nats_url"], nats_creds=str(creds))
             async with await Producer.connect(settings=settings) as app:
                 before = await _placed_counts(http, stack)
