@@ -393,11 +393,12 @@ async def test_a_conversations_turns_stay_on_one_generator_over_http_and_the_sdk
                 prompt += f" question {turn} and its answer {words[:150]}"
             after = await _placed_counts(http, stack)
             grew = [{how: a[how] - b[how] for how in a} for a, b in zip(after, before, strict=True)]
-            assert sum(g["own"] for g in grew) == 3 and max(g["own"] for g in grew) == 3, grew
+            # every turn on one generator (the first placed by load, or through the shared queue)
+            assert [g["own"] >= 3 for g in grew].count(True) == 1 and sum(g["own"] > 0 for g in grew) == 1, grew
             assert (await http.get("/metrics")).text.count('tokenpipe_placements_total{decision="prefix"') == 1
             # kill -9 of the generator holding the conversation: its next turn, placed there still (its
             # summary has not lapsed), is taken by the other at once and finishes.
-            holder = next(i for i, g in enumerate(grew) if g["own"] == 3)
+            holder = next(i for i, g in enumerate(grew) if g["own"] >= 3)
             os.kill(stack.role(f"generator-{holder}")["pid"], signal.SIGKILL)
             body = {"prompt": prompt, "max_tokens": 3, "temperature": 0, "ignore_eos": True, "user": "conv-1"}
             _, events = await asyncio.wait_for(stream(http, body), 30)
@@ -422,7 +423,7 @@ async def test_a_conversations_turns_stay_on_one_generator_over_http_and_the_sdk
                     history += f" more {turn} {words[:150]}"
                 after = await _placed_counts(http, stack)
                 grew = [{how: a[how] - b[how] for how in a} for a, b in zip(after, before, strict=True)]
-                assert max(g["own"] for g in grew) == 2 and sum(g["own"] for g in grew) == 2, grew
+                assert [g["own"] >= 2 for g in grew].count(True) == 1 and sum(g["own"] > 0 for g in grew) == 1, grew
     finally:
         await sub.unsubscribe()
 

@@ -21,11 +21,15 @@ recently used, bounded). The chain starts from the owner, tenant and model: one 
 match another's requests, and a summary lets nobody test another tenant's text with their own keys
 short of guessing that whole text.
 
-**Choosing.** The generator with the longest matching start wins; a request's ``session`` (the OpenAI
-``user``) found in a summary counts as a match of its whole length where no key matches (a hint for
-conversations whose start changed). Nothing matched: the shared queue, where every generator with
-room pulls (balance as before). The chosen generator busy beyond a full batch waiting: the shared
-queue too, since its prefix is worth less than a wait behind that many.
+**Choosing**, overlap against load: each generator scores the share of the request's chunks it holds
+(its longest matching start; the request's ``session``, the OpenAI ``user``, found in its summary
+counts as the whole, a hint for conversations whose start changed) less its load (running and waiting
+over ``max_batch``, plus what this submitter placed there since its last summary, so that a burst is
+spread before the summaries catch up). The best one gets it: a conversation stays where its history
+is until that generator is loaded well beyond the others, and requests that match nowhere go to the
+least loaded (32 unrelated streams over 2 generators ran 29 on one through the shared queue, whose
+pulls race). Every generator with a full batch waiting: the shared queue, where each generator's
+waiting room orders work by fair share.
 """
 
 from __future__ import annotations
@@ -117,7 +121,7 @@ class Choice:
     slot: int
     worker: str
     overlap: int
-    reason: str  # "prefix" or "session"
+    reason: str  # "prefix", "session" or "load" (no match anywhere: the least loaded)
 
 
 @dataclass(slots=True)
@@ -125,6 +129,12 @@ class _View:
     summary: PlacementSummary
     keys: frozenset[str]
     expires: float
+    placed: int = 0  # placed there by this table since the summary
+
+    @property
+    def load(self) -> float:
+        s = self.summary
+        return (s.running + s.waiting + self.placed) / max(s.max_batch, 1)
 
 
 class PlacementTable:
@@ -159,25 +169,24 @@ class PlacementTable:
         return sum(max(0, s.max_batch - s.running - s.waiting) for s in self.live(model) if s.worker != worker)
 
     def choose(self, request: Request, owner: str) -> Choice | None:
-        """The generator to place ``request`` (published by ``owner``) on, or None: the shared queue."""
+        """The generator to place ``request`` (published by ``owner``) on, or None: the shared queue.
+        A choice counts towards that generator's load until its next summary."""
         keys, session = prefix_keys(request, owner), session_key(request, owner)
-        best: tuple[int, int, float] | None = None
+        best: tuple[float, int, float] | None = None
         choice = None
         for s in self.live(request.model):
-            if s.slot < 0:
-                continue
-            held = self._views[s.worker].keys
-            overlap = next((i + 1 for i in range(len(keys) - 1, -1, -1) if keys[i] in held), 0)
-            by_session = session is not None and session in held
-            if not overlap and not by_session:
-                continue
-            rank = (overlap, int(by_session), -(s.running + s.waiting) / max(s.max_batch, 1))
+            view = self._views[s.worker]
+            if s.slot < 0 or s.waiting >= max(s.max_batch, 1):
+                continue  # no slot to place on; or a full batch waits there: any other is sooner
+            overlap = next((i + 1 for i in range(len(keys) - 1, -1, -1) if keys[i] in view.keys), 0)
+            by_session = session is not None and session in view.keys
+            held = 1.0 if by_session and not overlap else overlap / max(len(keys), 1)
+            rank = (held - view.load, overlap, -view.load)
             if best is None or rank > best:
-                best, choice = rank, Choice(s.slot, s.worker, overlap, "prefix" if overlap else "session")
+                reason = "prefix" if overlap else "session" if by_session else "load"
+                best, choice = rank, Choice(s.slot, s.worker, overlap, reason)
         if choice is not None:
-            target = self._views[choice.worker].summary
-            if target.waiting >= max(target.max_batch, 1):
-                return None  # a full batch waits there already: any generator is sooner
+            self._views[choice.worker].placed += 1
         return choice
 
 

@@ -244,6 +244,8 @@ class SlotPulls:
         pull = next((p for p in self._pulls.values() if p.slot == slot and p.left > 0), None)
         if pull is not None:
             pull.left -= 1
+            if pull.left <= 0:
+                self._wake.set()  # filled: the next one now, not at the next round
         if self._stopping.is_set():
             await msg.nak()  # pulled while stopping: straight back to the others
             return
