@@ -186,7 +186,8 @@ async def test_intake_streams_on_three_replicas_are_sourced_into_the_request_que
     try:
         assert [await replicas(bus, s) for s in (REQUESTS_STREAM, intake_stream("alice"))] == [3, 3]
         cfg = (await bus.js.stream_info(REQUESTS_STREAM)).config
-        assert cfg.subjects == ["tp.req.*.relay"] and [s.name for s in cfg.sources or []] == [intake_stream("alice")]
+        assert cfg.subjects == ["tp.req.*.relay", "tp.req.*.relay.*"]  # shared and placed (tokenpipe.placement)
+        assert [s.name for s in cfg.sources or []] == [intake_stream("alice")]
         await bus.js.add_consumer(REQUESTS_STREAM, js_api.ConsumerConfig(
             name="test-intake", durable_name="test-intake", filter_subject="tp.req.m.>",
             ack_policy=js_api.AckPolicy.EXPLICIT))
