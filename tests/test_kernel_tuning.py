@@ -16,11 +16,11 @@ import pytest
 from generator.engine.handle import Emission, Job
 from generator.engine.runner import Runner
 from generator.engine.scheduler import Engine
-from generator.model.autotune import BUSY_SHARE, prepare_plan
+from generator.model.autotune import BUSY_SHARE, prepare_plan, write_cache
 from generator.model.kerneltable import KernelTable
 from generator.model.loader import LoadedModel, load_model
 from generator.model.plan import plan_for
-from generator.model.tuning import BackgroundTuning, tune_in_background
+from generator.model.tuning import POLL_S, BackgroundTuning, tune_in_background
 from tests.conftest import wait_until
 from tests.test_engine import GREEDY, TEXTS, prompts_of, run_all
 from tests.test_kernels import busy_cores  # noqa: F401 - a fixture
@@ -179,3 +179,22 @@ def test_a_busy_machine_neither_blocks_the_start_nor_caches_its_table(
     assert plan.projections("o")[0].bands == tunable.rules.bands["o"] and not _tables(tmp_path)
     assert [r.getMessage().rsplit("; ", 1)[-1] for r in caplog.records if "not trusted" in r.getMessage()] == [
         "measuring again in 0 s", "the rules table serves this run (not cached: the next start measures again)"]
+
+
+def test_a_process_pausing_after_an_untrusted_table_takes_the_one_another_process_cached(
+        int4_tiny: LoadedModel, tmp_path: Path) -> None:
+    """Its measurement not trusted (here: any share of other processes is too much), a process pauses before
+    measuring again; a table another process caches meanwhile serves at once, without that second measurement."""
+    plan = plan_for(int4_tiny.model)
+    tunable = prepare_plan(int4_tiny.model, plan, dtype=int4_tiny.dtype, dense_rows=32, max_batch=1,
+                           name=int4_tiny.name, data_dir=str(tmp_path))
+    assert tunable.key is not None and tunable.path is not None
+    tuning = BackgroundTuning(int4_tiny.model, plan, tunable, dtype=int4_tiny.dtype, name=int4_tiny.name,
+                              busy_share=-1.0, retry_s=600.0)
+    while (wait := tuning.step()) == 0:
+        pass
+    assert wait is not None and 0 < wait <= POLL_S and tuning.measurements == 1 and not _tables(tmp_path)
+    other = KernelTable({role: ((1, "dense"),) for role in tunable.rules.bands}, 0, source="measured")
+    write_cache(tunable.path, other.to_json(tunable.key))  # "another process" measured and cached it
+    assert tuning.step() is None and tuning.measurements == 1
+    assert tuning.table.source == "cache" and plan.projections("qkv")[0].bands == ((1, "dense"),)

@@ -17,8 +17,8 @@ the holder's table every :data:`POLL_S`, applying it when it appears (a holder s
 ``lock_wait_s`` it measures itself). Other processes' CPU use is added up over the measuring spells only
 (a request served between them is this process's own); a table measured while they held more than
 :data:`~generator.model.autotune.BUSY_SHARE` of the machine is neither applied nor cached, measured again
-after ``retry_s``, at most ``attempts`` times in all, then the rules serve the run (the next start
-measures again).
+after ``retry_s`` (unless another process cached its table meanwhile: looked for every :data:`POLL_S`), at
+most ``attempts`` times in all, then the rules serve the run (the next start measures again).
 """
 
 from __future__ import annotations
@@ -87,8 +87,9 @@ class BackgroundTuning:
         if self.done:
             return None
         wait = self._not_before - time.monotonic()
-        if wait > 0:
-            return wait
+        if wait > 0:  # after an untrusted measurement: another process may measure meanwhile
+            cached = read_cache(self.path, self.key)
+            return self._replace(cached) if cached is not None else min(wait, POLL_S)
         try:
             return self._begin() if self._steps is None else self._unit()
         except Exception:  # a failed measurement must not take the engine thread down: the rules serve on
@@ -168,7 +169,7 @@ class BackgroundTuning:
             self.close()
             return None
         self._not_before = time.monotonic() + self.retry_s
-        return self.retry_s
+        return min(self.retry_s, POLL_S)  # meanwhile, looking for another process's table
 
     def _replace(self, table: KernelTable) -> float | None:
         apply_table(self.plan, table)
