@@ -76,6 +76,10 @@ SCENARIOS: tuple[Scenario, ...] = (
              "token shares",
              quick=(*_TINY, "--dtype", "float32", "--backlog", "8", "--max-batch", "8", "--backlog-tokens", "64",
                     "--rounds", "1", "--bus-jobs", "40", "--bus-tokens", "32", "--window", "4")),
+    Scenario("startup", "system", "bench.startup",
+             "tokenpipe up cold (fresh data dir) and warm: seconds to ready and to the final kernel tables, the "
+             "generators' idle and start-up RSS; llama.cpp's server beside it where installed",
+             quick=(*_TINY, "--quant", "int4", "--generators", "1", "--table-timeout", "60")),
     Scenario("chaos", "system", "bench.chaos",
              "random kills and freezes on a 3-node cluster under load; every stream checked against its replay",
              quick=("--duration", "60", "--faults", "6", "--max-stop", "6", "--rate", "0.7")),
