@@ -198,3 +198,33 @@ def test_a_process_pausing_after_an_untrusted_table_takes_the_one_another_proces
     write_cache(tunable.path, other.to_json(tunable.key))  # "another process" measured and cached it
     assert tuning.step() is None and tuning.measurements == 1
     assert tuning.table.source == "cache" and plan.projections("qkv")[0].bands == ((1, "dense"),)
+
+
+def test_the_generators_of_one_start_on_a_busy_machine_measured_three_times_each(
+        int4_tiny: LoadedModel, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The pause and the count after an untrusted table are the data dir's: a second process (here a second
+    tuning on the same lock file) takes the first one's pause instead of measuring at once, and gives up without
+    measuring once the attempts in a row are spent (issue 49: `tokenpipe up --generators 2` on a busy 2-core
+    machine measured six times)."""
+    plan = plan_for(int4_tiny.model)
+    tunable = prepare_plan(int4_tiny.model, plan, dtype=int4_tiny.dtype, dense_rows=32, max_batch=1,
+                           name=int4_tiny.name, data_dir=str(tmp_path))
+
+    def tuning(attempts: int) -> BackgroundTuning:
+        return BackgroundTuning(int4_tiny.model, plan, tunable, dtype=int4_tiny.dtype, name=int4_tiny.name,
+                                busy_share=-1.0, retry_s=600.0, attempts=attempts)  # no share is low enough
+
+    first = tuning(3)
+    while first.step() == 0:
+        pass
+    assert first.measurements == 1 and not first.done
+    second = tuning(3)
+    wait = second.step()
+    assert wait is not None and 0 < wait <= POLL_S and second.measurements == 0 and not second.done
+    with caplog.at_level(logging.WARNING, logger="generator.model.tuning"):
+        third = tuning(1)
+        assert third.step() is None
+    assert third.done and third.measurements == 0 and third.table.source == "rules"
+    assert any("the last 1 measurement(s) of the kernel table" in r.getMessage() for r in caplog.records)
+    first.close()
+    second.close()

@@ -127,7 +127,7 @@ class Settings:
                 "replaces them (logged); once per machine and model: cached in `<data dir>/kernels/` per CPU, "
                 "threads, torch and model, measured by one process while the others serve the rules and then read its "
                 "table; a table measured while other processes held over a quarter of the CPUs is not trusted: "
-                "measured again a minute later, at most 3 times a run) and switches from the rule only on a ≥ 10 % "
+                "measured again a minute later, at most 3 times in a row) and switches from the rule only on a ≥ 10 % "
                 "win; `rules` (the quantized kernel up to 16 rows with native bf16, else 32); `quant`, `dense`, "
                 "`packed`, `gemv`, `gemm8`, `amx`: that one for every decode step")
     engine_process: EngineProcess = _setting(  # noqa: RUF009

@@ -18,11 +18,14 @@ the holder's table every :data:`POLL_S`, applying it when it appears (a holder s
 (a request served between them is this process's own); a table measured while they held more than
 :data:`~generator.model.autotune.BUSY_SHARE` of the machine is neither applied nor cached, measured again
 after ``retry_s`` (unless another process cached its table meanwhile: looked for every :data:`POLL_S`), at
-most ``attempts`` times in all, then the rules serve the run (the next start measures again).
+most ``attempts`` times in a row, then the rules serve the run (a later start measures again). The pause and
+the count are the data dir's, not the process's (``<key>.untrusted`` beside the cache file, written under the
+lock): the generators of one ``tokenpipe up`` on a busy machine took turns, each measuring 3 times.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Generator
@@ -54,6 +57,7 @@ POLL_S = 0.5  # how often a process that waits for another's table looks for it
 RETRY_S = 60.0  # after an untrusted measurement (a busy machine), this long before the next
 ATTEMPTS = 3  # measurements in one run, untrusted ones included
 _LOCK_WAIT_S = 300.0  # a holder stopped for longer (SIGSTOP) no longer keeps this process on the rules
+_CHAIN_S = 300.0  # untrusted measurements this far apart (beyond the pause) are not one run's attempts in a row
 
 
 class BackgroundTuning:
@@ -74,6 +78,7 @@ class BackgroundTuning:
         self.measurements = 0
         self.done = False
         self._lock = CacheLock(self.path)
+        self._marker = self.path.with_suffix(".untrusted")  # see _untrusted
         self._steps: Generator[None, None, KernelTable] | None = None
         self._attempt = 0
         self._not_before = 0.0
@@ -124,6 +129,19 @@ class BackgroundTuning:
         if cached is not None:
             self._lock.release()
             return self._replace(cached)
+        count, at = self._untrusted()  # this process's or another's measurements, not trusted, in a row
+        if count >= self.attempts:
+            self._lock.release()
+            log.warning("the last %d measurement(s) of the kernel table on this data dir (by this process or "
+                        "another) were not trusted: the %s table serves this run", count, self.table.source,
+                        extra={"path": str(self.path)})
+            self.close()
+            return None
+        resume = at + self.retry_s - time.time()
+        if count and resume > 0:  # another process's was not trusted a moment ago: the same pause here
+            self._lock.release()
+            self._not_before = time.monotonic() + resume
+            return min(resume, POLL_S)
         self._attempt += 1
         self._others = self._machine = self._spent = 0.0
         self._loads_known = True
@@ -156,11 +174,14 @@ class BackgroundTuning:
         share = self._others / self._machine if self._loads_known and self._machine > 0 else None
         if self.busy_share is None or share is None or share <= self.busy_share:
             write_cache(self.path, measured.to_json(self.key))  # before the lock goes: a waiter finds it
+            self._marker.unlink(missing_ok=True)
             self._lock.release()
             return self._replace(measured)
+        count = self._untrusted()[0] + 1
+        write_cache(self._marker, json.dumps({"count": count, "at": time.time()}))  # before the lock goes
         self._lock.release()
         apply_table(self.plan, self.table)  # and the copies the measurement made, dropped
-        last = self._attempt >= self.attempts
+        last = count >= self.attempts or self._attempt >= self.attempts
         log.warning("kernel table measured while other processes used %.0f%% of the CPUs: not trusted; %s",
                     100 * share, f"the {self.table.source} table serves this run (not cached: the next start "
                     "measures again)" if last else f"measuring again in {self.retry_s:.0f} s",
@@ -170,6 +191,17 @@ class BackgroundTuning:
             return None
         self._not_before = time.monotonic() + self.retry_s
         return min(self.retry_s, POLL_S)  # meanwhile, looking for another process's table
+
+    def _untrusted(self) -> tuple[int, float]:
+        """How many measurements in a row were not trusted on this data dir (by any process), and when the last
+        ended (``time.time()``); (0, 0) without any, or where the last is older than a chain of them (an earlier
+        run's: this one measures again)."""
+        try:
+            raw = json.loads(self._marker.read_text(encoding="utf-8"))
+            count, at = int(raw["count"]), float(raw["at"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return 0, 0.0
+        return (count, at) if time.time() - at <= self.retry_s + _CHAIN_S else (0, 0.0)
 
     def _replace(self, table: KernelTable) -> float | None:
         apply_table(self.plan, table)
