@@ -17,10 +17,11 @@ from generator.engine.handle import Emission, Job
 from generator.engine.runner import Runner
 from generator.engine.scheduler import Engine
 from generator.model.autotune import BUSY_SHARE, prepare_plan, write_cache
+from generator.model.cachelock import CacheLock
 from generator.model.kerneltable import KernelTable
 from generator.model.loader import LoadedModel, load_model
 from generator.model.plan import plan_for
-from generator.model.tuning import POLL_S, BackgroundTuning, tune_in_background
+from generator.model.tuning import POLL_S, QUIET_S, BackgroundTuning, tune_in_background
 from tests.conftest import wait_until
 from tests.test_engine import GREEDY, TEXTS, prompts_of, run_all
 from tests.test_kernels import busy_cores  # noqa: F401 - a fixture
@@ -172,7 +173,7 @@ def test_a_busy_machine_neither_blocks_the_start_nor_caches_its_table(
     tunable = prepare_plan(int4_tiny.model, plan, dtype=int4_tiny.dtype, dense_rows=32, max_batch=1,  # one row: quick
                            name=int4_tiny.name, data_dir=str(tmp_path))
     tuning = BackgroundTuning(int4_tiny.model, plan, tunable, dtype=int4_tiny.dtype, name=int4_tiny.name,
-                              busy_share=BUSY_SHARE, retry_s=0.0, attempts=2)
+                              busy_share=BUSY_SHARE, retry_s=0.0, attempts=2, quiet_wait_s=0.0)
     with caplog.at_level(logging.WARNING, logger="generator.model.tuning"):
         _drive(tuning)
     assert tuning.done and tuning.measurements == 2 and tuning.table.source == "rules"
@@ -190,7 +191,7 @@ def test_a_process_pausing_after_an_untrusted_table_takes_the_one_another_proces
                            name=int4_tiny.name, data_dir=str(tmp_path))
     assert tunable.key is not None and tunable.path is not None
     tuning = BackgroundTuning(int4_tiny.model, plan, tunable, dtype=int4_tiny.dtype, name=int4_tiny.name,
-                              busy_share=-1.0, retry_s=600.0)
+                              busy_share=-1.0, retry_s=600.0, quiet_wait_s=0.0)
     while (wait := tuning.step()) == 0:
         pass
     assert wait is not None and 0 < wait <= POLL_S and tuning.measurements == 1 and not _tables(tmp_path)
@@ -212,7 +213,8 @@ def test_the_generators_of_one_start_on_a_busy_machine_measured_three_times_each
 
     def tuning(attempts: int) -> BackgroundTuning:
         return BackgroundTuning(int4_tiny.model, plan, tunable, dtype=int4_tiny.dtype, name=int4_tiny.name,
-                                busy_share=-1.0, retry_s=600.0, attempts=attempts)  # no share is low enough
+                                busy_share=-1.0, retry_s=600.0, attempts=attempts,  # no share is low enough
+                                quiet_wait_s=0.0)
 
     first = tuning(3)
     while first.step() == 0:
@@ -228,3 +230,24 @@ def test_the_generators_of_one_start_on_a_busy_machine_measured_three_times_each
     assert any("the last 1 measurement(s) of the kernel table" in r.getMessage() for r in caplog.records)
     first.close()
     second.close()
+
+
+def test_a_second_generator_loading_made_the_first_ones_measurement_untrusted(
+        int4_tiny: LoadedModel, tmp_path: Path, busy_cores: None) -> None:  # noqa: F811 - the fixture
+    """While other processes hold the CPUs (on a fresh `tokenpipe up --generators 2`, the second generator
+    loading its model), the first does not begin its measurement: it would slow the other and not be trusted.
+    It watches for a quiet second instead, holding no lock."""
+    plan = plan_for(int4_tiny.model)
+    tunable = prepare_plan(int4_tiny.model, plan, dtype=int4_tiny.dtype, dense_rows=32, max_batch=1,
+                           name=int4_tiny.name, data_dir=str(tmp_path))
+    assert tunable.path is not None
+    tuning = BackgroundTuning(int4_tiny.model, plan, tunable, dtype=int4_tiny.dtype, name=int4_tiny.name,
+                              busy_share=BUSY_SHARE, quiet_wait_s=600.0)
+    for _ in range(3):
+        wait = tuning.step()
+        assert wait == QUIET_S
+        threading.Event().wait(wait)  # the idle engine thread's wait before its next look (a measuring window)
+    other = CacheLock(tunable.path)
+    assert other.try_take() and tuning.measurements == 0 and not tuning.done  # nothing measured, no lock held
+    other.release()
+    tuning.close()

@@ -14,7 +14,10 @@ logged ("kernel table (measured) replaces the rules").
 One process measures per cache key: it takes the lock beside the cache file without waiting
 (:class:`~generator.model.cachelock.CacheLock`); a process that finds it held serves the rules and looks for
 the holder's table every :data:`POLL_S`, applying it when it appears (a holder stopped for good: after
-``lock_wait_s`` it measures itself). Other processes' CPU use is added up over the measuring spells only
+``lock_wait_s`` it measures itself). A measurement begins once other processes left the CPUs alone
+for :data:`QUIET_S` (a second generator still loading its model made the first one's measurement
+untrusted, and was slowed by it), or after ``quiet_wait_s`` anyway. Other processes' CPU use is added
+up over the measuring spells only
 (a request served between them is this process's own); a table measured while they held more than
 :data:`~generator.model.autotune.BUSY_SHARE` of the machine is neither applied nor cached, measured again
 after ``retry_s`` (unless another process cached its table meanwhile: looked for every :data:`POLL_S`), at
@@ -49,13 +52,15 @@ from .cachelock import CacheLock
 from .kerneltable import KernelTable
 from .plan import Plan
 
-__all__ = ["ATTEMPTS", "POLL_S", "RETRY_S", "BackgroundTuning", "tune_in_background"]
+__all__ = ["ATTEMPTS", "POLL_S", "QUIET_S", "QUIET_WAIT_S", "RETRY_S", "BackgroundTuning", "tune_in_background"]
 
 log = logging.getLogger(__name__)
 
 POLL_S = 0.5  # how often a process that waits for another's table looks for it
 RETRY_S = 60.0  # after an untrusted measurement (a busy machine), this long before the next
 ATTEMPTS = 3  # measurements in one run, untrusted ones included
+QUIET_S = 1.0  # how long others' CPU use is watched before a measurement begins
+QUIET_WAIT_S = 120.0  # how long a measurement waits for the others to leave the CPUs before it begins anyway
 _LOCK_WAIT_S = 300.0  # a holder stopped for longer (SIGSTOP) no longer keeps this process on the rules
 _CHAIN_S = 300.0  # untrusted measurements this far apart (beyond the pause) are not one run's attempts in a row
 
@@ -67,13 +72,16 @@ class BackgroundTuning:
 
     def __init__(self, model: Any, plan: Plan, tunable: Tunable, *, dtype: torch.dtype, name: str,
                  busy_share: float | None = BUSY_SHARE, retry_s: float = RETRY_S, attempts: int = ATTEMPTS,
-                 lock_wait_s: float = _LOCK_WAIT_S) -> None:
+                 lock_wait_s: float = _LOCK_WAIT_S, quiet_wait_s: float = QUIET_WAIT_S) -> None:
         assert tunable.key is not None and tunable.path is not None, "a plan whose table is measured"
         self.model, self.plan, self.dtype, self.name = model, plan, dtype, name
         self.rules, self.counts = tunable.rules, tunable.counts
         self.key: dict[str, Any] = tunable.key
         self.path: Path = tunable.path
         self.busy_share, self.retry_s, self.attempts, self.lock_wait_s = busy_share, retry_s, attempts, lock_wait_s
+        self.quiet_wait_s = quiet_wait_s
+        self._quiet: OthersLoad | None = None
+        self._quiet_since = 0.0
         self.table = tunable.rules
         self.measurements = 0
         self.done = False
@@ -115,6 +123,8 @@ class BackgroundTuning:
         cached = read_cache(self.path, self.key)
         if cached is not None:
             return self._replace(cached)
+        if self._busy_now():
+            return QUIET_S
         if not self._lock.try_take():
             now = time.monotonic()
             if self._waiting_since is None:
@@ -191,6 +201,19 @@ class BackgroundTuning:
             return None
         self._not_before = time.monotonic() + self.retry_s
         return min(self.retry_s, POLL_S)  # meanwhile, looking for another process's table
+
+    def _busy_now(self) -> bool:
+        """Whether other processes held the CPUs since the last look (another generator loading its model: a
+        measurement now would slow it and not be trusted), for up to ``quiet_wait_s``; then measuring anyway."""
+        if self.busy_share is None or self.quiet_wait_s <= 0:
+            return False
+        now = time.monotonic()
+        if self._quiet is None:
+            self._quiet, self._quiet_since = OthersLoad(), now
+            return True
+        share = self._quiet.share()
+        self._quiet = OthersLoad()
+        return share is not None and share > self.busy_share and now - self._quiet_since < self.quiet_wait_s
 
     def _untrusted(self) -> tuple[int, float]:
         """How many measurements in a row were not trusted on this data dir (by any process), and when the last
