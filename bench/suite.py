@@ -81,6 +81,10 @@ SCENARIOS: tuple[Scenario, ...] = (
              "rate, later/first-turn TTFT; 32 unrelated streams: the busiest generator's share, tokens/s",
              quick=(*_TINY, "--conversations", "3", "--turns", "2", "--doc-words", "300", "--unrelated", "8",
                     "--unrelated-tokens", "16")),
+    Scenario("startup", "system", "bench.startup",
+             "tokenpipe up cold (fresh data dir) and warm: seconds to ready and to the final kernel tables, the "
+             "generators' idle and start-up RSS; llama.cpp's server beside it where installed",
+             quick=(*_TINY, "--quant", "int4", "--generators", "1", "--table-timeout", "60")),
     Scenario("chaos", "system", "bench.chaos",
              "random kills and freezes on a 3-node cluster under load; every stream checked against its replay",
              quick=("--duration", "60", "--faults", "6", "--max-stop", "6", "--rate", "0.7")),

@@ -248,3 +248,19 @@ def test_llama_raw_benchmark_without_llama_cpp_says_how_to_install_it(tmp_path: 
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert str(tmp_path / "none" / "python") in proc.stdout and "bench/peers.py" in proc.stdout
     assert not out.exists()
+
+
+def test_startup_benchmark_times_a_cold_and_a_warm_start(tmp_path: Path) -> None:
+    """`bench.startup`: `tokenpipe up` on a fresh data dir, then again on it: both ready, the generator's
+    kernel table final and its idle RSS read; llama.cpp reported as measured or not, with why."""
+    out = tmp_path / "startup.json"
+    proc = run_bench(["bench.startup", "--model", "tiny-random", "--generators", "1", "--table-timeout", "60",
+                      "--llama-python", str(tmp_path / "no-python"), "--out", str(out)])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    (rounds,) = result["rounds"]
+    cold, warm = rounds["cold"], rounds["warm"]
+    assert 0 < cold["nats_s"] < cold["ready_s"] and warm["ready_s"] > 0
+    assert cold["table_final_s"] is not None  # an unquantized model's rules are final at once
+    assert all(mb > 50 for mb in [*cold["idle_rss_mb"].values(), *warm["idle_rss_mb"].values()])
+    assert result["llamacpp"]["measured"] is False and "not installed" in result["llamacpp"]["why"]

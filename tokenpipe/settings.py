@@ -120,14 +120,16 @@ class Settings:
                 "on CPUs; else none), `none`, `int8`, `int4`; which kernel serves each batch size: `TOKENPIPE_KERNELS`")
     kernels: Kernels = _setting(  # noqa: RUF009
         "auto", "which kernel serves a quantized projection at each decode batch size: `auto` times torch's quantized "
-                "kernel, the float weight, the oneDNN pre-packed float weight and tokenpipe's own kernels (`gemv` with "
-                "int16 rows, `gemm8` with int8 rows, `amx`: gemm8 on AMX tiles where the CPU has them; built with "
-                "`$CC`/`$CXX` at the first start, ~15 s) on the engine's threads (a few seconds, once: cached in "
-                "`<data dir>/kernels/` per CPU, threads, torch and model; one process measures at a time, and a table "
-                "measured while other processes held over a quarter of the CPUs is not trusted: the rules serve that "
-                "run) and switches from the rule only on a ≥ 10 % win; `rules` (the quantized kernel up to 16 rows "
-                "with native bf16, else 32); `quant`, `dense`, `packed`, `gemv`, `gemm8`, `amx`: that one for every "
-                "decode step")
+                "kernel, the float weight, the oneDNN pre-packed float weight and tokenpipe's own kernels (`gemv` "
+                "with int16 rows, `gemm8` with int8 rows, `amx`: gemm8 on AMX tiles where the CPU has them; built by "
+                "`tokenpipe build-kernels`, or with `$CC`/`$CXX` at the first start) on the engine's thread while it "
+                "has nothing to step, in the background: the rules serve from the start until the measured table "
+                "replaces them (logged); once per machine and model: cached in `<data dir>/kernels/` per CPU, "
+                "threads, torch and model, measured by one process while the others serve the rules and then read its "
+                "table; a table measured while other processes held over a quarter of the CPUs is not trusted: "
+                "measured again a minute later, at most 3 times in a row) and switches from the rule only on a ≥ 10 % "
+                "win; `rules` (the quantized kernel up to 16 rows with native bf16, else 32); `quant`, `dense`, "
+                "`packed`, `gemv`, `gemm8`, `amx`: that one for every decode step")
     engine_process: EngineProcess = _setting(  # noqa: RUF009
         "auto", "run the engine (steps, sampling, detokenizing) in its own engine-core process, fed and drained over a "
                 "local pipe, so the generator's NATS I/O cannot stall a step through the GIL: `auto` (on with CUDA; "

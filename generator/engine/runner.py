@@ -3,6 +3,8 @@
 The engine is used only from this thread. Callers hand over jobs and cancellations
 (thread-safe) and receive, once per engine step, a list of :class:`Emission` through
 ``on_emit`` (called on this thread; the NATS worker hops it onto its event loop).
+While the engine is idle, this thread also measures the
+model's kernel table where a start left it pending (:mod:`generator.model.tuning`), a unit at a time.
 A job's prompt is encoded first on a thread of its own (the tokenizer thread): a long prompt's
 encoding took the engine thread away from every running stream's steps. Cancellations go the same
 way, so each still follows the jobs handed over before it.
@@ -227,15 +229,23 @@ class Runner(EngineHandle):
     # -- engine thread ---------------------------------------------------------------
     def _loop(self) -> None:
         hold_until = 0.0
+        tuning, tuning_wait = self.loaded.tuning, 0.0  # the kernel table's measurement, run while idle
         while True:
             wait = hold_until - time.monotonic()
             item: _Inbox | None
             try:
-                item = self._inbox.get(timeout=wait) if wait > 0 else self._inbox.get(block=self.engine.idle)
+                if wait > 0:
+                    item = self._inbox.get(timeout=wait)
+                elif tuning is not None and self.engine.idle:
+                    item = self._inbox.get(timeout=tuning_wait) if tuning_wait > 0 else self._inbox.get_nowait()
+                else:
+                    item = self._inbox.get(block=self.engine.idle)
             except queue.Empty:
                 item = None
             while item is not None:
                 if isinstance(item, _Stop):
+                    if tuning is not None:
+                        tuning.close()
                     return
                 if isinstance(item, _Cancel):
                     self.engine.cancel(item.key)
@@ -253,6 +263,10 @@ class Runner(EngineHandle):
                     continue  # the rest of a burst is being handed over: prefill it together
                 hold_until = 0.0  # waited long enough: the next burst gets its own hold
             if self.engine.idle:
+                if tuning is not None:  # nothing to step: the next piece of the measurement (one unit at most)
+                    tuning_wait = tuning.step() or 0.0
+                    if tuning.done:
+                        self.loaded.kernels, tuning = tuning.table, None
                 continue
             try:
                 outputs = self.engine.step()

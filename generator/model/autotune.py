@@ -1,8 +1,10 @@
-"""The start-up measurement that fills a :class:`~generator.model.kerneltable.KernelTable` and applies it to a plan.
+"""The measurement that fills a :class:`~generator.model.kerneltable.KernelTable` and applies it to a plan.
 
 Runs on the calling thread (the generator's engine thread, with its torch thread count), once
 per cache key: a second start on the same machine reads ``<data_dir>/kernels/<key>.json``. A
 corrupt cache file is measured again (with a warning); the ``kernels`` setting overrides it.
+:func:`measure_steps` yields after each timed unit: a generator runs it between engine steps, in the
+background (:mod:`generator.model.tuning`); :func:`tune_plan` (benchmarks, tests) measures at once, as follows.
 
 Timings taken while other processes hold the cores pick slow kernels (a table measured beside two busy
 processes made a quiet machine's steps 1.4-1.5x slower, and a cached table is never measured again),
@@ -14,11 +16,14 @@ nor cached: the rules serve that run and the next start measures again.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import itertools
 import logging
 import os
 import time
-from dataclasses import replace
+from collections.abc import Generator
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -48,7 +53,8 @@ from .quant import QuantLinear
 from .stack import ROLES as STACK_ROLES
 from .stack import STACK_KERNELS, build_stack
 
-__all__ = ["BUSY_SHARE", "OthersLoad", "apply_table", "measure_table", "tune_plan"]
+__all__ = ["BUSY_SHARE", "OthersLoad", "Tunable", "apply_table", "measure_steps", "measure_table", "prepare_plan",
+           "read_cache", "release_freed_memory", "tune_plan", "write_cache"]
 
 log = logging.getLogger(__name__)
 
@@ -84,13 +90,21 @@ def apply_table(plan: Plan, table: KernelTable, *, keep_packed: bool = False) ->
     plan.paged_attention_rows = table.paged_attention_rows
 
 
-def tune_plan(model: Any, plan: Plan, *, name: str, dtype: torch.dtype, dense_rows: int, max_batch: int,
-              data_dir: str | os.PathLike[str], setting: str = "auto",
-              busy_share: float | None = BUSY_SHARE) -> KernelTable:
-    """The kernel table for ``plan`` (by ``setting``: ``auto`` measured or cached, ``rules``, or one
-    kernel for every decode row count), applied to it. Unquantized and non-CPU plans keep the rules:
-    their projections have no second kernel to choose. ``busy_share``: other processes' CPU share
-    above which a measurement is discarded for the rules (None: always kept)."""
+@dataclass
+class Tunable:
+    """What :func:`tune_plan` starts from: the rules applied to the plan, the row counts, and (where a table is
+    measured: ``auto`` on a quantized CPU plan) its cache key and file."""
+
+    rules: KernelTable
+    counts: tuple[int, ...]
+    key: dict[str, Any] | None = None
+    path: Path | None = None
+
+
+def prepare_plan(model: Any, plan: Plan, *, dtype: torch.dtype, dense_rows: int, max_batch: int, name: str,
+                 data_dir: str | os.PathLike[str], setting: str = "auto") -> Tunable:
+    """Load the library where it can serve, build the plan's step ops and stack on it, and name the rules
+    table and (where ``setting`` measures) the cache the measured table goes in. Applies nothing."""
     counts = row_counts(max_batch)
     quantized = plan.quant != "none"
     cpu = next(model.parameters()).device.type == "cpu"
@@ -112,16 +126,38 @@ def tune_plan(model: Any, plan: Plan, *, name: str, dtype: torch.dtype, dense_ro
         log.warning("TOKENPIPE_KERNELS=%s, but tokenpipe's kernels are not available here: torch's quantized "
                     "kernel serves instead", setting)
     if setting != "auto" or not quantized or not cpu:
-        table = rules
-    else:
-        key = cache_key(name, plan.quant, dtype, counts, gemv=lib.path.name if lib else "")
-        path = cache_file(data_dir, key)
+        return Tunable(rules, counts)
+    key = cache_key(name, plan.quant, dtype, counts, gemv=lib.path.name if lib else "")
+    return Tunable(rules, counts, key, cache_file(data_dir, key))
+
+
+def tune_plan(model: Any, plan: Plan, *, name: str, dtype: torch.dtype, dense_rows: int, max_batch: int,
+              data_dir: str | os.PathLike[str], setting: str = "auto",
+              busy_share: float | None = BUSY_SHARE) -> KernelTable:
+    """The kernel table for ``plan`` (by ``setting``: ``auto`` measured here, now, or cached; ``rules``, or one
+    kernel for every decode row count), applied to it. Unquantized and non-CPU plans keep the rules:
+    their projections have no second kernel to choose. ``busy_share``: other processes' CPU share
+    above which a measurement is discarded for the rules (None: always kept). A generator measures in the
+    background instead (:mod:`generator.model.tuning`); this is the benchmarks' and tests' way."""
+    t = prepare_plan(model, plan, dtype=dtype, dense_rows=dense_rows, max_batch=max_batch, name=name,
+                     data_dir=data_dir, setting=setting)
+    table = t.rules
+    if t.key is not None and t.path is not None:
         # The common start reads the cache without taking the lock.
-        table = _read_cache(path, key) or _measure_and_cache(path, key, model, plan, rules, counts, dtype, busy_share)
+        table = read_cache(t.path, t.key) or _measure_and_cache(t.path, t.key, model, plan, t.rules, t.counts,
+                                                                dtype, busy_share)
     apply_table(plan, table)
     log.info("kernel table (%s): %s", table.source, table.summary(),
              extra={"kernels": table.source, "seconds": round(table.seconds, 2), "model": name})
     return table
+
+
+def release_freed_memory() -> None:
+    """Hand the heap the load freed (the float copies quantization made, per tensor; the copies a new kernel
+    table dropped) back to the system: glibc
+    keeps it otherwise, and an idle generator's RSS counted it (~100 MB for SmolLM2). No-op off glibc."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).malloc_trim(0)
 
 
 def _kernel_attends(model: Any) -> bool:
@@ -136,9 +172,9 @@ def _measure_and_cache(path: Path, key: dict[str, Any], model: Any, plan: Plan, 
     """Under the lock: the table another process cached while this one waited, else one measured here
     (cached only if trusted)."""
     with one_at_a_time(path, "measuring the kernel table"):
-        table = _read_cache(path, key) or _measure_quietly(model, plan, rules, counts, dtype, busy_share)
+        table = read_cache(path, key) or _measure_quietly(model, plan, rules, counts, dtype, busy_share)
         if table.source == "measured":
-            _write_cache(path, table.to_json(key))
+            write_cache(path, table.to_json(key))
     return table
 
 
@@ -173,12 +209,17 @@ class OthersLoad:
 
     def share(self) -> float | None:
         """Others' share since construction; None where ``/proc/stat`` cannot be read."""
+        got = self.seconds()
+        return got[0] / got[1] if got is not None and got[1] > 0 else None
+
+    def seconds(self) -> tuple[float, float] | None:
+        """Others' CPU seconds since construction and the machine's (wall time × CPUs), to add up over the
+        spells of a measurement run in pieces; None where ``/proc/stat`` cannot be read."""
         end = _cpu_seconds()
         if self._start is None or end is None:
             return None
         (busy0, own0, t0, cpus), (busy1, own1, t1, _) = self._start, end
-        wall = (t1 - t0) * cpus
-        return max(0.0, (busy1 - busy0) - (own1 - own0)) / wall if wall > 0 else None
+        return max(0.0, (busy1 - busy0) - (own1 - own0)), (t1 - t0) * cpus
 
 
 def _cpu_seconds() -> tuple[float, float, float, int] | None:
@@ -195,7 +236,7 @@ def _cpu_seconds() -> tuple[float, float, float, int] | None:
             max(cpus, 1))
 
 
-def _read_cache(path: os.PathLike[str], key: dict[str, Any]) -> KernelTable | None:
+def read_cache(path: os.PathLike[str], key: dict[str, Any]) -> KernelTable | None:
     try:
         with open(path, encoding="utf-8") as fh:
             text = fh.read()
@@ -211,7 +252,7 @@ def _read_cache(path: os.PathLike[str], key: dict[str, Any]) -> KernelTable | No
         return None
 
 
-def _write_cache(path: Any, text: str) -> None:
+def write_cache(path: Path, text: str) -> None:
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -223,35 +264,55 @@ def _write_cache(path: Any, text: str) -> None:
 
 def measure_table(model: Any, plan: Plan, rules: KernelTable, counts: tuple[int, ...], *,
                   dtype: torch.dtype) -> KernelTable:
+    """:func:`measure_steps` run to its end at once."""
+    return _run(measure_steps(model, plan, rules, counts, dtype=dtype))
+
+
+def _run(steps: Generator[None, None, KernelTable]) -> KernelTable:
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+def measure_steps(model: Any, plan: Plan, rules: KernelTable, counts: tuple[int, ...], *,
+                  dtype: torch.dtype) -> Generator[None, None, KernelTable]:
     """Time each candidate kernel on each projection role at each row count; keep a non-default kernel
     only at a clear win (:data:`generator.model.kerneltable.MARGIN`), then keep each changed row count only
     where a whole decode step confirms it. Each call takes the next layer's module, as a step does: one
     module called again and again keeps its weight in the core's cache, which flattered the kernels with
-    the largest weights."""
+    the largest weights.
+
+    A generator: it yields after each timed unit (one role at one row count, one set of confirming steps;
+    tens to a few hundred milliseconds), so the engine thread can serve steps between units
+    (:mod:`generator.model.tuning`). A unit may leave other bands applied to the plan: whoever serves
+    between units applies its own table first. Its value is the measured table."""
     t0 = time.monotonic()
     times_us: dict[str, dict[str, dict[str, float]]] = {}
     choices: dict[str, dict[int, str]] = {}
-    with torch.inference_mode():
-        for i, role in enumerate(ROLES):
-            mods = [m for m in plan.projections(role) if isinstance(m, QuantLinear)]
-            first = mods[0]
-            ours = all([m.block() for m in mods])  # the library is built here (each blocked copy made)
-            tiles = ours and first.gemv_lib is not None and first.gemv_lib.tiles()
-            kernels = ["quant", "dense"] + (["packed"] if all([m.pack() for m in mods]) else []) + \
-                (["gemv", "gemm8"] if ours else []) + (["amx"] if tiles else [])
-            times_us[role], choices[role] = {}, {}
-            for rows in counts:
+    for i, role in enumerate(ROLES):
+        mods = [m for m in plan.projections(role) if isinstance(m, QuantLinear)]
+        first = mods[0]
+        ours = all([m.block() for m in mods])  # the library is built here (each blocked copy made)
+        tiles = ours and first.gemv_lib is not None and first.gemv_lib.tiles()
+        kernels = ["quant", "dense"] + (["packed"] if all([m.pack() for m in mods]) else []) + \
+            (["gemv", "gemm8"] if ours else []) + (["amx"] if tiles else [])
+        times_us[role], choices[role] = {}, {}
+        for rows in counts:
+            with torch.inference_mode():
                 x = torch.randn(rows, first.in_features, dtype=dtype)
                 got = timed({k: _round_robin(mods, x, k) for k in kernels})
-                times_us[role][str(rows)] = {k: round(v * 1e6, 1) for k, v in got.items()}
-                choices[role][rows] = choose(got, kernel_for(rules.bands[role], rows))
-            for m in mods:
-                m.packed = m.blocked = None  # made again below for the roles whose table uses them
-            log.info("measuring kernels: %s (%d/%d)", role, i + 1, len(ROLES),
-                     extra={"role": role, "done": i + 1, "of": len(ROLES)})
+            times_us[role][str(rows)] = {k: round(v * 1e6, 1) for k, v in got.items()}
+            choices[role][rows] = choose(got, kernel_for(rules.bands[role], rows))
+            yield
+        for m in mods:
+            m.packed = m.blocked = None  # made again below for the roles whose table uses them
+        log.info("measuring kernels: %s (%d/%d)", role, i + 1, len(ROLES),
+                 extra={"role": role, "done": i + 1, "of": len(ROLES)})
     measured = KernelTable({role: bands_from(choices[role]) for role in ROLES}, rules.attention_fp32_rows,
                            source="measured", times_us=times_us, paged_attention_rows=rules.paged_attention_rows)
-    table = _confirm(model, plan, rules, measured, counts, dtype)
+    table = yield from _confirm_steps(model, plan, rules, measured, counts, dtype)
     table.seconds = time.monotonic() - t0
     return table
 
@@ -264,11 +325,17 @@ def _round_robin(mods: list[QuantLinear], x: torch.Tensor, kernel: str) -> Any:
 
 def _confirm(model: Any, plan: Plan, rules: KernelTable, measured: KernelTable, counts: tuple[int, ...],
              dtype: torch.dtype) -> KernelTable:
+    """:func:`_confirm_steps` run to its end at once."""
+    return _run(_confirm_steps(model, plan, rules, measured, counts, dtype))
+
+
+def _confirm_steps(model: Any, plan: Plan, rules: KernelTable, measured: KernelTable, counts: tuple[int, ...],
+                   dtype: torch.dtype) -> Generator[None, None, KernelTable]:
     """Whole decode steps, alternating, at each row count: the measured kernels against the rules' where they
     differ, and where a layer projection's fastest call was one of torch's kernels, against the library's
     fastest (which keep the step in one call: generator/model/stack.py); the fastest step is kept. Then the paged
     attention kernel against the torch ops (kept unless they win clearly), and fp32 attention against native
-    at the few rows left to those."""
+    at the few rows left to those. Yields after each set of timed steps."""
     cache = PagedKVCache(model, (_CONTEXT + 2 * BLOCK_SIZE) * bytes_per_position(model, dtype),
                          torch.device("cpu"), dtype, min_positions=_CONTEXT)
     blocks = torch.arange(1, _CONTEXT // BLOCK_SIZE + 1)
@@ -303,6 +370,7 @@ def _confirm(model: Any, plan: Plan, rules: KernelTable, measured: KernelTable, 
         if len(variants) == 1:
             continue
         got = _time_tables(plan, variants, step(rows))
+        yield
         steps_ms[str(rows)] = {k: round(v * 1e3, 3) for k, v in got.items()}
         best = min(got, key=lambda k: got[k])
         for role in ROLES:
@@ -313,6 +381,7 @@ def _confirm(model: Any, plan: Plan, rules: KernelTable, measured: KernelTable, 
         variants = {name: KernelTable(bands, rules.attention_fp32_rows, paged_attention_rows=limit)
                     for name, limit in (("paged", rows), ("torch", rows - 1))}
         got = _time_tables(plan, variants, step(rows))
+        yield
         steps_ms.setdefault(str(rows), {}).update({f"attention {k}": round(v * 1e3, 3) for k, v in got.items()})
         if choose(got, "paged") != "paged":
             break
@@ -324,6 +393,7 @@ def _confirm(model: Any, plan: Plan, rules: KernelTable, measured: KernelTable, 
             variants = {name: KernelTable(bands, limit, paged_attention_rows=paged_rows)
                         for name, limit in (("fp32", rows), ("native", rows - 1))}
             got = _time_tables(plan, variants, step(rows))
+            yield
             steps_ms.setdefault(str(rows), {}).update({f"attention {k}": round(v * 1e3, 3) for k, v in got.items()})
             if choose(got, "fp32" if rows <= FP32_ATTENTION_ROWS else "native") != "fp32":
                 break

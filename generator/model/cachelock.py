@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-__all__ = ["one_at_a_time"]
+__all__ = ["CacheLock", "one_at_a_time"]
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,39 @@ def one_at_a_time(path: Path, doing: str) -> Iterator[None]:
                     break
                 time.sleep(0.2)
         yield  # the lock goes with the file's close
+
+
+class CacheLock:
+    """The same lock taken without waiting, held until :meth:`release`: for work done in pieces between
+    other work (the kernel table measured in the background, :mod:`generator.model.tuning`), where waiting
+    is polling. Without a writable data dir every :meth:`try_take` succeeds (there is no cache to share)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path.with_suffix(".lock")
+        self._fh: Any = None
+        self.held = False
+
+    def try_take(self) -> bool:
+        """Whether this process holds the lock now (taken here, or already)."""
+        if self.held:
+            return True
+        try:
+            if self._fh is None:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._fh = open(self.path, "a", encoding="ascii")  # noqa: SIM115 - held until release()
+        except OSError as exc:
+            log.warning("no lock for %s; going on without one", self.path, extra={"error": str(exc)})
+            self.held = True
+            return True
+        self.held = _try_lock(self._fh)
+        return self.held
+
+    def release(self) -> None:
+        """Let go (closing the file lets the ``flock`` go); safe to call again."""
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+        self.held = False
 
 
 def _try_lock(fh: Any) -> bool:

@@ -8,8 +8,6 @@ prepared once (:mod:`generator.model.preparation`).
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import logging
 import os
 import re
@@ -23,12 +21,13 @@ from tokenpipe.errors import InvalidRequest, ModelNotFound
 from tokenpipe.settings import Settings
 
 from ..kernels.cpu import cpu_info
-from .autotune import tune_plan
+from .autotune import release_freed_memory, tune_plan
 from .gguf import load_gguf_llama
 from .kerneltable import KernelTable
 from .plan import build_plan
 from .preparation import SMOLLM2, gguf_path, prepare_tokenizer
 from .quant import QuantMode, dense_rows_for, resolve_quant
+from .tuning import BackgroundTuning, tune_in_background
 
 __all__ = ["BUILTIN_MODELS", "LoadedModel", "load_for", "load_model", "resolve_device", "resolve_dtype",
            "resolve_threads"]
@@ -63,6 +62,8 @@ class LoadedModel:
     dtype: torch.dtype
     quant: QuantMode = "none"
     kernels: KernelTable | None = None  # the projections' kernel per row band (generator.model.kerneltable)
+    # The table's measurement, pending: the engine thread runs it while idle (generator.model.tuning)
+    tuning: BackgroundTuning | None = None
 
     @property
     def max_context(self) -> int:
@@ -143,14 +144,16 @@ def _smollm2(data_dir: str | os.PathLike[str], dtype: torch.dtype) -> tuple[Any,
 
 def load_model(name: str, *, path: str = "", device: str = "auto", dtype: str = "auto",
                data_dir: str | os.PathLike[str], quant: str = "none", kernels: str = "rules",
-               max_batch: int = 32) -> LoadedModel:
+               max_batch: int = 32, background: bool = False) -> LoadedModel:
     """Load ``name`` (a built-in) or the transformers directory ``path`` served as ``name``.
 
     ``quant`` (auto, none, int8, int4) stores the projections' weights quantized (see
     :func:`generator.model.quant.resolve_quant` for ``auto``). ``kernels`` picks each quantized
     projection's kernel per row band: ``auto`` measures them on this thread for up to
     ``max_batch`` rows (cached in ``data_dir``; :mod:`generator.model.autotune`), ``rules`` keeps the
-    hand rules, ``quant``/``dense``/``packed`` force one kernel for decode."""
+    hand rules, ``quant``/``dense``/``packed`` force one kernel for decode. ``background``: ``auto`` does not
+    measure here; the rules serve until the returned model's ``tuning`` has measured the table (the
+    generator's engine thread runs it while idle: :mod:`generator.model.tuning`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dev = resolve_device(device)
@@ -170,7 +173,7 @@ def load_model(name: str, *, path: str = "", device: str = "auto", dtype: str = 
         model, tok = _random_llama(name, data_dir, dt, dev)
     elif Path(name).is_dir():
         return load_model(model_name_for_path(name), path=name, device=device, dtype=dtype, data_dir=data_dir,
-                          quant=quant, kernels=kernels, max_batch=max_batch)
+                          quant=quant, kernels=kernels, max_batch=max_batch, background=background)
     else:
         raise ModelNotFound(f"unknown model {name!r}: use {', '.join(BUILTIN_MODELS)} or a local model directory")
     if getattr(model.config, "model_type", "") not in ("llama", "mistral", "qwen2", "qwen3"):
@@ -180,9 +183,14 @@ def load_model(name: str, *, path: str = "", device: str = "auto", dtype: str = 
     # Fused projections (and quantized weights) for generator.model.forward.
     dense_rows = dense_rows_for(dt, native_bf16=native_bf16 and dev.type == "cpu")
     plan = build_plan(model, mode, dense_rows)
-    table = tune_plan(model, plan, name=name, dtype=dt, dense_rows=dense_rows, max_batch=max_batch,
-                      data_dir=data_dir, setting=kernels)
-    _release_freed_memory()
+    tuning = None
+    if background:
+        table, tuning = tune_in_background(model, plan, name=name, dtype=dt, dense_rows=dense_rows,
+                                           max_batch=max_batch, data_dir=str(data_dir), setting=kernels)
+    else:
+        table = tune_plan(model, plan, name=name, dtype=dt, dense_rows=dense_rows, max_batch=max_batch,
+                          data_dir=data_dir, setting=kernels)
+    release_freed_memory()
     eos: set[int] = set()
     for src_ids in (tok.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
         if isinstance(src_ids, int):
@@ -190,14 +198,7 @@ def load_model(name: str, *, path: str = "", device: str = "auto", dtype: str = 
         elif isinstance(src_ids, (list, tuple)):
             eos.update(int(i) for i in src_ids)
     return LoadedModel(name=name, model=model, tokenizer=tok, eos_ids=frozenset(eos), device=dev, dtype=dt,
-                       quant=mode, kernels=table)
-
-
-def _release_freed_memory() -> None:
-    """Hand the heap the load freed (the float copies quantization made, per tensor) back to the system: glibc
-    keeps it otherwise, and an idle generator's RSS counted it (~100 MB for SmolLM2). No-op off glibc."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None).malloc_trim(0)
+                       quant=mode, kernels=table, tuning=tuning)
 
 
 def model_name_for_path(path: str) -> str:
@@ -206,9 +207,9 @@ def model_name_for_path(path: str) -> str:
 
 
 def load_for(settings: Settings) -> LoadedModel:
-    """Load the settings' model; call it on the thread that will step the engine
-    (:func:`generator.engine.runner.torch_thread`)."""
+    """Load the settings' model, its kernel table measured later, in the background; call it on the thread
+    that will step the engine (:func:`generator.engine.runner.torch_thread`), which runs that measurement."""
     torch.set_num_threads(resolve_threads(settings.threads))  # OpenMP's thread count is per calling thread
     return load_model(settings.model, path=settings.model_path, device=settings.device, dtype=settings.dtype,
                       data_dir=settings.data_dir, quant=settings.quant, kernels=settings.kernels,
-                      max_batch=settings.max_batch)
+                      max_batch=settings.max_batch, background=True)
