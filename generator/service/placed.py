@@ -174,14 +174,19 @@ class SlotPulls:
         self._task = asyncio.create_task(self._run(), name="slot-pulls")
 
     async def stop(self) -> None:
-        """No more pulls. Deliveries of pulls still open at the server are handed straight back."""
+        """No more pulls: the reply subject goes at once, so the server drops the pulls still open there
+        (it serves a pull only while someone listens on its reply subject). Without that, a stopping
+        generator's open pulls took requests it could only hand back, each return costing one of the
+        request's few delivery attempts. What was already on its way is handed straight back."""
         self._stopping.set()
         self._wake.set()
         await stop_loops(self._stopping, [self._task] if self._task else [])
+        await self.close()
 
     async def close(self) -> None:
-        if self._sub is not None:
-            await self._sub.unsubscribe()
+        sub, self._sub = self._sub, None
+        if sub is not None:
+            await sub.unsubscribe()
 
     @property
     def pulling_own(self) -> bool:
