@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import nats
+import nats.errors
 from nats.js import api as js_api
 from rich.console import Console
 from rich.table import Table
@@ -63,6 +64,20 @@ def _disk_bytes(cluster: LocalCluster, stream: str) -> int:
     return total
 
 
+async def _add_stream(js: Any, config: js_api.StreamConfig, within: float = 60.0) -> None:
+    """Create ``config``'s stream, asking again while the API times out: a cluster that has just formed
+    on a busy machine can take longer than one API timeout to place a stream (the same config again
+    is idempotent)."""
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            await js.add_stream(config)
+            return
+        except nats.errors.TimeoutError:
+            if time.monotonic() > deadline:
+                raise
+
+
 async def measure(cluster: LocalCluster, replicas: int, rate: float, seconds: float, streams: int,
                   tokens: int = 8) -> dict[str, Any]:
     """Publish ``rate`` batches/s for ``seconds`` into a fresh stream with ``replicas`` replicas."""
@@ -70,7 +85,7 @@ async def measure(cluster: LocalCluster, replicas: int, rate: float, seconds: fl
     nc = await nats.connect(servers=server_list(cluster.url), name="bench-replication")
     js = nc.jetstream(timeout=10)
     try:
-        await js.add_stream(js_api.StreamConfig(
+        await _add_stream(js, js_api.StreamConfig(
             name=name, subjects=[f"{name.lower()}.>"], retention=js_api.RetentionPolicy.LIMITS,
             storage=js_api.StorageType.FILE, max_age=3600, duplicate_window=120, allow_direct=True,
             num_replicas=replicas))

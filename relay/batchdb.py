@@ -26,13 +26,14 @@ from nats.js.object_store import ObjectStore
 
 from tokenpipe.bus import Bus
 from tokenpipe.errors import NotFound, TokenpipeError, TransportError
-from tokenpipe.subjects import BATCHES_BUCKET, FILES_BUCKET, FILES_STREAM
+from tokenpipe.subjects import BATCHES_BUCKET, BATCHES_STREAM, FILES_BUCKET, FILES_STREAM
 
 from .batchproto import BATCH_ID_PATTERN, FILE_ID_PATTERN, BatchObject, FileObject
 
 __all__ = ["BatchDB", "BatchRecord", "Conflict", "new_batch_id", "new_file_id"]
 
 _READ_TIMEOUT_S = 30.0  # one file's chunks, read back
+_SCAN_CONCURRENCY = 64  # direct gets in flight while listing records
 _FILE_ID = re.compile(FILE_ID_PATTERN)
 _BATCH_ID = re.compile(BATCH_ID_PATTERN)
 
@@ -217,21 +218,20 @@ class BatchDB:
             raise TransportError(f"could not read the Batch API's records: {exc!r}") from exc
         return (entry.value or b""), int(entry.revision or 0)
 
-    @staticmethod
-    async def _scan(kv: KeyValue, pattern: str) -> list[tuple[bytes, int]]:
-        """Every live value under ``pattern``: a watch of the last value per key, up to its end marker."""
-        out: list[tuple[bytes, int]] = []
+    async def _scan(self, kv: KeyValue, pattern: str) -> list[tuple[bytes, int]]:
+        """Every live value under ``pattern``, oldest first: the stream names the keys it holds, and each
+        is read by a direct get. Not a watch: nats-py's watch can signal its end before the first value
+        (the server may answer its consumer-info request before it delivers), so a listing came back
+        empty for a bucket that held a batch."""
+        subjects = f"$KV.{BATCHES_BUCKET}.{pattern}"
         try:
-            watcher = await kv.watch(pattern, ignore_deletes=True)
-            try:
-                async with asyncio.timeout(_READ_TIMEOUT_S):
-                    async for entry in watcher:
-                        if entry is None:
-                            break
-                        if entry.value:
-                            out.append((entry.value, int(entry.revision or 0)))
-            finally:
-                await watcher.stop()
+            info = await self._bus().js.stream_info(BATCHES_STREAM, subjects_filter=subjects)
         except (TimeoutError, nats.errors.Error) as exc:
             raise TransportError(f"could not list the Batch API's records: {exc!r}") from exc
-        return out
+        prefix = len(f"$KV.{BATCHES_BUCKET}.")
+        keys = [subject[prefix:] for subject in info.state.subjects or {}]
+        out: list[tuple[bytes, int]] = []
+        for i in range(0, len(keys), _SCAN_CONCURRENCY):
+            got = await asyncio.gather(*(self._get(kv, key) for key in keys[i:i + _SCAN_CONCURRENCY]))
+            out.extend(entry for entry in got if entry is not None and entry[0])
+        return sorted(out, key=lambda entry: entry[1])
