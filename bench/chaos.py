@@ -43,14 +43,13 @@ import httpx
 
 from bench.common import write_json
 from producer import aiter_sse
-from tokenpipe_cli.launch import die_with_parent, free_port
+from tokenpipe_cli.launch import LaunchError, die_with_parent, free_port
 from tokenpipe_cli.upprocess import UpProcess
 
 __all__ = ["main", "run"]
 
 KINDS = [f"{role} {how}" for role in ("generator", "relay", "nats") for how in ("kill -9", "SIGSTOP")]
 READ_TIMEOUT_S = 8.0  # a silent connection (its relay frozen) is resumed on the other relay after this
-STREAM_DEADLINE_S = 300.0
 
 
 @dataclass
@@ -161,7 +160,9 @@ class Chaos:
         self.data = data
         self.up = UpProcess(data, "--model", "tiny-random", "--nats-cluster", "3", "--generators", "2",
                             env={**os.environ, "TOKENPIPE_THREADS": "1", "TOKENPIPE_DTYPE": "float32",
-                                 "TOKENPIPE_ANNOUNCE_INTERVAL_S": "0.5", "TOKENPIPE_SUBMIT_RETRY_S": "60"})
+                                 "TOKENPIPE_ANNOUNCE_INTERVAL_S": "0.5", "TOKENPIPE_SUBMIT_RETRY_S": "60",
+                                 # the kills are this run's own, not a crash loop for up to give up on
+                                 "TOKENPIPE_RESTART_LIMIT": "1000000"})
         self.relay2_port = free_port()
         self.relay2: subprocess.Popen[bytes] | None = None
         self.faults: list[Fault] = []
@@ -236,7 +237,7 @@ class Chaos:
     async def one_stream(self) -> None:
         run = StreamRun(started=time.monotonic())
         self.runs.append(run)
-        deadline = run.started + STREAM_DEADLINE_S
+        deadline = run.started + self.args.stream_deadline
         try:
             run.sid = await _post(self.urls, _body(), deadline)
             await _read(self.urls, run, deadline)
@@ -267,7 +268,7 @@ class Chaos:
             print(f"fault {len(self.faults)}: {self.faults[-1].kind} of {self.faults[-1].target}", flush=True)
         stop.set()
         tasks = await loader
-        await asyncio.gather(*tasks)
+        await self.unless_up_exits(asyncio.gather(*tasks))
         await self.whole()
         gate = asyncio.Semaphore(16)
 
@@ -280,6 +281,16 @@ class Chaos:
 
         await asyncio.gather(*(verify(r) for r in self.runs))
         return self.report()
+
+    async def unless_up_exits(self, work: asyncio.Future[Any]) -> None:
+        """``work``, failing at once (with up's last lines) if ``tokenpipe up`` exits meanwhile: its
+        streams would otherwise only end at their deadline."""
+        while not work.done():
+            if self.up.proc.poll() is not None:
+                work.cancel()
+                raise LaunchError(f"tokenpipe up exited with {self.up.proc.returncode}:\n{self.up.output()[-4000:]}")
+            await asyncio.wait([work], timeout=1.0)
+        work.result()
 
     def _gaps(self, run: StreamRun) -> list[tuple[float, float, list[Fault]]]:
         """A stream's gaps between token events (from its POST), each with the faults that fell in it."""
@@ -347,7 +358,7 @@ async def run(args: argparse.Namespace, data_dir: Path) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="tokenpipe-chaos-") as tmp:
         data = Path(tmp)
         (data_dir / "models").mkdir(parents=True, exist_ok=True)  # a fresh machine: converted here, kept there
-        (data / "models").symlink_to(data_dir / "models", target_is_directory=True)
+        (data / "models").symlink_to((data_dir / "models").resolve(), target_is_directory=True)
         chaos = Chaos(data, args)
         try:
             return await chaos.run()
@@ -385,6 +396,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-stop", type=float, default=40.0, help="longest SIGSTOP, seconds (the shortest is 2)")
     p.add_argument("--only", default="", help="inject only these faults (comma-separated roles: generator, relay, "
                    "nats; or faults: 'generator kill -9' for takeovers alone); default every fault of all three")
+    p.add_argument("--stream-deadline", type=float, default=300.0,
+                   help="a stream not ended this long after its POST is reported as a violation (never ended)")
     p.add_argument("--seed", type=int, default=None, help="the fault schedule's random seed")
     p.add_argument("--data-dir", default=Settings.load().data_dir, help="where the converted models are cached")
     p.add_argument("--out", default="bench/out/chaos.json")

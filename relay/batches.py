@@ -18,7 +18,6 @@ from .native import state_of, tenant_of
 
 __all__ = ["router"]
 
-_WINDOW_S = 24 * 3600  # the one completion window: a batch's expires_at (not enforced: it runs to the end)
 _CANCEL_TRIES = 5  # compare-and-set rounds against the runner's own writes
 BatchId = Annotated[str, Path(pattern=BATCH_ID_PATTERN)]
 
@@ -41,7 +40,7 @@ async def create_batch(body: BatchCreate, request: Request) -> BatchObject:
     now = int(time.time())
     batch = BatchObject(id=new_batch_id(), endpoint=body.endpoint, input_file_id=file.id,
                         completion_window=body.completion_window, status="validating", created_at=now,
-                        expires_at=now + _WINDOW_S, metadata=body.metadata)
+                        expires_at=now + int(state.settings.batch_window_s), metadata=body.metadata)
     await state.batchdb.create_batch(BatchRecord(batch, tenant))
     request.app.state.batchrunner.wake()
     return batch

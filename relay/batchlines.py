@@ -12,7 +12,7 @@ from tokenpipe.errors import InvalidRequest
 
 from .protocol import Bodies, ChatCompletionRequest, CompletionRequest, parse
 
-__all__ = ["LineRejected", "Row", "check_line", "error_row", "output_row"]
+__all__ = ["LineRejected", "Row", "check_line", "error_row", "expired_row", "output_row"]
 
 Row = tuple[str, dict[str, Any]]  # ("out", output line) or ("err", error line)
 
@@ -31,6 +31,13 @@ def error_row(stream_id: str, custom_id: str | None, status: int, code: str, mes
     return "err", {"id": f"batch_req_{stream_id}", "custom_id": custom_id,
                    "response": {"status_code": status, "request_id": stream_id, "body": body},
                    "error": {"code": code, "message": message}}
+
+
+def expired_row(stream_id: str, custom_id: str | None) -> Row:
+    """A line its batch's completion window ended before it was done (OpenAI's ``batch_expired``)."""
+    return "err", {"id": f"batch_req_{stream_id}", "custom_id": custom_id, "response": None,
+                   "error": {"code": "batch_expired",
+                             "message": "This request could not be executed before the completion window expired."}}
 
 
 def output_row(stream_id: str, custom_id: str, status: int, reply: dict[str, Any]) -> Row:

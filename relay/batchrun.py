@@ -42,7 +42,7 @@ from tokenpipe.wire import Request as TpRequest
 from tokenpipe.wire import StreamMeta, TokenBatch
 
 from .batchdb import BatchDB, BatchRecord, Conflict
-from .batchlines import LineRejected, Row, check_line, error_row, output_row
+from .batchlines import LineRejected, Row, check_line, error_row, expired_row, output_row
 from .batchproto import OPEN_STATUSES, BatchError, BatchErrors, RequestCounts
 from .openai import completion_reply
 from .protocol import Bodies
@@ -72,10 +72,24 @@ class _Job:
     halt: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)  # cancelled, or a line interrupted
     interrupted: list[TokenpipeError] = dataclasses.field(default_factory=list)
     lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
+    expired: bool = False  # its completion window passed: the lines not done end as batch_expired
+    floor: RequestCounts = dataclasses.field(default_factory=RequestCounts)  # the counts its last runner wrote
 
     def cancel(self) -> None:
         self.cancelled.set()
         self.halt.set()
+
+    def expire(self) -> None:
+        self.expired = True
+        self.halt.set()
+
+    def counts(self) -> RequestCounts:
+        """What the record shows. A runner taking the batch over reads its finished lines back from
+        the store, so its own counts start at 0 and catch up: until then the last runner's stand, and
+        the counts never move backwards."""
+        f = self.floor
+        return RequestCounts(total=max(self.total, f.total), completed=max(self.completed, f.completed),
+                             failed=max(self.failed, f.failed))
 
 
 class BatchRunner:
@@ -152,7 +166,7 @@ class BatchRunner:
             record = job.record
             for _ in range(5):
                 change(record)
-                record.batch.request_counts = RequestCounts(total=job.total, completed=job.completed, failed=job.failed)
+                record.batch.request_counts = job.counts()
                 if job.cancelled.is_set() and record.batch.status in ("validating", "in_progress", "finalizing"):
                     record.batch.status = "cancelling"
                 if record.runner == self.id:
@@ -177,6 +191,7 @@ class BatchRunner:
 
     async def _run(self, job: _Job) -> None:
         b = job.record.batch
+        job.floor = b.request_counts
         if b.status == "cancelling":
             job.cancel()
         heart = asyncio.create_task(self._heartbeat(job), name=f"batch-heartbeat-{b.id}")
@@ -238,6 +253,9 @@ class BatchRunner:
             self._slots.release()
 
         halt_wait = asyncio.ensure_future(job.halt.wait())
+        # The completion window: a timer, so a batch taken over after it passed expires at once.
+        window = (b.expires_at - time.time()) if b.expires_at is not None else None
+        expiry = asyncio.get_running_loop().call_later(max(0.0, window), job.expire) if window is not None else None
         try:
             for index, line in enumerate(lines):
                 acquire = asyncio.ensure_future(self._slots.acquire())
@@ -262,12 +280,19 @@ class BatchRunner:
             if heart.done():
                 heart.result()  # the lease was lost (raises)
         finally:
+            if expiry is not None:
+                expiry.cancel()
             halt_wait.cancel()
             for task in list(pending):
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
-        if job.interrupted and not job.cancelled.is_set():
+        if job.interrupted and not (job.cancelled.is_set() or job.expired):
             raise job.interrupted[0]
+        if job.expired and not job.cancelled.is_set():
+            for index, line in enumerate(lines):
+                if results[index] is None:
+                    results[index] = expired_row(f"{b.id}-{index}", _custom_id(line))
+                    job.failed += 1
         await self._finalize(job, results)
 
     async def _fail(self, job: _Job, code: str, message: str) -> None:
@@ -292,12 +317,15 @@ class BatchRunner:
                                                 self.settings.batch_retention_s)
                 ids[kind] = stored.id
         cancelled = job.cancelled.is_set() and any(r is None for r in results)
+        expired = job.expired and not cancelled
 
         def done(r: BatchRecord) -> None:
             now = int(time.time())
             r.batch.output_file_id, r.batch.error_file_id = ids.get("out"), ids.get("err")
             if cancelled:
                 r.batch.status, r.batch.cancelled_at = "cancelled", now
+            elif expired:
+                r.batch.status, r.batch.expired_at = "expired", now
             else:
                 r.batch.status, r.batch.completed_at = "completed", now
             r.runner, r.lease_until = "", 0.0
@@ -331,7 +359,7 @@ class BatchRunner:
         try:
             final, text = await self._generate(req)
         except asyncio.CancelledError:
-            if job.cancelled.is_set():  # the batch was cancelled, not the relay stopped: stop its generation
+            if job.cancelled.is_set() or job.expired:  # not the relay stopping: stop its generation
                 with contextlib.suppress(Exception):
                     await asyncio.shield(cancel(self._bus(), stream_id))
             raise
@@ -373,6 +401,16 @@ class BatchRunner:
                 return await self.forwarder.submit(req, follow=True)
             except Overloaded as exc:  # the queue is full: a batch waits its turn
                 await asyncio.sleep(max(_RETRY_S, float(exc.retry_after)))
+
+
+def _custom_id(line: str) -> str | None:
+    """A line's ``custom_id`` where it has one (an expired line that never ran was never checked)."""
+    try:
+        raw = json.loads(line)
+    except ValueError:
+        return None
+    given = raw.get("custom_id") if isinstance(raw, dict) else None
+    return given if isinstance(given, str) else None
 
 
 def _json_line(row: dict[str, Any]) -> str:

@@ -169,10 +169,23 @@ async def test_a_batch_survives_a_kill9_of_the_relay(stack: UpProcess) -> None:
         return b.request_counts is not None and b.request_counts.completed >= 2
 
     await wait_until(some_done, 120, "a few lines done")
+    before = (await sdk.batches.retrieve(batch.id)).request_counts
     relay_pid = stack.role("relay")["pid"]
     os.kill(relay_pid, signal.SIGKILL)
     await wait_until(lambda: stack.role("relay").get("pid") != relay_pid
                      and stack.role("relay").get("state") == "ready", 120, "the relay back")
+    # request_counts keep moving from where they were: the runner that took the batch over reads
+    # the finished lines back from the store, and its own counts (from 0) never replace larger ones.
+    seen = [before]
+
+    async def watched() -> bool:
+        b = await sdk.batches.retrieve(batch.id)
+        seen.append(b.request_counts)
+        return b.status in ("completed", "failed", "cancelled")
+
+    await wait_until(watched, 240, f"batch {batch.id} to finish")
+    completed = [c.completed for c in seen if c is not None]
+    assert completed == sorted(completed), completed
     done = await finished(sdk, batch.id, timeout=240)
     assert done.status == "completed" and done.request_counts is not None
     assert (done.request_counts.completed, done.request_counts.failed) == (24, 0)
@@ -244,3 +257,50 @@ async def test_batches_are_listed_newest_first_in_pages(stack: UpProcess) -> Non
     assert not rest.has_more
     for batch_id in made:
         assert (await finished(sdk, batch_id)).status == "completed"
+
+
+WINDOW_S = 4  # the short window's stack: a batch longer than this expires
+
+
+@pytest.fixture(scope="module")
+async def short_window(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> AsyncIterator[UpProcess]:
+    async with running_stack(tmp_path_factory, data_dir, "batchexpiry", 1, TOKENPIPE_API_KEYS=KEYS,
+                             TOKENPIPE_BATCH_WINDOW_S=str(WINDOW_S), TOKENPIPE_BATCH_CONCURRENCY="2") as s:
+        yield s
+
+
+async def test_a_batch_past_its_completion_window_expires_and_every_line_is_accounted_for(
+        short_window: UpProcess) -> None:
+    """expires_at is enforced (it was only shown): past it the lines in flight are cancelled, the ones
+    not done go to the error file as OpenAI's ``batch_expired``, the ones done stay in the output."""
+    sdk = client(short_window)
+    # Far more work than the window holds at two lines at a time: most lines cannot be done in time.
+    lines = [chat_line(f"e{i}", f"expiring {i}", 1024, ignore_eos=True) for i in range(40)]
+    f = await sdk.files.create(file=("e.jsonl", jsonl(lines)), purpose="batch")
+    batch = await sdk.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert batch.expires_at is not None and batch.expires_at - batch.created_at == WINDOW_S
+
+    async def ended() -> bool:
+        b = await sdk.batches.retrieve(batch.id)
+        return b.status not in ("validating", "in_progress", "finalizing")
+
+    await wait_until(ended, 120, "the batch to end")
+    done = await sdk.batches.retrieve(batch.id)
+    assert done.status == "expired" and done.expired_at is not None and done.expired_at >= batch.expires_at
+    counts = done.request_counts
+    assert counts is not None and (counts.total, counts.completed + counts.failed) == (40, 40)
+    out = [json.loads(x) for x in (await sdk.files.content(done.output_file_id)).text.splitlines()] \
+        if done.output_file_id else []
+    errors = [json.loads(x) for x in (await sdk.files.content(done.error_file_id)).text.splitlines()]
+    assert sorted(r["custom_id"] for r in out + errors) == sorted(x["custom_id"] for x in lines)
+    assert len(out) == counts.completed and len(errors) == counts.failed >= 30
+    assert all(e["error"]["code"] == "batch_expired" and e["response"] is None for e in errors)
+    assert all(o["response"]["body"]["usage"]["completion_tokens"] == 1024 for o in out)
+    # The lines cancelled in flight stopped: no generator is left running them.
+    async with httpx.AsyncClient(base_url=short_window.url, headers={"Authorization": "Bearer key-a"},
+                                 timeout=30) as http:
+        async def none_running() -> bool:
+            page = (await http.get("/v1/streams", params={"batch": batch.id, "limit": 100})).json()
+            return all(item["status"] != "running" for item in page["data"])
+
+        await wait_until(none_running, 60, "the expired batch's streams to stop")

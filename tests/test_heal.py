@@ -54,12 +54,12 @@ def start_stack(data: Path, generators: int, *extra: str, **env: str) -> UpProce
 
 @contextlib.asynccontextmanager
 async def running_stack(tmp_path_factory: pytest.TempPathFactory, data_dir: Path, name: str, generators: int,
-                        **env: str) -> AsyncIterator[UpProcess]:
+                        *extra: str, **env: str) -> AsyncIterator[UpProcess]:
     """:func:`start_stack` on a fresh data dir sharing the converted models; up on entry, and on exit
     stopped with exit code 0 (killed if it did not stop)."""
     data = tmp_path_factory.mktemp(name)
     (data / "models").symlink_to(data_dir / "models", target_is_directory=True)
-    s = start_stack(data, generators, **env)
+    s = start_stack(data, generators, *extra, **env)
     try:
         await s.wait_up()
         yield s
@@ -275,6 +275,38 @@ async def test_kill9_of_nats_server_a_stream_in_flight_finishes_and_a_post_meanw
         assert later[-1][0] == "done" and later[-1][2]["usage"]["completion_tokens"] == 16
     await stack.wait_up()
     assert stack.role("nats-server")["pid"] != nats_pid and stack.role("nats-server")["restarts"] >= 1
+
+
+def test_a_restarted_nats_node_still_recovering_its_store_is_not_counted_as_a_crash(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression (CI: the chaos run's stack stopped after repeated kill -9s of one NATS node): a
+    restart waited, inside the supervisor's loop, for the node to listen within 15 s. A node recovers
+    its JetStream store before it listens, which on a busy machine took longer; each such start was
+    counted as an exit, and the crash-loop limit then stopped the whole stack. A restart is now not
+    waited for: the node is running (not an exit) and not ready until it listens."""
+    from tokenpipe_cli import natsserver
+    from tokenpipe_cli.launch import wait_ready
+    from tokenpipe_cli.supervisor import nats_role
+
+    nats = natsserver.NatsServer(tmp_path / "nats")
+    role = nats_role(nats, "nats-server")
+    role.child = role.start()
+    try:
+        assert role.child is not None and role.ready_check()
+        os.kill(role.child.pid, signal.SIGKILL)
+        role.child.proc.wait()
+        slow = tmp_path / "slow-nats-server"  # a node that takes 5 s before it listens
+        slow.write_text(f'#!/bin/sh\nsleep 5\nexec "{natsserver.find_nats_server()}" "$@"\n')
+        slow.chmod(0o755)
+        monkeypatch.setattr(natsserver, "find_nats_server", lambda: str(slow))
+        t0 = time.monotonic()
+        role.child = role.start()
+        assert time.monotonic() - t0 < 2.5, "the restart was waited for"
+        assert role.child is not None and role.alive() is None  # running: not an exit
+        assert not role.ready_check()
+        wait_ready(role.ready_check, timeout=60, what="the restarted node", children=[role.child])
+    finally:
+        nats.stop()
 
 
 def wait_gone(pid: int) -> None:

@@ -259,6 +259,10 @@ class Settings:
     batch_retention_s: float = _setting(
         7 * 86400.0, "how long the Batch API's files (JetStream object store `tp_files`) and batch records (KV "
                      "`tp_batches`) are kept", shown="604800 (7 days)")
+    batch_window_s: float = _setting(
+        86400.0, "a batch's completion window (OpenAI's `24h`, the only one it names): past its `expires_at` the lines "
+                 "in flight are cancelled, the ones not done go to the error file as `batch_expired`, and the batch "
+                 "ends `expired`", shown="86400 (24 h)")
     batch_concurrency: int = _setting(32, "batch lines one relay keeps in flight at once, all its batches together "
                                           "(each a `flex` request; the generators serve interactive work first)")
     metrics_auth: bool = _setting(False, "`/metrics` requires an API key too (when keys are on)")

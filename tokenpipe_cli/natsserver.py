@@ -68,6 +68,25 @@ class NatsServer:
         return self.child.pid if self.child is not None else None
 
     def start(self, timeout: float = 15.0) -> NatsServer:
+        """Start it and wait until it accepts connections (a :class:`TransportError` after ``timeout`` s)."""
+        self.spawn()
+        assert self.child is not None
+        try:
+            wait_ready(self.listening, timeout=timeout, what=f"nats-server on {self.url}",
+                       children=[self.child], interval=0.02)
+        except LaunchError as exc:
+            self.stop()
+            raise TransportError(exc.message) from exc
+        log.info("nats-server ready", extra={"url": self.url, "data_dir": str(self.data_dir)})
+        return self
+
+    def listening(self) -> bool:
+        """It accepts client connections (after recovering its JetStream store, which a restart after
+        kill -9 can take a while to do)."""
+        return tcp_listening(self.host, self.port)()
+
+    def spawn(self) -> Child:
+        """Start the process without waiting for it (:meth:`listening` says when it serves)."""
         self.data_dir.mkdir(parents=True, exist_ok=True)
         store = str(self.data_dir / "jetstream")
         cmd = [find_nats_server(), "-js", "-sd", store, "-a", self.host, "-p", str(self.port),
@@ -79,14 +98,7 @@ class NatsServer:
         if self.cluster is not None:
             cmd += self.cluster.argv(self.host)
         self.child = spawn("nats-server", cmd, log=self.data_dir / LOG_FILE, new_session=True)
-        try:
-            wait_ready(tcp_listening(self.host, self.port), timeout=timeout, what=f"nats-server on {self.url}",
-                       children=[self.child], interval=0.02)
-        except LaunchError as exc:
-            self.stop()
-            raise TransportError(exc.message) from exc
-        log.info("nats-server ready", extra={"url": self.url, "data_dir": str(self.data_dir)})
-        return self
+        return self.child
 
     def wait(self) -> int:
         """Block until the server exits (``tokenpipe nats`` in the foreground); its exit status."""

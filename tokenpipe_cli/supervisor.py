@@ -30,7 +30,7 @@ from .natsserver import NatsServer
 from .provisioner import Provisioner
 from .uprole import Role, RoleKind, describe_exit, write_status
 
-__all__ = ["Supervisor"]
+__all__ = ["Supervisor", "nats_role"]
 
 log = logging.getLogger(__name__)
 
@@ -87,20 +87,9 @@ class Supervisor:
             cluster = self.nats = LocalCluster(data / "nats-cluster", self.nats_cluster, first_port=port,
                                                config_file=conf)
             # One role per node: each is restarted on its own ports and store, like a single server.
-            return [self._nats_role(node, f"nats-server-{i}") for i, node in enumerate(cluster.nodes)]
+            return [nats_role(node, f"nats-server-{i}") for i, node in enumerate(cluster.nodes)]
         self.nats = NatsServer(data / "nats", port=port, config_file=conf)
-        return [self._nats_role(self.nats, "nats-server")]
-
-    def _nats_role(self, nats: NatsServer, name: str) -> Role:
-        def start() -> Child | None:
-            try:
-                nats.start()  # same port, same store: file storage keeps every queued request and batch
-            except TransportError as exc:
-                log.error("nats-server did not start", extra={"reason": exc.message})
-                return None
-            return nats.child
-
-        return Role(name, "nats", start, lambda: True)
+        return [nats_role(self.nats, "nats-server")]
 
     def _build_roles(self) -> None:
         s = self.settings
@@ -328,3 +317,22 @@ class Supervisor:
             self.nats.stop()
 
 
+def nats_role(nats: NatsServer, name: str) -> Role:
+    """The role of one nats-server (or one node of a local cluster) under ``tokenpipe up``: its first
+    start waits until it serves; a restart does not (the role is ready once it listens)."""
+    def start() -> Child | None:
+        if nats.child is not None:
+            # A restart (same port, same store: file storage keeps every queued request and batch):
+            # not waited for here. After a kill -9 the node recovers its store before it listens,
+            # which on a busy machine took longer than a start's bound, and each such "failed"
+            # start counted towards the crash-loop limit that then stopped the whole stack.
+            nats.child = None
+            return nats.spawn()
+        try:
+            nats.start()  # the first start: the provisioner and the roles need it serving
+        except TransportError as exc:
+            log.error("nats-server did not start", extra={"reason": exc.message})
+            return None
+        return nats.child
+
+    return Role(name, "nats", start, nats.listening)
