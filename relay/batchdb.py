@@ -26,6 +26,7 @@ from nats.js.object_store import ObjectStore
 
 from tokenpipe.bus import Bus
 from tokenpipe.errors import NotFound, TokenpipeError, TransportError
+from tokenpipe.retry import through_elections
 from tokenpipe.subjects import BATCHES_BUCKET, BATCHES_STREAM, FILES_BUCKET, FILES_STREAM
 
 from .batchproto import BATCH_ID_PATTERN, FILE_ID_PATTERN, BatchObject, FileObject
@@ -210,13 +211,20 @@ class BatchDB:
 
     @staticmethod
     async def _get(kv: KeyValue, key: str) -> tuple[bytes, int] | None:
+        """One record, read through a cluster's election (a read is idempotent): a relay whose NATS
+        node died answered 503 to a client polling its batch while the bucket had no leader."""
+
+        async def once() -> tuple[bytes, int] | None:
+            try:
+                entry = await kv.get(key)
+            except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+                return None
+            return (entry.value or b""), int(entry.revision or 0)
+
         try:
-            entry = await kv.get(key)
-        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
-            return None
+            return await through_elections(once)
         except Exception as exc:
             raise TransportError(f"could not read the Batch API's records: {exc!r}") from exc
-        return (entry.value or b""), int(entry.revision or 0)
 
     async def _scan(self, kv: KeyValue, pattern: str) -> list[tuple[bytes, int]]:
         """Every live value under ``pattern``, oldest first: the stream names the keys it holds, and each
@@ -225,7 +233,8 @@ class BatchDB:
         empty for a bucket that held a batch."""
         subjects = f"$KV.{BATCHES_BUCKET}.{pattern}"
         try:
-            info = await self._bus().js.stream_info(BATCHES_STREAM, subjects_filter=subjects)
+            info = await through_elections(
+                lambda: self._bus().js.stream_info(BATCHES_STREAM, subjects_filter=subjects))
         except (TimeoutError, nats.errors.Error) as exc:
             raise TransportError(f"could not list the Batch API's records: {exc!r}") from exc
         prefix = len(f"$KV.{BATCHES_BUCKET}.")

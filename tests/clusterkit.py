@@ -109,8 +109,11 @@ class Stack:
 
     async def wait_roles(self) -> None:
         live = {p.pid for p in self.procs if p.poll() is None}
-        await wait_until(lambda: len({pid for pid, a in self.announcements.items()
-                                      if a["ready"] and pid in live}) >= self.n_generators, 90, "generators")
+        try:
+            await wait_until(lambda: len({pid for pid, a in self.announcements.items()
+                                          if a["ready"] and pid in live}) >= self.n_generators, 90, "generators")
+        except AssertionError as exc:  # say why: each generator's exit status and its log's tail
+            raise AssertionError(f"{exc}\n{self.generator_logs()}") from None
 
         async def relays_ready() -> bool:
             try:
@@ -120,6 +123,14 @@ class Stack:
                 return False
 
         await wait_until(relays_ready, 90, "relays ready")
+
+    def generator_logs(self, lines: int = 15) -> str:
+        out = []
+        for proc in self.generators:
+            i = self.procs.index(proc)
+            log = (self.tmp / f"generator-{i}.log").read_text(errors="replace").splitlines()[-lines:]
+            out.append(f"generator-{i} (pid {proc.pid}, exit {proc.poll()}):\n" + "\n".join(log))
+        return "\n".join(out)
 
     def roles_alive(self) -> bool:
         return all(p.poll() is None for p in [*self.generators, *self.relays.values()])

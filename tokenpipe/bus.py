@@ -25,6 +25,7 @@ from .batchstore import BATCH_STREAMS, provision_batch_stores
 from .cluster import connected_server, replicas_to_keep, resolve_replicas, server_list
 from .errors import InvalidRequest, TransportError
 from .placement import Choice, PlacementTable, follow_summaries
+from .retry import Backoff, transient
 from .settings import Settings
 from .slots import ensure_slot_consumers, slots_drift
 from .subjects import (
@@ -53,6 +54,7 @@ __all__ = ["Bus", "connect", "consumer_drift", "intake_config", "missing", "prov
 log = logging.getLogger(__name__)
 
 _RELEASE_TIMEOUT_S = 2.0  # release_intake's wait for its delete
+_PROVISION_PATIENCE_S = 60.0  # how long connect() retries provisioning that timed out
 REPAIR_INTERVAL_S = 2.0  # how often the relay and the generators check that what tokenpipe provisions exists
 
 
@@ -160,7 +162,7 @@ async def connect(settings: Settings, *, name: str, provision_streams: bool = Tr
     replicas = _replicas(js, settings)
     try:
         if provision_streams and ident.provisions:
-            await provision(js, settings, registry=ident.registry, replicas=replicas, apps=apps)
+            await _provision_patiently(js, settings, registry=ident.registry, replicas=replicas, apps=apps)
         if ident.own_account:
             await provision_copy(js, settings, ident.owner, replicas=replicas)
         # An app may not touch the registry: it gets a handle that was never opened (any use is denied).
@@ -175,6 +177,25 @@ async def connect(settings: Settings, *, name: str, provision_streams: bool = Tr
         bus.placement = PlacementTable()
         await follow_summaries(nc, bus.placement)
     return bus
+
+
+async def _provision_patiently(js: JetStreamContext, settings: Settings, **kw: Any) -> None:
+    """:func:`provision`, tried again while JetStream does not answer in time: a cluster that just
+    formed can time out its first stream requests (a generator that had loaded its model for a
+    minute then exited on one). A refusal (a bad configuration, too many replicas) is raised at once."""
+    deadline = asyncio.get_running_loop().time() + _PROVISION_PATIENCE_S
+    backoff = Backoff(0.25, 2.0)
+    while True:
+        try:
+            await provision(js, settings, **kw)
+            return
+        except TransportError as exc:
+            delay = backoff.next()
+            cause = exc.__cause__
+            if cause is None or not transient(cause) or asyncio.get_running_loop().time() + delay > deadline:
+                raise
+            log.warning("JetStream provisioning did not answer; retrying", extra={"error": exc.message})
+        await asyncio.sleep(delay)  # a cluster settling: there is no event to wait on
 
 
 async def _ensure_stream(js: JetStreamContext, config: js_api.StreamConfig, settings: Settings) -> None:

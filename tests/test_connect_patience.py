@@ -1,0 +1,61 @@
+"""A role's start-up provisioning waits out a JetStream that does not answer in time.
+
+Regression: a role exited when its first stream request to JetStream timed out ("JetStream
+provisioning failed: nats: timeout"), after loading its model, as on a 3-node cluster that had
+just formed. A CI run's cluster-fault module errored on every test waiting 90 s for its
+generators; this is the one way found for a generator to never get ready there. The server here
+is frozen (SIGSTOP) past the JetStream API timeout, then thawed."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import nats
+import pytest
+
+from tokenpipe.bus import _provision_patiently, connect
+from tokenpipe.errors import TransportError
+from tokenpipe.settings import Settings
+from tokenpipe_cli.natsserver import NatsServer
+
+pytestmark = pytest.mark.timeout(120)
+
+
+async def test_provisioning_that_times_out_while_jetstream_is_frozen_is_retried_until_it_answers(
+        tmp_path: Path) -> None:
+    with NatsServer(tmp_path / "nats") as server:
+        settings = Settings.load(env={}, nats_url=server.url)
+        bus = await connect(settings, name="patience-test")
+        assert server.pid is not None
+        try:
+            os.kill(server.pid, signal.SIGSTOP)
+            t0 = time.monotonic()
+            thaw = asyncio.get_running_loop().call_later(12.0, os.kill, server.pid, signal.SIGCONT)
+            try:
+                # Longer than one try's timeout (the JetStream context's 10 s): a single try fails.
+                await _provision_patiently(bus.js, settings, registry=True, replicas=1)
+            finally:
+                thaw.cancel()
+                os.kill(server.pid, signal.SIGCONT)
+            assert time.monotonic() - t0 >= 12.0  # it waited for the thaw, it did not skip the work
+            assert "TP_REQUESTS" in [s.config.name for s in await bus.js.streams_info()]
+        finally:
+            await bus.close()
+
+
+async def test_a_refusal_is_raised_at_once_not_retried(tmp_path: Path) -> None:
+    with NatsServer(tmp_path / "nats") as server:
+        settings = Settings.load(env={}, nats_url=server.url)
+        nc = await nats.connect(server.url)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(TransportError, match="replicas"):
+                # Three replicas on one server: JetStream refuses, and would refuse again.
+                await _provision_patiently(nc.jetstream(timeout=10), settings, registry=True, replicas=3)
+            assert time.monotonic() - t0 < 10
+        finally:
+            await nc.close()
