@@ -42,3 +42,39 @@ def test_a_table_without_torchs_kernel_frees_its_copy_and_keeps_the_tokens(data_
     rules = load_model("tiny-random", device="cpu", dtype="float32", data_dir=data_dir, quant="int4", kernels="rules")
     kept = plan_for(rules.model).projections("qkv")[0]
     assert isinstance(kept, QuantLinear) and kept.qweight is not None  # rules run torch's kernel: kept
+
+
+@pytest.mark.smollm2
+def test_the_tensor_index_read_at_start_is_gguf_readers_without_its_metadata_parse() -> None:
+    """Regression (warm start): ``gguf.GGUFReader`` parsed every metadata value, the tokenizer's ~100,000
+    strings included, into array views: seconds of every start. The index read instead must hold the
+    same tensors, as the same bytes."""
+    import numpy as np
+    from gguf import GGUFReader
+
+    from generator.model.gguf import read_tensors
+    from generator.model.preparation import gguf_path
+
+    mine, theirs = read_tensors(gguf_path()), GGUFReader(gguf_path()).tensors
+    assert [(t.name, t.tensor_type, t.data.shape, t.data.dtype) for t in mine] == \
+        [(t.name, t.tensor_type, t.data.shape, t.data.dtype) for t in theirs]
+    assert all(np.array_equal(a.data, b.data) for a, b in zip(mine, theirs, strict=True))
+
+
+@pytest.mark.smollm2
+def test_a_truncated_gguf_file_is_a_clear_error(tmp_path: Path, data_dir: Path) -> None:
+    from transformers import AutoConfig
+
+    from generator.model.gguf import load_gguf_llama
+    from generator.model.preparation import gguf_path, prepare_tokenizer
+    from tokenpipe.errors import ModelNotFound
+
+    cut = tmp_path / "cut.gguf"
+    with open(gguf_path(), "rb") as src:
+        cut.write_bytes(src.read(4 << 20))  # the header and part of the first tensors
+    config = AutoConfig.from_pretrained(prepare_tokenizer(data_dir))
+    with pytest.raises(ModelNotFound, match="ends inside tensor"):
+        load_gguf_llama(cut, config, torch.float32)
+    (tmp_path / "not.gguf").write_bytes(b"GGML" + bytes(64))
+    with pytest.raises(ModelNotFound, match="not a GGUF file"):
+        load_gguf_llama(tmp_path / "not.gguf", config, torch.float32)

@@ -140,3 +140,23 @@ def test_with_native_bf16_the_bf16_weight_serves_more_than_16_rows() -> None:
     ref = few.float() @ q.dequantize().T
     assert ((q(few).float() - ref).norm() <= 0.02 * ref.norm()).item()  # the quantized kernel
     assert not torch.equal(q(few), torch.nn.functional.linear(few, w))
+
+
+def test_each_kernel_is_checked_once_per_shape_not_once_per_layer(data_dir: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression (start-up time): every quantized projection de-quantized its weight to check the kernel, 121
+    times for SmolLM2's 30 layers; a kernel that works for one layer of a shape works for all of them."""
+    checked: list[tuple[str, int, int]] = []
+    original = QuantLinear._kernel_ok
+
+    def counting(self: QuantLinear, w: torch.Tensor) -> bool:
+        checked.append((self.mode, self.out_features, self.in_features))
+        return original(self, w)
+
+    monkeypatch.setattr(QuantLinear, "_kernel_ok", counting)
+    lm = load_model("tiny-random", device="cpu", dtype="float32", data_dir=data_dir, quant="int4")
+    plan = plan_for(lm.model)
+    mods = [m for role in ("qkv", "o", "gate_up", "down", "lm_head") for m in plan.projections(role)]
+    assert len(mods) == 9 and all(isinstance(m, QuantLinear) and not m.fallback for m in mods)
+    shapes = {(m.mode, m.out_features, m.in_features) for m in mods if isinstance(m, QuantLinear)}
+    assert sorted(checked) == sorted(shapes)  # one check per distinct shape, each verdict applied to all

@@ -12,11 +12,18 @@ stay anyway (a prefill's many rows use them).
 
 llama.cpp stores q/k rows permuted for its RoPE; they are put back (:func:`_unpermute`, transformers' own
 reverse permutation).
+
+The file's index (where each tensor is) is read here (:func:`read_tensors`), not by ``gguf.GGUFReader``: that
+builds an array view for every part of every metadata value, the tokenizer's ~100,000 strings included, which
+took seconds of each start; the tokenizer and config are read once, at preparation, and kept beside.
 """
 
 from __future__ import annotations
 
+import mmap
 import re
+import struct
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +33,7 @@ from torch import nn
 
 from tokenpipe.errors import ModelNotFound
 
-__all__ = ["load_gguf_llama"]
+__all__ = ["GGUFTensor", "load_gguf_llama", "read_tensors"]
 
 # GGUF tensor name -> the transformers Llama module it fills
 _LAYER_NAMES = {
@@ -37,6 +44,110 @@ _LAYER_NAMES = {
 }
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+
+
+_MAGIC = b"GGUF"
+_DEFAULT_ALIGNMENT = 32
+# GGUF metadata value types: the scalars' struct formats; 8 is a string, 9 an array
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+# element types of the tensors stored as plain numbers (the rest are blocks of bytes)
+_PLAIN: dict[str, type[np.generic]] = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8,
+                                        "I16": np.int16, "I32": np.int32, "I64": np.int64}
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    """One tensor as stored: ``data`` is what ``gguf.GGUFReader`` gives (a memory-mapped view; a quantized
+    type's rows as their bytes), ready for ``gguf.quants.dequantize``."""
+
+    name: str
+    tensor_type: Any  # gguf.GGMLQuantizationType
+    data: np.ndarray
+
+
+class _Cursor:
+    """Little-endian reads through the header of a memory-mapped file."""
+
+    def __init__(self, buf: mmap.mmap) -> None:
+        self.buf, self.off = buf, 0
+
+    def take(self, fmt: str) -> Any:
+        value = struct.unpack_from(fmt, self.buf, self.off)[0]
+        self.off += struct.calcsize(fmt)
+        return value
+
+    def string(self) -> str:
+        n = self.take("<Q")
+        self.off += n
+        return bytes(self.buf[self.off - n:self.off]).decode("utf-8")
+
+    def value(self, kind: int) -> Any:
+        """A metadata value (an array's elements are skipped, not read: None)."""
+        if kind == _STRING:
+            return self.string()
+        if kind in _SCALARS:
+            return self.take(_SCALARS[kind])
+        if kind != _ARRAY:
+            raise ValueError(f"unknown GGUF metadata type {kind}")
+        elem, count = self.take("<I"), self.take("<Q")
+        if elem == _STRING:  # each string its own length: stepped over one by one
+            for _ in range(count):
+                self.off += 8 + struct.unpack_from("<Q", self.buf, self.off)[0]
+        elif elem in _SCALARS:
+            self.off += count * struct.calcsize(_SCALARS[elem])
+        else:
+            for _ in range(count):
+                self.value(elem)
+        return None
+
+
+def read_tensors(path: Path) -> list[GGUFTensor]:
+    """The tensors of the (little-endian, version 2 or 3) GGUF file ``path``, memory-mapped, in file order."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import quant_shape_to_byte_shape
+
+    with open(path, "rb") as f:
+        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        cur = _Cursor(buf)
+        if bytes(buf[:4]) != _MAGIC:
+            raise ValueError("not a GGUF file")
+        cur.off = 4
+        version = cur.take("<I")
+        if version not in (2, 3):
+            raise ValueError(f"GGUF version {version} (or a big-endian file) is not supported")
+        n_tensors, n_kv = cur.take("<Q"), cur.take("<Q")
+        alignment = _DEFAULT_ALIGNMENT
+        for _ in range(n_kv):
+            key = cur.string()
+            value = cur.value(cur.take("<I"))
+            if key == "general.alignment":
+                alignment = int(value)
+        infos = []
+        for _ in range(n_tensors):
+            name = cur.string()
+            dims = [cur.take("<Q") for _ in range(cur.take("<I"))]
+            infos.append((name, dims, GGMLQuantizationType(cur.take("<I")), cur.take("<Q")))
+        start = -(-cur.off // alignment) * alignment
+    except (struct.error, UnicodeDecodeError) as exc:
+        raise ValueError(f"a damaged GGUF header: {exc}") from exc
+    finally:
+        buf.close()
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    tensors = []
+    for name, dims, kind, offset in infos:
+        n = int(np.prod(dims))
+        shape = tuple(reversed(dims))
+        plain = _PLAIN.get(kind.name)
+        block, size = GGML_QUANT_SIZES[kind]
+        n_bytes = n * size // block
+        raw = data[start + offset:start + offset + n_bytes]
+        if raw.size != n_bytes:
+            raise ValueError(f"the GGUF file ends inside tensor {name!r}")
+        view = raw.reshape(quant_shape_to_byte_shape(shape, kind)) if plain is None else raw.view(plain).reshape(shape)
+        tensors.append(GGUFTensor(name, kind, view))  # ^ blocks: each row as its bytes
+    return tensors
 
 
 def _module_name(gguf_name: str) -> tuple[str, str]:
@@ -59,12 +170,11 @@ def _unpermute(rows: np.ndarray, heads: int) -> np.ndarray:
 
 def load_gguf_llama(path: Path, config: Any, dtype: torch.dtype) -> Any:
     """The transformers Llama of ``config`` with the weights of the GGUF file ``path``, in ``dtype``, on the CPU."""
-    from gguf import GGUFReader
     from gguf.quants import dequantize
     from transformers import AutoModelForCausalLM
 
     try:
-        reader = GGUFReader(path)
+        tensors = read_tensors(path)
     except (OSError, ValueError) as exc:
         raise ModelNotFound(f"cannot read the GGUF file {path}: {exc}") from exc
     with torch.device("meta"):  # no random initialisation of weights about to be replaced
@@ -72,7 +182,7 @@ def load_gguf_llama(path: Path, config: Any, dtype: torch.dtype) -> Any:
     # the rotary tables are computed, not stored: made again off the meta device
     model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config)
     permuted = {"attn_q": int(config.num_attention_heads), "attn_k": int(config.num_key_value_heads)}
-    for t in reader.tensors:
+    for t in tensors:
         name, kind = _module_name(t.name)
         module = model.get_submodule(name)
         values = dequantize(np.asarray(t.data), t.tensor_type)  # fp32, this tensor only

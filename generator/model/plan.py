@@ -48,7 +48,8 @@ class Plan:
 _PLANS: WeakKeyDictionary[nn.Module, Plan] = WeakKeyDictionary()
 
 
-def _fuse(mods: list[Any], quant: QuantMode, dense_rows: int = DENSE_ROWS) -> nn.Module:
+def _fuse(mods: list[Any], quant: QuantMode, dense_rows: int = DENSE_ROWS,
+          verdicts: dict[tuple[str, str, int, int], bool] | None = None) -> nn.Module:
     """One projection for ``mods`` stacked along the output. The originals become views into
     the fused float weight (no second copy; the model's own forward still works)."""
     weight = torch.cat([m.weight for m in mods])
@@ -63,7 +64,7 @@ def _fuse(mods: list[Any], quant: QuantMode, dense_rows: int = DENSE_ROWS) -> nn
         if bias is not None:
             m.bias = nn.Parameter(bias[start:stop], requires_grad=False)
         start = stop
-    return quantize_weight(weight, bias, quant, dense_rows)
+    return quantize_weight(weight, bias, quant, dense_rows, verdicts)
 
 
 def build_plan(model: Any, quant: QuantMode = "none", dense_rows: int = DENSE_ROWS) -> Plan:
@@ -75,11 +76,12 @@ def build_plan(model: Any, quant: QuantMode = "none", dense_rows: int = DENSE_RO
     embedding it may be tied to is untouched). The model's own modules and forward are unchanged.
     """
     layers = []
+    verdicts: dict[tuple[str, str, int, int], bool] = {}  # each kernel checked once per shape
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        qkv = _fuse([attn.q_proj, attn.k_proj, attn.v_proj], quant, dense_rows)
-        gate_up = _fuse([mlp.gate_proj, mlp.up_proj], quant, dense_rows)
-        o, down = (quantize_weight(m.weight, m.bias, quant, dense_rows) if quant != "none" else m
+        qkv = _fuse([attn.q_proj, attn.k_proj, attn.v_proj], quant, dense_rows, verdicts)
+        gate_up = _fuse([mlp.gate_proj, mlp.up_proj], quant, dense_rows, verdicts)
+        o, down = (quantize_weight(m.weight, m.bias, quant, dense_rows, verdicts) if quant != "none" else m
                    for m in (attn.o_proj, mlp.down_proj))
         q_size, kv_size, inter = attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0], mlp.gate_proj.weight.shape[0]
         layers.append(LayerPlan(qkv, o, gate_up, down, q_size, kv_size, inter))
@@ -87,7 +89,7 @@ def build_plan(model: Any, quant: QuantMode = "none", dense_rows: int = DENSE_RO
     if quant != "none":
         # lm_head stays at 8 bits under int4, as in the GGUF the default model comes from (its output is
         # Q8_0, its layers Q4_1): 4 bits cost it far more accuracy than 8.
-        lm_head = quantize_weight(model.lm_head.weight, model.lm_head.bias, "int8", dense_rows)
+        lm_head = quantize_weight(model.lm_head.weight, model.lm_head.bias, "int8", dense_rows, verdicts)
     plan = Plan(layers, lm_head, quant, DecodeAttention(model))
     _PLANS[model] = plan
     return plan

@@ -84,7 +84,11 @@ def dense_rows_for(dtype: torch.dtype, *, native_bf16: bool) -> int:
 class QuantLinear(nn.Module):
     """``y = x @ W.T + b`` with ``W`` stored as int8 or packed int4; a drop-in for ``nn.Linear``."""
 
-    def __init__(self, weight: Tensor, bias: Tensor | None, mode: QuantMode, dense_rows: int = DENSE_ROWS) -> None:
+    def __init__(self, weight: Tensor, bias: Tensor | None, mode: QuantMode, dense_rows: int = DENSE_ROWS,
+                 verdicts: dict[tuple[str, str, int, int], bool] | None = None) -> None:
+        """``verdicts``: the kernel checks already made for this model, by (mode, device, shape); a
+        kernel that works for one layer of a shape works for every one of it (each check de-quantizes
+        its weight: 121 of them were a second of SmolLM2's start)."""
         super().__init__()
         if mode == "none":
             raise ValueError("QuantLinear needs int8 or int4")
@@ -118,7 +122,11 @@ class QuantLinear(nn.Module):
         # torch's kernel's copy (None once dropped: drop_torch_weight)
         self.qweight: Tensor | None = qweight
         self.scales: Tensor | None = scales.to(self.act_dtype)
-        self.fallback = not self._kernel_ok(w)
+        verdicts = {} if verdicts is None else verdicts
+        key = (mode, str(w.device), self.out_features, self.in_features)
+        if key not in verdicts:
+            verdicts[key] = self._kernel_ok(w)
+        self.fallback = not verdicts[key]
         if self.fallback:
             log.warning("no working %s kernel on %s here: the float weights serve instead", mode, w.device.type)
         elif mode == "int4":
@@ -241,12 +249,14 @@ def _pack_int4(q: Tensor, device: torch.device) -> Tensor:
     return torch.ops.aten._convert_weight_to_int4pack(packed.contiguous(), _INNER_K_TILES)
 
 
-def quantize_weight(weight: Tensor, bias: Tensor | None, mode: QuantMode, dense_rows: int = DENSE_ROWS) -> nn.Module:
-    """A module computing ``F.linear(x, weight, bias)``: the plain weight for ``none``, else quantized."""
+def quantize_weight(weight: Tensor, bias: Tensor | None, mode: QuantMode, dense_rows: int = DENSE_ROWS,
+                    verdicts: dict[tuple[str, str, int, int], bool] | None = None) -> nn.Module:
+    """A module computing ``F.linear(x, weight, bias)``: the plain weight for ``none``, else quantized
+    (``verdicts``: :class:`QuantLinear`'s)."""
     if mode == "none":
         lin = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
         lin.weight = nn.Parameter(weight, requires_grad=False)
         if bias is not None:
             lin.bias = nn.Parameter(bias, requires_grad=False)
         return lin
-    return QuantLinear(weight, bias, mode, dense_rows)
+    return QuantLinear(weight, bias, mode, dense_rows, verdicts)
