@@ -2,8 +2,10 @@
 
 No ``helm`` binary can be installed from the registries this project builds from (PyPI, npm),
 so the chart's tests render it here. Supported: ``{{ .Values.a.b }}``, ``.Release.Name``,
-``.Release.Namespace``, ``.Chart.*``; ``if``/``else``/``end`` (Go truthiness); pipelines with
-``quote``, ``toYaml``, ``nindent``, ``indent``, ``default``, ``not``, ``and``, ``or``, ``eq``;
+``.Release.Namespace``, ``.Chart.*``; ``if``/``else``/``end`` (Go truthiness);
+``range $var := until N``/``end`` (``$var`` counts 0 to N-1; inside, the root is ``$.``, as in Helm,
+where ``.`` is the element); pipelines with
+``quote``, ``toYaml``, ``nindent``, ``indent``, ``default``, ``not``, ``and``, ``or``, ``eq``, ``int``;
 ``{{-``/``-}}`` whitespace trimming. Anything else raises, so the chart stays within what this
 renderer (and therefore the test) understands. A real ``helm template`` renders the same text.
 """
@@ -44,19 +46,31 @@ _FUNCS: dict[str, Callable[..., Any]] = {
     "and": lambda *a: all(_truthy(x) for x in a),
     "or": lambda *a: next((x for x in a if _truthy(x)), a[-1]),
     "eq": lambda a, b: a == b,
+    "int": int,
+    "until": lambda n: list(range(int(n))),
 }
+_RANGE = re.compile(r"range (\$\w+) := (.+)")
+_TOKEN = re.compile(r'\([^()]*\)|"(?:[^"\\]|\\.)*"|\S+')  # a (sub-pipeline), a "string", a word
 
 
 class Renderer:
     def __init__(self, context: dict[str, Any]) -> None:
         self.context = context
+        self.variables: dict[str, Any] = {}
 
     def _term(self, tok: str) -> Any:
+        if tok.startswith("(") and tok.endswith(")"):
+            return self.eval(tok[1:-1])
+        if tok.startswith("$."):  # the root context, the one way to reach it inside a range
+            return self._lookup(tok[1:])
+        if tok.startswith("$"):
+            if tok not in self.variables:
+                raise ValueError(f"undefined template variable {tok}")
+            return self.variables[tok]
         if tok.startswith("."):
-            v: Any = self.context
-            for part in tok[1:].split("."):
-                v = v.get(part) if isinstance(v, dict) else None
-            return v
+            if self.variables:  # Helm binds "." to the element inside a range: .Values there is an error
+                raise ValueError(f"{tok} inside a range: write ${tok}")
+            return self._lookup(tok)
         if tok.startswith('"'):
             return shlex.split(tok)[0]
         if tok in ("true", "false"):
@@ -65,10 +79,16 @@ class Renderer:
             return int(tok)
         raise ValueError(f"unsupported template term {tok!r}")
 
+    def _lookup(self, path: str) -> Any:
+        v: Any = self.context
+        for part in path[1:].split("."):
+            v = v.get(part) if isinstance(v, dict) else None
+        return v
+
     def eval(self, expr: str) -> Any:
         value: Any = _NOTHING
         for stage in expr.split("|"):
-            toks = shlex.split(stage.strip(), posix=False)
+            toks = _TOKEN.findall(stage.strip())
             if toks[0] in _FUNCS:
                 args = [self._term(t) for t in toks[1:]]
                 if value is not _NOTHING:
@@ -112,6 +132,21 @@ class Renderer:
                 continue
             if body in ("else", "end"):
                 return "".join(out), i
+            loop = _RANGE.fullmatch(body)
+            if loop:
+                items = self.eval(loop[2])
+                j = i + 1
+                for item in items:
+                    self.variables[loop[1]] = item
+                    text, j = self._block(parts, i + 1)
+                    out.append(text)
+                if not items:
+                    _, j = self._block(parts, i + 1)
+                self.variables.pop(loop[1], None)
+                if parts[j][1] != "end":
+                    raise ValueError("range without end")
+                i = j + 1
+                continue
             if body.startswith("if "):
                 then, j = self._block(parts, i + 1)
                 other = ""

@@ -12,11 +12,12 @@ import pytest
 import yaml
 
 from generator.service.health import HEALTH_PATHS
+from generator.service.placed import slot_for
 from relay.app import create_app
 from tokenpipe.natsauth import Credential, app_user
 from tokenpipe.natsconfig import accounts, chart_accounts, password_env
 from tokenpipe.settings import ENV_PREFIX, Settings
-from tokenpipe.subjects import REQUESTS_STREAM, consumer_name
+from tokenpipe.subjects import REQUESTS_STREAM, consumer_name, slot_consumer_name
 
 from .helmrender import render_chart
 
@@ -63,7 +64,7 @@ def test_every_manifest_renders_parses_and_matches_the_kubernetes_schema(variant
     kv = pytest.importorskip("kubernetes_validate")
     docs = manifests(VARIANTS[variant])
     kinds = {d["kind"] for d in docs}
-    assert {"Deployment", "Service", "PodDisruptionBudget"} <= kinds
+    assert {"Deployment", "StatefulSet", "Service", "PodDisruptionBudget"} <= kinds
     for doc in docs:
         if doc["apiVersion"].startswith("keda.sh/"):
             continue  # a CRD: no schema in the Kubernetes OpenAPI
@@ -74,7 +75,7 @@ def test_every_manifest_renders_parses_and_matches_the_kubernetes_schema(variant
 def test_every_tokenpipe_variable_is_a_real_setting(variant: str) -> None:
     known = {ENV_PREFIX + f.name.upper() for f in fields(Settings)}
     for doc in manifests(VARIANTS[variant]):
-        if doc["kind"] == "Deployment":
+        if doc["kind"] in ("Deployment", "StatefulSet"):
             names = set(env(container(doc)))
             assert {n for n in names if n.startswith(ENV_PREFIX)} <= known, names - known
 
@@ -88,21 +89,21 @@ def test_probes_hit_routes_the_roles_serve_on_the_ports_they_listen_on() -> None
         assert relay[probe]["httpGet"]["path"] in routes
         assert port[relay[probe]["httpGet"]["port"]] == int(env(relay)["TOKENPIPE_PORT"])
     assert {"/healthz", "/readyz", "/metrics"} <= routes
-    gen = container(one(docs, "Deployment", "-generator"))
+    gen = container(one(docs, "StatefulSet", "-generator"))
     port = {p["name"]: p["containerPort"] for p in gen["ports"]}
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
         assert gen[probe]["httpGet"]["path"] in HEALTH_PATHS
         assert port[gen[probe]["httpGet"]["port"]] == int(env(gen)["TOKENPIPE_METRICS_PORT"])
     assert gen["readinessProbe"]["httpGet"]["path"] == "/readyz"
     assert env(gen)["TOKENPIPE_METRICS_HOST"] == "0.0.0.0"
-    for dep in (one(docs, "Deployment", "-relay"), one(docs, "Deployment", "-generator")):
+    for dep in (one(docs, "Deployment", "-relay"), one(docs, "StatefulSet", "-generator")):
         ann = dep["spec"]["template"]["metadata"]["annotations"]
         assert ann["prometheus.io/scrape"] == "true" and ann["prometheus.io/path"] in routes | set(HEALTH_PATHS)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_the_grace_period_covers_the_drain(variant: str) -> None:
-    gen = one(manifests(VARIANTS[variant]), "Deployment", "-generator")
+    gen = one(manifests(VARIANTS[variant]), "StatefulSet", "-generator")
     drain = float(env(container(gen))["TOKENPIPE_DRAIN_TIMEOUT_S"])
     assert drain + 5 <= gen["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
 
@@ -112,30 +113,40 @@ def test_keda_scales_the_generators_on_the_consumer_the_code_creates(variant: st
     docs = manifests(VARIANTS[variant])
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     scaled = one(docs, "ScaledObject", "-generator")
-    gen = one(docs, "Deployment", "-generator")
+    gen = one(docs, "StatefulSet", "-generator")
     assert scaled["spec"]["scaleTargetRef"]["name"] == gen["metadata"]["name"]
     assert "replicas" not in gen["spec"]  # KEDA owns the replica count
-    (trigger,) = scaled["spec"]["triggers"]
-    meta = trigger["metadata"]
+    assert scaled["spec"]["scaleTargetRef"]["kind"] == gen["kind"] == "StatefulSet"
     model = env(container(gen))["TOKENPIPE_MODEL"]
-    assert trigger["type"] == "nats-jetstream"
-    assert meta["stream"] == REQUESTS_STREAM and meta["consumer"] == consumer_name(model)
+    slots = int(env(container(gen))["TOKENPIPE_PLACEMENT_SLOTS"])
+    triggers = {t["name"]: t for t in scaled["spec"]["triggers"]}
+    # every consumer a request can wait on: the shared one and each placement slot's
+    assert {t["metadata"]["consumer"] for t in triggers.values()} == \
+        {consumer_name(model), *(slot_consumer_name(model, k) for k in range(slots))}
     max_batch = int(env(container(gen))["TOKENPIPE_MAX_BATCH"])
     expected = VARIANTS[variant].get("keda", {}).get("lagThreshold") or max_batch
-    assert meta["lagThreshold"] == str(expected)
+    for trigger in triggers.values():
+        meta = trigger["metadata"]
+        assert trigger["type"] == "nats-jetstream" and meta["stream"] == REQUESTS_STREAM
+        assert meta["lagThreshold"] == str(expected)
+    modifiers = scaled["spec"]["advanced"]["scalingModifiers"]
+    assert sorted(modifiers["formula"].split(" + ")) == sorted(triggers)  # their sum, each once
+    assert modifiers["target"] == str(expected) and modifiers["metricType"] == "AverageValue"
     assert scaled["spec"]["minReplicaCount"] == values["keda"]["minReplicas"] >= 1
     assert scaled["spec"]["maxReplicaCount"] == values["keda"]["maxReplicas"] > values["keda"]["minReplicas"]
-    assert meta["natsServerMonitoringEndpoint"].endswith(f":{values['nats']['config']['monitor']['port']}")
+    for trigger in triggers.values():
+        assert trigger["metadata"]["natsServerMonitoringEndpoint"] == \
+            f"tp-nats.default.svc.cluster.local:{values['nats']['config']['monitor']['port']}"
 
 
 def test_gpu_request_and_the_cpu_variant() -> None:
-    gpu = container(one(manifests({}), "Deployment", "-generator"))
+    gpu = container(one(manifests({}), "StatefulSet", "-generator"))
     assert gpu["resources"]["limits"]["nvidia.com/gpu"] == 1 and env(gpu)["TOKENPIPE_DEVICE"] == "cuda"
     cpu_docs = manifests(VARIANTS["cpu-demo"])
-    cpu = container(one(cpu_docs, "Deployment", "-generator"))
+    cpu = container(one(cpu_docs, "StatefulSet", "-generator"))
     assert "nvidia.com/gpu" not in cpu["resources"]["limits"] and env(cpu)["TOKENPIPE_DEVICE"] == "cpu"
     assert not [d for d in cpu_docs if d["kind"] == "ScaledObject"]
-    spec = one(manifests(VARIANTS["everything-on"]), "Deployment", "-generator")["spec"]["template"]["spec"]
+    spec = one(manifests(VARIANTS["everything-on"]), "StatefulSet", "-generator")["spec"]["template"]["spec"]
     assert spec["nodeSelector"] == {"gpu": "h100"} and spec["tolerations"][0]["key"] == "nvidia.com/gpu"
 
 
@@ -149,8 +160,8 @@ def test_the_ingress_does_not_buffer_sse_and_waits_long() -> None:
 
 def test_credentials_and_api_keys_come_from_secrets() -> None:
     docs = manifests(VARIANTS["everything-on"])
-    for suffix, user in (("-relay", "relay"), ("-generator", "generator")):
-        e = env(container(one(docs, "Deployment", suffix)))
+    for kind, suffix, user in (("Deployment", "-relay", "relay"), ("StatefulSet", "-generator", "generator")):
+        e = env(container(one(docs, kind, suffix)))
         assert e["TOKENPIPE_NATS_USER"] == user and e["TOKENPIPE_NATS_INBOX_PREFIX"] == f"_INBOX.{user}"
         assert e["TOKENPIPE_NATS_PASSWORD"]["secretKeyRef"]["key"] == user
         assert e["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector:4318"
@@ -184,7 +195,8 @@ def test_nats_is_the_official_chart_with_tokenpipes_users_and_permissions() -> N
         assert user["password"] == f"<< ${password_env(user['user'])} >>"
         ref = nats["container"]["env"][password_env(user["user"])]["valueFrom"]["secretKeyRef"]
         assert ref["key"] == user["user"]
-    assert not list((CHART / "templates").glob("*statefulset*"))  # NATS is the official chart's
+    assert not [d for d in manifests({}) if d["kind"] == "StatefulSet" and "nats" in d["metadata"]["name"]], \
+        "NATS is the official chart's"
 
 
 def test_only_the_provisioner_runs_as_the_admin() -> None:
@@ -194,5 +206,23 @@ def test_only_the_provisioner_runs_as_the_admin() -> None:
     assert prov["args"] == ["provision", "--watch"]
     assert env(prov)["TOKENPIPE_NATS_USER"] == "admin"
     assert env(prov)["TOKENPIPE_NATS_PASSWORD"]["secretKeyRef"]["key"] == "admin"
-    for role in ("-relay", "-generator"):
-        assert env(container(one(docs, "Deployment", role)))["TOKENPIPE_NATS_USER"] != "admin"
+    for kind, role in (("Deployment", "-relay"), ("StatefulSet", "-generator")):
+        assert env(container(one(docs, kind, role)))["TOKENPIPE_NATS_USER"] != "admin"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_generator_pod_n_holds_placement_slot_n_and_every_role_counts_the_same_slots(variant: str) -> None:
+    """Regression (issue 47): the generators were a Deployment, whose pod names end in a random suffix, so no
+    generator held a slot and placement did nothing in the chart."""
+    docs = manifests(VARIANTS[variant])
+    gen = one(docs, "StatefulSet", "-generator")
+    service = one(docs, "Service", "-generator")
+    assert gen["spec"]["serviceName"] == service["metadata"]["name"] and service["spec"]["clusterIP"] == "None"
+    assert gen["spec"]["podManagementPolicy"] == "Parallel"
+    settings = Settings.load(env={k: v for k, v in env(container(gen)).items() if isinstance(v, str)})
+    assert settings.placement_slots > 0
+    pods = [f"{gen['metadata']['name']}-{n}" for n in range(settings.placement_slots + 2)]  # StatefulSet names
+    assert [slot_for(settings, pod) for pod in pods] == [*range(settings.placement_slots), -1, -1]
+    for role in ("-relay", "-provisioner"):
+        assert env(container(one(docs, "Deployment", role)))["TOKENPIPE_PLACEMENT_SLOTS"] == \
+            str(settings.placement_slots)
