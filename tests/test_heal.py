@@ -352,9 +352,10 @@ async def test_kill9_of_a_generator_holding_32_streams_all_finish_on_the_other(s
     body = {**LONG, "max_tokens": 150}
     os.kill(other, signal.SIGSTOP)  # it holds nothing and cannot fetch: the holder takes all 32
     try:
-        # A pull request it sent just before the stop lives on for up to its 1 s expiry; a request
-        # handed to it would sit out an ack_wait. Outlive it (a duration, not an event to wait on).
-        await asyncio.sleep(1.5)
+        # A pull request it sent just before the stop lives on for up to its expiry (1 s on the shared
+        # queue, 2 s for a peer's pull of a placement slot); a request handed to it would sit out an
+        # ack_wait. Outlive them (a duration, not an event to wait on).
+        await asyncio.sleep(2.5)
         async with httpx.AsyncClient(base_url=stack.url, timeout=180,
                                      limits=httpx.Limits(max_connections=64)) as http:
             seen: dict[str, int] = {}
@@ -371,7 +372,15 @@ async def test_kill9_of_a_generator_holding_32_streams_all_finish_on_the_other(s
                     os.kill(holder, signal.SIGKILL)
                     killed.append(holder)
 
-            results = await asyncio.gather(*(stream(http, body, on_tokens) for _ in range(32)))
+            tasks = [asyncio.create_task(stream(http, body, on_tokens)) for _ in range(32)]
+            _, pending = await asyncio.wait(tasks, timeout=180)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            # Say where it stood: a bare pytest timeout here once told nothing (CI, 12-06).
+            assert not pending, (f"{len(pending)} of 32 streams unfinished after 180 s; killed {killed}; tokens "
+                                 f"seen {sorted(seen.values())}; the stack's log:\n{stack.output()[-4000:]}")
+            results = [task.result() for task in tasks]
     finally:
         os.kill(other, signal.SIGCONT)
     assert killed
