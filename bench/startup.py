@@ -126,6 +126,7 @@ def _llamacpp(args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
     peer = peers[0]
     if isinstance(peer, str):
         return {"measured": False, "why": peer}
+    out_dir.mkdir(parents=True, exist_ok=True)  # its log goes there before the JSON does
     t0 = time.monotonic()
     with running(peer, out_dir / "startup-llamacpp.log", args.timeout) as proc:
         ready = time.monotonic() - t0

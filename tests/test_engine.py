@@ -12,6 +12,7 @@ from generator.engine.sampling import RowSampler, sample
 from generator.engine.scheduler import Engine
 from generator.model.loader import LoadedModel
 from tokenpipe.errors import InvalidRequest
+from tokenpipe.settings import Settings
 from tokenpipe.wire import Request, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -245,6 +246,31 @@ def test_engine_threads_leave_a_core_only_where_it_is_cheap(monkeypatch: pytest.
     monkeypatch.setattr("os.cpu_count", lambda: cores)
     assert resolve_threads(0) == expected
     assert resolve_threads(5) == 5  # an explicit TOKENPIPE_THREADS wins
+
+
+def test_two_generators_loading_at_once_on_a_small_machine_do_not_spin_on_each_others_cores(
+        settings: Settings) -> None:
+    """Regression (issue 49, warm start): `tokenpipe up --generators 2` on 2 cores loaded each model with 2
+    OpenMP threads, whose spinning at every barrier took the other process's core (14.6 s each against
+    5.0 s): a small machine loads on one thread, and the engine thread steps with its own count after."""
+    from generator.engine.runner import torch_thread
+    from generator.model.loader import load_for, load_threads, resolve_threads
+
+    assert [load_threads(2, cores) for cores in (1, 2, 4)] == [1, 1, 1]
+    assert load_threads(15, 16) == 15
+    seen: list[int] = []
+
+    def load_then_count() -> int:
+        lm = load_for(dataclasses.replace(settings, threads=2))
+        seen.append(torch.get_num_threads())
+        return len(lm.eos_ids)
+
+    engine = torch_thread()
+    try:
+        assert engine.submit(load_then_count).result() >= 1
+    finally:
+        engine.shutdown()
+    assert seen == [resolve_threads(2)] == [2]
 
 
 @pytest.mark.parametrize("rows", [1, 2, 8])

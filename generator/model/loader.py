@@ -29,8 +29,8 @@ from .preparation import SMOLLM2, gguf_path, prepare_tokenizer
 from .quant import QuantMode, dense_rows_for, resolve_quant
 from .tuning import BackgroundTuning, tune_in_background
 
-__all__ = ["BUILTIN_MODELS", "LoadedModel", "load_for", "load_model", "resolve_device", "resolve_dtype",
-           "resolve_threads"]
+__all__ = ["BUILTIN_MODELS", "LoadedModel", "load_for", "load_model", "load_threads", "resolve_device",
+           "resolve_dtype", "resolve_threads"]
 
 log = logging.getLogger(__name__)
 
@@ -206,10 +206,26 @@ def model_name_for_path(path: str) -> str:
     return re.sub(r"[^A-Za-z0-9_-]", "-", Path(path).resolve().name)[:64] or "model"
 
 
+def load_threads(serving: int, cores: int | None = None) -> int:
+    """torch's threads while the model loads: one on a machine of up to 4 cores, else ``serving``.
+
+    libgomp's threads spin at every barrier before they sleep, and loading is short memory-bound
+    ops, barrier after barrier: two generators loading at once on 2 cores (``tokenpipe up
+    --generators 2``) with 2 threads each spun on each other's cores, 14.6 s each against 5.0 s with one
+    thread each, while one thread alone costs 0.5 s (4.4 s against 3.9 s; SmolLM2, Intel Xeon,
+    2 vCPUs). Passive waiting is no way out: it is read once per process, and tripled decode steps."""
+    cores = cores or os.cpu_count() or 1
+    return 1 if cores <= 4 else serving
+
+
 def load_for(settings: Settings) -> LoadedModel:
     """Load the settings' model, its kernel table measured later, in the background; call it on the thread
     that will step the engine (:func:`generator.engine.runner.torch_thread`), which runs that measurement."""
-    torch.set_num_threads(resolve_threads(settings.threads))  # OpenMP's thread count is per calling thread
-    return load_model(settings.model, path=settings.model_path, device=settings.device, dtype=settings.dtype,
-                      data_dir=settings.data_dir, quant=settings.quant, kernels=settings.kernels,
-                      max_batch=settings.max_batch, background=True)
+    serving = resolve_threads(settings.threads)
+    torch.set_num_threads(load_threads(serving))  # OpenMP's thread count is per calling thread
+    try:
+        return load_model(settings.model, path=settings.model_path, device=settings.device, dtype=settings.dtype,
+                          data_dir=settings.data_dir, quant=settings.quant, kernels=settings.kernels,
+                          max_batch=settings.max_batch, background=True)
+    finally:
+        torch.set_num_threads(serving)  # the steps', and the background measurement's
