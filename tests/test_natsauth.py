@@ -287,3 +287,13 @@ async def test_a_denial_is_logged_by_the_role_and_does_not_break_its_connection(
         await bus.meta.put("still-works", b"{}")  # an allowed operation right after
     finally:
         await bus.close()
+
+
+async def test_a_generator_hears_the_placement_summaries_on_its_own_credentials(
+        stack: tuple[GeneratorWorker, RelayServer]) -> None:
+    """Regression (issue 47): the generator role could publish its placement summary but not subscribe to
+    the model's summaries ("permissions violation for subscription to tp.gen.place.<model>.*" in every
+    `tokenpipe up` log), so no generator ever knew a peer had room, and took every request placed on it."""
+    worker, _ = stack
+    await wait_until(lambda: worker.worker_id in {s.worker for s in worker.summary.peers.live(MODEL)}, 15,
+                     "the generator's own summary heard back through its subscription")

@@ -181,8 +181,9 @@ def permissions(role: str, app: str | None = None, *, apps: Iterable[str] = ()) 
                            # A finished request's place in its app's bound (tokenpipe.bus.release_intake).
                            *(f"{_JS}.STREAM.MSG.DELETE.{intake_stream(a)}" for a in apps),
                            *_read_tokens(TOKEN_WILDCARD)),
+            # Its peers' placement summaries: whether one of them has room (generator.service.placed).
             subscribe_allow=(f"{inbox_prefix('generator')}.>", CANCEL_WILDCARD, DISCOVER_SUBJECT,
-                             f"{HELD_PREFIX}.>", f"{ALIVE_PREFIX}.>",
+                             f"{HELD_PREFIX}.>", f"{ALIVE_PREFIX}.>", f"{PLACE_PREFIX}.>",
                              f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{REQUESTS_STREAM}.*"),
             publish_deny=(REQUEST_WILDCARD, CANCEL_WILDCARD, "$KV.>", *_NEVER),
             subscribe_deny=(TOKEN_WILDCARD, LIVE_WILDCARD),
