@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -249,28 +251,41 @@ def test_engine_threads_leave_a_core_only_where_it_is_cheap(monkeypatch: pytest.
 
 
 def test_two_generators_loading_at_once_on_a_small_machine_do_not_spin_on_each_others_cores(
-        settings: Settings) -> None:
+        settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Regression (issue 49, warm start): `tokenpipe up --generators 2` on 2 cores loaded each model with 2
     OpenMP threads, whose spinning at every barrier took the other process's core (14.6 s each against
-    5.0 s): a small machine loads on one thread, and the engine thread steps with its own count after."""
+    5.0 s): a small machine reads and quantizes the weights on one thread, and the engine thread steps,
+    and keys its kernel table (a warm start found no cached table while the key said 1 thread), with its
+    own count."""
     from generator.engine.runner import torch_thread
-    from generator.model.loader import load_for, load_threads, resolve_threads
+    from generator.model import loader
+    from generator.model.loader import load_for, load_threads
 
     assert [load_threads(2, cores) for cores in (1, 2, 4)] == [1, 1, 1]
     assert load_threads(15, 16) == 15
-    seen: list[int] = []
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    during: list[int] = []
+    build = loader.build_plan
 
-    def load_then_count() -> int:
-        lm = load_for(dataclasses.replace(settings, threads=2))
-        seen.append(torch.get_num_threads())
-        return len(lm.eos_ids)
+    def counting_build(*args: Any, **kw: Any) -> Any:
+        during.append(torch.get_num_threads())
+        return build(*args, **kw)
+
+    monkeypatch.setattr(loader, "build_plan", counting_build)
+    (tmp_path / "models").symlink_to(Path(settings.data_dir) / "models", target_is_directory=True)
+    fresh = dataclasses.replace(settings, threads=2, quant="int4", kernels="auto", data_dir=str(tmp_path))
+
+    def load_then_count() -> tuple[int, Any]:
+        lm = load_for(fresh)
+        return torch.get_num_threads(), lm.tuning
 
     engine = torch_thread()
     try:
-        assert engine.submit(load_then_count).result() >= 1
+        after, tuning = engine.submit(load_then_count).result()
     finally:
         engine.shutdown()
-    assert seen == [resolve_threads(2)] == [2]
+    assert during == [1] and after == 2
+    assert tuning is not None and tuning.key["threads"] == 2  # the table the engine's steps will use
 
 
 @pytest.mark.parametrize("rows", [1, 2, 8])

@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 import os
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -142,9 +144,21 @@ def _smollm2(data_dir: str | os.PathLike[str], dtype: torch.dtype) -> tuple[Any,
     return load_gguf_llama(gguf_path(), AutoConfig.from_pretrained(src), dtype), AutoTokenizer.from_pretrained(src)
 
 
+@contextmanager
+def _threads(n: int | None) -> Iterator[None]:
+    """torch's thread count on this thread set to ``n`` (None: unchanged) for the block, then back."""
+    before = torch.get_num_threads()
+    if n is not None:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def load_model(name: str, *, path: str = "", device: str = "auto", dtype: str = "auto",
                data_dir: str | os.PathLike[str], quant: str = "none", kernels: str = "rules",
-               max_batch: int = 32, background: bool = False) -> LoadedModel:
+               max_batch: int = 32, background: bool = False, weight_threads: int | None = None) -> LoadedModel:
     """Load ``name`` (a built-in) or the transformers directory ``path`` served as ``name``.
 
     ``quant`` (auto, none, int8, int4) stores the projections' weights quantized (see
@@ -153,7 +167,9 @@ def load_model(name: str, *, path: str = "", device: str = "auto", dtype: str = 
     ``max_batch`` rows (cached in ``data_dir``; :mod:`generator.model.autotune`), ``rules`` keeps the
     hand rules, ``quant``/``dense``/``packed`` force one kernel for decode. ``background``: ``auto`` does not
     measure here; the rules serve until the returned model's ``tuning`` has measured the table (the
-    generator's engine thread runs it while idle: :mod:`generator.model.tuning`)."""
+    generator's engine thread runs it while idle: :mod:`generator.model.tuning`). ``weight_threads``: torch's
+    threads while the weights are read and quantized (:func:`load_threads`); the kernel table is keyed,
+    cached and measured with the thread count the caller steps with."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dev = resolve_device(device)
@@ -163,26 +179,28 @@ def load_model(name: str, *, path: str = "", device: str = "auto", dtype: str = 
     model: Any
     if path and not (Path(path) / "config.json").exists():
         raise ModelNotFound(f"{path} is not a transformers model directory (no config.json)")
-    if name == SMOLLM2 and not path:
-        model, tok = _smollm2(data_dir, dt)
-    elif path:
-        src = Path(path)
-        model = AutoModelForCausalLM.from_pretrained(src, dtype=dt)
-        tok = AutoTokenizer.from_pretrained(src)
-    elif name in _RANDOM_SHAPES:
-        model, tok = _random_llama(name, data_dir, dt, dev)
-    elif Path(name).is_dir():
+    if Path(name).is_dir() and not path and name not in BUILTIN_MODELS:
         return load_model(model_name_for_path(name), path=name, device=device, dtype=dtype, data_dir=data_dir,
-                          quant=quant, kernels=kernels, max_batch=max_batch, background=background)
-    else:
-        raise ModelNotFound(f"unknown model {name!r}: use {', '.join(BUILTIN_MODELS)} or a local model directory")
-    if getattr(model.config, "model_type", "") not in ("llama", "mistral", "qwen2", "qwen3"):
-        raise ModelNotFound(f"model type {model.config.model_type!r} is not supported (Llama-family only)")
-    model.to(dev).eval()
-    model.requires_grad_(False)
-    # Fused projections (and quantized weights) for generator.model.forward.
+                          quant=quant, kernels=kernels, max_batch=max_batch, background=background,
+                          weight_threads=weight_threads)
     dense_rows = dense_rows_for(dt, native_bf16=native_bf16 and dev.type == "cpu")
-    plan = build_plan(model, mode, dense_rows)
+    with _threads(weight_threads):
+        if name == SMOLLM2 and not path:
+            model, tok = _smollm2(data_dir, dt)
+        elif path:
+            src = Path(path)
+            model = AutoModelForCausalLM.from_pretrained(src, dtype=dt)
+            tok = AutoTokenizer.from_pretrained(src)
+        elif name in _RANDOM_SHAPES:
+            model, tok = _random_llama(name, data_dir, dt, dev)
+        else:
+            raise ModelNotFound(f"unknown model {name!r}: use {', '.join(BUILTIN_MODELS)} or a local model directory")
+        if getattr(model.config, "model_type", "") not in ("llama", "mistral", "qwen2", "qwen3"):
+            raise ModelNotFound(f"model type {model.config.model_type!r} is not supported (Llama-family only)")
+        model.to(dev).eval()
+        model.requires_grad_(False)
+        # Fused projections (and quantized weights) for generator.model.forward.
+        plan = build_plan(model, mode, dense_rows)
     tuning = None
     if background:
         table, tuning = tune_in_background(model, plan, name=name, dtype=dt, dense_rows=dense_rows,
@@ -222,10 +240,7 @@ def load_for(settings: Settings) -> LoadedModel:
     """Load the settings' model, its kernel table measured later, in the background; call it on the thread
     that will step the engine (:func:`generator.engine.runner.torch_thread`), which runs that measurement."""
     serving = resolve_threads(settings.threads)
-    torch.set_num_threads(load_threads(serving))  # OpenMP's thread count is per calling thread
-    try:
-        return load_model(settings.model, path=settings.model_path, device=settings.device, dtype=settings.dtype,
-                          data_dir=settings.data_dir, quant=settings.quant, kernels=settings.kernels,
-                          max_batch=settings.max_batch, background=True)
-    finally:
-        torch.set_num_threads(serving)  # the steps', and the background measurement's
+    torch.set_num_threads(serving)  # OpenMP's thread count is per calling thread: the engine's from here on
+    return load_model(settings.model, path=settings.model_path, device=settings.device, dtype=settings.dtype,
+                      data_dir=settings.data_dir, quant=settings.quant, kernels=settings.kernels,
+                      max_batch=settings.max_batch, background=True, weight_threads=load_threads(serving))
