@@ -35,14 +35,14 @@ from tokenpipe_cli.upprocess import UpProcess
 
 from .common import cpu_summary, rss_kib, write_json
 
-__all__ = ["main"]
+__all__ = ["main", "table_final"]
 
 console = Console(width=160)
 _POLL_S = 0.05  # up.json and up.log are files another process writes: polled
 _PENDING = "until the one measured"  # the start's table, before the measured one replaces it
 
 
-def _table_final(line: str) -> bool:
+def table_final(line: str) -> bool:
     """Whether a log line says a generator's kernel table is the one it keeps (measured, cached, rules for good)."""
     return ("kernel table (" in line and _PENDING not in line) or "table serves this run" in line
 
@@ -96,7 +96,7 @@ async def _one_start(data: Path, args: argparse.Namespace, *, wait_table: bool) 
         tables = None
         if wait_table:
             # Polled slowly: the measurement counts this process's CPU use as another's
-            while (finals := sum(_table_final(line) for line in output().splitlines())) < args.generators:
+            while (finals := sum(table_final(line) for line in output().splitlines())) < args.generators:
                 if time.monotonic() > t0 + args.table_timeout:
                     break
                 peak = max([peak, *(_rss_mb(p) for p in _generator_pids(up))])
