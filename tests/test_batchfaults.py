@@ -65,15 +65,21 @@ async def test_a_batch_completes_across_a_kill9_of_a_generator_and_of_a_nats_nod
     done = await finished(sdk, batch.id, timeout=420)
     assert done.status == "completed", done
     counts = done.request_counts
-    assert counts is not None and (counts.total, counts.completed, counts.failed) == (LINES + 3, LINES, 3)
     out = [json.loads(x) for x in (await sdk.files.content(done.output_file_id)).text.splitlines()]
     errors = [json.loads(x) for x in (await sdk.files.content(done.error_file_id)).text.splitlines()]
+    lost = [e for e in errors if str(e["custom_id"]) not in ("None", "no-body", "wrong-url")]
+    assert counts is not None and (counts.total, counts.completed, counts.failed) == (LINES + 3, LINES, 3), \
+        (counts, lost[:5])
     assert sorted(o["custom_id"] for o in out) == sorted(f"l{i}" for i in range(LINES))
     assert sorted(str(e["custom_id"]) for e in errors) == ["None", "no-body", "wrong-url"]
     assert all(o["response"]["body"]["usage"]["completion_tokens"] == TOKENS for o in out)
     # Both faults were real: the roles came back as new processes.
     assert cluster.role("generator-0")["pid"] != generator["pid"]
     assert cluster.role("nats-server-1")["pid"] != node["pid"]
+    if MODEL != "tiny-random":
+        # A quantized model's kernel depends on how many rows a step runs (the kernel table), so a line
+        # batched with others is not bit-identical to the same line alone; the unquantized fp32 form is.
+        return
     # Greedy lines, wherever they ran and however often they moved: the tokens of an uninterrupted run.
     by_id = {o["custom_id"]: o["response"]["body"] for o in out}
     async with httpx.AsyncClient(base_url=cluster.url, headers={"Authorization": "Bearer key-a"}, timeout=60) as http:
