@@ -9,6 +9,10 @@ lapse (``LEASE_S``). Whichever runner then takes the batch over runs it again fr
 line: a line whose stream exists already is not submitted again, only read back from the token
 store (a finished one at once), so nothing is generated twice and nothing is lost. The output is
 only written once every line is done; until then it lives in the streams themselves.
+
+A line whose stream ended in a server-side failure (``generation_error``: every delivery of it died
+with its generator) runs again as ``<batch id>-<line index>-r<n>``, up to ``LINE_ATTEMPTS`` runs in
+all: a fault in the fleet is not the line's doing. A takeover follows the same chain of ids.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from typing import Any
 from tokenpipe.background import stop_loops
 from tokenpipe.bus import Bus
 from tokenpipe.errors import (
+    GenerationError,
     ModelNotFound,
     NoGenerator,
     NotFound,
@@ -49,13 +54,14 @@ from .protocol import Bodies
 from .registry import GeneratorRegistry
 from .sessions import Forwarder, Session
 
-__all__ = ["BatchRunner", "LEASE_S"]
+__all__ = ["BatchRunner", "LEASE_S", "LINE_ATTEMPTS"]
 
 log = logging.getLogger(__name__)
 
 LEASE_S = 15.0  # a runner that stops renewing its batch (it died) loses it after this long
 _HEARTBEAT_S = 1.0  # lease renewal and request_counts, written this often
 _RETRY_S = 2.0  # a line whose model has no generator yet, or whose queue is full, tries again after this
+LINE_ATTEMPTS = 3  # runs of a line whose stream ended in a server-side failure
 
 
 class _LeaseLost(Exception):
@@ -355,16 +361,22 @@ class BatchRunner:
                 return error_row(stream_id, custom_id, 404, exc.code, f"request {number}: {exc.message}", "model")
             except NoGenerator:
                 await asyncio.sleep(_RETRY_S)  # the batch waits for a generator, as a queued request would
-        req = dataclasses.replace(parsed.to_request(model, job.record.tenant), id=stream_id)
-        try:
-            final, text = await self._generate(req)
-        except asyncio.CancelledError:
-            if job.cancelled.is_set() or job.expired:  # not the relay stopping: stop its generation
-                with contextlib.suppress(Exception):
-                    await asyncio.shield(cancel(self._bus(), stream_id))
-            raise
+        request = parsed.to_request(model, job.record.tenant)
+        for attempt in range(LINE_ATTEMPTS):
+            req = dataclasses.replace(request, id=stream_id if attempt == 0 else f"{stream_id}-r{attempt}")
+            try:
+                final, text = await self._generate(req)
+            except asyncio.CancelledError:
+                if job.cancelled.is_set() or job.expired:  # not the relay stopping: stop its generation
+                    with contextlib.suppress(Exception):
+                        await asyncio.shield(cancel(self._bus(), req.id))
+                raise
+            if final.finish != "error" or final.error_code != GenerationError.code:
+                break
+            log.warning("batch line failed on the server; running it again",
+                        extra={"batch_id": b.id, "request_id": req.id, "error": final.error, "attempt": attempt + 1})
         status, reply = completion_reply(req, final, text, b.created_at, b.endpoint == "/v1/chat/completions")
-        return output_row(stream_id, custom_id, status, reply)
+        return output_row(req.id, custom_id, status, reply)
 
     async def _generate(self, req: TpRequest) -> tuple[TokenBatch, str]:
         """The line's stream, whole: submitted unless it exists already (a batch resumed), then read

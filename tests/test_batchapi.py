@@ -304,3 +304,45 @@ async def test_a_batch_past_its_completion_window_expires_and_every_line_is_acco
             return all(item["status"] != "running" for item in page["data"])
 
         await wait_until(none_running, 60, "the expired batch's streams to stop")
+
+
+@pytest.fixture(scope="module")
+async def one_delivery(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> AsyncIterator[UpProcess]:
+    """Two generators, each request delivered once at most: a line held by a generator that dies ends in
+    `generation_error` at once (its one delivery spent), as one did after a kill -9 of a generator and of a
+    NATS node had used up its three."""
+    async with running_stack(tmp_path_factory, data_dir, "batchretry", 2, TOKENPIPE_API_KEYS=KEYS,
+                             TOKENPIPE_MAX_DELIVER="1", TOKENPIPE_BATCH_CONCURRENCY="8") as s:
+        yield s
+
+
+async def test_a_line_whose_generator_died_with_it_runs_again_and_the_batch_loses_nothing(
+        one_delivery: UpProcess) -> None:
+    """Regression (issue 46): a 500-line batch across a kill -9 of a generator and of a NATS node put one
+    good line in the error file, its stream ended by the server ("attempted 3 times and every worker
+    stopped"). A line whose stream ends in such a server-side failure runs again, as `<id>-r1`."""
+    stack = one_delivery
+    sdk = client(stack)
+    n = 16
+    f = await sdk.files.create(file=("r.jsonl", jsonl([chat_line(f"r{i}", f"retry line {i}", 512, ignore_eos=True)
+                                                        for i in range(n)])), purpose="batch")
+    batch = await sdk.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    gen0 = stack.role("generator-0")["pid"]
+
+    def holds_lines() -> bool:
+        held = stack.announcements.get(gen0)
+        return held is not None and any(s.startswith(batch.id) for s in held.streams)
+
+    await wait_until(holds_lines, 120, "generator-0 running lines of the batch")
+    os.kill(gen0, signal.SIGKILL)
+    done = await finished(sdk, batch.id, timeout=300)
+    assert done.status == "completed", done
+    counts = done.request_counts
+    errors = [] if done.error_file_id is None else \
+        [json.loads(x) for x in (await sdk.files.content(done.error_file_id)).text.splitlines()]
+    assert counts is not None and (counts.completed, counts.failed) == (n, 0), (counts, errors[:3])
+    out = [json.loads(x) for x in (await sdk.files.content(done.output_file_id)).text.splitlines()]
+    assert sorted(o["custom_id"] for o in out) == sorted(f"r{i}" for i in range(n))
+    assert all(o["response"]["body"]["usage"]["completion_tokens"] == 512 for o in out)
+    rerun = [o["response"]["request_id"] for o in out if o["response"]["request_id"].endswith("-r1")]
+    assert rerun, "no line was held by the killed generator (nothing to retry)"
