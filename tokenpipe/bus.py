@@ -25,7 +25,7 @@ from .batchstore import BATCH_STREAMS, provision_batch_stores
 from .cluster import connected_server, replicas_to_keep, resolve_replicas, server_list
 from .errors import InvalidRequest, TransportError
 from .placement import Choice, PlacementTable, follow_summaries
-from .retry import Backoff, transient
+from .retry import Retry, retrying, transient
 from .settings import Settings
 from .slots import ensure_slot_consumers, slots_drift
 from .subjects import (
@@ -54,7 +54,7 @@ __all__ = ["Bus", "connect", "consumer_drift", "intake_config", "missing", "prov
 log = logging.getLogger(__name__)
 
 _RELEASE_TIMEOUT_S = 2.0  # release_intake's wait for its delete
-_PROVISION_PATIENCE_S = 60.0  # how long connect() retries provisioning that timed out
+_PROVISIONING = Retry(budget_s=60.0, first_delay_s=0.25, max_delay_s=2.0)  # connect()'s, while JetStream times out
 REPAIR_INTERVAL_S = 2.0  # how often the relay and the generators check that what tokenpipe provisions exists
 
 
@@ -183,19 +183,14 @@ async def _provision_patiently(js: JetStreamContext, settings: Settings, **kw: A
     """:func:`provision`, tried again while JetStream does not answer in time: a cluster that just
     formed can time out its first stream requests (a generator that had loaded its model for a
     minute then exited on one). A refusal (a bad configuration, too many replicas) is raised at once."""
-    deadline = asyncio.get_running_loop().time() + _PROVISION_PATIENCE_S
-    backoff = Backoff(0.25, 2.0)
-    while True:
-        try:
-            await provision(js, settings, **kw)
-            return
-        except TransportError as exc:
-            delay = backoff.next()
-            cause = exc.__cause__
-            if cause is None or not transient(cause) or asyncio.get_running_loop().time() + delay > deadline:
-                raise
-            log.warning("JetStream provisioning did not answer; retrying", extra={"error": exc.message})
-        await asyncio.sleep(delay)  # a cluster settling: there is no event to wait on
+    await retrying(lambda: provision(js, settings, **kw), _PROVISIONING, what="JetStream provisioning",
+                   worth=_unanswered)
+
+
+def _unanswered(exc: BaseException) -> bool:
+    """A provisioning failure whose cause is JetStream not answering, not refusing (every one is a
+    :class:`TransportError`, which :func:`transient` alone would always try again)."""
+    return exc.__cause__ is not None and transient(exc.__cause__)
 
 
 async def _ensure_stream(js: JetStreamContext, config: js_api.StreamConfig, settings: Settings) -> None:

@@ -107,11 +107,12 @@ PATIENCE = Retry(budget_s=30.0, first_delay_s=0.25, max_delay_s=2.0)
 
 async def retrying(op: Callable[[], Awaitable[T]], policy: Retry, *, what: str, request_id: str | None = None,
                    between: Callable[[], Awaitable[None]] | None = None,
+                   worth: Callable[[BaseException], bool] = transient,
                    clock: Callable[[], float] = time.monotonic,
                    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> T:
-    """``op()``, tried again while it fails with a :func:`transient` error, until ``policy.budget_s``
-    would be spent; then its last error is raised. ``between`` runs before each pause (a
-    generator keeps its delivery alive with a progress ack)."""
+    """``op()``, tried again while it fails with an error ``worth`` another try (:func:`transient`),
+    until ``policy.budget_s`` would be spent; then its last error is raised. ``between`` runs before
+    each pause (a generator keeps its delivery alive with a progress ack)."""
     deadline = clock() + policy.budget_s
     backoff = Backoff(policy.first_delay_s, policy.max_delay_s)
     while True:
@@ -121,7 +122,7 @@ async def retrying(op: Callable[[], Awaitable[T]], policy: Retry, *, what: str, 
             return await asyncio.wait_for(op(), timeout=policy.attempt_timeout_s)
         except Exception as exc:
             delay = backoff.next()
-            if not transient(exc) or clock() + delay >= deadline:
+            if not worth(exc) or clock() + delay >= deadline:
                 raise
             log.warning("%s failed; retrying", what, extra={"request_id": request_id, "error": repr(exc)})
         if between is not None:
