@@ -135,13 +135,11 @@ class Renderer:
             loop = _RANGE.fullmatch(body)
             if loop:
                 items = self.eval(loop[2])
-                j = i + 1
-                for item in items:
+                for item in items or [None]:  # an empty range walks its body once, unseen, to find its end
                     self.variables[loop[1]] = item
                     text, j = self._block(parts, i + 1)
-                    out.append(text)
-                if not items:
-                    _, j = self._block(parts, i + 1)
+                    if items:
+                        out.append(text)
                 self.variables.pop(loop[1], None)
                 if parts[j][1] != "end":
                     raise ValueError("range without end")

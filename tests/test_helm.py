@@ -226,3 +226,13 @@ def test_generator_pod_n_holds_placement_slot_n_and_every_role_counts_the_same_s
     for role in ("-relay", "-provisioner"):
         assert env(container(one(docs, "Deployment", role)))["TOKENPIPE_PLACEMENT_SLOTS"] == \
             str(settings.placement_slots)
+
+
+def test_placement_off_renders_a_chart_scaled_on_the_shared_consumer_alone() -> None:
+    """`generator.placementSlots: 0` (placement off, as values.yaml documents): no slot triggers, the
+    formula the shared consumer's lag alone. The renderer's empty `range` once failed on its body."""
+    docs = manifests({"generator": {"placementSlots": 0}})
+    scaled = one(docs, "ScaledObject", "-generator")
+    assert [t["name"] for t in scaled["spec"]["triggers"]] == ["shared"]
+    assert scaled["spec"]["advanced"]["scalingModifiers"]["formula"] == "shared"
+    assert env(container(one(docs, "StatefulSet", "-generator")))["TOKENPIPE_PLACEMENT_SLOTS"] == "0"
