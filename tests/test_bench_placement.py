@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from tokenpipe_cli.launch import free_port
+
 from .conftest import run_bench
 
 
@@ -14,7 +16,11 @@ def test_placement_benchmark_counts_each_phase_on_every_generator(tmp_path: Path
     proc = run_bench(["bench.placement", "--generators", "1,2", "--conversations", "2", "--turns", "2",
                       "--doc-words", "120", "--answer-tokens", "4", "--unrelated", "4", "--unrelated-tokens", "6",
                       "--dtype", "float32", "--data-dir", str(data_dir), "--out", str(out)],
-                     timeout=180, env={"TOKENPIPE_ANNOUNCE_INTERVAL_S": "0.3"})  # the counters' rounds: sooner
+                     timeout=180, env={"TOKENPIPE_ANNOUNCE_INTERVAL_S": "0.3",  # the counters' rounds: sooner
+                                       # Not up's default 9101+i: a stack another worker started meanwhile took
+                                       # 9101 between up's check and the generator's bind, and the bench found
+                                       # no /metrics to count (CI, 12-06).
+                                       "TOKENPIPE_METRICS_PORT": str(free_port())})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert [r["generators"] for r in result["runs"]] == [1, 2]
