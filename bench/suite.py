@@ -73,9 +73,10 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("lanes", "system", "bench.lanes",
              "a chat's TTFT idle and behind a 16-stream backlog at the default tier, as batch work (flex) and as a "
              "Batch API batch; an app's request behind another app's 200 jobs on the bus, and both apps' weighted "
-             "token shares",
+             "token shares; 32 streams alone at the default tier, as flex and as a Batch API batch: tokens/s",
              quick=(*_TINY, "--dtype", "float32", "--backlog", "8", "--max-batch", "8", "--backlog-tokens", "64",
-                    "--rounds", "1", "--bus-jobs", "40", "--bus-tokens", "32", "--window", "4")),
+                    "--rounds", "1", "--bus-jobs", "40", "--bus-tokens", "32", "--window", "4",
+                    "--rate-streams", "8", "--rate-tokens", "16")),
     Scenario("placement", "system", "bench.placement",
              "6 chats x 4 turns, each on its own document, over 1 and 2 generators: the fleet's prefix-cache hit "
              "rate, later/first-turn TTFT; 32 unrelated streams: the busiest generator's share, tokens/s",
