@@ -2,8 +2,8 @@
 cache when the fleet scales out, and do unrelated streams spread over the generators?
 
     python -m bench.placement [--generators 1,2] [--model tiny-random] [--conversations 6] [--turns 4]
-                              [--doc-words 750] [--answer-tokens 16] [--unrelated 32] [--unrelated-tokens 64]
-                              [--threads 1] [--out bench/out/placement.json]
+                              [--rounds 1] [--doc-words 750] [--answer-tokens 16] [--unrelated 32]
+                              [--unrelated-tokens 64] [--threads 0] [--out bench/out/placement.json]
 
 For each G of ``--generators``: ``tokenpipe up --generators G`` as a user starts it (a subprocess, a
 temporary data dir sharing the converted models), a warm-up of 2×G short streams, then
@@ -14,7 +14,9 @@ temporary data dir sharing the converted models), a warm-up of 2×G short stream
    ``ignore_eos``, greedy) with the OpenAI ``user`` field naming the conversation. The fleet's prefix-cache
    hit rate is the sum over the generators of ``tokenpipe_prefix_cache_hits`` ÷ ``…_queries`` (prompt
    tokens), counted on each generator's ``/metrics`` before and after the chats; TTFT (to the first chunk
-   with text) of first turns and of later turns, p50 each, and later ÷ first.
+   with text) of first turns and of later turns, p50 each, and later ÷ first. ``--rounds`` runs new
+   conversations (new documents) that many times on the same fleet and pools their turns: a p50 of
+   six first turns moves by a quarter from one run to the next.
 2. **balance**: ``--unrelated`` distinct short chats at once (the native API, ``--unrelated-tokens`` each):
    the share of them the busiest generator ran, and the fleet's tokens/s over the phase.
 
@@ -24,7 +26,10 @@ between two). Ratios against G=1 are printed where G=1 ran: the issue's goals ar
 G=1's with 2 and 4 generators, later ÷ first TTFT with 2 generators ≤ 1.2× G=1's, and neither of 2
 generators running more than 60 % of the unrelated streams. Hit rates are the point on tiny-random
 (4 generators fit on 2 cores); TTFT wants a real model: ``--model smollm2-135m``. ``--threads`` (torch
-threads per generator, default 1) keeps G generators from oversubscribing a small machine.
+threads per generator) is 0 by default: ``tokenpipe up`` shares the machine's cores out between its G
+generators, so each fleet has the whole machine (one generator of 2 threads against two of 1 on 2
+cores). Until the fleet shared its cores, this benchmark ran every fleet at 1 thread a generator: one
+generator then had half the machine two had, and later ÷ first TTFT compared fleets of unequal compute.
 """
 
 from __future__ import annotations
@@ -62,12 +67,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--model", default="tiny-random")
     parser.add_argument("--conversations", type=int, default=6)
     parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="times the conversations run on one fleet, each round on new documents (pooled)")
     parser.add_argument("--doc-words", type=int, default=750, help="words of each conversation's document")
     parser.add_argument("--answer-tokens", type=int, default=16, help="max_tokens of each turn (ignore_eos)")
     parser.add_argument("--concurrency", type=int, default=0, help="turns in flight at most (0: every conversation)")
     parser.add_argument("--unrelated", type=int, default=32, help="unrelated streams at once (balance)")
     parser.add_argument("--unrelated-tokens", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=1, help="TOKENPIPE_THREADS per generator (0: the default)")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="TOKENPIPE_THREADS per generator (0: up's default, the cores shared out)")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--ready-timeout", type=float, default=900, help="seconds for `tokenpipe up` to be ready")
     parser.add_argument("--table-timeout", type=float, default=600,
@@ -201,11 +209,15 @@ async def _phases(up: UpProcess, ports: list[int], g: int, args: argparse.Namesp
             per_turn[t.turn] += 1
             if not t.ok:
                 console.print(f"G={g}: conversation {t.conv} turn {t.turn + 1} failed: {t.error}")
-            elif per_turn[t.turn] == args.conversations:
-                console.print(f"G={g}: turn {t.turn + 1}/{args.turns} of {args.conversations} conversations done")
+            elif per_turn[t.turn] % args.conversations == 0:
+                console.print(f"G={g}: round {per_turn[t.turn] // args.conversations}/{args.rounds}: "
+                              f"turn {t.turn + 1}/{args.turns} of {args.conversations} conversations done")
 
-        turns = await conversations(url, count=args.conversations, turns=args.turns, doc_words=args.doc_words,
-                                    answer_tokens=args.answer_tokens, concurrency=args.concurrency, on_turn=on_turn)
+        turns = []
+        for r in range(args.rounds):  # new conversations each round: their first turns are cold again
+            turns += await conversations(url, count=args.conversations, turns=args.turns, doc_words=args.doc_words,
+                                         answer_tokens=args.answer_tokens, concurrency=args.concurrency,
+                                         on_turn=on_turn, first=r * args.conversations)
         after = await _settled(up, http, ports, before, len(turns))
         chats = _chats(turns, _fleet(after, before))
         console.print(f"G={g}: fleet hit rate {_pct(chats['hit_rate'])}, TTFT p50 first "

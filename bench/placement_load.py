@@ -118,10 +118,11 @@ async def _chat_turn(http: httpx.AsyncClient, body: dict[str, Any], turn: Turn) 
 
 
 async def conversations(url: str, *, count: int, turns: int, doc_words: int, answer_tokens: int,
-                        concurrency: int, on_turn: Callable[[Turn], None]) -> list[Turn]:
+                        concurrency: int, on_turn: Callable[[Turn], None], first: int = 0) -> list[Turn]:
     """``count`` conversations of ``turns`` turns each, run side by side (each one's turns in order,
     at most ``concurrency`` turns in flight; 0: no bound), every turn resending the whole history
-    with the OpenAI ``user`` field naming the conversation (an affinity hint for placement)."""
+    with the OpenAI ``user`` field naming the conversation (an affinity hint for placement).
+    Conversations are numbered from ``first``: each number has its own document."""
     gate = asyncio.Semaphore(concurrency or count)
     done: list[Turn] = []
 
@@ -141,7 +142,7 @@ async def conversations(url: str, *, count: int, turns: int, doc_words: int, ans
             messages.append({"role": "assistant", "content": turn.answer})
 
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(300, connect=30)) as http:
-        await asyncio.gather(*(one(c, http) for c in range(count)))
+        await asyncio.gather(*(one(c, http) for c in range(first, first + count)))
     return sorted(done, key=lambda t: (t.conv, t.turn))
 
 

@@ -18,6 +18,7 @@ import nats
 import pytest
 
 from producer import SSEParser
+from tokenpipe.settings import engine_threads
 from tokenpipe_cli.launch import LaunchError, free_port, free_ports, spawn, wait_ready
 
 from .conftest import alive, descendants, read_until_up
@@ -46,6 +47,11 @@ def test_up_serves_a_stream_and_stops_cleanly_on_sigterm(tmp_path: Path, data_di
         children = descendants(proc.pid)
         assert len(children) >= 4  # nats-server, 2 generators, relay
         base = f"http://127.0.0.1:{port}"
+        # The machine's cores are shared out between the two generators, never two engines as wide as it.
+        for mport in status["ports"]["metrics"]:
+            metrics = httpx.get(f"http://127.0.0.1:{mport}/metrics").text
+            line = next(ln for ln in metrics.splitlines() if ln.startswith("tokenpipe_engine_threads{"))
+            assert float(line.rsplit(" ", 1)[1]) == engine_threads(0, generators=2)
         with httpx.Client(base_url=base, timeout=60) as c:
             assert c.get("/readyz").status_code == 200
             sid = c.post("/v1/streams", json={"prompt": "hi", "max_tokens": 8, "temperature": 0,

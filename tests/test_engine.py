@@ -250,6 +250,15 @@ def test_engine_threads_leave_a_core_only_where_it_is_cheap(monkeypatch: pytest.
     assert resolve_threads(5) == 5  # an explicit TOKENPIPE_THREADS wins
 
 
+@pytest.mark.parametrize(("cores", "generators", "expected"), [(2, 1, 2), (2, 2, 1), (2, 4, 1), (16, 2, 7), (16, 4, 3)])
+def test_generators_of_one_machine_share_its_cores(cores: int, generators: int, expected: int) -> None:
+    """Regression: `tokenpipe up --generators 2` on 2 cores ran two engines of 2 threads each."""
+    from tokenpipe.settings import engine_threads
+
+    assert engine_threads(0, cores=cores, generators=generators) == expected
+    assert engine_threads(3, cores=cores, generators=generators) == 3  # TOKENPIPE_THREADS wins
+
+
 def test_two_generators_loading_at_once_on_a_small_machine_do_not_spin_on_each_others_cores(
         settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Regression (issue 49, warm start): `tokenpipe up --generators 2` on 2 cores loaded each model with 2

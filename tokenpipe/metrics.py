@@ -72,6 +72,9 @@ class GeneratorMetrics:
         self.placed = Counter("tokenpipe_placed_requests", "Requests this generator started, by how they came: "
                               "placed on its own slot (own), placed on another generator's slot and taken over "
                               "(taken), or from the shared queue (shared)", [*m, "how"], registry=r)
+        self.engine_threads = Gauge("tokenpipe_engine_threads", "torch CPU threads the engine steps with "
+                                    "(TOKENPIPE_THREADS; `tokenpipe up --generators N` shares the cores out)", m,
+                                    registry=r)
         self.model = model
         self._children: dict[int, Any] = {}
         self._owners: set[str] = set()

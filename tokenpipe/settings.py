@@ -18,7 +18,7 @@ from .cluster import parse_replicas, server_list
 from .errors import ConfigError
 from .quota import parse_weights
 
-__all__ = ["CudaGraphs", "Dtype", "EngineProcess", "Kernels", "Quant", "Settings", "default_data_dir"]
+__all__ = ["CudaGraphs", "Dtype", "EngineProcess", "Kernels", "Quant", "Settings", "default_data_dir", "engine_threads"]
 
 ENV_PREFIX = "TOKENPIPE_"
 _T = TypeVar("_T")
@@ -33,6 +33,23 @@ CudaGraphs = Literal["auto", "on", "off"]
 def default_data_dir() -> str:
     base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
     return str(Path(base) / "tokenpipe")
+
+
+def engine_threads(threads: int, *, cores: int | None = None, generators: int = 1) -> int:
+    """torch's thread count for one engine: ``threads`` if set; else every core on a machine of up
+    to 3 cores, one fewer than the cores on a larger one, shared out between the ``generators`` that
+    one machine runs (at least one each).
+
+    Every parallel region of an OpenMP team waits for its slowest thread, so a team as wide as
+    the machine stalls when a busy, un-niced process (the relay and nats-server of ``tokenpipe
+    up`` under load) takes a core. Leaving a core free costs 1/cores of the compute: cheap on 16
+    cores, much on 2. Two generators each as wide as the machine spin on each other's cores at
+    every barrier (libgomp waits actively before it sleeps)."""
+    if threads > 0:
+        return threads
+    cores = cores or os.cpu_count() or 1
+    usable = cores - 1 if cores >= 4 else cores
+    return max(1, usable // max(generators, 1))
 
 
 def _setting(default: _T, doc: str, *, shown: str | None = None) -> _T:
@@ -208,8 +225,9 @@ class Settings:
             "slot numbered at the end of the host name, as a StatefulSet's pods are, else none: the generator then "
             "takes only unplaced requests and others' overflow)")
     threads: int = _setting(0, "torch CPU threads for the engine (0: every core up to 3 cores, one fewer from 4 cores "
-                               "on, left to the relay and nats-server; 1 on a small machine shared with busy un-niced "
-                               "work, whose OpenMP team would wait at every barrier for a core lent to it)")
+                               "on, left to the relay and nats-server, and shared out between the generators of "
+                               "`tokenpipe up --generators N`; 1 on a small machine shared with busy un-niced work, "
+                               "whose OpenMP team would wait at every barrier for a core lent to it)")
     metrics_port: int = _setting(9101, "generator `/metrics` port (`tokenpipe up` counts up from it; 0: off)")
     metrics_host: str = _setting("127.0.0.1", "generator `/metrics` bind address")
     # tokenpipe up (the supervisor)

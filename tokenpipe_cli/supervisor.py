@@ -22,7 +22,7 @@ from typing import Any
 from tokenpipe.cluster import parse_replicas
 from tokenpipe.errors import TokenpipeError, TransportError
 from tokenpipe.natsconfig import write_server_config
-from tokenpipe.settings import Settings
+from tokenpipe.settings import Settings, engine_threads
 
 from .cluster import LocalCluster
 from .launch import Child, free_port, http_ok, port_free, spawn_role
@@ -114,6 +114,9 @@ class Supervisor:
             return ["--nats-creds", str(Path(s.data_dir) / "creds" / f"{role}.json")]  # the embedded server's, per role
 
         metrics: list[int] = []
+        # The machine's cores shared out: N generators each as wide as the machine spin on each other's
+        # cores at every OpenMP barrier.
+        threads = {} if s.threads > 0 else {"TOKENPIPE_THREADS": str(engine_threads(0, generators=self.generators))}
         for i in range(self.generators):
             mport = 0
             if s.metrics_port > 0:
@@ -130,7 +133,8 @@ class Supervisor:
                 self._ready_file_check(f"generator-{i}", ready_file),
                 # Slot i: a generator restarted after a crash holds its slot again, and the requests
                 # placed there meanwhile went to the others (tokenpipe.placement).
-                env={**os.environ, "TOKENPIPE_READY_FILE": str(ready_file), "TOKENPIPE_PLACEMENT_SLOT": str(i)}))
+                env={**os.environ, **threads, "TOKENPIPE_READY_FILE": str(ready_file),
+                     "TOKENPIPE_PLACEMENT_SLOT": str(i)}))
         self._ports["metrics"] = metrics
         self.roles.append(self._child_role(
             "relay", "relay", ["relay", *common, *nats_args("relay"), "--model", s.model, "--host", s.host,

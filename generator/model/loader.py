@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from tokenpipe.errors import InvalidRequest, ModelNotFound
-from tokenpipe.settings import Settings
+from tokenpipe.settings import Settings, engine_threads
 
 from ..kernels.cpu import cpu_info
 from .autotune import release_freed_memory, tune_plan
@@ -85,18 +85,9 @@ def resolve_device(device: str) -> torch.device:
 
 
 def resolve_threads(threads: int) -> int:
-    """torch's thread count for the engine: ``threads`` if set; else every core on a machine of
-    up to 3 cores, one fewer than the cores on a larger one.
-
-    Every parallel region of an OpenMP team waits for its slowest thread, so a team as wide as
-    the machine stalls when a busy, un-niced process (the relay and nats-server of ``tokenpipe
-    up`` under load) takes a core. Leaving a core free costs 1/cores of the compute: cheap on 16
-    cores, much on 2. ``TOKENPIPE_THREADS=1`` is the
-    choice on a small machine that shares its cores with busy un-niced work."""
-    if threads > 0:
-        return threads
-    cores = os.cpu_count() or 1
-    return cores - 1 if cores >= 4 else cores
+    """torch's thread count for the engine (:func:`tokenpipe.settings.engine_threads` for one generator:
+    ``tokenpipe up --generators N`` sets ``TOKENPIPE_THREADS`` for each of its N)."""
+    return engine_threads(threads)
 
 
 def cpu_has_fast_bf16() -> bool:

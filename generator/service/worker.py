@@ -31,7 +31,7 @@ from tokenpipe.bus import REPAIR_INTERVAL_S, Bus, release_intake, repair
 from tokenpipe.errors import InvalidRequest, RateLimited, TokenpipeError, WireFormatError
 from tokenpipe.metrics import GeneratorMetrics
 from tokenpipe.quota import TokenRate, fair_owner, request_cost
-from tokenpipe.settings import Settings
+from tokenpipe.settings import Settings, engine_threads
 from tokenpipe.streams import history_at, id_taken
 from tokenpipe.subjects import (
     CANCEL_WILDCARD,
@@ -81,6 +81,7 @@ class GeneratorWorker:
         self.worker_id = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
         self.tracer = get_tracer(tracer_provider or trace.NoOpTracerProvider())
         self.metrics = GeneratorMetrics(loaded.name)
+        self.metrics.labels(self.metrics.engine_threads).set(engine_threads(settings.threads))
         # The engine thread calls it once a step (prometheus_client is thread-safe).
         on_step: Callable[[int], None] = self.metrics.labels(self.metrics.batch_size).observe
         self.runner: EngineHandle
