@@ -18,7 +18,8 @@ from .cluster import parse_replicas, server_list
 from .errors import ConfigError
 from .quota import parse_weights
 
-__all__ = ["CudaGraphs", "Dtype", "EngineProcess", "Kernels", "Quant", "Settings", "default_data_dir", "engine_threads"]
+__all__ = ["CudaGraphs", "Dtype", "EngineProcess", "FloatWeights", "Kernels", "Quant", "Settings", "default_data_dir",
+           "engine_threads"]
 
 ENV_PREFIX = "TOKENPIPE_"
 _T = TypeVar("_T")
@@ -28,6 +29,7 @@ Quant = Literal["auto", "none", "int8", "int4"]
 Kernels = Literal["auto", "rules", "quant", "dense", "packed", "gemv", "gemm8", "amx"]
 EngineProcess = Literal["auto", "on", "off"]
 CudaGraphs = Literal["auto", "on", "off"]
+FloatWeights = Literal["drop", "keep"]
 
 
 def default_data_dir() -> str:
@@ -135,6 +137,11 @@ class Settings:
     quant: Quant = _setting(  # noqa: RUF009
         "auto", "weight-only quantization of the projections: `auto` (int4 for the default model, whose GGUF is 4-bit, "
                 "on CPUs; else none), `none`, `int8`, `int4`; which kernel serves each batch size: `TOKENPIPE_KERNELS`")
+    float_weights: FloatWeights = _setting(  # noqa: RUF009
+        "drop", "the float copy of the quantized projections' weights: `drop` (where tokenpipe's kernels serve: "
+                "prefills of more than 64 rows de-quantize each weight for the call, ~13 ms a forward for SmolLM2, "
+                "and the generator holds ~200 MB less in bf16, ~400 MB less in fp32) or `keep` (long prefills "
+                "~1.2x faster, for that memory)")
     kernels: Kernels = _setting(  # noqa: RUF009
         "auto", "which kernel serves a quantized projection at each decode batch size: `auto` times torch's quantized "
                 "kernel, the float weight, the oneDNN pre-packed float weight and tokenpipe's own kernels (`gemv` "

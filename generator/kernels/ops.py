@@ -35,6 +35,16 @@ class GemvLib:
         return bool(torch.ops.tokenpipe.gemm8_tiles())
 
     @staticmethod
+    def dequantize(w: Q4Weight | Q8Weight, dtype: torch.dtype) -> Tensor:
+        """The weight ``[N, K]`` as floats, bf16 for a bf16 ``dtype``, else fp32 (``csrc/gemv.c``'s one pass)."""
+        bf16 = dtype == torch.bfloat16
+        if isinstance(w, Q4Weight):
+            out: Tensor = torch.ops.tokenpipe.dequant_q4(w.nibbles, w.d, w.m, bf16)
+        else:
+            out = torch.ops.tokenpipe.dequant_q8(w.q, w.s, bf16)
+        return out
+
+    @staticmethod
     def run(x2: Tensor, w: Q4Weight | Q8Weight | BlockedWeight, tiles: bool = False) -> Tensor:
         """``x2 [M, K] -> [M, N]`` in ``x2``'s dtype (computed in fp32); ``tiles``: gemm8 on AMX where it can."""
         if isinstance(w, BlockedWeight):

@@ -26,7 +26,7 @@ from ..kernels.cpu import cpu_info
 from .autotune import release_freed_memory, tune_plan
 from .gguf import load_gguf_llama
 from .kerneltable import KernelTable
-from .plan import build_plan
+from .plan import build_plan, release_float_weights
 from .preparation import SMOLLM2, gguf_path, prepare_tokenizer
 from .quant import QuantMode, dense_rows_for, resolve_quant
 from .tuning import BackgroundTuning, tune_in_background
@@ -149,7 +149,8 @@ def _threads(n: int | None) -> Iterator[None]:
 
 def load_model(name: str, *, path: str = "", device: str = "auto", dtype: str = "auto",
                data_dir: str | os.PathLike[str], quant: str = "none", kernels: str = "rules",
-               max_batch: int = 32, background: bool = False, weight_threads: int | None = None) -> LoadedModel:
+               max_batch: int = 32, background: bool = False, weight_threads: int | None = None,
+               float_weights: str = "keep") -> LoadedModel:
     """Load ``name`` (a built-in) or the transformers directory ``path`` served as ``name``.
 
     ``quant`` (auto, none, int8, int4) stores the projections' weights quantized (see
@@ -160,7 +161,9 @@ def load_model(name: str, *, path: str = "", device: str = "auto", dtype: str = 
     measure here; the rules serve until the returned model's ``tuning`` has measured the table (the
     generator's engine thread runs it while idle: :mod:`generator.model.tuning`). ``weight_threads``: torch's
     threads while the weights are read and quantized (:func:`load_threads`); the kernel table is keyed,
-    cached and measured with the thread count the caller steps with."""
+    cached and measured with the thread count the caller steps with. ``float_weights``: ``drop`` lets go of
+    the quantized projections' float weights where the library can make them for a long prefill
+    (:func:`generator.model.plan.release_float_weights`; the model's own forward then no longer runs)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dev = resolve_device(device)
@@ -173,7 +176,7 @@ def load_model(name: str, *, path: str = "", device: str = "auto", dtype: str = 
     if Path(name).is_dir() and not path and name not in BUILTIN_MODELS:
         return load_model(model_name_for_path(name), path=name, device=device, dtype=dtype, data_dir=data_dir,
                           quant=quant, kernels=kernels, max_batch=max_batch, background=background,
-                          weight_threads=weight_threads)
+                          weight_threads=weight_threads, float_weights=float_weights)
     dense_rows = dense_rows_for(dt, native_bf16=native_bf16 and dev.type == "cpu")
     with _threads(weight_threads):
         if name == SMOLLM2 and not path:
@@ -199,6 +202,11 @@ def load_model(name: str, *, path: str = "", device: str = "auto", dtype: str = 
     else:
         table = tune_plan(model, plan, name=name, dtype=dt, dense_rows=dense_rows, max_batch=max_batch,
                           data_dir=data_dir, setting=kernels)
+    if float_weights == "drop":
+        freed = release_float_weights(model, plan)
+        if freed:
+            log.info("float weights of the quantized projections let go: %.0f MB", freed / 2**20,
+                     extra={"float_weights": "drop"})
     release_freed_memory()
     eos: set[int] = set()
     for src_ids in (tok.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
@@ -234,4 +242,5 @@ def load_for(settings: Settings) -> LoadedModel:
     torch.set_num_threads(serving)  # OpenMP's thread count is per calling thread: the engine's from here on
     return load_model(settings.model, path=settings.model_path, device=settings.device, dtype=settings.dtype,
                       data_dir=settings.data_dir, quant=settings.quant, kernels=settings.kernels,
-                      max_batch=settings.max_batch, background=True, weight_threads=load_threads(serving))
+                      max_batch=settings.max_batch, background=True, weight_threads=load_threads(serving),
+                      float_weights=settings.float_weights)

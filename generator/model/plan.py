@@ -12,10 +12,10 @@ from torch import nn
 
 from .attention import FP32_ATTENTION_ROWS, DecodeAttention
 from .layers import LayerPlan
-from .quant import DENSE_ROWS, QuantMode, quantize_weight
+from .quant import DENSE_ROWS, QuantLinear, QuantMode, quantize_weight
 from .stack import LayerStack
 
-__all__ = ["Plan", "build_plan", "plan_for"]
+__all__ = ["Plan", "build_plan", "plan_for", "release_float_weights"]
 
 
 @dataclass
@@ -93,6 +93,31 @@ def build_plan(model: Any, quant: QuantMode = "none", dense_rows: int = DENSE_RO
     plan = Plan(layers, lm_head, quant, DecodeAttention(model))
     _PLANS[model] = plan
     return plan
+
+
+_SOURCES = {"qkv": ("self_attn", ("q_proj", "k_proj", "v_proj")), "o": ("self_attn", ("o_proj",)),
+            "gate_up": ("mlp", ("gate_proj", "up_proj")), "down": ("mlp", ("down_proj",))}
+
+
+def release_float_weights(model: Any, plan: Plan) -> int:
+    """Let go of the float weights of the quantized decoder projections that the library can de-quantize for
+    a call (``TOKENPIPE_FLOAT_WEIGHTS=drop``), and of the model's own references to them (left on the meta
+    device: shaped, holding nothing, failing loudly if read); returns the bytes let go. The model's own forward
+    no longer runs after this; the engine's does. ``lm_head`` keeps its float weight: it is the embedding."""
+    freed = 0
+    for layer, lp in zip(model.model.layers, plan.layers, strict=True):
+        for role, (parent, names) in _SOURCES.items():
+            mod = getattr(lp, role)
+            dense = getattr(mod, "dense", None)
+            if not isinstance(mod, QuantLinear) or dense is None or not mod.release_float():
+                continue
+            freed += dense.numel() * dense.element_size()
+            owner = getattr(layer, parent)
+            for name in names:
+                linear = getattr(owner, name)
+                linear.weight = nn.Parameter(torch.empty(linear.weight.shape, dtype=linear.weight.dtype,
+                                                         device="meta"), requires_grad=False)
+    return freed
 
 
 def plan_for(model: Any) -> Plan:

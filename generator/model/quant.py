@@ -37,8 +37,8 @@ from ..kernels.formats import GROUP, BlockedWeight, Q4Weight, Q8Weight, block_q4
 from ..kernels.ops import GemvLib
 from .kerneltable import Band, kernel_for, pack_weight, packed_linear
 
-__all__ = ["BF16_DENSE_ROWS", "DENSE_ROWS", "QUANT_MODES", "QuantLinear", "QuantMode", "check_quant", "dense_rows_for",
-           "quantize_weight", "resolve_quant"]
+__all__ = ["BF16_DENSE_ROWS", "DENSE_ROWS", "LEAN_QUANT_ROWS", "QUANT_MODES", "QuantLinear", "QuantMode",
+           "check_quant", "dense_rows_for", "quantize_weight", "resolve_quant"]
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +53,11 @@ DENSE_ROWS = 32
 # rows (measured on such a CPU): there the float weight serves matmuls of more than 16 rows, so
 # a few streams decode at int4's speed and many at bf16's.
 BF16_DENSE_ROWS = 16
+# Without the float weight (TOKENPIPE_FLOAT_WEIGHTS=drop), matmuls of up to this many rows run the library's
+# quantized kernel and larger ones de-quantize the weight for the call (csrc/gemv.c, ~13 ms for all of
+# SmolLM2's projections): gemm8 on AMX tiles was 1.02x the float weight's time at 64 rows and 2.0x at 256,
+# the float weight made for the call 1.2x at 256 (Intel Xeon, 2 threads).
+LEAN_QUANT_ROWS = 64
 _INNER_K_TILES = 8  # tinygemm's packing parameter (CUDA); the CPU packer accepts and ignores it
 
 
@@ -172,6 +177,23 @@ class QuantLinear(nn.Module):
         self.qweight = self.scales = None
         return True
 
+    def release_float(self) -> bool:
+        """Let go of the float weight (and its packed copy) where the library can make it again for a call
+        from the quantized weight; False (kept) where it cannot. The caller drops the model's own references
+        (:func:`generator.model.plan.release_float_weights`)."""
+        if self.fallback or self.gemv is None or self.gemv_lib is None:
+            return False
+        self.dense = self.packed = None
+        return True
+
+    def _float_weight(self, dtype: torch.dtype) -> Tensor:
+        """The float weight: the one kept, else de-quantized for this call."""
+        if self.dense is not None:
+            return self.dense
+        if self.gemv is not None and self.gemv_lib is not None:
+            return self.gemv_lib.dequantize(self.gemv, dtype).to(dtype)
+        return self.dequantize().to(dtype)
+
     def pack(self) -> bool:
         """Pre-pack the float weight for oneDNN (once); False where that is not possible here."""
         if self.packed is None and self.dense is not None:
@@ -188,6 +210,13 @@ class QuantLinear(nn.Module):
     def run(self, x2: Tensor, kernel: str) -> Tensor:
         """``x2 [M, K] -> [M, N]`` (no bias) on ``kernel`` (``quant``, ``dense``, ``packed``, ``gemv``, ``gemm8``,
         ``amx``: gemm8 on AMX tiles) where it can."""
+        if self.dense is None and kernel in ("dense", "packed") and not self.fallback:
+            if x2.shape[0] > LEAN_QUANT_ROWS:  # the float weight released: made for this call
+                return F.linear(x2, self._float_weight(x2.dtype))
+            if self.blocked is None:
+                kernel = "gemv"  # no gemm8 copy made for its few rows alone
+            else:
+                kernel = "amx" if self.gemv_lib is not None and self.gemv_lib.tiles() else "gemm8"
         if kernel in ("gemm8", "amx"):
             if self.block():
                 assert self.gemv_lib is not None and self.blocked is not None

@@ -317,3 +317,39 @@ int tp_gemv_q8(const int8_t *w, const float *s, const void *x, void *y, long M, 
     free(x16); free(dx);
     return 0;
 }
+
+/* The int4 weight as floats, y[N, K] (bf16 with ``bf16``, else fp32): a many-row matmul's weight where the
+ * float copy was not kept (TOKENPIPE_FLOAT_WEIGHTS). One pass, 8 weights a vector: w = q * d + m. */
+int tp_dequant_q4(const uint8_t *w, const float *d, const float *m, void *y, long K, long N, int threads, int bf16)
+{
+    const long G = K / GROUP;
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (long n = 0; n < N; n++) {
+        for (long g = 0; g < G; g++) {
+            const __m128i b = _mm_loadu_si128((const __m128i *)(w + n * (K / 2) + g * 16));
+            const __m128i lo = _mm_and_si128(b, _mm_set1_epi8(0x0F));
+            const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F));
+            const __m256 dg = _mm256_set1_ps(d[n * G + g]), mg = _mm256_set1_ps(m[n * G + g]);
+            const long at = n * K + g * GROUP;
+            /* byte j holds q[j] (low nibble) and q[j + 16] (high) */
+            const __m128i part[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+            for (int p = 0; p < 4; p++)
+                store8(y, at + 8 * p, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(part[p])), dg, mg), bf16);
+        }
+    }
+    return 0;
+}
+
+/* The int8 weight as floats, y[N, K] (bf16 with ``bf16``, else fp32): w = q * s[n]. */
+int tp_dequant_q8(const int8_t *w, const float *s, void *y, long K, long N, int threads, int bf16)
+{
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (long n = 0; n < N; n++) {
+        const __m256 sn = _mm256_set1_ps(s[n]);
+        for (long k = 0; k < K; k += 8) {
+            const __m128i q = _mm_loadl_epi64((const __m128i *)(w + n * K + k));
+            store8(y, n * K + k, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), sn), bf16);
+        }
+    }
+    return 0;
+}

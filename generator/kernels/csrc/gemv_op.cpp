@@ -61,6 +61,27 @@ at::Tensor gemm8(const at::Tensor &x2, const at::Tensor &w, const at::Tensor &d,
     return finish(y, x2);
 }
 
+// nibbles [N, K/2], d, m [N, K/32] -> the weight [N, K] in bf16 (``bf16``) or fp32
+at::Tensor dequant_q4(const at::Tensor &nibbles, const at::Tensor &d, const at::Tensor &m, bool bf16) {
+    const int64_t N = nibbles.size(0), K = nibbles.size(1) * 2;
+    TORCH_CHECK(nibbles.is_contiguous() && d.is_contiguous() && m.is_contiguous() && d.size(0) == N &&
+                d.size(1) * 32 == K && m.sizes() == d.sizes(), "dequant_q4: nibbles [N, K/2], d, m [N, K/32] expected");
+    at::Tensor y = at::empty({N, K}, nibbles.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
+    tp_dequant_q4(nibbles.data_ptr<uint8_t>(), d.data_ptr<float>(), m.data_ptr<float>(), y.data_ptr(), K, N,
+                  at::get_num_threads(), bf16);
+    return y;
+}
+
+// q [N, K] int8, s [N] -> the weight [N, K] in bf16 (``bf16``) or fp32
+at::Tensor dequant_q8(const at::Tensor &q, const at::Tensor &s, bool bf16) {
+    const int64_t N = q.size(0), K = q.size(1);
+    TORCH_CHECK(q.is_contiguous() && s.is_contiguous() && s.numel() == N && K % 8 == 0,
+                "dequant_q8: q [N, K] (K a multiple of 8) and s [N] expected");
+    at::Tensor y = at::empty({N, K}, q.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
+    tp_dequant_q8(q.data_ptr<int8_t>(), s.data_ptr<float>(), y.data_ptr(), K, N, at::get_num_threads(), bf16);
+    return y;
+}
+
 int64_t gemm8_lanes() { return tp_gemm8_lanes(); }
 
 bool gemm8_tiles() { return tp_gemm8_tiles() != 0; }
@@ -202,6 +223,8 @@ TORCH_LIBRARY(tokenpipe, lib) {
     lib.def("gemv_q4(Tensor x, Tensor nibbles, Tensor d, Tensor m) -> Tensor");
     lib.def("gemv_q8(Tensor x, Tensor q, Tensor s) -> Tensor");
     lib.def("gemm8(Tensor x, Tensor w, Tensor d, Tensor m, int bits, int n, bool tiles=False) -> Tensor");
+    lib.def("dequant_q4(Tensor nibbles, Tensor d, Tensor m, bool bf16) -> Tensor");
+    lib.def("dequant_q8(Tensor q, Tensor s, bool bf16) -> Tensor");
     lib.def("gemm8_tiles() -> bool", &gemm8_tiles);  // AMX built here and granted by the kernel
     lib.def("gemm8_lanes() -> int", &gemm8_lanes);  // no tensor to dispatch on: one kernel for every key
     lib.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor tables, Tensor positions, float scale) -> Tensor");
@@ -215,6 +238,8 @@ TORCH_LIBRARY_IMPL(tokenpipe, CPU, lib) {
     lib.impl("gemv_q4", &gemv_q4);
     lib.impl("gemv_q8", &gemv_q8);
     lib.impl("gemm8", &gemm8);
+    lib.impl("dequant_q4", &dequant_q4);
+    lib.impl("dequant_q8", &dequant_q8);
     lib.impl("paged_attention", &paged_attention);
     lib.impl("rms_norm", &rms_norm);
     lib.impl("kv_write", &kv_write);

@@ -15,6 +15,8 @@ int tp_gemv_q4(const uint8_t *w, const float *d, const float *m, const void *x, 
 int tp_gemv_q8(const int8_t *w, const float *s, const void *x, void *y, long M, long K, long N, int threads, int bf16);
 int tp_gemm8(const uint8_t *w, const float *d, const float *m, int bits, const void *x, void *y, long M, long K,
              long N, int threads, int bf16, int tiles);
+int tp_dequant_q4(const uint8_t *w, const float *d, const float *m, void *y, long K, long N, int threads, int bf16);
+int tp_dequant_q8(const int8_t *w, const float *s, void *y, long K, long N, int threads, int bf16);
 int tp_gemm8_lanes(void);
 int tp_gemm8_tiles(void);
 int tp_paged_attention(const void *q, const void *k, const void *v, const int64_t *tables, const int64_t *positions,
