@@ -37,7 +37,7 @@ def load_as_generator(args: argparse.Namespace, bench: str) -> tuple[LoadedModel
     print(f"{bench} {args.label}: {cpu['line']}; {torch.get_num_threads()} threads; torch {torch.__version__} "
           "(the machine may be shared: compare ratios)", flush=True)
     lm = load_model(s.model, path=s.model_path, device="cpu", dtype=s.dtype, quant=s.quant, data_dir=s.data_dir,
-                    kernels=s.kernels, max_batch=s.max_batch)
+                    kernels=s.kernels, max_batch=s.max_batch, float_weights=s.float_weights)
     return lm, cpu
 
 

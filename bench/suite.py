@@ -117,6 +117,10 @@ SCENARIOS: tuple[Scenario, ...] = (
              "weight-only int8/int4 against float: decode and prefill speed, greedy agreement, log-likelihood",
              quick=("--variants", "float32/none,float32/int4", "--rounds", "1", "--prompts", "2",
                     "--new-tokens", "8")),
+    Scenario("floatweights", "engine", "bench.floatweights",
+             "a prefill with the quantized projections' float weights kept or dropped (TOKENPIPE_FLOAT_WEIGHTS): "
+             "time by prompt length, RSS each load adds",
+             quick=("--lengths", "64,256", "--rounds", "1")),
     Scenario("kvcache", "engine", "bench.kvcache",
              "the paged KV cache: memory under a mixed load, prefix-cache TTFT, decode against context",
              quick=("--quick",)),

@@ -140,8 +140,8 @@ class Settings:
     float_weights: FloatWeights = _setting(  # noqa: RUF009
         "drop", "the float copy of the quantized projections' weights: `drop` (where tokenpipe's kernels serve: "
                 "prefills of more than 64 rows de-quantize each weight for the call, ~13 ms a forward for SmolLM2, "
-                "and the generator holds ~200 MB less in bf16, ~400 MB less in fp32) or `keep` (long prefills "
-                "~1.2x faster, for that memory)")
+                "and the generator holds ~200 MB less in bf16, ~400 MB less in fp32) or `keep` (prefills of "
+                "128-1,024 tokens 4-13 % faster, for that memory: `python -m bench.floatweights`)")
     kernels: Kernels = _setting(  # noqa: RUF009
         "auto", "which kernel serves a quantized projection at each decode batch size: `auto` times torch's quantized "
                 "kernel, the float weight, the oneDNN pre-packed float weight and tokenpipe's own kernels (`gemv` "

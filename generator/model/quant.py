@@ -213,10 +213,10 @@ class QuantLinear(nn.Module):
         if self.dense is None and kernel in ("dense", "packed") and not self.fallback:
             if x2.shape[0] > LEAN_QUANT_ROWS:  # the float weight released: made for this call
                 return F.linear(x2, self._float_weight(x2.dtype))
-            if self.blocked is None:
-                kernel = "gemv"  # no gemm8 copy made for its few rows alone
-            else:
+            if self.blocked is not None:
                 kernel = "amx" if self.gemv_lib is not None and self.gemv_lib.tiles() else "gemm8"
+            else:  # no gemm8 copy is made for these rows alone: torch's kernel where its copy is kept
+                kernel = "quant" if self.qweight is not None else "gemv"
         if kernel in ("gemm8", "amx"):
             if self.block():
                 assert self.gemv_lib is not None and self.blocked is not None
