@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from generator.kernels.formats import Q4Weight
 from generator.model.loader import load_model
 from generator.model.plan import plan_for
 from generator.model.quant import QuantLinear
@@ -23,7 +24,7 @@ def test_weights_read_from_the_gguf_equal_the_fp32_conversion_bit_for_bit(data_d
 
     converted = data_dir / "models" / "smollm2-135m"  # the whole conversion (tokenpipe prepare), made by conftest
     ref = AutoModelForCausalLM.from_pretrained(converted, dtype=torch.float32).state_dict()
-    got = load_gguf_llama(gguf_path(), AutoConfig.from_pretrained(converted), torch.float32).state_dict()
+    got = load_gguf_llama(gguf_path(), AutoConfig.from_pretrained(converted), torch.float32)[0].state_dict()
     assert set(got) == set(ref)
     assert [k for k in ref if not torch.equal(got[k], ref[k])] == []
 
@@ -78,3 +79,62 @@ def test_a_truncated_gguf_file_is_a_clear_error(tmp_path: Path, data_dir: Path) 
     (tmp_path / "not.gguf").write_bytes(b"GGML" + bytes(64))
     with pytest.raises(ModelNotFound, match="not a GGUF file"):
         load_gguf_llama(tmp_path / "not.gguf", config, torch.float32)
+
+
+@pytest.mark.smollm2
+def test_q4_1_blocks_as_stored_are_the_files_values_bit_for_bit() -> None:
+    """The library's int4 layout is Q4_1's: a projection taken as stored is, de-quantized, what gguf's own
+    de-quantization of the file gives (q/k rows put back in transformers' order too)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from generator.model.gguf import _unpermute, q4_as_stored, read_tensors
+    from generator.model.preparation import gguf_path
+
+    heads = {"attn_q": 9, "attn_k": 3}  # SmolLM2-135M: 9 query heads, 3 key/value heads
+    checked = 0
+    for t in read_tensors(gguf_path()):
+        kind = t.name.split(".")[2] if t.name.startswith("blk.") else ""
+        if t.tensor_type != GGMLQuantizationType.Q4_1 or not t.name.startswith(("blk.0.", "blk.29.")):
+            continue
+        ref = dequantize(np.asarray(t.data), t.tensor_type)
+        if kind in heads:
+            ref = _unpermute(ref, heads[kind])
+        got = q4_as_stored(np.asarray(t.data), heads.get(kind)).dequantize()
+        assert torch.equal(got, torch.from_numpy(np.array(ref, dtype=np.float32))), t.name
+        checked += 1
+    assert checked == 14  # 7 projections in each of two layers
+
+
+@pytest.mark.smollm2
+def test_smollm2_without_float_weights_serves_the_files_blocks_and_answers(data_dir: Path) -> None:
+    """TOKENPIPE_FLOAT_WEIGHTS=drop (a generator's default): no projection of SmolLM2 is ever made in floats,
+    its fused int4 weight is the file's blocks stacked, and it still answers the question."""
+    import numpy as np
+
+    from generator.engine.scheduler import Engine
+    from generator.model.gguf import q4_as_stored, read_tensors
+    from generator.model.preparation import gguf_path
+    from tokenpipe.wire import SamplingParams
+
+    lm = load_model("smollm2-135m", device="cpu", dtype="float32", data_dir=data_dir, quant="int4",
+                    float_weights="drop")
+    layer = lm.model.model.layers[0]
+    assert layer.self_attn.q_proj.weight.is_meta and layer.mlp.down_proj.weight.is_meta
+    down = plan_for(lm.model).layers[0].down
+    assert isinstance(down, QuantLinear) and down.dense is None and down.gemv is not None
+    if down.gemv_lib is None:
+        pytest.fail("tokenpipe's kernels must build on these machines")
+    stored = next(t for t in read_tensors(gguf_path()) if t.name == "blk.0.ffn_down.weight")
+    as_stored = q4_as_stored(np.asarray(stored.data))
+    assert isinstance(down.gemv, Q4Weight)
+    assert torch.equal(down.gemv.nibbles, as_stored.nibbles) and torch.equal(down.gemv.d, as_stored.d)
+    engine = Engine(lm, max_batch=1)
+    text = lm.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                            add_generation_prompt=True, tokenize=False)
+    prompt = lm.tokenizer.encode(text, add_special_tokens=False)
+    seq = engine.new_sequence("q", prompt, SamplingParams(max_tokens=20, temperature=0.0))
+    engine.add(seq)
+    engine.run_to_completion()
+    assert "Paris" in lm.tokenizer.decode(seq.generated, skip_special_tokens=True)

@@ -4,11 +4,13 @@ straight into the model's dtype and put in the transformers model's module.
 The default model (SmolLM2-135M's ``Q4_1`` GGUF) used to be de-quantized as a whole to fp32 safetensors on the
 first start (~20-30 s, the whole model in fp32 in memory, then on disk) and loaded from them. Here ``gguf``'s
 own de-quantization (the code transformers' GGUF loader calls, so the same values the fp32 cache held, bit for
-bit) runs per tensor: the largest fp32 buffer is one tensor's, and nothing is written. The int4 kernels then
-quantize the projections from these float weights as before (:mod:`generator.model.quant`): the file's
-``Q4_1`` blocks could be taken as they are, but on a bf16 model that changed greedy tokens against the
-weights quantized from the bf16 values (measured: 5 of 12 streams after 16-38 tokens), and the float weights
-stay anyway (a prefill's many rows use them).
+bit) runs per tensor: the largest fp32 buffer is one tensor's, and nothing is written. Where the projections
+keep their float weights (``TOKENPIPE_FLOAT_WEIGHTS=keep``, and every load outside a generator) the int4
+kernels quantize them from these (:mod:`generator.model.quant`). Where they do not (a generator's default),
+the file's ``Q4_1`` blocks are taken as they are (``as_stored``): the library's int4 layout is theirs, so no
+float weight of a projection is ever made and none is quantized. Greedy tokens then follow the file's own
+4-bit values, not the ones re-quantized from their bf16 rounding (which differed in 5 of 12 streams after
+16-38 tokens, measured when the float weights still stayed).
 
 llama.cpp stores q/k rows permuted for its RoPE; they are put back (:func:`_unpermute`, transformers' own
 reverse permutation).
@@ -33,7 +35,9 @@ from torch import nn
 
 from tokenpipe.errors import ModelNotFound
 
-__all__ = ["GGUFTensor", "load_gguf_llama", "read_tensors"]
+from ..kernels.formats import Q4Weight
+
+__all__ = ["GGUFTensor", "load_gguf_llama", "q4_as_stored", "read_tensors"]
 
 # GGUF tensor name -> the transformers Llama module it fills
 _LAYER_NAMES = {
@@ -44,6 +48,7 @@ _LAYER_NAMES = {
 }
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+_PROJECTIONS = frozenset({"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"})
 
 
 _MAGIC = b"GGUF"
@@ -168,8 +173,13 @@ def _unpermute(rows: np.ndarray, heads: int) -> np.ndarray:
     return rows.reshape(heads, dim, 2, *rows.shape[1:]).swapaxes(2, 1).reshape(rows.shape)
 
 
-def load_gguf_llama(path: Path, config: Any, dtype: torch.dtype) -> Any:
-    """The transformers Llama of ``config`` with the weights of the GGUF file ``path``, in ``dtype``, on the CPU."""
+def load_gguf_llama(path: Path, config: Any, dtype: torch.dtype, *,
+                    as_stored: bool = False) -> tuple[Any, dict[str, Q4Weight]]:
+    """The transformers Llama of ``config`` with the weights of the GGUF file ``path``, in ``dtype``, on the CPU,
+    and (``as_stored``, where every decoder projection is ``Q4_1``) those projections as stored, by module path:
+    the library's int4 layout is ``Q4_1``'s (:func:`q4_as_stored`), so nothing is computed; their ``Linear``s are
+    then left on the meta device (shaped, holding nothing: the model's own forward does not run)."""
+    from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
     from transformers import AutoModelForCausalLM
 
@@ -182,9 +192,18 @@ def load_gguf_llama(path: Path, config: Any, dtype: torch.dtype) -> Any:
     # the rotary tables are computed, not stored: made again off the meta device
     model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config)
     permuted = {"attn_q": int(config.num_attention_heads), "attn_k": int(config.num_key_value_heads)}
+    projections = [t for t in tensors if _module_name(t.name)[1] in _PROJECTIONS]
+    as_stored = as_stored and bool(projections) and all(t.tensor_type == GGMLQuantizationType.Q4_1
+                                                        for t in projections)
+    stored: dict[str, Q4Weight] = {}
     for t in tensors:
         name, kind = _module_name(t.name)
         module = model.get_submodule(name)
+        if as_stored and kind in _PROJECTIONS:
+            stored[name] = q4_as_stored(np.asarray(t.data), permuted.get(kind))
+            if stored[name].nibbles.shape[0] * stored[name].nibbles.shape[1] * 2 != module.weight.numel():
+                raise ModelNotFound(f"{t.name} in {path} does not fit the model's {name}")
+            continue  # its Linear keeps its meta weight
         values = dequantize(np.asarray(t.data), t.tensor_type)  # fp32, this tensor only
         if kind in permuted:
             values = _unpermute(values, permuted[kind])
@@ -194,7 +213,21 @@ def load_gguf_llama(path: Path, config: Any, dtype: torch.dtype) -> Any:
         module.weight = nn.Parameter(weight.reshape(module.weight.shape), requires_grad=False)
     if model.config.tie_word_embeddings or model.lm_head.weight.is_meta:
         model.lm_head.weight = model.model.embed_tokens.weight
-    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    missing = [n for n, p in model.named_parameters() if p.is_meta and n.removesuffix(".weight") not in stored]
     if missing:
         raise ModelNotFound(f"the GGUF file {path} lacks {', '.join(missing[:3])}")
-    return model
+    return model, stored
+
+
+def q4_as_stored(blocks: np.ndarray, heads: int | None = None) -> Q4Weight:
+    """A ``Q4_1`` tensor's rows of blocks (``[N, K/32 * 20]`` bytes: each block fp16 ``d``, fp16 ``m``, then 16
+    bytes whose byte j holds q[j] low and q[j + 16] high, ``w = q * d + m``) as the library's
+    :class:`~generator.kernels.formats.Q4Weight`, the same numbers laid out apart; ``heads``: q/k rows put
+    back in transformers' order (:func:`_unpermute`)."""
+    n = blocks.shape[0]
+    if heads is not None:
+        blocks = _unpermute(blocks, heads)
+    b = torch.from_numpy(np.array(blocks)).view(n, -1, 20)  # a copy: the file's map is read-only
+    d = b[..., 0:2].contiguous().view(torch.float16).reshape(n, -1).float()
+    m = b[..., 2:4].contiguous().view(torch.float16).reshape(n, -1).float()
+    return Q4Weight(b[..., 4:].reshape(n, -1).contiguous(), d, m)

@@ -22,11 +22,13 @@ import torch
 from tokenpipe.errors import InvalidRequest, ModelNotFound
 from tokenpipe.settings import Settings, engine_threads
 
+from ..kernels.build import load_gemv
 from ..kernels.cpu import cpu_info
+from ..kernels.formats import Q4Weight
 from .autotune import release_freed_memory, tune_plan
 from .gguf import load_gguf_llama
 from .kerneltable import KernelTable
-from .plan import build_plan, release_float_weights
+from .plan import build_plan, plan_as_stored, release_float_weights
 from .preparation import SMOLLM2, gguf_path, prepare_tokenizer
 from .quant import QuantMode, dense_rows_for, resolve_quant
 from .tuning import BackgroundTuning, tune_in_background
@@ -126,13 +128,15 @@ def _random_llama(name: str, data_dir: str | os.PathLike[str], dtype: torch.dtyp
     return model, tok
 
 
-def _smollm2(data_dir: str | os.PathLike[str], dtype: torch.dtype) -> tuple[Any, Any]:
+def _smollm2(data_dir: str | os.PathLike[str], dtype: torch.dtype,
+             as_stored: bool) -> tuple[Any, Any, dict[str, Q4Weight]]:
     """SmolLM2 from its GGUF file, each weight de-quantized (one tensor at a time) into ``dtype``: the values
-    the fp32 cache held, without it."""
+    the fp32 cache held, without it; ``as_stored``: its int4 projections taken as they are instead."""
     from transformers import AutoConfig, AutoTokenizer
 
     src = prepare_tokenizer(data_dir)
-    return load_gguf_llama(gguf_path(), AutoConfig.from_pretrained(src), dtype), AutoTokenizer.from_pretrained(src)
+    model, stored = load_gguf_llama(gguf_path(), AutoConfig.from_pretrained(src), dtype, as_stored=as_stored)
+    return model, AutoTokenizer.from_pretrained(src), stored
 
 
 @contextmanager
@@ -178,9 +182,13 @@ def load_model(name: str, *, path: str = "", device: str = "auto", dtype: str = 
                           quant=quant, kernels=kernels, max_batch=max_batch, background=background,
                           weight_threads=weight_threads, float_weights=float_weights)
     dense_rows = dense_rows_for(dt, native_bf16=native_bf16 and dev.type == "cpu")
+    stored: dict[str, Q4Weight] = {}
     with _threads(weight_threads):
         if name == SMOLLM2 and not path:
-            model, tok = _smollm2(data_dir, dt)
+            # Without float weights the GGUF's int4 blocks serve as stored, where the library runs them.
+            as_stored = float_weights == "drop" and mode == "int4" and dev.type == "cpu" and \
+                load_gemv(data_dir) is not None
+            model, tok, stored = _smollm2(data_dir, dt, as_stored)
         elif path:
             src = Path(path)
             model = AutoModelForCausalLM.from_pretrained(src, dtype=dt)
@@ -191,10 +199,16 @@ def load_model(name: str, *, path: str = "", device: str = "auto", dtype: str = 
             raise ModelNotFound(f"unknown model {name!r}: use {', '.join(BUILTIN_MODELS)} or a local model directory")
         if getattr(model.config, "model_type", "") not in ("llama", "mistral", "qwen2", "qwen3"):
             raise ModelNotFound(f"model type {model.config.model_type!r} is not supported (Llama-family only)")
-        model.to(dev).eval()
-        model.requires_grad_(False)
-        # Fused projections (and quantized weights) for generator.model.forward.
-        plan = build_plan(model, mode, dense_rows)
+        if stored:  # on the CPU already; its projections' Linears hold meta weights, which .to() cannot move
+            model.eval()
+            model.requires_grad_(False)
+            plan = plan_as_stored(model, stored, dense_rows)
+            stored.clear()  # the parts, now fused: freed before the heap is handed back below
+        else:
+            model.to(dev).eval()
+            model.requires_grad_(False)
+            # Fused projections (and quantized weights) for generator.model.forward.
+            plan = build_plan(model, mode, dense_rows)
     tuning = None
     if background:
         table, tuning = tune_in_background(model, plan, name=name, dtype=dt, dense_rows=dense_rows,

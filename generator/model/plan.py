@@ -10,12 +10,13 @@ from weakref import WeakKeyDictionary
 import torch
 from torch import nn
 
+from ..kernels.formats import Q4Weight
 from .attention import FP32_ATTENTION_ROWS, DecodeAttention
 from .layers import LayerPlan
 from .quant import DENSE_ROWS, QuantLinear, QuantMode, quantize_weight
 from .stack import LayerStack
 
-__all__ = ["Plan", "build_plan", "plan_for", "release_float_weights"]
+__all__ = ["Plan", "build_plan", "plan_as_stored", "plan_for", "release_float_weights"]
 
 
 @dataclass
@@ -65,6 +66,27 @@ def _fuse(mods: list[Any], quant: QuantMode, dense_rows: int = DENSE_ROWS,
             m.bias = nn.Parameter(bias[start:stop], requires_grad=False)
         start = stop
     return quantize_weight(weight, bias, quant, dense_rows, verdicts)
+
+
+def plan_as_stored(model: Any, stored: dict[str, Q4Weight], dense_rows: int = DENSE_ROWS) -> Plan:
+    """The int4 plan of a model whose projections came as stored (:func:`generator.model.gguf.load_gguf_llama`
+    with ``as_stored``): each fused projection is its parts' blocks stacked, nothing quantized; ``lm_head`` is
+    int8 from its float weight, as :func:`build_plan` makes it."""
+    layers = []
+    for i, layer in enumerate(model.model.layers):
+        def part(role: str, i: int = i) -> QuantLinear:
+            parent, names = _SOURCES[role]
+            ws = [stored[f"model.layers.{i}.{parent}.{name}"] for name in names]
+            return QuantLinear.from_q4(Q4Weight(torch.cat([w.nibbles for w in ws]), torch.cat([w.d for w in ws]),
+                                                torch.cat([w.m for w in ws])), dense_rows)
+
+        attn, mlp = layer.self_attn, layer.mlp
+        layers.append(LayerPlan(part("qkv"), part("o"), part("gate_up"), part("down"), attn.q_proj.weight.shape[0],
+                                attn.k_proj.weight.shape[0], mlp.gate_proj.weight.shape[0]))
+    lm_head = quantize_weight(model.lm_head.weight, model.lm_head.bias, "int8", dense_rows, {})
+    plan = Plan(layers, lm_head, "int4", DecodeAttention(model))
+    _PLANS[model] = plan
+    return plan
 
 
 def build_plan(model: Any, quant: QuantMode = "none", dense_rows: int = DENSE_ROWS) -> Plan:

@@ -137,6 +137,21 @@ class QuantLinear(nn.Module):
         elif mode == "int4":
             del self.q_unpacked  # the packed form is all the kernel needs
 
+    @classmethod
+    def from_q4(cls, w: Q4Weight, dense_rows: int = DENSE_ROWS) -> QuantLinear:
+        """An int4 projection of the library's weight ``w`` as it is (a GGUF's ``Q4_1`` blocks): no float weight
+        and no torch copy (its ``quant`` bands run ``gemv``); the library must serve it (``gemv_lib``)."""
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self.mode, self.dense, self.packed, self.blocked = "int4", None, None, None
+        self.bands = ((dense_rows, "quant"),)
+        self.gemv, self.gemv_lib = w, None
+        self.out_features, self.in_features = w.nibbles.shape[0], w.nibbles.shape[1] * 2
+        self.act_dtype, self.bias = torch.bfloat16, None
+        self.qweight = self.scales = None
+        self.fallback = False
+        return self
+
     def _kernel(self, x: Tensor) -> Tensor:
         assert self.qweight is not None and self.scales is not None  # dropped only where this is not called
         if self.mode == "int8":
@@ -159,6 +174,8 @@ class QuantLinear(nn.Module):
     def dequantize(self) -> Tensor:
         """The weight as the kernel sees it, ``[N, K]`` fp32 (tests, the fallback)."""
         if self.scales is None or self.qweight is None:
+            if self.gemv is not None and isinstance(self.gemv, Q4Weight):
+                return self.gemv.dequantize()
             raise RuntimeError("torch's copy of the quantized weight was dropped")
         s = self.scales.float()
         if self.mode == "int8":
