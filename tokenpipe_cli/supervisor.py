@@ -298,8 +298,7 @@ class Supervisor:
         # Once here, with a progress bar, rather than N times in parallel; only what the model needs.
         if self.settings.model_path:
             return
-        from generator.model.loader import BUILTIN_MODELS
-        from generator.model.preparation import prepare_tokenizer
+        from generator.model.preparation import BUILTIN_MODELS, prepare_tokenizer  # no torch: a warm start's ~1.5 s
 
         if self.settings.model in BUILTIN_MODELS:  # SmolLM2's weights are read from its GGUF file by each generator
             prepare_tokenizer(self.settings.data_dir)

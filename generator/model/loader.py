@@ -29,7 +29,7 @@ from .autotune import release_freed_memory, tune_plan
 from .gguf import load_gguf_llama
 from .kerneltable import KernelTable
 from .plan import build_plan, plan_as_stored, release_float_weights
-from .preparation import SMOLLM2, gguf_path, prepare_tokenizer
+from .preparation import BUILTIN_MODELS, RANDOM_1B, SMOLLM2, SMOLLM2_RANDOM, TINY, gguf_path, prepare_tokenizer
 from .quant import QuantMode, dense_rows_for, resolve_quant
 from .tuning import BackgroundTuning, tune_in_background
 
@@ -38,10 +38,6 @@ __all__ = ["BUILTIN_MODELS", "LoadedModel", "load_for", "load_model", "load_thre
 
 log = logging.getLogger(__name__)
 
-TINY = "tiny-random"
-RANDOM_1B = "llama-1b-random"
-SMOLLM2_RANDOM = "smollm2-135m-random"
-BUILTIN_MODELS = (SMOLLM2, TINY, RANDOM_1B, SMOLLM2_RANDOM)
 # Shapes of randomly initialised Llamas (no weights needed to measure speed): tests, a
 # Llama-3.2-1B-shaped model (1.07B parameters with SmolLM2's 49k vocabulary) for GPU benchmarks,
 # and SmolLM2-135M's own shapes.

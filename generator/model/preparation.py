@@ -17,15 +17,18 @@ import shutil
 import time
 from pathlib import Path
 
-import torch
-
 from tokenpipe.errors import ModelNotFound
 
 from .cachelock import one_at_a_time
 
-__all__ = ["SMOLLM2", "gguf_path", "prepare_smollm2", "prepare_tokenizer"]
+__all__ = ["BUILTIN_MODELS", "RANDOM_1B", "SMOLLM2", "SMOLLM2_RANDOM", "TINY", "gguf_path", "prepare_smollm2",
+           "prepare_tokenizer"]
 
 SMOLLM2 = "smollm2-135m"
+TINY = "tiny-random"
+RANDOM_1B = "llama-1b-random"
+SMOLLM2_RANDOM = "smollm2-135m-random"
+BUILTIN_MODELS = (SMOLLM2, TINY, RANDOM_1B, SMOLLM2_RANDOM)
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _CACHE_VERSION = "1"
 _TOKENIZER_VERSION = "2"  # 2: the model's config.json beside the tokenizer (the generator reads the GGUF itself)
@@ -74,6 +77,7 @@ def prepare_smollm2(data_dir: str | os.PathLike[str]) -> Path:
 
 
 def _convert_smollm2(target: Path) -> None:
+    import torch  # here, not above: `tokenpipe up` reads this module without loading torch
     from rich.console import Console
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
