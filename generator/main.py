@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from tokenpipe.bus import connect
-from tokenpipe.errors import GenerationError
+from tokenpipe.errors import GenerationError, TransportError
 from tokenpipe.settings import Settings
 from tokenpipe.telemetry import setup_tracing
 
@@ -27,6 +27,20 @@ from .service.worker import GeneratorWorker
 __all__ = ["serve"]
 
 log = logging.getLogger(__name__)
+
+
+async def _gate_opens(gate: Path, stop: asyncio.Event, timeout_s: float = 600.0) -> bool:
+    """Wait for ``gate`` (``TOKENPIPE_START_GATE``) to exist: True once it does, False if stopped first."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    if not gate.exists():
+        log.info("model loaded; waiting for the streams to exist before connecting", extra={"gate": str(gate)})
+    while not gate.exists():
+        if stop.is_set():
+            return False
+        if asyncio.get_running_loop().time() > deadline:
+            raise TransportError(f"{gate} did not appear within {timeout_s:g} s: the streams were never set up")
+        await asyncio.sleep(0.05)  # a file the supervisor writes: polled
+    return True
 
 
 async def serve(settings: Settings) -> None:
@@ -59,6 +73,8 @@ async def serve(settings: Settings) -> None:
                              getattr(torch, info["dtype"].removeprefix("torch.")))
     else:
         loaded = await loop.run_in_executor(engine_thread, partial(load_for, settings))
+    if settings.start_gate and not await _gate_opens(Path(settings.start_gate), stop):
+        return  # stopped while waiting: nothing was connected
     provider = setup_tracing("tokenpipe-generator")
     bus = await connect(settings, name=f"tokenpipe-generator-{loaded.name}", role="generator")
     worker = GeneratorWorker(settings, loaded, bus, tracer_provider=provider, torch_thread=engine_thread,

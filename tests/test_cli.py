@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import nats
@@ -186,3 +187,24 @@ def test_up_gives_the_relay_its_model_as_the_default_one(tmp_path: Path, monkeyp
         role.start()
     relay = spawned["relay"]
     assert relay[relay.index("--model") + 1] == "tiny-random"
+
+
+def test_a_generator_loads_first_and_connects_once_its_start_gate_exists(tmp_path: Path, data_dir: Path,
+                                                                         nats_server: Any) -> None:
+    """`tokenpipe up` starts its generators with NATS (TOKENPIPE_START_GATE): each loads its model while the
+    streams are set up, and connects only once the gate file says they exist."""
+    gate, ready, log = tmp_path / "streams.ready", tmp_path / "generator.ready", tmp_path / "generator.log"
+    env = {**os.environ, "TOKENPIPE_START_GATE": str(gate), "TOKENPIPE_READY_FILE": str(ready),
+           "TOKENPIPE_THREADS": "1", "TOKENPIPE_LOG_LEVEL": "INFO"}
+    child = spawn("generator", [sys.executable, "-m", "tokenpipe_cli", "generator", "--model", "tiny-random",
+                                "--nats-url", nats_server.url, "--data-dir", str(data_dir), "--metrics-port", "0"],
+                  env=env, log=log)
+    try:
+        wait_ready(lambda: log.exists() and "waiting for the streams" in log.read_text(), timeout=120,
+                   what="the generator's model loaded, waiting at the gate", children=[child])
+        assert not ready.exists() and "nats connected" not in log.read_text()  # loaded, waiting at the gate
+        gate.write_text("streams provisioned\n")
+        wait_ready(ready.exists, timeout=60, what="the generator serving once the gate exists", children=[child])
+        assert "nats connected" in log.read_text()
+    finally:
+        child.stop()

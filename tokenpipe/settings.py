@@ -247,6 +247,9 @@ class Settings:
     restart_window_s: float = _setting(60.0, "`tokenpipe up`: the crash-loop window")
     ready_file: str = _setting("", "a generator writes its pid here once it serves, and removes it when it stops "
                                    "(`tokenpipe up` sets it per generator)")
+    start_gate: str = _setting("", "a generator loads its model, then waits for this file before it connects "
+                                   "(`tokenpipe up` creates it once the streams exist, so its generators load "
+                                   "while NATS is set up)")
     # relay
     host: str = _setting("127.0.0.1", "relay bind address")
     port: int = _setting(8000, "relay port")

@@ -58,6 +58,11 @@ class Supervisor:
     _ports: dict[str, Any] = field(default_factory=dict)
     _shown: str = ""
 
+    @property
+    def _gate(self) -> Path:
+        """The file that lets the generators connect (``TOKENPIPE_START_GATE``): written once the streams exist."""
+        return Path(self.settings.data_dir) / "run" / "streams.ready"
+
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self._stop_signal = signum
 
@@ -117,6 +122,13 @@ class Supervisor:
         # The machine's cores shared out: N generators each as wide as the machine spin on each other's
         # cores at every OpenMP barrier.
         threads = {} if s.threads > 0 else {"TOKENPIPE_THREADS": str(engine_threads(0, generators=self.generators))}
+        # The generators start with NATS and load while the admin sets the streams up; they connect once
+        # this file says the streams exist (a restarted one finds it there).
+        gate: dict[str, str] = {}
+        if not self.external_nats:
+            self._gate.parent.mkdir(parents=True, exist_ok=True)
+            self._gate.unlink(missing_ok=True)
+            gate["TOKENPIPE_START_GATE"] = str(self._gate)
         for i in range(self.generators):
             mport = 0
             if s.metrics_port > 0:
@@ -133,7 +145,7 @@ class Supervisor:
                 self._ready_file_check(f"generator-{i}", ready_file),
                 # Slot i: a generator restarted after a crash holds its slot again, and the requests
                 # placed there meanwhile went to the others (tokenpipe.placement).
-                env={**os.environ, **threads, "TOKENPIPE_READY_FILE": str(ready_file),
+                env={**os.environ, **threads, **gate, "TOKENPIPE_READY_FILE": str(ready_file),
                      "TOKENPIPE_PLACEMENT_SLOT": str(i)}))
         self._ports["metrics"] = metrics
         self.roles.append(self._child_role(
@@ -175,17 +187,22 @@ class Supervisor:
                 self._start(nats)
                 if nats.pid == -1:
                     return 1
+            self._prepare_model()
             if not self.external_nats:
-                # Only the admin configures streams; the roles start once they exist.
+                # Only the admin configures streams. The generators load their model meanwhile and connect
+                # once the gate file says the streams exist; the relay starts after.
+                for role in self.roles:
+                    if role.kind == "generator":
+                        self._start(role)
                 try:
                     self.provisioner = Provisioner(self._admin_settings(), self._ports["nats_url"],
                                                    Path(self.settings.data_dir) / "creds" / "admin.json").start()
                 except TokenpipeError as exc:
                     print(f"tokenpipe: error: {exc.message}", flush=True)
                     return 1
-            self._prepare_model()
+                self._gate.write_text("streams provisioned\n")
             for role in self.roles:
-                if role.kind != "nats":
+                if role.kind != "nats" and role.child is None:
                     self._start(role)
             self._write_status()
             deadline = time.monotonic() + _READY_TIMEOUT_S
