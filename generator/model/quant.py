@@ -227,11 +227,12 @@ class QuantLinear(nn.Module):
     def run(self, x2: Tensor, kernel: str) -> Tensor:
         """``x2 [M, K] -> [M, N]`` (no bias) on ``kernel`` (``quant``, ``dense``, ``packed``, ``gemv``, ``gemm8``,
         ``amx``: gemm8 on AMX tiles) where it can."""
-        if self.dense is None and kernel in ("dense", "packed") and not self.fallback:
-            if x2.shape[0] > LEAN_QUANT_ROWS:  # the float weight released: made for this call
-                return F.linear(x2, self._float_weight(x2.dtype))
+        if self.dense is None and self.gemv is not None and self.gemv_lib is not None and not self.fallback and \
+                kernel in ("dense", "packed"):  # the float weight let go (release_float, from_q4)
+            if x2.shape[0] > LEAN_QUANT_ROWS:
+                return F.linear(x2, self._float_weight(x2.dtype))  # made for this call
             if self.blocked is not None:
-                kernel = "amx" if self.gemv_lib is not None and self.gemv_lib.tiles() else "gemm8"
+                kernel = "amx" if self.gemv_lib.tiles() else "gemm8"
             else:  # no gemm8 copy is made for these rows alone: torch's kernel where its copy is kept
                 kernel = "quant" if self.qweight is not None else "gemv"
         if kernel in ("gemm8", "amx"):
