@@ -1,6 +1,7 @@
 """What ``TOKENPIPE_FLOAT_WEIGHTS=drop`` costs a prefill and saves in memory: the model loaded as a generator
 loads it, once keeping the quantized projections' float weights and once without them (each float weight
-made for a prefill of more than 64 rows), one prompt's prefill timed at each length, alternated by round.
+made for a matmul beyond the kernel table's quantized rows), one prompt's prefill timed at each length,
+alternated by round.
 
     python -m bench.floatweights [--lengths 64,128,512,1024] [--rounds 5] [--out bench/out/floatweights.json]
 """

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from generator.engine.scheduler import Engine
 from generator.model.loader import LoadedModel, load_model
 from generator.model.plan import plan_for
-from generator.model.quant import LEAN_QUANT_ROWS, QuantLinear
+from generator.model.quant import QuantLinear
 from tokenpipe.settings import Settings
 from tokenpipe.wire import SamplingParams
 
@@ -49,26 +49,27 @@ def test_dropped_float_weights_leave_no_copy_and_the_model_shaped(data_dir: Path
     assert not kept.model.model.layers[0].self_attn.q_proj.weight.is_meta
 
 
-def test_without_float_weights_a_long_prefill_gives_the_tokens_of_the_dequantized_weights(data_dir: Path) -> None:
-    """A prompt of more than LEAN_QUANT_ROWS tokens makes each float weight for the call: its greedy tokens are
-    those of a model that keeps, as its float weights, the quantized ones de-quantized."""
+def test_without_float_weights_a_prefill_gives_the_tokens_of_the_dequantized_weights(data_dir: Path) -> None:
+    """A prompt of more rows than the table's quantized bands makes each float weight for the call: its greedy
+    tokens are those of a model that keeps, as its float weights, the quantized ones de-quantized."""
     lean, ref = _load(data_dir, "drop"), _load(data_dir, "keep")
     for r, q in zip(_projections(ref), _projections(lean), strict=True):
         assert q.gemv is not None and q.gemv_lib is not None
         r.dense = q.gemv_lib.dequantize(q.gemv, torch.float32)
-    prompt = [(13 * i) % 500 + 3 for i in range(LEAN_QUANT_ROWS + 36)]
-    assert _greedy(lean, prompt) == _greedy(ref, prompt)
+    for length in (37, 100):
+        prompt = [(13 * i) % 500 + 3 for i in range(length)]
+        assert _greedy(lean, prompt) == _greedy(ref, prompt)
 
 
-def test_without_its_float_weight_a_projection_runs_the_quantized_kernel_up_to_64_rows(data_dir: Path) -> None:
+def test_without_its_float_weight_a_dense_band_multiplies_the_dequantized_weight(data_dir: Path) -> None:
+    """Regression: rows beyond the quantized bands ran gemm8 (int8 rows) where the float weight was let go:
+    `make up`'s SmolLM2 (bf16, the measured table) answered "What is the capital of France?" with "L'Étoile,
+    la Marseillaise, ..." from its 37-token prefill. They multiply the weight de-quantized for the call."""
     mod = _projections(_load(data_dir, "drop"))[0]
-    assert mod.gemv is not None and mod.gemv_lib is not None and mod.block()
-    for rows in (LEAN_QUANT_ROWS // 2, LEAN_QUANT_ROWS):
+    assert mod.gemv is not None and mod.gemv_lib is not None
+    for rows in (17, 37, 100):
         x = torch.randn(rows, mod.in_features)
-        kernel = "amx" if mod.gemv_lib.tiles() else "gemm8"
-        assert torch.equal(mod.run(x, "dense"), mod.run(x, kernel))
-    x = torch.randn(LEAN_QUANT_ROWS + 1, mod.in_features)
-    assert torch.equal(mod.run(x, "dense"), F.linear(x, mod.gemv_lib.dequantize(mod.gemv, torch.float32)))
+        assert torch.equal(mod.run(x, "dense"), F.linear(x, mod.gemv_lib.dequantize(mod.gemv, torch.float32)))
 
 
 def test_float_weights_are_dropped_by_default() -> None:

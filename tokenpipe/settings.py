@@ -139,9 +139,10 @@ class Settings:
                 "on CPUs; else none), `none`, `int8`, `int4`; which kernel serves each batch size: `TOKENPIPE_KERNELS`")
     float_weights: FloatWeights = _setting(  # noqa: RUF009
         "drop", "the float copy of the quantized projections' weights: `drop` (where tokenpipe's kernels serve: "
-                "prefills of more than 64 rows de-quantize each weight for the call, ~13 ms a forward for SmolLM2, "
-                "and the generator holds ~200 MB less in bf16, ~400 MB less in fp32) or `keep` (prefills of "
-                "128-1,024 tokens 4-13 % faster, for that memory: `python -m bench.floatweights`)")
+                "a matmul beyond the kernel table's quantized rows, a prefill, de-quantizes each weight for the call, "
+                "~13 ms a forward for SmolLM2, and the generator holds ~200 MB less in bf16, ~400 MB less in fp32; "
+                "SmolLM2's GGUF blocks then serve as stored) or `keep` (prefills of 64-128 tokens 14-29 % faster, "
+                "from 512 within 5 %, for that memory: `python -m bench.floatweights`)")
     kernels: Kernels = _setting(  # noqa: RUF009
         "auto", "which kernel serves a quantized projection at each decode batch size: `auto` times torch's quantized "
                 "kernel, the float weight, the oneDNN pre-packed float weight and tokenpipe's own kernels (`gemv` "

@@ -48,7 +48,7 @@ from .kerneltable import (
     timed,
 )
 from .kvcache import BLOCK_SIZE, PagedKVCache, bytes_per_position
-from .plan import Plan
+from .plan import Plan, release_float_weights
 from .quant import QuantLinear
 from .stack import ROLES as STACK_ROLES
 from .stack import STACK_KERNELS, build_stack
@@ -102,9 +102,11 @@ class Tunable:
 
 
 def prepare_plan(model: Any, plan: Plan, *, dtype: torch.dtype, dense_rows: int, max_batch: int, name: str,
-                 data_dir: str | os.PathLike[str], setting: str = "auto") -> Tunable:
+                 data_dir: str | os.PathLike[str], setting: str = "auto", float_weights: str = "keep") -> Tunable:
     """Load the library where it can serve, build the plan's step ops and stack on it, and name the rules
-    table and (where ``setting`` measures) the cache the measured table goes in. Applies nothing."""
+    table and (where ``setting`` measures) the cache the measured table goes in. Applies nothing.
+    ``float_weights``: ``drop`` lets go of the projections' float weights the library can make again
+    (:func:`generator.model.plan.release_float_weights`); a table measured without them is cached apart."""
     counts = row_counts(max_batch)
     quantized = plan.quant != "none"
     cpu = next(model.parameters()).device.type == "cpu"
@@ -120,6 +122,11 @@ def prepare_plan(model: Any, plan: Plan, *, dtype: torch.dtype, dense_rows: int,
                 mod.gemv_lib = lib
                 if lib is None:
                     mod.gemv = None  # its weights cost memory only where the kernel can run
+    if float_weights == "drop" and lib is not None:
+        freed = release_float_weights(model, plan)
+        if freed:
+            log.info("float weights of the quantized projections let go: %.0f MB", freed / 2**20,
+                     extra={"float_weights": "drop"})
     plan.step_ops = lib is not None  # fewer calls for the same arithmetic: nothing to choose between
     plan.stack = build_stack(model, plan) if lib is not None else None  # the same again, fewer calls still
     if setting in ("gemv", "gemm8", "amx") and lib is None:
@@ -127,20 +134,21 @@ def prepare_plan(model: Any, plan: Plan, *, dtype: torch.dtype, dense_rows: int,
                     "kernel serves instead", setting)
     if setting != "auto" or not quantized or not cpu:
         return Tunable(rules, counts)
-    key = cache_key(name, plan.quant, dtype, counts, gemv=lib.path.name if lib else "")
+    floats = all(m.dense is not None for role in ROLES for m in plan.projections(role) if isinstance(m, QuantLinear))
+    key = cache_key(name, plan.quant, dtype, counts, gemv=lib.path.name if lib else "", float_weights=floats)
     return Tunable(rules, counts, key, cache_file(data_dir, key))
 
 
 def tune_plan(model: Any, plan: Plan, *, name: str, dtype: torch.dtype, dense_rows: int, max_batch: int,
               data_dir: str | os.PathLike[str], setting: str = "auto",
-              busy_share: float | None = BUSY_SHARE) -> KernelTable:
+              busy_share: float | None = BUSY_SHARE, float_weights: str = "keep") -> KernelTable:
     """The kernel table for ``plan`` (by ``setting``: ``auto`` measured here, now, or cached; ``rules``, or one
     kernel for every decode row count), applied to it. Unquantized and non-CPU plans keep the rules:
     their projections have no second kernel to choose. ``busy_share``: other processes' CPU share
     above which a measurement is discarded for the rules (None: always kept). A generator measures in the
     background instead (:mod:`generator.model.tuning`); this is the benchmarks' and tests' way."""
     t = prepare_plan(model, plan, dtype=dtype, dense_rows=dense_rows, max_batch=max_batch, name=name,
-                     data_dir=data_dir, setting=setting)
+                     data_dir=data_dir, setting=setting, float_weights=float_weights)
     table = t.rules
     if t.key is not None and t.path is not None:
         # The common start reads the cache without taking the lock.

@@ -163,11 +163,13 @@ def _cpu() -> tuple[str, str]:
 
 
 def cache_key(model: str, quant: str, dtype: torch.dtype, counts: Iterable[int], *, threads: int | None = None,
-              cpu: tuple[str, str] | None = None, gemv: str = "") -> dict[str, Any]:
+              cpu: tuple[str, str] | None = None, gemv: str = "", float_weights: bool = True) -> dict[str, Any]:
     """What a measured table depends on: CPU model and flags, cores, threads, torch, model, quant, dtype, rows,
-    and which build of the gemv kernel was a candidate (``gemv``: its file's name, '' without one)."""
+    which build of the gemv kernel was a candidate (``gemv``: its file's name, '' without one), and whether
+    the projections kept their float weights (without, ``dense`` costs a de-quantization a call)."""
     name, flags = cpu or _cpu()
-    return {"cpu": name, "flags": flags, "cores": os.cpu_count() or 1, "gemv": gemv,
+    extra = {} if float_weights else {"float_weights": False}  # the keys of tables measured before stay valid
+    return {**extra, "cpu": name, "flags": flags, "cores": os.cpu_count() or 1, "gemv": gemv,
             "threads": threads if threads is not None else torch.get_num_threads(), "torch": torch.__version__,
             "model": model, "quant": quant, "dtype": str(dtype).removeprefix("torch."), "rows": list(counts)}
 

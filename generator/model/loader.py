@@ -28,7 +28,7 @@ from ..kernels.formats import Q4Weight
 from .autotune import release_freed_memory, tune_plan
 from .gguf import load_gguf_llama
 from .kerneltable import KernelTable
-from .plan import build_plan, plan_as_stored, release_float_weights
+from .plan import build_plan, plan_as_stored
 from .preparation import BUILTIN_MODELS, RANDOM_1B, SMOLLM2, SMOLLM2_RANDOM, TINY, gguf_path, prepare_tokenizer
 from .quant import QuantMode, dense_rows_for, resolve_quant
 from .tuning import BackgroundTuning, tune_in_background
@@ -208,15 +208,11 @@ def load_model(name: str, *, path: str = "", device: str = "auto", dtype: str = 
     tuning = None
     if background:
         table, tuning = tune_in_background(model, plan, name=name, dtype=dt, dense_rows=dense_rows,
-                                           max_batch=max_batch, data_dir=str(data_dir), setting=kernels)
+                                           max_batch=max_batch, data_dir=str(data_dir), setting=kernels,
+                                           float_weights=float_weights)
     else:
         table = tune_plan(model, plan, name=name, dtype=dt, dense_rows=dense_rows, max_batch=max_batch,
-                          data_dir=data_dir, setting=kernels)
-    if float_weights == "drop":
-        freed = release_float_weights(model, plan)
-        if freed:
-            log.info("float weights of the quantized projections let go: %.0f MB", freed / 2**20,
-                     extra={"float_weights": "drop"})
+                          data_dir=data_dir, setting=kernels, float_weights=float_weights)
     release_freed_memory()
     eos: set[int] = set()
     for src_ids in (tok.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):

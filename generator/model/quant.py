@@ -37,8 +37,8 @@ from ..kernels.formats import GROUP, BlockedWeight, Q4Weight, Q8Weight, block_q4
 from ..kernels.ops import GemvLib
 from .kerneltable import Band, kernel_for, pack_weight, packed_linear
 
-__all__ = ["BF16_DENSE_ROWS", "DENSE_ROWS", "LEAN_QUANT_ROWS", "QUANT_MODES", "QuantLinear", "QuantMode",
-           "check_quant", "dense_rows_for", "quantize_weight", "resolve_quant"]
+__all__ = ["BF16_DENSE_ROWS", "DENSE_ROWS", "QUANT_MODES", "QuantLinear", "QuantMode", "check_quant",
+           "dense_rows_for", "quantize_weight", "resolve_quant"]
 
 log = logging.getLogger(__name__)
 
@@ -53,11 +53,6 @@ DENSE_ROWS = 32
 # rows (measured on such a CPU): there the float weight serves matmuls of more than 16 rows, so
 # a few streams decode at int4's speed and many at bf16's.
 BF16_DENSE_ROWS = 16
-# Without the float weight (TOKENPIPE_FLOAT_WEIGHTS=drop), matmuls of up to this many rows run the library's
-# quantized kernel and larger ones de-quantize the weight for the call (csrc/gemv.c, ~13 ms for all of
-# SmolLM2's projections): gemm8 on AMX tiles was 1.02x the float weight's time at 64 rows and 2.0x at 256,
-# the float weight made for the call 1.2x at 256 (Intel Xeon, 2 threads).
-LEAN_QUANT_ROWS = 64
 _INNER_K_TILES = 8  # tinygemm's packing parameter (CUDA); the CPU packer accepts and ignores it
 
 
@@ -228,13 +223,10 @@ class QuantLinear(nn.Module):
         """``x2 [M, K] -> [M, N]`` (no bias) on ``kernel`` (``quant``, ``dense``, ``packed``, ``gemv``, ``gemm8``,
         ``amx``: gemm8 on AMX tiles) where it can."""
         if self.dense is None and self.gemv is not None and self.gemv_lib is not None and not self.fallback and \
-                kernel in ("dense", "packed"):  # the float weight let go (release_float, from_q4)
-            if x2.shape[0] > LEAN_QUANT_ROWS:
-                return F.linear(x2, self._float_weight(x2.dtype))  # made for this call
-            if self.blocked is not None:
-                kernel = "amx" if self.gemv_lib.tiles() else "gemm8"
-            else:  # no gemm8 copy is made for these rows alone: torch's kernel where its copy is kept
-                kernel = "quant" if self.qweight is not None else "gemv"
+                kernel in ("dense", "packed"):
+            # The float weight let go (release_float, from_q4): made for this call. Not gemm8 instead: its
+            # int8 rows, fine for decode, turned a 37-token SmolLM2 prefill's answer to nonsense.
+            return F.linear(x2, self._float_weight(x2.dtype))
         if kernel in ("gemm8", "amx"):
             if self.block():
                 assert self.gemv_lib is not None and self.blocked is not None

@@ -237,13 +237,13 @@ class BackgroundTuning:
 
 
 def tune_in_background(model: Any, plan: Plan, *, name: str, dtype: torch.dtype, dense_rows: int, max_batch: int,
-                       data_dir: str, setting: str = "auto",
-                       busy_share: float | None = BUSY_SHARE) -> tuple[KernelTable, BackgroundTuning | None]:
+                       data_dir: str, setting: str = "auto", busy_share: float | None = BUSY_SHARE,
+                       float_weights: str = "keep") -> tuple[KernelTable, BackgroundTuning | None]:
     """The table that serves ``plan`` from now (applied): the cached one, the ``setting``'s, or, where the table is
     measured and none is cached yet, the rules, with the :class:`BackgroundTuning` that measures the
     table (None where nothing is left to measure)."""
     tunable = prepare_plan(model, plan, dtype=dtype, dense_rows=dense_rows, max_batch=max_batch, name=name,
-                           data_dir=data_dir, setting=setting)
+                           data_dir=data_dir, setting=setting, float_weights=float_weights)
     table = tunable.rules
     if tunable.key is not None and tunable.path is not None:
         table = read_cache(tunable.path, tunable.key) or table
