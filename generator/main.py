@@ -52,12 +52,17 @@ async def serve(settings: Settings) -> None:
         loop.add_signal_handler(sig, stop.set)
     status: StatusServer | None = None
     if settings.metrics_port > 0:
-        try:  # before the model loads: liveness holds while it does, readiness waits for the worker
-            status = StatusServer(settings.metrics_host, settings.metrics_port).start()
-            log.info("/metrics, /healthz, /readyz served", extra={"port": settings.metrics_port})
-        except OSError as exc:  # another generator on this host holds the port: serve, just without metrics
-            log.warning("metrics port unavailable; metrics and probes disabled",
-                        extra={"port": settings.metrics_port, "error": str(exc)})
+        # Before the model loads: liveness holds while it does, readiness waits for the worker. A port another
+        # process took (two `tokenpipe up` on one host: each checks its ports free, its generators bind them
+        # seconds later) gives way to a free one, named in the log and in the ready file `up` reads.
+        for port in (settings.metrics_port, 0):
+            try:
+                status = StatusServer(settings.metrics_host, port).start()
+            except OSError as exc:
+                log.warning("metrics port unavailable", extra={"port": port or "any", "error": str(exc)})
+                continue
+            log.info("/metrics, /healthz, /readyz served", extra={"port": status.port})
+            break
     engine_thread = torch_thread()
     engine: EngineProcess | None = None
     engine_died: list[int | None] = []
@@ -85,7 +90,7 @@ async def serve(settings: Settings) -> None:
     ready = Path(settings.ready_file) if settings.ready_file else None
     if ready is not None:  # `tokenpipe up` reads it: this process serves
         tmp = ready.with_name(ready.name + ".tmp")
-        tmp.write_text(str(os.getpid()))
+        tmp.write_text(f"{os.getpid()} {status.port if status is not None else 0}")  # pid, metrics port
         tmp.replace(ready)
     await stop.wait()
     if ready is not None:

@@ -208,3 +208,47 @@ def test_a_generator_loads_first_and_connects_once_its_start_gate_exists(tmp_pat
         assert "nats connected" in log.read_text()
     finally:
         child.stop()
+
+
+def test_a_generator_whose_metrics_port_was_taken_serves_another_and_names_it(tmp_path: Path, data_dir: Path,
+                                                                              nats_server: Any) -> None:
+    """Regression: two stacks on one host each found port 9101 free, and the generator that bound it second
+    served without /metrics while up.json named 9101. It binds a free port instead and writes it beside
+    its pid in the ready file `tokenpipe up` reads."""
+    ready, log = tmp_path / "generator.ready", tmp_path / "generator.log"
+    env = {**os.environ, "TOKENPIPE_READY_FILE": str(ready), "TOKENPIPE_THREADS": "1"}
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        child = spawn("generator", [sys.executable, "-m", "tokenpipe_cli", "generator", "--model", "tiny-random",
+                                    "--nats-url", nats_server.url, "--data-dir", str(data_dir),
+                                    "--metrics-port", str(port)], env=env, log=log)
+        try:
+            wait_ready(ready.exists, timeout=120, what="the generator serving", children=[child])
+            pid, served = (int(v) for v in ready.read_text().split())
+            assert pid == child.pid and served not in (0, port)
+            assert "tokenpipe_engine_threads" in httpx.get(f"http://127.0.0.1:{served}/metrics").text
+        finally:
+            child.stop()
+
+
+def test_up_names_the_metrics_port_a_generator_says_it_serves(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    from tokenpipe.settings import Settings
+    from tokenpipe_cli.supervisor import Supervisor
+    from tokenpipe_cli.uprole import read_status
+
+    monkeypatch.setattr("tokenpipe_cli.supervisor.spawn_role", lambda *args, name, **_: None)
+    wanted = free_port()
+    sup = Supervisor(Settings.load(env={}, data_dir=str(tmp_path), port=free_port(), metrics_port=wanted),
+                     external_nats=True)
+    sup._build_roles()
+    generator = next(r for r in sup.roles if r.name == "generator-0")
+    generator.pid = 4242
+    ready = tmp_path / "run" / "generator-0.ready"
+    ready.write_text("4141 50123")  # a killed predecessor's
+    assert not generator.ready_check() and sup._ports["metrics"] == [wanted]
+    ready.write_text("4242 50124")
+    assert generator.ready_check()
+    assert sup._ports["metrics"] == [50124] and read_status(tmp_path)["ports"]["metrics"] == [50124]

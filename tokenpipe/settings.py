@@ -236,7 +236,8 @@ class Settings:
                                "on, left to the relay and nats-server, and shared out between the generators of "
                                "`tokenpipe up --generators N`; 1 on a small machine shared with busy un-niced work, "
                                "whose OpenMP team would wait at every barrier for a core lent to it)")
-    metrics_port: int = _setting(9101, "generator `/metrics` port (`tokenpipe up` counts up from it; 0: off)")
+    metrics_port: int = _setting(9101, "generator `/metrics` port (`tokenpipe up` counts up from it; 0: off; one "
+                                       "found taken when the generator binds it gives way to a free one, logged)")
     metrics_host: str = _setting("127.0.0.1", "generator `/metrics` bind address")
     # tokenpipe up (the supervisor)
     restart_backoff_s: float = _setting(
@@ -246,8 +247,8 @@ class Settings:
                                      "it is given up (the stack stops when it was the relay, NATS or the last "
                                      "generator)")
     restart_window_s: float = _setting(60.0, "`tokenpipe up`: the crash-loop window")
-    ready_file: str = _setting("", "a generator writes its pid here once it serves, and removes it when it stops "
-                                   "(`tokenpipe up` sets it per generator)")
+    ready_file: str = _setting("", "a generator writes its pid and metrics port here once it serves, and removes it "
+                                   "when it stops (`tokenpipe up` sets it per generator)")
     start_gate: str = _setting("", "a generator loads its model, then waits for this file before it connects "
                                    "(`tokenpipe up` creates it once the streams exist, so its generators load "
                                    "while NATS is set up)")

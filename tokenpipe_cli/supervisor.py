@@ -165,13 +165,26 @@ class Supervisor:
     def _ready_file_check(self, name: str, path: Path) -> Callable[[], bool]:
         def check() -> bool:
             try:
-                pid = int(path.read_text() or 0)
+                pid, port = (int(v) for v in f"{path.read_text()} 0".split()[:2])  # "pid metrics-port"
             except (OSError, ValueError):
                 return False
             role = next(r for r in self.roles if r.name == name)
-            return pid == role.pid  # a stale file of a killed predecessor does not count
+            if pid != role.pid:
+                return False  # a stale file of a killed predecessor does not count
+            self._metrics_port_is(int(name.rsplit("-", 1)[1]), port)
+            return True
 
         return check
+
+    def _metrics_port_is(self, generator: int, port: int) -> None:
+        """A generator serves its /metrics on ``port`` (its ready file says so): up.json follows where the
+        port it was given had been taken meanwhile."""
+        ports = self._ports.get("metrics", [])
+        if port > 0 and generator < len(ports) and ports[generator] != port:
+            log.warning("a generator's metrics port was taken; it serves another",
+                        extra={"role": f"generator-{generator}", "wanted": ports[generator], "port": port})
+            ports[generator] = port
+            self._write_status()
 
     # -- the loop ---------------------------------------------------------------------
     def run(self) -> int:
