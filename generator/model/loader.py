@@ -162,8 +162,9 @@ def load_model(name: str, *, path: str = "", device: str = "auto", dtype: str = 
     generator's engine thread runs it while idle: :mod:`generator.model.tuning`). ``weight_threads``: torch's
     threads while the weights are read and quantized (:func:`load_threads`); the kernel table is keyed,
     cached and measured with the thread count the caller steps with. ``float_weights``: ``drop`` lets go of
-    the quantized projections' float weights where the library can make them for a long prefill
-    (:func:`generator.model.plan.release_float_weights`; the model's own forward then no longer runs)."""
+    the quantized projections' float weights where the library can make them for a matmul beyond the kernel
+    table's quantized rows (:func:`generator.model.plan.release_float_weights`; SmolLM2's GGUF blocks then
+    serve as stored; the model's own forward no longer runs)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dev = resolve_device(device)
