@@ -3,6 +3,7 @@ kernel table sets on it, and the decode attention backend chosen for the model w
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 from weakref import WeakKeyDictionary
@@ -68,45 +69,21 @@ def _fuse(mods: list[Any], quant: QuantMode, dense_rows: int = DENSE_ROWS,
     return quantize_weight(weight, bias, quant, dense_rows, verdicts)
 
 
-def plan_as_stored(model: Any, stored: dict[str, Q4Weight], dense_rows: int = DENSE_ROWS) -> Plan:
-    """The int4 plan of a model whose projections came as stored (:func:`generator.model.gguf.load_gguf_llama`
-    with ``as_stored``): each fused projection is its parts' blocks stacked, nothing quantized; ``lm_head`` is
-    int8 from its float weight, as :func:`build_plan` makes it."""
+# Where each of a layer's projections comes from: its parent module and the Linears fused into it.
+_SOURCES = {"qkv": ("self_attn", ("q_proj", "k_proj", "v_proj")), "o": ("self_attn", ("o_proj",)),
+            "gate_up": ("mlp", ("gate_proj", "up_proj")), "down": ("mlp", ("down_proj",))}
+
+
+def _assemble(model: Any, part: Callable[[int, Any, str], nn.Module], quant: QuantMode, dense_rows: int,
+              verdicts: dict[tuple[str, str, int, int], bool]) -> Plan:
+    """The plan of ``model`` with each layer's projections from ``part(layer index, layer, role)``, its
+    ``lm_head`` and decode attention backend; registered for :func:`plan_for`."""
     layers = []
     for i, layer in enumerate(model.model.layers):
-        def part(role: str, i: int = i) -> QuantLinear:
-            parent, names = _SOURCES[role]
-            ws = [stored[f"model.layers.{i}.{parent}.{name}"] for name in names]
-            return QuantLinear.from_q4(Q4Weight(torch.cat([w.nibbles for w in ws]), torch.cat([w.d for w in ws]),
-                                                torch.cat([w.m for w in ws])), dense_rows)
-
         attn, mlp = layer.self_attn, layer.mlp
-        layers.append(LayerPlan(part("qkv"), part("o"), part("gate_up"), part("down"), attn.q_proj.weight.shape[0],
-                                attn.k_proj.weight.shape[0], mlp.gate_proj.weight.shape[0]))
-    lm_head = quantize_weight(model.lm_head.weight, model.lm_head.bias, "int8", dense_rows, {})
-    plan = Plan(layers, lm_head, "int4", DecodeAttention(model))
-    _PLANS[model] = plan
-    return plan
-
-
-def build_plan(model: Any, quant: QuantMode = "none", dense_rows: int = DENSE_ROWS) -> Plan:
-    """Fuse (and quantize) the model's projections once, after it is on its device, and choose its decode
-    attention backend.
-
-    Quantized, the plan's projections hold the quantized weights and keep the float ones for
-    many-row matmuls (a prefill: see :mod:`generator.model.quant`); ``lm_head`` is int8 (the
-    embedding it may be tied to is untouched). The model's own modules and forward are unchanged.
-    """
-    layers = []
-    verdicts: dict[tuple[str, str, int, int], bool] = {}  # each kernel checked once per shape
-    for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        qkv = _fuse([attn.q_proj, attn.k_proj, attn.v_proj], quant, dense_rows, verdicts)
-        gate_up = _fuse([mlp.gate_proj, mlp.up_proj], quant, dense_rows, verdicts)
-        o, down = (quantize_weight(m.weight, m.bias, quant, dense_rows, verdicts) if quant != "none" else m
-                   for m in (attn.o_proj, mlp.down_proj))
-        q_size, kv_size, inter = attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0], mlp.gate_proj.weight.shape[0]
-        layers.append(LayerPlan(qkv, o, gate_up, down, q_size, kv_size, inter))
+        qkv, o, gate_up, down = (part(i, layer, role) for role in ("qkv", "o", "gate_up", "down"))
+        layers.append(LayerPlan(qkv, o, gate_up, down, attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0],
+                                mlp.gate_proj.weight.shape[0]))
     lm_head = model.lm_head
     if quant != "none":
         # lm_head stays at 8 bits under int4, as in the GGUF the default model comes from (its output is
@@ -117,8 +94,38 @@ def build_plan(model: Any, quant: QuantMode = "none", dense_rows: int = DENSE_RO
     return plan
 
 
-_SOURCES = {"qkv": ("self_attn", ("q_proj", "k_proj", "v_proj")), "o": ("self_attn", ("o_proj",)),
-            "gate_up": ("mlp", ("gate_proj", "up_proj")), "down": ("mlp", ("down_proj",))}
+def plan_as_stored(model: Any, stored: dict[str, Q4Weight], dense_rows: int = DENSE_ROWS) -> Plan:
+    """The int4 plan of a model whose projections came as stored (:func:`generator.model.gguf.load_gguf_llama`
+    with ``as_stored``): each fused projection is its parts' blocks stacked, nothing quantized; ``lm_head`` is
+    int8 from its float weight, as :func:`build_plan` makes it."""
+    def part(i: int, layer: Any, role: str) -> nn.Module:
+        parent, names = _SOURCES[role]
+        ws = [stored[f"model.layers.{i}.{parent}.{name}"] for name in names]
+        return QuantLinear.from_q4(Q4Weight(torch.cat([w.nibbles for w in ws]), torch.cat([w.d for w in ws]),
+                                            torch.cat([w.m for w in ws])), dense_rows)
+
+    return _assemble(model, part, "int4", dense_rows, {})
+
+
+def build_plan(model: Any, quant: QuantMode = "none", dense_rows: int = DENSE_ROWS) -> Plan:
+    """Fuse (and quantize) the model's projections once, after it is on its device, and choose its decode
+    attention backend.
+
+    Quantized, the plan's projections hold the quantized weights and keep the float ones for
+    many-row matmuls (a prefill: see :mod:`generator.model.quant`); ``lm_head`` is int8 (the
+    embedding it may be tied to is untouched). The model's own modules and forward are unchanged.
+    """
+    verdicts: dict[tuple[str, str, int, int], bool] = {}  # each kernel checked once per shape
+
+    def part(i: int, layer: Any, role: str) -> nn.Module:
+        parent, names = _SOURCES[role]
+        mods = [getattr(getattr(layer, parent), name) for name in names]
+        if len(mods) > 1:
+            return _fuse(mods, quant, dense_rows, verdicts)
+        m = mods[0]
+        return quantize_weight(m.weight, m.bias, quant, dense_rows, verdicts) if quant != "none" else m
+
+    return _assemble(model, part, quant, dense_rows, verdicts)
 
 
 def release_float_weights(model: Any, plan: Plan) -> int:

@@ -169,7 +169,7 @@ class QuantLinear(nn.Module):
     def dequantize(self) -> Tensor:
         """The weight as the kernel sees it, ``[N, K]`` fp32 (tests, the fallback)."""
         if self.scales is None or self.qweight is None:
-            if self.gemv is not None and isinstance(self.gemv, Q4Weight):
+            if isinstance(self.gemv, Q4Weight):
                 return self.gemv.dequantize()
             raise RuntimeError("torch's copy of the quantized weight was dropped")
         s = self.scales.float()
@@ -198,14 +198,6 @@ class QuantLinear(nn.Module):
         self.dense = self.packed = None
         return True
 
-    def _float_weight(self, dtype: torch.dtype) -> Tensor:
-        """The float weight: the one kept, else de-quantized for this call."""
-        if self.dense is not None:
-            return self.dense
-        if self.gemv is not None and self.gemv_lib is not None:
-            return self.gemv_lib.dequantize(self.gemv, dtype).to(dtype)
-        return self.dequantize().to(dtype)
-
     def pack(self) -> bool:
         """Pre-pack the float weight for oneDNN (once); False where that is not possible here."""
         if self.packed is None and self.dense is not None:
@@ -226,7 +218,7 @@ class QuantLinear(nn.Module):
                 kernel in ("dense", "packed"):
             # The float weight let go (release_float, from_q4): made for this call. Not gemm8 instead: its
             # int8 rows, fine for decode, turned a 37-token SmolLM2 prefill's answer to nonsense.
-            return F.linear(x2, self._float_weight(x2.dtype))
+            return F.linear(x2, self.gemv_lib.dequantize(self.gemv, x2.dtype).to(x2.dtype))
         if kernel in ("gemm8", "amx"):
             if self.block():
                 assert self.gemv_lib is not None and self.blocked is not None
