@@ -50,6 +50,12 @@ def test_up_serves_a_stream_and_stops_cleanly_on_sigterm(tmp_path: Path, data_di
         base = f"http://127.0.0.1:{port}"
         # The machine's cores are shared out between the two generators, never two engines as wide as it.
         for mport in status["ports"]["metrics"]:
+            # `up` is up with one generator ready; the other may still be loading (its /metrics is served
+            # from the start, the engine's gauges once its worker exists): wait for that one's /readyz.
+            deadline = time.monotonic() + 120
+            while httpx.get(f"http://127.0.0.1:{mport}/readyz").status_code != 200:
+                assert time.monotonic() < deadline, f"the generator with metrics port {mport} never became ready"
+                time.sleep(0.1)  # polling a condition, bounded by the deadline
             metrics = httpx.get(f"http://127.0.0.1:{mport}/metrics").text
             line = next(ln for ln in metrics.splitlines() if ln.startswith("tokenpipe_engine_threads{"))
             assert float(line.rsplit(" ", 1)[1]) == engine_threads(0, generators=2)

@@ -103,6 +103,46 @@ async def test_a_retry_of_an_append_that_was_stored_after_all_is_recognised_as_i
         await pub.close()
 
 
+async def test_a_duplicate_puback_without_a_sequence_does_not_lose_the_stream(bus: Bus) -> None:
+    """A chaos run's stream never ended: a retry met its own earlier try still being replicated and
+    the clustered server answered "duplicate" with sequence 0; taken as stored at 0, the next append
+    was refused and the writer gave the stream up with nobody left to write it. The server's answer
+    to the first append is rewritten here into that form (a real store holds the batch)."""
+    sid = f"sw-{secrets.token_hex(4)}"
+    pub = BatchPublisher(bus)
+    real = pub._acks._on_reply
+    staged: list[bytes] = []
+
+    async def first_answered_as_staged(msg: Msg) -> None:
+        if not staged:
+            staged.append(msg.data)
+            msg.data = b'{"stream": "TP_TOKENS", "seq": 0, "duplicate": true}'
+        await real(msg)
+
+    pub._acks._on_reply = first_answered_as_staged  # type: ignore[method-assign]
+    await pub.start()
+    acked: list[str] = []
+
+    class _Msg:
+        subject = "tp.req.x.relay"
+        headers = None
+
+        async def ack(self) -> None:
+            acked.append("acked")
+
+    try:
+        chain = pub.chain(RELAY_OWNER, sid, last=0, on_lost=lambda exc: pytest.fail(f"lost: {exc}"))
+        pub.publish(chain, _batch(sid, 0, 7).encode(), _headers(sid, 0, "me"))
+        pub.publish(chain, _batch(sid, 1, 8, final=True).encode(), _headers(sid, 1, "me"))
+        pub.ack_after_published(chain, _Msg())  # type: ignore[arg-type]
+        assert chain.key in pub.unacked  # kept by the worker's progress acks until its batches are stored
+        await pub.flush()
+        assert staged and not chain.lost and acked == ["acked"] and chain.key not in pub.unacked
+        assert [x.token_ids for x in (await history_at(bus, sid))[0]] == [(7,), (8,)]
+    finally:
+        await pub.close()
+
+
 async def test_an_error_batch_is_not_appended_to_a_stream_that_has_history(bus: Bus) -> None:
     sid = f"sw-{secrets.token_hex(4)}"
     await bus.js.publish(token_subject(RELAY_OWNER, sid), _batch(sid, 0, 1).encode(),

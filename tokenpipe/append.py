@@ -44,7 +44,7 @@ from .subjects import TOKENS_STREAM, live_subject, token_subject
 from .wire import TokenBatch
 
 __all__ = ["EXPECTED_LAST", "JUNK_SKIPS", "LiveCopies", "StreamLost", "WRONG_LAST_SEQUENCE", "append_once",
-           "conditional", "junk_since", "refused_at", "send_live", "stored_as"]
+           "conditional", "junk_since", "last_stored_as", "refused_at", "send_live", "stored_as"]
 
 log = logging.getLogger(__name__)
 
@@ -165,6 +165,19 @@ async def stored_as(bus: Bus, subject: str, last: int, msg_id: str) -> bool:
             return raw.seq == last and (raw.headers or {}).get("Nats-Msg-Id") == msg_id
         await asyncio.sleep(0.05 * (attempt + 1))  # a replica behind the leader: it catches up in ms
     return False
+
+
+async def last_stored_as(bus: Bus, subject: str, msg_id: str) -> int:
+    """The stream sequence of the message stored last on ``subject`` if it is the one with ``msg_id``,
+    else 0 (not stored, not yet, another message after it, or a replica behind: the caller asks
+    again later). For a PubAck that says "duplicate" without a sequence."""
+    try:
+        raw = await bus.js.get_last_msg(TOKENS_STREAM, subject, direct=True)
+    except NotFoundError:
+        return 0
+    except Exception as exc:
+        raise TransportError(f"could not read the stream's last batch: {exc}") from exc
+    return int(raw.seq or 0) if (raw.headers or {}).get("Nats-Msg-Id") == msg_id else 0
 
 
 async def junk_since(bus: Bus, owner: str, stream_id: str, after: int, upto: int) -> bool:

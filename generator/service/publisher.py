@@ -33,7 +33,16 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.api import PubAck
 
-from tokenpipe.append import JUNK_SKIPS, LiveCopies, StreamLost, conditional, junk_since, refused_at, stored_as
+from tokenpipe.append import (
+    JUNK_SKIPS,
+    LiveCopies,
+    StreamLost,
+    conditional,
+    junk_since,
+    last_stored_as,
+    refused_at,
+    stored_as,
+)
 from tokenpipe.bus import Bus, release_intake
 from tokenpipe.errors import TokenpipeError
 from tokenpipe.retry import ELECTIONS, Backoff, transient
@@ -145,6 +154,9 @@ class BatchPublisher:
         self._acks = _PubAcks(bus)
         self.live = LiveCopies(bus)  # the intake's error batches go out through it too
         self.on_live: Callable[[str], None] | None = None  # told each stream key whose batch went out live
+        # Deliveries whose final batch is queued, each acked once its batches are stored: the worker's
+        # progress acks keep them (by stream id), or a slow store hands a finished stream to a second writer.
+        self.unacked: dict[str, Msg] = {}
 
     async def start(self) -> None:
         await self._acks.start()
@@ -167,7 +179,10 @@ class BatchPublisher:
         self._put(chain, _Batch(data, headers))
 
     def ack_after_published(self, chain: AppendChain, msg: Msg) -> None:
-        """Ack ``msg`` once every batch queued on ``chain`` before it is stored (never, if it is lost)."""
+        """Ack ``msg`` once every batch queued on ``chain`` before it is stored (never, if it is lost);
+        meanwhile it is in :attr:`unacked`."""
+        if not chain.lost:
+            self.unacked[chain.key] = msg
         self._put(chain, _Ack(msg))
 
     def _put(self, chain: AppendChain, item: _Batch | _Ack) -> None:
@@ -203,6 +218,7 @@ class BatchPublisher:
             while chain.queue:
                 item = chain.queue.popleft()
                 if isinstance(item, _Ack):
+                    self._settled(chain, item.msg)
                     # Its place in its app's bound is free first: dying between the two then leaves no copy
                     # behind (the redelivery finds the stream final and only acks), the other way round
                     # one for max_age.
@@ -216,11 +232,18 @@ class BatchPublisher:
                         await self._append(chain, item)
                     except StreamLost as lost:
                         chain.lost = True
+                        for dropped in chain.queue:
+                            if isinstance(dropped, _Ack):
+                                self._settled(chain, dropped.msg)
                         chain.queue.clear()
                         chain.on_lost(lost)
                         return
         finally:
             chain.task = None
+
+    def _settled(self, chain: AppendChain, msg: Msg) -> None:
+        if self.unacked.get(chain.key) is msg:
+            del self.unacked[chain.key]
 
     async def _append(self, chain: AppendChain, item: _Batch) -> None:
         """Until ``item`` is stored (or refused for good, and dropped: its readers see a gap).
@@ -266,6 +289,21 @@ class BatchPublisher:
             finally:
                 timer.cancel()
                 self._acks.forget(reply)
+            if ack.duplicate and not ack.seq:
+                # A retry that met its own earlier try still being replicated: nats-server before 2.11
+                # answers a msg-id staged for an uncommitted proposal with sequence 0 (2.11 with error
+                # 10158, transient above). Taken as stored at 0, the next append was conditional on 0,
+                # refused, and the stream "lost" with nobody left writing it (a chaos run's stream never
+                # ended). The store says where it is once the proposal is applied; until then, asked again.
+                try:
+                    stored = await last_stored_as(self.bus, chain.subject, item.headers.get("Nats-Msg-Id", ""))
+                except TokenpipeError:
+                    stored = 0
+                if stored:
+                    chain.last = stored
+                    break
+                log.warning("batch still being stored; asking again", extra={"subject": chain.subject})
+                continue
             chain.last = ack.seq
             break
         try:

@@ -461,6 +461,9 @@ class GeneratorWorker:
             for out in list(self.active.values()):
                 if out.msg is not None:
                     await keep(out.msg, out.request.id)
+            for key, msg in list(self.publisher.unacked.items()):  # finished, its last batches still being stored
+                if key not in self.active:
+                    await keep(msg, key)
             self._count_owners()
 
     def _count_owners(self) -> None:
