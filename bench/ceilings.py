@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from generator.engine.scheduler import Engine
+from generator.model.llama import as_transformers
 from generator.model.loader import LoadedModel
 from tokenpipe.wire import SamplingParams
 
@@ -71,7 +72,7 @@ def gemm_peak_gflops(dtype: torch.dtype, device: torch.device | str = "cpu", siz
 def raw_forward_tok_s(lm: LoadedModel, batch: int, context: int, steps: int = 12) -> float:
     """Aggregate tok/s of one batched decode step with a warm KV cache of ``context`` tokens
     (transformers' own forward and cache, no sampling, no Python bookkeeping)."""
-    model = lm.model
+    model = as_transformers(lm.model)
     ids = torch.randint(100, 40_000, (batch, context), device=lm.device)
     out = model(ids, use_cache=True)
     cache = out.past_key_values
@@ -112,10 +113,11 @@ def own_forward_tok_s(lm: LoadedModel, batch: int, context: int, steps: int = 12
 def hf_generate_tok_s(lm: LoadedModel, prompt: list[int], new_tokens: int, requests: int = 2) -> float:
     """transformers ``generate`` one request at a time (batch 1, greedy)."""
     ids = torch.tensor([prompt], device=lm.device)
-    lm.model.generate(input_ids=ids, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
+    hf = as_transformers(lm.model)
+    hf.generate(input_ids=ids, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
     t0 = time.perf_counter()
     for _ in range(requests):
-        lm.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+        hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                           min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
     sync(lm.device)
     return requests * new_tokens / (time.perf_counter() - t0)
@@ -125,9 +127,10 @@ def hf_generate_tok_s(lm: LoadedModel, prompt: list[int], new_tokens: int, reque
 def naive_no_cache_tok_s(lm: LoadedModel, prompt: list[int], new_tokens: int) -> float:
     """Re-run the whole sequence for every token: what a KV cache saves."""
     seq = torch.tensor([prompt], device=lm.device)
+    hf = as_transformers(lm.model)
     t0 = time.perf_counter()
     for _ in range(new_tokens):
-        nxt = lm.model(seq, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
+        nxt = hf(seq, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
         seq = torch.cat([seq, nxt], dim=1)
     sync(lm.device)
     return new_tokens / (time.perf_counter() - t0)

@@ -12,6 +12,7 @@ import torch
 from generator.engine.runner import encode_prompt
 from generator.engine.sampling import RowSampler, sample
 from generator.engine.scheduler import Engine
+from generator.model.llama import as_transformers
 from generator.model.loader import LoadedModel
 from tokenpipe.errors import InvalidRequest
 from tokenpipe.settings import Settings
@@ -22,8 +23,8 @@ GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
 def hf_greedy(lm: LoadedModel, prompt: list[int], n: int) -> list[int]:
     mask = torch.ones(1, len(prompt), dtype=torch.long)
-    out = lm.model.generate(input_ids=torch.tensor([prompt]), attention_mask=mask,
-                            max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+    out = as_transformers(lm.model).generate(input_ids=torch.tensor([prompt]), attention_mask=mask,
+                                             max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
     return out[0, len(prompt):].tolist()
 
 
@@ -234,7 +235,7 @@ def test_bf16_decode_step_tracks_hf_forward(data_dir) -> None:  # type: ignore[n
                          torch.tensor([n]), None)
         nxt = logits.float().argmax(-1)
         step = decode_step(lm.model, cache, nxt, torch.tensor([n]), torch.tensor([slot(n)]), table).float()
-        ref = lm.model(torch.cat([ids, nxt[:, None]], 1)).logits[0, -1].float()
+        ref = as_transformers(lm.model)(torch.cat([ids, nxt[:, None]], 1)).logits[0, -1].float()
     assert torch.nn.functional.cosine_similarity(step[0], ref, dim=0) > 0.999
     assert step[0].argmax() == ref.argmax()
 

@@ -138,3 +138,41 @@ def test_smollm2_without_float_weights_serves_the_files_blocks_and_answers(data_
     engine.add(seq)
     engine.run_to_completion()
     assert "Paris" in lm.tokenizer.decode(seq.generated, skip_special_tokens=True)
+
+
+@pytest.mark.smollm2
+def test_loading_smollm2_imports_no_transformers_modeling_nor_dynamo(data_dir: Path) -> None:
+    """Regression (warm start, idle RSS; issue 49): transformers' Llama was imported for a container of
+    weights (1.3 s, ~90 MB a generator: torch.distributed.tensor, sympy, dynamo), AutoTokenizer imported its
+    config class for the same, and torch's initialisers on the meta device imported dynamo (0.9 s)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from generator.model.loader import load_model; "
+            "lm = load_model('smollm2-135m', data_dir=sys.argv[1], quant='int4', float_weights='drop', "
+            "kernels='rules'); print(lm.tokenizer.decode(lm.tokenizer.encode('Paris'))); "
+            "print(' '.join(m for m in ('transformers.models.llama.modeling_llama', 'torch._dynamo', 'sympy', "
+            "'torch.distributed.tensor') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code, str(data_dir)], capture_output=True, text=True, timeout=300,
+                         check=True).stdout.splitlines()
+    assert out[0] == "Paris"
+    assert out[-1] == "", f"imported: {out[-1]}"
+
+
+def test_the_builtin_llama_takes_only_what_it_computes() -> None:
+    """generator.model.llama computes the original RoPE and SiLU only: anything else is refused by name,
+    never served with the wrong tables."""
+    from generator.model.llama import LlamaShape
+    from tokenpipe.errors import ModelNotFound
+
+    base = {"vocab_size": 32, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+            "num_attention_heads": 2, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}}
+    shape = LlamaShape.from_dict(base)
+    assert (shape.head_dim, shape.num_key_value_heads, shape.rope_theta) == (8, 2, 5e5)
+    assert LlamaShape.from_dict(shape.to_dict()) == shape
+    with pytest.raises(ModelNotFound, match="rotary embedding 'llama3'"):
+        LlamaShape.from_dict({**base, "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}})
+    with pytest.raises(ModelNotFound, match="activation 'gelu'"):
+        LlamaShape.from_dict({**base, "hidden_act": "gelu"})
+    with pytest.raises(ModelNotFound, match="not a Llama"):
+        LlamaShape.from_dict({**base, "model_type": "qwen3"})

@@ -1,5 +1,6 @@
 """A Llama-family GGUF file read as stored: its tensors taken (memory-mapped) one at a time, each de-quantized
-straight into the model's dtype and put in the transformers model's module.
+straight into the model's dtype and put in its module (:mod:`generator.model.llama`: transformers' names and
+shapes, without its modeling code).
 
 The default model (SmolLM2-135M's ``Q4_1`` GGUF) used to be de-quantized as a whole to fp32 safetensors on the
 first start (~20-30 s, the whole model in fp32 in memory, then on disk) and loaded from them. Here ``gguf``'s
@@ -36,6 +37,7 @@ from torch import nn
 from tokenpipe.errors import ModelNotFound
 
 from ..kernels.formats import Q4Weight
+from .llama import LlamaForCausalLM, LlamaShape
 
 __all__ = ["GGUFTensor", "load_gguf_llama", "q4_as_stored", "read_tensors"]
 
@@ -175,22 +177,20 @@ def _unpermute(rows: np.ndarray, heads: int) -> np.ndarray:
 
 def load_gguf_llama(path: Path, config: Any, dtype: torch.dtype, *,
                     as_stored: bool = False) -> tuple[Any, dict[str, Q4Weight]]:
-    """The transformers Llama of ``config`` with the weights of the GGUF file ``path``, in ``dtype``, on the CPU,
+    """The Llama of ``config`` (:class:`~generator.model.llama.LlamaShape`, or a transformers config) with the
+    weights of the GGUF file ``path``, in ``dtype``, on the CPU,
     and (``as_stored``, where every decoder projection is ``Q4_1``) those projections as stored, by module path:
     the library's int4 layout is ``Q4_1``'s (:func:`q4_as_stored`), so nothing is computed; their ``Linear``s are
     then left on the meta device (shaped, holding nothing: the model's own forward does not run)."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
-    from transformers import AutoModelForCausalLM
-
+    shape = config if isinstance(config, LlamaShape) else LlamaShape.from_dict(config.to_dict())
+    config = shape
     try:
         tensors = read_tensors(path)
     except (OSError, ValueError) as exc:
         raise ModelNotFound(f"cannot read the GGUF file {path}: {exc}") from exc
-    with torch.device("meta"):  # no random initialisation of weights about to be replaced
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    # the rotary tables are computed, not stored: made again off the meta device
-    model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config)
+    model = LlamaForCausalLM(shape, device="meta", dtype=dtype)  # holding nothing until the file's weights are in
     permuted = {"attn_q": int(config.num_attention_heads), "attn_k": int(config.num_key_value_heads)}
     projections = [t for t in tensors if _module_name(t.name)[1] in _PROJECTIONS]
     as_stored = as_stored and bool(projections) and all(t.tensor_type == GGMLQuantizationType.Q4_1
@@ -198,7 +198,7 @@ def load_gguf_llama(path: Path, config: Any, dtype: torch.dtype, *,
     stored: dict[str, Q4Weight] = {}
     for t in tensors:
         name, kind = _module_name(t.name)
-        module = model.get_submodule(name)
+        module: Any = model.get_submodule(name)
         if as_stored and kind in _PROJECTIONS:
             stored[name] = q4_as_stored(np.asarray(t.data), permuted.get(kind))
             if stored[name].nibbles.shape[0] * stored[name].nibbles.shape[1] * 2 != module.weight.numel():

@@ -8,6 +8,7 @@ prepared once (:mod:`generator.model.preparation`).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -28,6 +29,7 @@ from ..kernels.formats import Q4Weight
 from .autotune import release_freed_memory, tune_plan
 from .gguf import load_gguf_llama
 from .kerneltable import KernelTable
+from .llama import LlamaShape
 from .plan import build_plan, plan_as_stored
 from .preparation import BUILTIN_MODELS, RANDOM_1B, SMOLLM2, SMOLLM2_RANDOM, TINY, gguf_path, prepare_tokenizer
 from .quant import QuantMode, dense_rows_for, resolve_quant
@@ -55,7 +57,7 @@ _RANDOM_SHAPES: dict[str, dict[str, int]] = {
 @dataclass
 class LoadedModel:
     name: str
-    model: Any  # transformers PreTrainedModel (Llama family)
+    model: Any  # generator.model.llama.LlamaForCausalLM, or a transformers PreTrainedModel (Llama family)
     tokenizer: Any
     eos_ids: frozenset[int]
     device: torch.device
@@ -128,11 +130,26 @@ def _smollm2(data_dir: str | os.PathLike[str], dtype: torch.dtype,
              as_stored: bool) -> tuple[Any, Any, dict[str, Q4Weight]]:
     """SmolLM2 from its GGUF file, each weight de-quantized (one tensor at a time) into ``dtype``: the values
     the fp32 cache held, without it; ``as_stored``: its int4 projections taken as they are instead."""
-    from transformers import AutoConfig, AutoTokenizer
-
     src = prepare_tokenizer(data_dir)
-    model, stored = load_gguf_llama(gguf_path(), AutoConfig.from_pretrained(src), dtype, as_stored=as_stored)
-    return model, AutoTokenizer.from_pretrained(src), stored
+    model, stored = load_gguf_llama(gguf_path(), LlamaShape.from_file(src / "config.json"), dtype, as_stored=as_stored)
+    return model, _saved_tokenizer(src), stored
+
+
+def _saved_tokenizer(src: Path) -> Any:
+    """The tokenizer saved in ``src``, by the class its ``tokenizer_config.json`` names where that is
+    transformers' tokenizers-library one: ``AutoTokenizer`` reads the model's config first, and importing
+    transformers' ``LlamaConfig`` brings ``torch.distributed.tensor`` and sympy (0.5 s, ~25 MB a generator)."""
+    try:
+        declared = json.loads((src / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError):
+        declared = None
+    if declared == "TokenizersBackend":
+        from transformers import TokenizersBackend
+
+        return TokenizersBackend.from_pretrained(src)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(src)
 
 
 @contextmanager
@@ -165,8 +182,6 @@ def load_model(name: str, *, path: str = "", device: str = "auto", dtype: str = 
     the quantized projections' float weights where the library can make them for a matmul beyond the kernel
     table's quantized rows (:func:`generator.model.plan.release_float_weights`; SmolLM2's GGUF blocks then
     serve as stored; the model's own forward no longer runs)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     dev = resolve_device(device)
     native_bf16 = cpu_has_fast_bf16()
     mode = resolve_quant(quant, from_4bit=name == SMOLLM2 and not path, device=dev, native_bf16=native_bf16)
@@ -187,6 +202,8 @@ def load_model(name: str, *, path: str = "", device: str = "auto", dtype: str = 
                 load_gemv(data_dir) is not None
             model, tok, stored = _smollm2(data_dir, dt, as_stored)
         elif path:
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+
             src = Path(path)
             model = AutoModelForCausalLM.from_pretrained(src, dtype=dt)
             tok = AutoTokenizer.from_pretrained(src)
