@@ -212,7 +212,9 @@ def _up_data_dir(tmp: str) -> Path:
     the default data dir: a bench run must not leave state there)."""
     data = Path(tmp) / "data"
     data.mkdir()
-    (data / "models").symlink_to(Path(Settings.load().data_dir).resolve() / "models")
+    models = Path(Settings.load().data_dir).resolve() / "models"
+    models.mkdir(parents=True, exist_ok=True)  # a fresh clone has none yet: a dangling link made `up` fail
+    (data / "models").symlink_to(models)
     return data
 
 
