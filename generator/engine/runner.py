@@ -27,6 +27,7 @@ from tokenpipe.quota import fair_owner, parse_weights, weight_of
 from tokenpipe.settings import Settings
 from tokenpipe.wire import FinishReason, Request, Usage
 
+from ..model.autotune import release_freed_memory
 from ..model.kvcache import BLOCK_SIZE
 from ..model.loader import LoadedModel
 from .detok import IncrementalDetokenizer, StopMatcher
@@ -36,6 +37,8 @@ from .scheduler import Engine, EngineArgs, Sequence, StepOutput
 __all__ = ["FirstBatchGate", "Runner", "encode_prompt", "torch_thread"]
 
 log = logging.getLogger(__name__)
+
+IDLE_TRIM_S = 2.0  # an engine idle this long after work hands the heap it grew back to the system
 
 
 class FirstBatchGate:
@@ -230,18 +233,31 @@ class Runner(EngineHandle):
     def _loop(self) -> None:
         hold_until = 0.0
         tuning, tuning_wait = self.loaded.tuning, 0.0  # the kernel table's measurement, run while idle
+        stepped = False  # since the heap was last handed back
         while True:
             wait = hold_until - time.monotonic()
             item: _Inbox | None
+            settling = False
             try:
                 if wait > 0:
                     item = self._inbox.get(timeout=wait)
                 elif tuning is not None and self.engine.idle:
                     item = self._inbox.get(timeout=tuning_wait) if tuning_wait > 0 else self._inbox.get_nowait()
+                elif stepped and self.engine.idle:
+                    settling = True
+                    item = self._inbox.get(timeout=IDLE_TRIM_S)
                 else:
                     item = self._inbox.get(block=self.engine.idle)
             except queue.Empty:
                 item = None
+                if settling:
+                    # Idle a while after work: glibc keeps the heap a burst's prefills grew (its mmap threshold
+                    # rises with what was freed), and an idle generator's RSS counted it (+226 MB after three
+                    # ~1,000-token chats, fp32). Handed back once, off any request's path; the next burst
+                    # faults in what it needs again. (A fixed low threshold kept RSS down while busy too, but
+                    # its page faults cost 1k-token prefills 10-30 % of their time.)
+                    release_freed_memory()
+                    stepped = False
             while item is not None:
                 if isinstance(item, _Stop):
                     if tuning is not None:
@@ -268,6 +284,7 @@ class Runner(EngineHandle):
                     if tuning.done:
                         self.loaded.kernels, tuning = tuning.table, None
                 continue
+            stepped = True
             try:
                 outputs = self.engine.step()
             except Exception as exc:  # an engine fault must not take the worker down with it
