@@ -8,6 +8,7 @@ llama.cpp streams one stream at most about this fast here (less its own work a t
 stricter reference for "one stream against llama.cpp".
 
     python -m bench.llamaraw [--llama-python ~/.cache/tokenpipe/peers/bin/python] [--tokens 128] [--rounds 5]
+                             [--context 1536]
 
 It prints the features llama.cpp was built with, each round's tok/s and their median, and writes
 ``bench/out/llamaraw.json``. Compare it with ``bench.peers`` in the same minutes: the machine is noisy.
@@ -36,10 +37,21 @@ _CHILD = """
 import json, sys, time
 import llama_cpp
 from llama_cpp import Llama
-gguf, threads, tokens, rounds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+gguf, threads, tokens, rounds, context = (sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]),
+                                          int(sys.argv[5]))
 print(json.dumps({"build": llama_cpp.llama_print_system_info().decode().strip()}), flush=True)
-m = Llama(gguf, n_threads=threads, n_threads_batch=threads, n_ctx=512, verbose=False)
-prompt = m.tokenize(b"<|im_start|>user\\nTell me a long story about a river.<|im_end|>\\n<|im_start|>assistant\\n")
+window = max(512, context + tokens + 64)  # n_batch too: llama-cpp-python's scores hold n_batch rows
+m = Llama(gguf, n_threads=threads, n_threads_batch=threads, n_ctx=window, n_batch=window, verbose=False)
+story = b"Tell me a long story about a river."
+if context:  # a document before the question, cut so that the whole prompt is `context` tokens
+    doc = m.tokenize(b" ".join(b"Paragraph %d: the quick brown fox jumps over the lazy dog near the river." % i
+                               for i in range(context // 8)), add_bos=False)
+    head = m.tokenize(b"<|im_start|>user\\n")
+    tail = m.tokenize(b" " + story + b"<|im_end|>\\n<|im_start|>assistant\\n", add_bos=False)
+    prompt = head + doc[:max(context - len(head) - len(tail), 0)] + tail
+else:
+    prompt = m.tokenize(b"<|im_start|>user\\n" + story + b"<|im_end|>\\n<|im_start|>assistant\\n")
+print(json.dumps({"prompt_tokens": len(prompt)}), flush=True)
 for _ in range(rounds):
     m.reset()
     m.eval(prompt)
@@ -56,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="bench.llamaraw", description=__doc__.splitlines()[0])
     ap.add_argument("--llama-python", default=str(LLAMA_PYTHON))
     ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--context", type=int, default=0,
+                    help="prompt tokens before the decode (a document, then the question); 0: a one-line chat prompt")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=0, help="llama.cpp's threads (default: every CPU, as bench.peers)")
     ap.add_argument("--out", default="bench/out/llamaraw.json")
@@ -74,14 +88,16 @@ def main(argv: list[str] | None = None) -> int:
     console.print(f"[bold]bench.llamaraw[/] · {cpu['line']}; {threads} threads; {args.rounds} rounds of "
                   f"{args.tokens} tokens")
     proc = subprocess.Popen([args.llama_python, "-c", _CHILD, str(gguf), str(threads), str(args.tokens),
-                             str(args.rounds)], stdout=subprocess.PIPE, text=True)
-    build, rounds = "", []
+                             str(args.rounds), str(args.context)], stdout=subprocess.PIPE, text=True)
+    build, rounds, prompt_tokens = "", [], 0
     assert proc.stdout is not None
     for line in proc.stdout:
         got = json.loads(line)
         if "build" in got:
             build = got["build"]
             console.print(f"llama.cpp built with: {build}")
+        elif "prompt_tokens" in got:
+            prompt_tokens = got["prompt_tokens"]
         else:
             rounds.append(got["tok_s"])
             console.print(f"  round {len(rounds)}/{args.rounds}: {got['tok_s']:.1f} tok/s")
@@ -93,10 +109,12 @@ def main(argv: list[str] | None = None) -> int:
         table.add_column(col, justify="right")
     median = statistics.median(rounds)
     table.add_row(", ".join(f"{r:.1f}" for r in rounds), f"{median:.1f}", f"{1000 / median:.2f}")
-    table.caption = f"{cpu['line']}; {threads} threads; {args.tokens} tokens a round after one prefill"
+    table.caption = (f"{cpu['line']}; {threads} threads; {args.tokens} tokens a round after one prefill of "
+                     f"{prompt_tokens} tokens")
     console.print(table)
     write_json(args.out, {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
                           "cpu": cpu, "build": build, "threads": threads, "tokens": args.tokens,
+                          "prompt_tokens": prompt_tokens,
                           "rounds_tok_s": rounds, "tok_s": median}, indent=2)
     console.print(f"wrote {args.out}")
     return 0
