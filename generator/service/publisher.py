@@ -290,11 +290,12 @@ class BatchPublisher:
                 timer.cancel()
                 self._acks.forget(reply)
             if ack.duplicate and not ack.seq:
-                # A retry that met its own earlier try still being replicated: nats-server before 2.11
-                # answers a msg-id staged for an uncommitted proposal with sequence 0 (2.11 with error
-                # 10158, transient above). Taken as stored at 0, the next append was conditional on 0,
-                # refused, and the stream "lost" with nobody left writing it (a chaos run's stream never
-                # ended). The store says where it is once the proposal is applied; until then, asked again.
+                # A retry that met its own earlier try still being replicated: a clustered nats-server stages
+                # a msg-id with sequence 0 until its proposal is applied, and a duplicate meeting it may be
+                # answered with that 0 (where it checks, with error 10158 instead: transient, above). Taken
+                # as stored at 0, the next append was conditional on 0, refused, and the stream "lost" with
+                # nobody left writing it (a chaos run's stream never ended). The store says where the batch is
+                # once the proposal is applied; until then, asked again.
                 try:
                     stored = await last_stored_as(self.bus, chain.subject, item.headers.get("Nats-Msg-Id", ""))
                 except TokenpipeError:
