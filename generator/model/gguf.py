@@ -184,14 +184,14 @@ def load_gguf_llama(path: Path, config: Any, dtype: torch.dtype, *,
     then left on the meta device (shaped, holding nothing: the model's own forward does not run)."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
+
     shape = config if isinstance(config, LlamaShape) else LlamaShape.from_dict(config.to_dict())
-    config = shape
     try:
         tensors = read_tensors(path)
     except (OSError, ValueError) as exc:
         raise ModelNotFound(f"cannot read the GGUF file {path}: {exc}") from exc
     model = LlamaForCausalLM(shape, device="meta", dtype=dtype)  # holding nothing until the file's weights are in
-    permuted = {"attn_q": int(config.num_attention_heads), "attn_k": int(config.num_key_value_heads)}
+    permuted = {"attn_q": shape.num_attention_heads, "attn_k": shape.num_key_value_heads}
     projections = [t for t in tensors if _module_name(t.name)[1] in _PROJECTIONS]
     as_stored = as_stored and bool(projections) and all(t.tensor_type == GGMLQuantizationType.Q4_1
                                                         for t in projections)
