@@ -118,7 +118,7 @@ def hf_generate_tok_s(lm: LoadedModel, prompt: list[int], new_tokens: int, reque
     t0 = time.perf_counter()
     for _ in range(requests):
         hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                          min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+                    min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
     sync(lm.device)
     return requests * new_tokens / (time.perf_counter() - t0)
 
