@@ -22,8 +22,8 @@ from producer import aiter_sse
 from .common import chat
 from .rawhttp import raw_stream
 
-__all__ = ["COUNTERS", "Counters", "Turn", "Unrelated", "conversations", "delta", "document", "fleet_counters",
-           "question", "unrelated", "wait_counted"]
+__all__ = ["COUNTERS", "Counters", "Turn", "Unrelated", "chat_turn", "conversations", "delta", "document",
+           "fleet_counters", "question", "turn_body", "unrelated", "wait_counted"]
 
 # The generator's counters the benchmark reads (prometheus_client appends ``_total`` to a counter).
 COUNTERS = {"hits": "tokenpipe_prefix_cache_hits_total", "queries": "tokenpipe_prefix_cache_queries_total",
@@ -84,7 +84,7 @@ class Turn:
         return self.finish in ("length", "stop")
 
 
-async def _chat_turn(http: httpx.AsyncClient, body: dict[str, Any], turn: Turn) -> None:
+async def chat_turn(http: httpx.AsyncClient, body: dict[str, Any], turn: Turn) -> None:
     """One streamed chat completion; TTFT is the first chunk with text (the relay's first chunk
     names the role only, before any token)."""
     start = time.perf_counter()
@@ -130,11 +130,10 @@ async def conversations(url: str, *, count: int, turns: int, doc_words: int, ans
         messages: list[dict[str, str]] = [{"role": "system", "content": document(conv, doc_words)}]
         for t in range(turns):
             messages.append({"role": "user", "content": question(conv, t)})
-            body = {"messages": messages, "stream": True, "stream_options": {"include_usage": True},
-                    "max_tokens": answer_tokens, "ignore_eos": True, "temperature": 0, "user": f"conv-{conv}"}
+            body = turn_body(messages, answer_tokens, f"conv-{conv}")
             turn = Turn(conv, t)
             async with gate:
-                await _chat_turn(http, body, turn)
+                await chat_turn(http, body, turn)
             done.append(turn)
             on_turn(turn)
             if not turn.ok:
@@ -144,6 +143,13 @@ async def conversations(url: str, *, count: int, turns: int, doc_words: int, ans
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(300, connect=30)) as http:
         await asyncio.gather(*(one(c, http) for c in range(first, first + count)))
     return sorted(done, key=lambda t: (t.conv, t.turn))
+
+
+def turn_body(messages: list[dict[str, str]], answer_tokens: int, user: str) -> dict[str, Any]:
+    """A turn's streamed chat completion: the whole history, greedy, ``answer_tokens`` with ``ignore_eos``,
+    the OpenAI ``user`` field naming the conversation (an affinity hint for placement)."""
+    return {"messages": list(messages), "stream": True, "stream_options": {"include_usage": True},
+            "max_tokens": answer_tokens, "ignore_eos": True, "temperature": 0, "user": user}
 
 
 @dataclass

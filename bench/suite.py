@@ -79,7 +79,8 @@ SCENARIOS: tuple[Scenario, ...] = (
                     "--rate-streams", "8", "--rate-tokens", "16")),
     Scenario("placement", "system", "bench.placement",
              "6 chats x 4 turns, each on its own document, over 1 and 2 generators: the fleet's prefix-cache hit "
-             "rate, later/first-turn TTFT; 32 unrelated streams: the busiest generator's share, tokens/s",
+             "rate, later/first-turn TTFT; 32 unrelated streams: the busiest generator's share, tokens/s; kill -9 of "
+             "a conversation's generator: its next turn's wait beyond a cold prefill",
              quick=(*_TINY, "--conversations", "3", "--turns", "2", "--doc-words", "300", "--unrelated", "8",
                     "--unrelated-tokens", "16")),
     Scenario("startup", "system", "bench.startup",

@@ -1,5 +1,6 @@
 """``bench.placement`` (issue 47's benchmark) runs end to end over ``tokenpipe up --generators 1`` and
-``2`` on a tiny workload, and its figures hold together: each phase's counters are that phase's."""
+``2`` on a tiny workload, and its figures hold together: each phase's counters are that phase's; with 2
+generators, the one holding a conversation is killed and its next turn served by the other."""
 
 from __future__ import annotations
 
@@ -46,4 +47,12 @@ def test_placement_benchmark_counts_each_phase_on_every_generator(tmp_path: Path
     assert one["vs_one"]["hit_rate"] == 1 and two["vs_one"]["hit_rate"] is not None
     assert {g["goal"] for g in result["goals"]} >= {"G=2: fleet hit rate >= 0.95x G=1's",
                                                     "G=2: busiest generator runs <= 60 % of the unrelated streams"}
+    # kill -9 of the generator holding a conversation: its next turn was served by the other one, and a
+    # history of the same shape was measured cold beside it.
+    assert one["takeover"] == [] and len(two["takeover"]) == 1
+    kill = two["takeover"][0]
+    assert kill["served_by"] == [1 - kill["holder"]], kill
+    assert kill["after_kill_ms"] > 0 and kill["cold_ms"] > 0 and kill["warm_ms"] > 0
+    assert abs(kill["cold_prompt_tokens"] - kill["prompt_tokens"]) <= 0.2 * kill["prompt_tokens"], kill
+    assert any(g["goal"].startswith("G=2: after kill -9 of its generator") for g in result["goals"])
     assert "placement: 2 conversations x 2 turns" in proc.stdout
