@@ -77,11 +77,12 @@ class RelayState:
         bus = self.bus
         if bus is None or not bus.nc.is_connected:
             return  # reconnecting: nothing to ask yet
+        ask = bus.nc if bus.store_questions else None
         try:
-            self.missing = await missing(bus.js, settings=self.settings)
+            self.missing = await missing(bus.js, settings=self.settings, ask=ask)
             if self.missing:
-                await repair(bus.js, self.settings, provision_streams=bus.provisions)
-                self.missing = await missing(bus.js, settings=self.settings)
+                await repair(bus.js, self.settings, provision_streams=bus.provisions, ask=ask)
+                self.missing = await missing(bus.js, settings=self.settings, ask=ask)
         except TokenpipeError as exc:  # JetStream recovering or unreachable: the next round tries again
             log.warning("JetStream check failed", extra={"error": exc.message})
 
@@ -93,7 +94,8 @@ class RelayState:
         if connected and self.bus is not None:
             try:
                 async with asyncio.timeout(_READY_CHECK_S):
-                    self.missing = await missing(self.bus.js, settings=self.settings)
+                    self.missing = await missing(self.bus.js, settings=self.settings,
+                                                 ask=self.bus.nc if self.bus.store_questions else None)
             except TokenpipeError as exc:
                 self.missing = [exc.message]
             except TimeoutError:

@@ -34,6 +34,7 @@ from tokenpipe.bus import Bus, connect
 from tokenpipe.errors import GenerationError
 from tokenpipe.natsauth import load_credential
 from tokenpipe.settings import Settings
+from tokenpipe.storeinfo import ask_count, ask_pending
 from tokenpipe.streams import cancel, history, stored_count
 from tokenpipe.subjects import (
     ANNOUNCE_PREFIX,
@@ -455,37 +456,61 @@ async def test_another_apps_request_sequence_cannot_be_read_from_a_refusal(up: U
 
 # -- the relay's credential (issue 48) --------------------------------------------------------------
 
-# What still lists other owners through the relay's credential is one API call answered by a stream's
-# leader: STREAM.INFO, whose ``subjects_filter`` is in the request body, which no permission sees. The
-# relay needs it for leader-side counts (streams.stored_count: its catch-up reads must not trust a
-# replica that is behind, or a stream stalled for good after a node freeze; streams.pending_requests)
-# and /readyz (a sealed store); the JetStream calls that would be confined by subject (a direct get, a
-# consumer) are answered by any replica, and STREAM.MSG.GET, the leader's, has its subject in the body
-# too. Closing these needs the relay in an account of its own (docs/architecture.md, Security).
-_LEADER_ONLY = ("issue 48: STREAM.INFO's subjects_filter is in the request body, which no permission sees, and "
-                "the relay needs STREAM.INFO for leader-side counts; closing it needs the relay in an account "
-                "of its own")
+# STREAM.INFO takes its ``subjects_filter`` in the request body, which no permission sees: with it on
+# TP_TOKENS or TP_REQUESTS the relay's credential listed every owner's stream ids and every application
+# with a request queued. The relay may no longer call it there; its leader-side counts (catch-up reads
+# that must not trust a replica that is behind; whether a stream is still queued) and /readyz's store
+# checks come from the admin (tokenpipe.storeinfo), which builds every filter from the relay's own
+# subjects and answers only onto the relay's inboxes.
 
-
-@pytest.mark.xfail(strict=True, reason=_LEADER_ONLY)
-async def test_the_relays_credential_lists_only_its_own_stream_ids(up: UpProcess, admin: Bus) -> None:
-    """The relay may ask TP_TOKENS' state (its stored counts); with ``subjects_filter: ">"`` that
-    listed every owner's stream ids."""
-    await alice_stream(up, admin)
+async def test_the_relays_credential_lists_no_stream_ids_and_the_admin_counts_only_its_own(
+        up: UpProcess, admin: Bus) -> None:
+    """The relay's ``STREAM.INFO`` with ``subjects_filter: ">"`` listed every owner's stream ids."""
+    chosen = f"job-{secrets.token_hex(4)}"
+    await alice_stream(up, admin, request_id=chosen)
     relay = await Client.connect(up, "relay")
     try:
-        info = await relay.nc.jetstream(timeout=5).stream_info(TOKENS_STREAM, subjects_filter=">")
+        await relay.denied(relay.nc.jetstream(timeout=5).stream_info(TOKENS_STREAM, subjects_filter=">"),
+                           f"$JS.API.STREAM.INFO.{TOKENS_STREAM}")
+        # The admin answers for the relay's own subject only: alice's stream of that id is not counted.
+        assert await ask_count(relay.nc, chosen, 5) == 0
+        async with httpx.AsyncClient(base_url=up.url, timeout=60) as http:
+            r = await http.post("/v1/streams", json=BODY)
+            assert r.status_code == 201, r.text
+            sid = r.json()["id"]
+            async with http.stream("GET", f"/v1/streams/{sid}") as resp:
+                events = await read_events(resp, [])
+        assert events[-1][0] == "done"
+        assert await ask_count(relay.nc, sid, 5) == await stored_count(admin, sid) > 0
+        # A question whose id is a wildcard, or not one token, is refused.
+        for bad in ("count.a.b", f"count.{'x' * 65}", "pending.a.b", "config.KV_tp_streams", "list.x"):
+            reply = await relay.nc.request(f"tp.store.{bad}", b"", timeout=5)
+            assert "error" in json.loads(reply.data), bad
     finally:
         await relay.nc.close()
-    subjects = set(info.state.subjects or {})
-    assert all(s.startswith("tp.tok.relay.") for s in subjects), sorted(subjects)[:5]
 
 
-@pytest.mark.xfail(strict=True, reason=_LEADER_ONLY)
+async def test_a_store_answer_is_sent_only_to_the_relays_inbox(up: UpProcess, admin: Bus) -> None:
+    """The relay chooses the reply subject of its questions: an answer sent to ``tp.tok.alice.<id>``
+    would be stored in alice's history. The admin answers only onto the relay's inboxes."""
+    chosen = f"job-{secrets.token_hex(4)}"
+    await alice_stream(up, admin, request_id=chosen)
+    before = await stored_count(admin, chosen, owner="alice")
+    relay = await Client.connect(up, "relay")
+    try:
+        for reply in (f"tp.tok.alice.{chosen}", f"tp.live.alice.{chosen}"):
+            await relay.nc.publish(f"tp.store.count.{chosen}", b"", reply=reply)
+        await relay.nc.flush()
+        assert await ask_count(relay.nc, chosen, 5) == 0  # answered after the two above were dropped
+    finally:
+        await relay.nc.close()
+    assert await stored_count(admin, chosen, owner="alice") == before
+
+
 async def test_the_relays_credential_sees_no_other_apps_queued_requests(up: UpProcess) -> None:
-    """TP_REQUESTS' state (the relay's count of its own queued requests) with ``subjects_filter: ">"``
-    lists every application that has a request queued or running, and how many (an app's requests
-    keep their subject ``tp.req.<model>.<app>`` when TP_REQUESTS sources them)."""
+    """TP_REQUESTS' state with ``subjects_filter: ">"`` listed every application that has a request
+    queued or running, and how many (an app's requests keep their subject ``tp.req.<model>.<app>``
+    when TP_REQUESTS sources them). The relay's count of its own queued requests comes from the admin."""
     relay = await Client.connect(up, "relay")
     try:
         async with await Producer.connect(settings=settings_for(up, "app-alice")) as a:
@@ -493,14 +518,14 @@ async def test_the_relays_credential_sees_no_other_apps_queued_requests(up: UpPr
             batches = busy.__aiter__()
             await anext(batches)  # running: her request stays in the queue until its final batch is stored
             try:
-                info = await relay.nc.jetstream(timeout=5).stream_info(REQUESTS_STREAM, subjects_filter=">")
+                await relay.denied(relay.nc.jetstream(timeout=5).stream_info(REQUESTS_STREAM, subjects_filter=">"),
+                                   f"$JS.API.STREAM.INFO.{REQUESTS_STREAM}")
+                assert await ask_pending(relay.nc, MODEL, 5) == 0  # hers is not the relay's
             finally:
                 await busy.cancel()
                 assert [b async for b in batches][-1].finish == "cancelled"
     finally:
         await relay.nc.close()
-    subjects = set(info.state.subjects or {})
-    assert all(s.endswith(".relay") for s in subjects), sorted(subjects)
 
 
 async def test_the_generators_announcements_name_no_other_owners_stream_ids(up: UpProcess) -> None:

@@ -28,6 +28,7 @@ from .placement import Choice, PlacementTable, follow_summaries
 from .retry import Retry, retrying, transient
 from .settings import Settings
 from .slots import ensure_slot_consumers, slots_drift
+from .storeinfo import ask_config
 from .subjects import (
     META_BUCKET,
     META_STREAM,
@@ -54,6 +55,7 @@ __all__ = ["Bus", "connect", "consumer_drift", "intake_config", "missing", "prov
 log = logging.getLogger(__name__)
 
 _RELEASE_TIMEOUT_S = 2.0  # release_intake's wait for its delete
+_ASK_TIMEOUT_S = 5.0  # missing()'s question to the admin about a shared stream (tokenpipe.storeinfo)
 _PROVISIONING = Retry(budget_s=60.0, first_delay_s=0.25, max_delay_s=2.0)  # connect()'s, while JetStream times out
 REPAIR_INTERVAL_S = 2.0  # how often the relay and the generators check that what tokenpipe provisions exists
 
@@ -81,6 +83,10 @@ class Bus:
     # Whether this connection may create and configure tokenpipe's streams (tokenpipe.natsauth:
     # the admin, or anyone on an open bus); the others only report what is missing or drifted.
     provisions: bool = True
+    # Whether its leader-side counts and the shared streams' configuration come from the admin's
+    # answers (tokenpipe.storeinfo) instead of STREAM.INFO, which it may not call: the relay under NATS
+    # authorization (STREAM.INFO's subjects filter, in the body, listed every owner's ids).
+    store_questions: bool = False
     secret: bytes = b""  # this identity's own secret (natsauth.Identity.secret)
     # The generators' placement summaries, where this connection submits requests (the relay, an
     # app's SDK) and placement is on (tokenpipe.placement); None: every request to the shared queue.
@@ -172,7 +178,8 @@ async def connect(settings: Settings, *, name: str, provision_streams: bool = Tr
         await nc.close()  # a caller that retries must not leave a reconnecting connection behind
         raise
     bus = Bus(nc=nc, js=js, meta=meta, owner=ident.owner, registry=ident.registry, replicas=replicas,
-              provisions=ident.provisions, secret=ident.secret)
+              provisions=ident.provisions, secret=ident.secret,
+              store_questions=role == "relay" and not ident.provisions)
     if role in ("relay", "app") and settings.placement_slots > 0:
         bus.placement = PlacementTable()
         await follow_summaries(nc, bus.placement)
@@ -500,29 +507,35 @@ async def _scale_bucket(js: JetStreamContext, replicas: int, settings: Settings)
 
 
 async def missing(js: JetStreamContext, *, settings: Settings, registry: bool = True,
-                  limits: bool = False, apps: list[str] | None = None) -> list[str]:
+                  limits: bool = False, apps: list[str] | None = None, ask: NATS | None = None) -> list[str]:
     """The streams (and, with ``registry``, those of the meta bucket and of the Batch API's buckets)
     that tokenpipe provisions and that do not exist now, also each one that is broken (sealed;
     retention policy, storage or subjects changed) and, with ``limits``, each whose age or size limit
     differs from ``settings`` (only the admin judges those: another process may run with other
     settings), as a sentence that says what is wrong; with ``apps``, also each application's
-    intake stream and TP_REQUESTS' sources of them (:func:`requests_config`). Raises
-    :class:`TransportError` when JetStream cannot be asked."""
+    intake stream and TP_REQUESTS' sources of them (:func:`requests_config`). ``ask``: the connection of
+    a role that may not look at TP_REQUESTS and TP_TOKENS itself (``Bus.store_questions``): the admin
+    tells their configuration (tokenpipe.storeinfo). Raises :class:`TransportError` when JetStream
+    cannot be asked."""
     gone: list[str] = []
     wanted = {REQUESTS_STREAM: requests_config(settings, 1, apps),
               TOKENS_STREAM: _tokens_config(settings, [TOKEN_WILDCARD], 1),
               **{intake_stream(a): intake_config(settings, a, 1) for a in apps or ()}}
     for name in (REQUESTS_STREAM, TOKENS_STREAM, *((META_STREAM, *BATCH_STREAMS) if registry else ()),
                  *(intake_stream(a) for a in apps or ())):
-        try:
-            info = await js.stream_info(name)
-        except NotFoundError:
+        if ask is not None and name in (REQUESTS_STREAM, TOKENS_STREAM):
+            config = await ask_config(ask, name, _ASK_TIMEOUT_S)
+        else:
+            try:
+                config = (await js.stream_info(name)).config
+            except NotFoundError:
+                config = None
+            except Exception as exc:  # timeouts, no responders while JetStream recovers
+                raise TransportError(f"cannot check JetStream streams: {exc}") from exc
+        if config is None:
             gone.append(name)
-            continue
-        except Exception as exc:  # timeouts, no responders while JetStream recovers
-            raise TransportError(f"cannot check JetStream streams: {exc}") from exc
-        if name in wanted:
-            gone.extend(_drift(info.config, wanted[name], limits))
+        elif name in wanted:
+            gone.extend(_drift(config, wanted[name], limits))
     if limits and REQUESTS_STREAM not in gone:
         gone.extend(await _consumers_drift(js, settings))
     return gone
@@ -572,14 +585,14 @@ def _drift(have: js_api.StreamConfig, want: js_api.StreamConfig, limits: bool) -
 
 async def repair(js: JetStreamContext, settings: Settings, *, registry: bool = True,
                  provision_streams: bool = True, restore_limits: bool = False,
-                 apps: list[str] | None = None) -> list[str]:
+                 apps: list[str] | None = None, ask: NATS | None = None) -> list[str]:
     """Re-provision whatever :func:`missing` reports (deleted, or broken); what was wrong.
     ``registry``: whether this role may touch the meta bucket (``Bus.registry``);
     ``provision_streams``: whether it may configure streams (``Bus.provisions``), else it only
     reports; ``restore_limits``: also put back age and size limits that differ from ``settings``
     (the admin's provisioner: one process's settings, not every role's); ``apps``: the applications
-    whose intake streams it keeps (the admin's provisioner, :func:`provision`)."""
-    gone = await missing(js, registry=registry, settings=settings, limits=restore_limits, apps=apps)
+    whose intake streams it keeps (the admin's provisioner, :func:`provision`); ``ask``: as :func:`missing`."""
+    gone = await missing(js, registry=registry, settings=settings, limits=restore_limits, apps=apps, ask=ask)
     if gone and provision_streams:
         log.warning("JetStream state tokenpipe owns is missing or changed; re-provisioning",
                     extra={"missing": "; ".join(gone)})

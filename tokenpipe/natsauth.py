@@ -47,6 +47,7 @@ from .subjects import (
     RELAY_OWNER,
     REQUEST_WILDCARD,
     REQUESTS_STREAM,
+    STORE_PREFIX,
     TOKEN_WILDCARD,
     TOKENS_STREAM,
     check_owner,
@@ -159,7 +160,9 @@ def permissions(role: str, app: str | None = None, *, apps: Iterable[str] = ()) 
                            DISCOVER_SUBJECT, READERS_WILDCARD,
                            f"{inbox_prefix('relay')}.>",
                            f"$KV.{META_BUCKET}.>", f"{_JS}.INFO",
-                           *_look(REQUESTS_STREAM, TOKENS_STREAM, META_STREAM),
+                           # Not STREAM.INFO on TP_TOKENS or TP_REQUESTS: its subjects filter, in the body,
+                           # listed every owner's stream ids. It asks the admin instead (tokenpipe.storeinfo).
+                           *_look(META_STREAM), f"{STORE_PREFIX}.>",
                            f"{_JS}.CONSUMER.INFO.{REQUESTS_STREAM}.*",
                            f"{_JS}.DIRECT.GET.{META_STREAM}.>", f"{_JS}.STREAM.MSG.GET.{META_STREAM}",
                            *_read_tokens(mine), *_batch_api()),

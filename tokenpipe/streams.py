@@ -23,6 +23,7 @@ from .errors import Overloaded, StreamNotFound, TransportError, WireFormatError
 from .placement import Choice
 from .reorder import Gap, Reorder
 from .retry import ELECTIONS, Retry, queue_full, retrying, through_elections
+from .storeinfo import ask_count, ask_pending
 from .subjects import (
     RELAY_OWNER,
     REQUESTS_STREAM,
@@ -218,6 +219,9 @@ async def stored_count(bus: Bus, stream_id: str, *, owner: str | None = None) ->
     (a node thawed after a freeze, catching up) answers from what it has — a read after a
     freeze got 48 of 49 messages from one — so "nothing more is stored" from a direct get or a
     consumer on any replica is not to be trusted."""
+    if bus.store_questions:  # the relay under authorization: the admin counts (tokenpipe.storeinfo)
+        _only_own(bus, owner)
+        return await ask_count(bus.nc, stream_id, _COUNT_TIMEOUT_S + 1)
     return await _leader_count(bus, TOKENS_STREAM, token_subject(owner or bus.owner, stream_id),
                                "could not read stream history")
 
@@ -226,10 +230,18 @@ async def pending_requests(bus: Bus, model: str, owner: str | None = None) -> in
     """How many of ``owner``'s requests for ``model`` the work queue holds: queued, or running (a
     generator acks a request only after its final batch is stored). 0 means none of them can still
     store a batch. Asked of the stream's leader, like :func:`stored_count`."""
+    if bus.store_questions:
+        _only_own(bus, owner)
+        return await ask_pending(bus.nc, model, _COUNT_TIMEOUT_S + 1)
     # Both forms, the shared queue's subject and those placed on a generator (tokenpipe.placement).
     return await _leader_count(bus, REQUESTS_STREAM, f"{request_subject(model, owner or bus.owner)}.>",
                                "could not read the request queue") + await _leader_count(
         bus, REQUESTS_STREAM, request_subject(model, owner or bus.owner), "could not read the request queue")
+
+
+def _only_own(bus: Bus, owner: str | None) -> None:
+    if owner not in (None, bus.owner):
+        raise TransportError(f"the store answers {bus.owner!r} about its own streams only, not {owner!r}'s")
 
 
 async def _leader_count(bus: Bus, stream: str, subject: str, failed: str) -> int:

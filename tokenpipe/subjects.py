@@ -98,6 +98,9 @@ ALIVE_PREFIX = "tp.gen.alive"
 
 # The owner of every stream made through a relay: tenants are mapped only in the relay.
 RELAY_OWNER = "relay"
+# The relay's questions to the admin about its own subjects (tokenpipe.storeinfo): leader-side counts
+# and the shared streams' configuration, which it may not ask JetStream itself.
+STORE_PREFIX = "tp.store"
 
 # Subject tokens may not contain '.', '*', '>' or whitespace; keep names boring.
 _NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")

@@ -7,7 +7,9 @@ event loop. It provisions before the roles start, then checks every
 or reconfigured, the request consumers of the served models included (a sealed stream cannot be
 restored: it logs what the admin must do). The applications are those with credentials next to
 the admin's (``app-*.json``, read again each round: ``tokenpipe creds add-app`` while it runs);
-each gets its intake stream, which ``TP_REQUESTS`` sources (tokenpipe.bus.intake_config).
+each gets its intake stream, which ``TP_REQUESTS`` sources (tokenpipe.bus.intake_config). It also
+answers the relay's questions about its own subjects (tokenpipe.storeinfo), which the relay may not
+ask JetStream itself.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from tokenpipe.bus import REPAIR_INTERVAL_S, Bus, connect, repair
 from tokenpipe.errors import TokenpipeError, TransportError
 from tokenpipe.natsauth import app_names, check_app_name
 from tokenpipe.settings import Settings
+from tokenpipe.storeinfo import StoreAnswers
 
 __all__ = ["Provisioner"]
 
@@ -80,13 +83,19 @@ class Provisioner:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
         bus = await self._provision(timeout)
+        answers = None
+        if bus is not None:
+            # The relay's leader-side counts and store checks, which it may not ask JetStream for.
+            answers = StoreAnswers(bus.nc, bus.js)
+            await answers.start()
         self._ready.set()
-        if bus is None:
+        if bus is None or answers is None:
             return
         try:
             while await pause(self._stop, REPAIR_INTERVAL_S):
                 await self._repair(bus)
         finally:
+            await answers.stop()
             await bus.close()
 
     async def _provision(self, timeout: float) -> Bus | None:
