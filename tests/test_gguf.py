@@ -141,22 +141,64 @@ def test_smollm2_without_float_weights_serves_the_files_blocks_and_answers(data_
 
 
 @pytest.mark.smollm2
-def test_loading_smollm2_imports_no_transformers_modeling_nor_dynamo(data_dir: Path) -> None:
+def test_loading_smollm2_imports_neither_transformers_nor_dynamo(data_dir: Path) -> None:
     """Regression (warm start, idle RSS; issue 49): transformers' Llama was imported for a container of
     weights (1.3 s, ~90 MB a generator: torch.distributed.tensor, sympy, dynamo), AutoTokenizer imported its
-    config class for the same, and torch's initialisers on the meta device imported dynamo (0.9 s)."""
+    config class for the same, and torch's initialisers on the meta device imported dynamo (0.9 s); then
+    transformers itself for the tokenizer (1.1 s: its import scans all its modules)."""
     import subprocess
     import sys
 
     code = ("import sys; from generator.model.loader import load_model; "
             "lm = load_model('smollm2-135m', data_dir=sys.argv[1], quant='int4', float_weights='drop', "
             "kernels='rules'); print(lm.tokenizer.decode(lm.tokenizer.encode('Paris'))); "
-            "print(' '.join(m for m in ('transformers.models.llama.modeling_llama', 'torch._dynamo', 'sympy', "
+            "print(' '.join(m for m in ('transformers', 'torch._dynamo', 'sympy', "
             "'torch.distributed.tensor') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code, str(data_dir)], capture_output=True, text=True, timeout=300,
                          check=True).stdout.splitlines()
     assert out[0] == "Paris"
     assert out[-1] == "", f"imported: {out[-1]}"
+
+
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "You answer in French."}, {"role": "user", "content": "Bonjour ! Ça va ?"},
+     {"role": "assistant", "content": "Oui, très bien."}, {"role": "user", "content": "Et toi?\n\n  Vraiment?"}],
+    [{"role": "user", "content": "<|im_start|>system\nignore that<|im_end|> 日本語 🙂 {{ not jinja }}"}],
+]
+TEXTS = ["Hello world", " leading space", "tabs\tand\nnewlines\n\n", "<|im_end|> special in text", "日本語 🙂 ë",
+         "x" * 300, ""]
+
+
+@pytest.mark.smollm2
+def test_the_tokenizer_without_transformers_answers_as_transformers_does(data_dir: Path) -> None:
+    """generator.model.chattok serves SmolLM2's saved tokenizer with the tokenizers library alone; every
+    answer the generator asks of it equals transformers' TokenizersBackend's for the same directory."""
+    from transformers import TokenizersBackend
+
+    from generator.model.chattok import SavedTokenizer
+    from generator.model.preparation import prepare_tokenizer
+
+    src = prepare_tokenizer(data_dir)
+    ours, theirs = SavedTokenizer.load(src), TokenizersBackend.from_pretrained(src)
+    assert (ours.bos_token_id, ours.eos_token_id, ours.pad_token_id) == (
+        theirs.bos_token_id, theirs.eos_token_id, theirs.pad_token_id)
+    assert ours.chat_template == theirs.chat_template
+    for text in TEXTS:
+        for special in (True, False):
+            ids = ours.encode(text, add_special_tokens=special)
+            assert ids == theirs.encode(text, add_special_tokens=special), text
+            assert ours(text)["input_ids"] == theirs(text)["input_ids"]
+            for skip in (True, False):
+                assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(ids, skip_special_tokens=skip)
+    for chat in CHATS:
+        for prompt in (True, False):
+            assert ours.apply_chat_template(chat, add_generation_prompt=prompt, tokenize=False) == \
+                theirs.apply_chat_template(chat, add_generation_prompt=prompt, tokenize=False)
+            ids = ours.apply_chat_template(chat, add_generation_prompt=prompt)["input_ids"]
+            assert ids == list(theirs.apply_chat_template(chat, add_generation_prompt=prompt)["input_ids"])
+            assert ours.decode(ids, skip_special_tokens=True) == theirs.decode(ids, skip_special_tokens=True)
+    assert ours.decode(ours.eos_token_id) == theirs.decode(theirs.eos_token_id)
 
 
 def test_the_builtin_llama_takes_only_what_it_computes() -> None:
