@@ -4,7 +4,7 @@ Batch API batch of ``--batch-lines`` lines (``POST /v1/files`` + ``/v1/batches``
 applications on the bus, one submitting ``--bus-jobs`` jobs (fair share between owners); and batch
 work alone against the default tier's throughput (:mod:`bench.batchrate`, scenario ``rate``).
 
-    python -m bench.lanes [--model tiny-random] [--backlog 16] [--backlog-tokens 256] [--batch-lines N]
+    python -m bench.lanes [--model tiny-random] [--backlog 16] [--backlog-tokens 256] [--batch-lines N] [--cases C,...]
                           [--max-batch 16] [--rounds 3] [--scenarios http,bus,rate] [--bus-jobs 200]
                           [--bus-tokens 64] [--weights other=2] [--window 10] [--rate-streams 32]
                           [--rate-tokens 128] [--out bench/out/lanes.json]
@@ -63,6 +63,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--batch-lines", type=int, default=None,
                         help="lines of the Batch API batch ahead of the chat (default: --backlog)")
     parser.add_argument("--chat-tokens", type=int, default=8)
+    parser.add_argument("--cases", default=",".join(CASES),
+                        help=f"comma-separated, of {', '.join(CASES)} (idle always runs: the ratios' base)")
     parser.add_argument("--max-batch", type=int, default=16, help="the generator's slots (TOKENPIPE_MAX_BATCH)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--device", default="auto")
@@ -80,6 +82,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.batch_lines is None:
         args.batch_lines = args.backlog
+    cases = {c.strip() for c in args.cases.split(",") if c.strip()} | {"idle"}
+    if cases - set(CASES):
+        parser.error(f"--cases: unknown {', '.join(sorted(cases - set(CASES)))}; of {', '.join(CASES)}")
+    args.cases = tuple(c for c in CASES if c in cases)
     return args
 
 
@@ -133,9 +139,9 @@ async def _behind_batch(client: httpx.AsyncClient, url: str, args: argparse.Name
 
 async def _measure(url: str, args: argparse.Namespace, console: Console) -> dict[str, list[float]]:
     await raw_stream(url, {"messages": chat(999), "max_tokens": 4}, APP_KEY)  # warm-up
-    samples: dict[str, list[float]] = {c: [] for c in CASES}
+    samples: dict[str, list[float]] = {c: [] for c in args.cases}
     for r in range(args.rounds):
-        for case in alternate(CASES, r):
+        for case in alternate(args.cases, r):
             samples[case].append(await _case(url, case, args, r))
             console.print(f"  round {r + 1} {case}: {samples[case][-1]:.1f} ms")
     return samples
@@ -169,14 +175,14 @@ def main(argv: list[str] | None = None) -> int:
     }
     if samples:
         medians = {c: statistics.median(v) for c, v in samples.items()}
-        results |= {"ttft_ms_median": medians, "over_idle": {c: medians[c] / medians["idle"] for c in CASES},
+        results |= {"ttft_ms_median": medians, "over_idle": {c: medians[c] / medians["idle"] for c in args.cases},
                     "samples_ms": samples}
         table = Table(title=f"chat TTFT behind {args.backlog} x {args.backlog_tokens}-token streams "
                             f"({args.batch_lines} batch lines), "
                             f"{args.max_batch} slots ({args.model})")
         for col in ("case", "TTFT p50 ms", "x idle"):
             table.add_column(col, justify="left" if col == "case" else "right")
-        for c in CASES:
+        for c in args.cases:
             table.add_row(c, f"{medians[c]:.1f}", f"{results['over_idle'][c]:.1f}")
         console.print(table)
     if bus:

@@ -316,3 +316,34 @@ def test_decode_attention_in_fp32_for_few_rows_agrees_with_bf16(rows: int) -> No
     ref = torch.nn.functional.scaled_dot_product_attention(qf, kf, vf, attn_mask=mask[:, None, None, :], scale=0.125)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, 9, 1, 64)
     assert torch.allclose(got.float(), ref, atol=0.03), (rows, FP32_ATTENTION_ROWS)
+
+
+def test_a_burst_of_prompts_is_prefilled_in_steps_of_the_time_bound_and_keeps_its_tokens(
+        tiny_model: LoadedModel) -> None:
+    """Regression (issue 46, a 2-core AVX2 CPU): 32 short chats created at once were one prefill step of
+    2.9 s, and a person's chat arriving meanwhile waited for all of it (13x its idle TTFT). On a CPU a
+    step now takes what the measured cost allows in ``prefill_step_s``: the burst is admitted a few at
+    a time, the first prefill before any cost is known takes at most 512 tokens, a prompt wider than
+    the bound still runs (alone), and every sequence gets the tokens of an unbounded engine."""
+    prompts = {f"r{i}": [5 + i, *range(10, 50)] for i in range(32)}  # 41 tokens each
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    unbounded = run_all(Engine(tiny_model, max_batch=32), prompts, params)
+    engine = Engine(tiny_model, max_batch=32, prefill_step_s=0.25)
+    seqs = {k: engine.new_sequence(k, p, params) for k, p in prompts.items()}
+    for s in seqs.values():
+        engine.add(s)
+    engine.step()
+    assert len(engine.rows) == 512 // 41  # no cost measured yet: the first step's bound
+    assert engine.prefill_token_s is not None and engine.prefill_token_s > 0
+    engine.prefill_token_s = 0.25 / 100  # as if a padded token cost 2.5 ms: 100 tokens a step
+    before = len(engine.rows)
+    engine.step()
+    assert len(engine.rows) - before == 100 // 41  # padded: two prompts of 41 in 100 tokens
+    engine.run_to_completion()
+    assert {k: s.generated for k, s in seqs.items()} == unbounded
+    wide = Engine(tiny_model, max_batch=4, prefill_step_s=0.25)
+    wide.prefill_token_s = 0.25 / 64  # 64 tokens a step
+    long = wide.new_sequence("long", list(range(3, 203)), params)  # 200 tokens: wider than the bound
+    wide.add(long)
+    wide.step()
+    assert wide.rows == [long] and len(long.generated) == 1

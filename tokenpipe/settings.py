@@ -195,6 +195,10 @@ class Settings:
         0, "longest prompt in tokens, else an `error` event (0: `TOKENPIPE_MAX_SEQ_LEN` − 1)")
     prefill_token_budget: int = _setting(
         4096, "padded tokens one prefill step may process; a larger admission wave is split")
+    prefill_step_ms: float = _setting(
+        250.0, "on a CPU, a prefill step takes at most about this long (as measured on earlier steps): a larger "
+               "admission wave is split, so that a request arriving meanwhile waits at most one such step; "
+               "0: `TOKENPIPE_PREFILL_TOKEN_BUDGET` alone")
     admission_hold_ms: float = _setting(10.0, "an idle engine waits at most this long for the rest of a burst it "
                                               "fetched, to prefill it as one batch (a lone request is never held)")
     first_batch_hold_ms: float = _setting(

@@ -169,7 +169,8 @@ class Runner(EngineHandle):
                      on_step: Callable[[int], None] | None = None, torch_thread: Executor | None = None) -> Runner:
         """A runner sized and tuned by ``settings`` (the generator's thread and its engine-core process)."""
         return cls(loaded, on_emit, on_step=on_step, max_batch=settings.max_batch, max_seq_len=settings.max_seq_len,
-                   prefill_token_budget=settings.prefill_token_budget, max_prompt_tokens=settings.max_prompt_tokens,
+                   prefill_token_budget=settings.prefill_token_budget, prefill_step_s=settings.prefill_step_ms / 1000,
+                   max_prompt_tokens=settings.max_prompt_tokens,
                    torch_thread=torch_thread, admission_hold_s=settings.admission_hold_ms / 1000,
                    kv_cache_mb=settings.kv_cache_mb, prefix_caching=settings.prefix_caching,
                    cuda_graphs=settings.cuda_graphs, owner_weights=parse_weights(settings.owner_weights),

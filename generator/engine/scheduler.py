@@ -44,6 +44,12 @@ __all__ = ["Engine", "EngineArgs", "Sequence", "StepOutput"]
 log = logging.getLogger(__name__)
 
 _ATTEND_ROUND = 32  # attended length is rounded up to this (fewer distinct shapes, little padding)
+# The time-bounded prefill step (Engine._budget): the first prefill's bound before any was measured, the
+# least a step may take, the smallest prefill whose time is counted, and how fast the cost follows.
+_FIRST_BUDGET = 512
+_MIN_BUDGET = 64
+_MEASURED_TOKENS = 16
+_COST_EWMA = 0.3
 
 
 @dataclass(eq=False)
@@ -91,6 +97,7 @@ class EngineArgs(TypedDict, total=False):
     max_batch: int
     max_seq_len: int
     prefill_token_budget: int
+    prefill_step_s: float
     max_prompt_tokens: int
     kv_cache_mb: float
     prefix_caching: bool
@@ -106,9 +113,9 @@ class Engine:
     tokens are recomputed when it is admitted again, as vLLM's recompute."""
 
     def __init__(self, loaded: LoadedModel, *, max_batch: int = 32, max_seq_len: int = 2048,
-                 prefill_token_budget: int = 4096, max_prompt_tokens: int = 0, kv_cache_mb: float = 0,
-                 prefix_caching: bool = True, admit_reserve_tokens: int = 256, cuda_graphs: str = "off",
-                 owner_max_running: int = 0) -> None:
+                 prefill_token_budget: int = 4096, prefill_step_s: float = 0.0, max_prompt_tokens: int = 0,
+                 kv_cache_mb: float = 0, prefix_caching: bool = True, admit_reserve_tokens: int = 256,
+                 cuda_graphs: str = "off", owner_max_running: int = 0) -> None:
         self.loaded = loaded
         self.owner_max_running = owner_max_running  # per owner, all classes (0: fair share alone)
         self.model = loaded.model
@@ -116,6 +123,10 @@ class Engine:
         self.max_batch = max_batch
         self.max_seq_len = min(max_seq_len, loaded.max_context)
         self.prefill_token_budget = max(prefill_token_budget, 1)
+        # A prefill step's time bound (0: the token budget alone), and the seconds a padded prompt token
+        # has cost here (None: no prefill measured yet): see _budget.
+        self.prefill_step_s = prefill_step_s
+        self.prefill_token_s: float | None = None
         self.max_prompt_tokens = max_prompt_tokens or self.max_seq_len - 1
         per_position = bytes_per_position(self.model, loaded.dtype)
         budget = int(kv_cache_mb * 2**20) if kv_cache_mb > 0 else auto_budget_bytes(
@@ -341,8 +352,23 @@ class Engine:
         self._enqueue(seq, front=True)  # first of its class again; its tokens are recomputed then
         self.preemptions += 1
 
+    def _budget(self) -> int:
+        """Padded tokens this step's prefill may take: the token budget, and on a CPU no more than it
+        prefills in ``prefill_step_s`` at the cost measured so far (the first prefill at most
+        :data:`_FIRST_BUDGET`). A step runs whole, so a request that arrives during a long admission
+        wave waits for it: 32 short chats at once were one 2.9 s step on a 2-core AVX2 CPU, and a
+        person's chat behind them waited that long (issue 46). Prefill is compute-bound there, so
+        smaller steps cost little throughput; the decode steps of running rows go between them."""
+        budget = self.prefill_token_budget
+        if self.prefill_step_s <= 0 or self.device.type != "cpu":
+            return budget
+        if self.prefill_token_s is None:
+            return min(budget, _FIRST_BUDGET)
+        return max(_MIN_BUDGET, min(budget, int(self.prefill_step_s / self.prefill_token_s)))
+
     def _admit(self) -> list[Sequence]:
         batch: list[Sequence] = []
+        budget = self._budget()
         widest = 0
         reserve = len(self.rows)  # a block each for the running rows' next steps
         admitted: dict[str, int] = {}
@@ -354,7 +380,7 @@ class Engine:
             held = self.pool.match(self._keys(seq, len(tokens) - 1))  # at least one token left to compute
             fresh = -(-len(tokens) // BLOCK_SIZE) - len(held)
             widest_if = max(widest, len(tokens) - len(held) * BLOCK_SIZE)
-            if (batch and widest_if * (len(batch) + 1) > self.prefill_token_budget) or \
+            if (batch and widest_if * (len(batch) + 1) > budget) or \
                     fresh + reserve > self.pool.available:
                 self.pool.release(held)
                 break
@@ -408,8 +434,13 @@ class Engine:
             s.admitted_ns = s.admitted_ns or time.time_ns()
         tables = self._tables(seqs, max(len(s.tokens) for s in seqs)) if any(s.computed for s in seqs) else None
         dev = self.device
+        started = time.perf_counter()
         logits = prefill(self.model, self.cache, ids.to(dev), positions.to(dev), slots.to(dev), lengths.to(dev),
                          None if tables is None else tables.to(dev))  # [N, V]
+        if dev.type == "cpu" and N * width >= _MEASURED_TOKENS:  # synchronous there: the step's own time
+            cost = (time.perf_counter() - started) / (N * width)
+            last = self.prefill_token_s
+            self.prefill_token_s = cost if last is None else last + _COST_EWMA * (cost - last)
         for s in seqs:
             s.computed = len(s.tokens)
             self._register(s)
