@@ -91,7 +91,9 @@ async def test_client_that_loses_relay_a_gets_the_exact_remainder_from_b(stack: 
     a = httpx.AsyncClient(base_url=stack.relay_urls[A], timeout=60)
     b = httpx.AsyncClient(base_url=stack.relay_urls[B], timeout=60)
     async with a, b:
-        resp = await a.post("/v1/streams", json=body(0, LONG))
+        # A batch per token: with the default windows a fast generator's 300 tokens came in fewer than the
+        # 25 batches the kill waits for, and the stream ended whole before it (CI, 12-07).
+        resp = await a.post("/v1/streams", json={**body(0, LONG), "coalesce": {"max_tokens": 0}})
         out = Outcome(A, 0, 0.0, id=resp.json()["id"], status=201)
         killed = False
         with pytest.raises(httpx.HTTPError):  # relay A dies under the open stream
