@@ -59,3 +59,38 @@ async def test_a_refusal_is_raised_at_once_not_retried(tmp_path: Path) -> None:
             assert time.monotonic() - t0 < 10
         finally:
             await nc.close()
+
+
+async def test_a_generators_placement_slots_are_made_after_a_frozen_jetstream_answers(tmp_path: Path) -> None:
+    """Regression (CI, 12-07): on a cluster that had just formed a generator exited with "JetStream did
+    not answer ['INFO', 'TP_REQUESTS']" while making its placement slots' consumers (5 s a try), after
+    its streams were provisioned patiently; the cluster-fault module then errored on every test."""
+    from generator.service.placed import SlotPulls
+    from tokenpipe.subjects import slot_consumer_name
+
+    with NatsServer(tmp_path / "nats") as server:
+        settings = Settings.load(env={}, nats_url=server.url, placement_slots=2)
+        bus = await connect(settings, name="patience-slots")
+
+        async def deliver(msgs: list[object]) -> None:
+            raise AssertionError("nothing is placed here")
+
+        pulls = SlotPulls(bus, settings, model="tiny-random", slot=0, room=lambda: 0, wanted_own=lambda: 0,
+                          deliver=deliver)  # type: ignore[arg-type]
+        assert server.pid is not None
+        try:
+            os.kill(server.pid, signal.SIGSTOP)
+            t0 = time.monotonic()
+            thaw = asyncio.get_running_loop().call_later(7.0, os.kill, server.pid, signal.SIGCONT)
+            try:
+                await pulls.start()  # longer than one ask's 5 s: a single try fails
+            finally:
+                thaw.cancel()
+                os.kill(server.pid, signal.SIGCONT)
+            assert time.monotonic() - t0 >= 7.0
+            for slot in range(2):
+                info = await bus.js.consumer_info("TP_REQUESTS", slot_consumer_name("tiny-random", slot))
+                assert info.config.filter_subject is not None
+        finally:
+            await pulls.stop()
+            await bus.close()

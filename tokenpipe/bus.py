@@ -7,9 +7,9 @@ import dataclasses
 import hashlib
 import hmac
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import nats
 import nats.errors
@@ -48,11 +48,12 @@ from .subjects import (
     shared_request_filter,
 )
 
-__all__ = ["Bus", "connect", "consumer_drift", "intake_config", "missing", "provision", "provision_copy",
+__all__ = ["Bus", "connect", "consumer_drift", "intake_config", "missing", "patiently", "provision", "provision_copy",
            "release_intake", "repair", "request_consumer_config", "requests_config", "served_models",
            "REPAIR_INTERVAL_S"]
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _RELEASE_TIMEOUT_S = 2.0  # release_intake's wait for its delete
 _ASK_TIMEOUT_S = 5.0  # missing()'s question to the admin about a shared stream (tokenpipe.storeinfo)
@@ -187,11 +188,15 @@ async def connect(settings: Settings, *, name: str, provision_streams: bool = Tr
 
 
 async def _provision_patiently(js: JetStreamContext, settings: Settings, **kw: Any) -> None:
-    """:func:`provision`, tried again while JetStream does not answer in time: a cluster that just
-    formed can time out its first stream requests (a generator that had loaded its model for a
-    minute then exited on one). A refusal (a bad configuration, too many replicas) is raised at once."""
-    await retrying(lambda: provision(js, settings, **kw), _PROVISIONING, what="JetStream provisioning",
-                   worth=_unanswered)
+    await patiently(lambda: provision(js, settings, **kw), "JetStream provisioning")
+
+
+async def patiently(op: Callable[[], Awaitable[T]], what: str) -> T:
+    """A start-up provisioning step ``op()``, tried again while JetStream does not answer in time: a
+    cluster that just formed can time out its first requests (a generator that had loaded its model
+    then exited on one: its streams in ``connect``, its placement slots' consumers in
+    ``generator.service.placed``). A refusal (a bad configuration, too many replicas) is raised at once."""
+    return await retrying(op, _PROVISIONING, what=what, worth=_unanswered)
 
 
 def _unanswered(exc: BaseException) -> bool:

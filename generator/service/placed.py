@@ -28,7 +28,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from tokenpipe.background import pause, stop_loops
-from tokenpipe.bus import Bus
+from tokenpipe.bus import Bus, patiently
 from tokenpipe.placement import KeyRecord, PlacementTable, follow_summaries, prefix_keys, recorded_keys, session_key
 from tokenpipe.settings import Settings
 from tokenpipe.slots import PRIORITY_GROUP, ensure_slot_consumers
@@ -168,7 +168,9 @@ class SlotPulls:
         if self.settings.placement_slots <= 0:
             return
         if self.bus.provisions and not self.settings.models:  # an open bus: nobody else makes them
-            await ensure_slot_consumers(self.bus.nc, self.settings, [self.model])
+            # A cluster that just formed may time out the first asks (a CI run's generator exited on one).
+            await patiently(lambda: ensure_slot_consumers(self.bus.nc, self.settings, [self.model]),
+                            "the placement slots' consumers")
         self._inbox = self.bus.nc.new_inbox()
         self._sub = await self.bus.nc.subscribe(f"{self._inbox}.*", cb=self._on_msg)
         self._task = asyncio.create_task(self._run(), name="slot-pulls")
