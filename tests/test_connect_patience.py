@@ -9,9 +9,11 @@ is frozen (SIGSTOP) past the JetStream API timeout, then thawed."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import nats
@@ -25,6 +27,18 @@ from tokenpipe_cli.natsserver import NatsServer
 pytestmark = pytest.mark.timeout(120)
 
 
+@contextlib.contextmanager
+def frozen(pid: int, seconds: float) -> Iterator[None]:
+    """nats-server ``pid`` stopped (SIGSTOP) now and thawed ``seconds`` later, or when the block ends."""
+    os.kill(pid, signal.SIGSTOP)
+    thaw = asyncio.get_running_loop().call_later(seconds, os.kill, pid, signal.SIGCONT)
+    try:
+        yield
+    finally:
+        thaw.cancel()
+        os.kill(pid, signal.SIGCONT)
+
+
 async def test_provisioning_that_times_out_while_jetstream_is_frozen_is_retried_until_it_answers(
         tmp_path: Path) -> None:
     with NatsServer(tmp_path / "nats") as server:
@@ -32,15 +46,9 @@ async def test_provisioning_that_times_out_while_jetstream_is_frozen_is_retried_
         bus = await connect(settings, name="patience-test")
         assert server.pid is not None
         try:
-            os.kill(server.pid, signal.SIGSTOP)
             t0 = time.monotonic()
-            thaw = asyncio.get_running_loop().call_later(12.0, os.kill, server.pid, signal.SIGCONT)
-            try:
-                # Longer than one try's timeout (the JetStream context's 10 s): a single try fails.
+            with frozen(server.pid, 12.0):  # longer than one try's timeout (the JetStream context's 10 s)
                 await _provision_patiently(bus.js, settings, registry=True, replicas=1)
-            finally:
-                thaw.cancel()
-                os.kill(server.pid, signal.SIGCONT)
             assert time.monotonic() - t0 >= 12.0  # it waited for the thaw, it did not skip the work
             assert "TP_REQUESTS" in [s.config.name for s in await bus.js.streams_info()]
         finally:
@@ -79,14 +87,9 @@ async def test_a_generators_placement_slots_are_made_after_a_frozen_jetstream_an
                           deliver=deliver)  # type: ignore[arg-type]
         assert server.pid is not None
         try:
-            os.kill(server.pid, signal.SIGSTOP)
             t0 = time.monotonic()
-            thaw = asyncio.get_running_loop().call_later(7.0, os.kill, server.pid, signal.SIGCONT)
-            try:
-                await pulls.start()  # longer than one ask's 5 s: a single try fails
-            finally:
-                thaw.cancel()
-                os.kill(server.pid, signal.SIGCONT)
+            with frozen(server.pid, 7.0):  # longer than one ask's 5 s: a single try fails
+                await pulls.start()
             assert time.monotonic() - t0 >= 7.0
             for slot in range(2):
                 info = await bus.js.consumer_info("TP_REQUESTS", slot_consumer_name("tiny-random", slot))
