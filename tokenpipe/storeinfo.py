@@ -49,7 +49,7 @@ from .subjects import (
     token_subject,
 )
 
-__all__ = ["StoreAnswers", "ask_config", "ask_count", "ask_pending"]
+__all__ = ["StoreAnswers", "ask_config", "ask_count", "ask_pending", "leader_count", "requests_held"]
 
 log = logging.getLogger(__name__)
 
@@ -112,11 +112,10 @@ class StoreAnswers:
         kind, name = parts[2], parts[3]
         try:
             if kind == "count":
-                return {"n": await self._count(TOKENS_STREAM, token_subject(RELAY_OWNER, check_stream_id(name)))}
+                return {"n": await leader_count(self.js, TOKENS_STREAM,
+                                                token_subject(RELAY_OWNER, check_stream_id(name)))}
             if kind == "pending":
-                # Both forms: the shared queue's subject and those placed on a generator (tokenpipe.placement).
-                own = request_subject(check_model_name(name), RELAY_OWNER)
-                return {"n": await self._count(REQUESTS_STREAM, own) + await self._count(REQUESTS_STREAM, f"{own}.>")}
+                return {"n": await requests_held(self.js, check_model_name(name), RELAY_OWNER)}
             if kind == "config" and name in _STREAMS:
                 try:
                     config = (await self.js.stream_info(name)).config
@@ -129,9 +128,20 @@ class StoreAnswers:
             raise TransportError(f"JetStream did not answer: {exc!r}") from exc
         raise TransportError(f"no such store question: {kind} {name!r}")
 
-    async def _count(self, stream: str, subject: str) -> int:
-        info = await self.js.stream_info(stream, subjects_filter=subject)
-        return sum(int(n) for n in (info.state.subjects or {}).values())
+
+
+async def leader_count(js: JetStreamContext, stream: str, subject: str) -> int:
+    """How many messages ``stream`` holds on ``subject`` (a wildcard: on each subject it matches), as
+    its leader counts them (``STREAM.INFO`` with a subjects filter); nats' own errors pass through."""
+    info = await js.stream_info(stream, subjects_filter=subject)
+    return sum(int(n) for n in (info.state.subjects or {}).values())
+
+
+async def requests_held(js: JetStreamContext, model: str, owner: str) -> int:
+    """How many of ``owner``'s requests for ``model`` ``TP_REQUESTS`` holds, in both forms: the shared
+    queue's subject and those placed on a generator (tokenpipe.placement)."""
+    own = request_subject(model, owner)
+    return await leader_count(js, REQUESTS_STREAM, own) + await leader_count(js, REQUESTS_STREAM, f"{own}.>")
 
 
 def _config_json(config: StreamConfig) -> dict[str, Any]:

@@ -23,10 +23,9 @@ from .errors import Overloaded, StreamNotFound, TransportError, WireFormatError
 from .placement import Choice
 from .reorder import Gap, Reorder
 from .retry import ELECTIONS, Retry, queue_full, retrying, through_elections
-from .storeinfo import ask_count, ask_pending
+from .storeinfo import ask_count, ask_pending, leader_count, requests_held
 from .subjects import (
     RELAY_OWNER,
-    REQUESTS_STREAM,
     TOKENS_STREAM,
     cancel_subject,
     check_stream_id,
@@ -222,8 +221,8 @@ async def stored_count(bus: Bus, stream_id: str, *, owner: str | None = None) ->
     if bus.store_questions:  # the relay under authorization: the admin counts (tokenpipe.storeinfo)
         _only_own(bus, owner)
         return await ask_count(bus.nc, stream_id, _COUNT_TIMEOUT_S + 1)
-    return await _leader_count(bus, TOKENS_STREAM, token_subject(owner or bus.owner, stream_id),
-                               "could not read stream history")
+    return await _leader(leader_count(bus.js, TOKENS_STREAM, token_subject(owner or bus.owner, stream_id)),
+                         "could not read stream history")
 
 
 async def pending_requests(bus: Bus, model: str, owner: str | None = None) -> int:
@@ -233,10 +232,7 @@ async def pending_requests(bus: Bus, model: str, owner: str | None = None) -> in
     if bus.store_questions:
         _only_own(bus, owner)
         return await ask_pending(bus.nc, model, _COUNT_TIMEOUT_S + 1)
-    # Both forms, the shared queue's subject and those placed on a generator (tokenpipe.placement).
-    return await _leader_count(bus, REQUESTS_STREAM, f"{request_subject(model, owner or bus.owner)}.>",
-                               "could not read the request queue") + await _leader_count(
-        bus, REQUESTS_STREAM, request_subject(model, owner or bus.owner), "could not read the request queue")
+    return await _leader(requests_held(bus.js, model, owner or bus.owner), "could not read the request queue")
 
 
 def _only_own(bus: Bus, owner: str | None) -> None:
@@ -244,15 +240,14 @@ def _only_own(bus: Bus, owner: str | None) -> None:
         raise TransportError(f"the store answers {bus.owner!r} about its own streams only, not {owner!r}'s")
 
 
-async def _leader_count(bus: Bus, stream: str, subject: str, failed: str) -> int:
-    """How many messages ``stream`` holds on ``subject``, as its leader counts them (STREAM.INFO)."""
+async def _leader(count: Awaitable[int], failed: str) -> int:
+    """``count`` (a question to a stream's leader), bounded and its failure translated."""
     try:
         # Bounded well below the 10 s API timeout: while the stream is between leaders nobody
         # answers, and a caller that retries should do so soon after the new leader is in.
-        info = await asyncio.wait_for(bus.js.stream_info(stream, subjects_filter=subject), timeout=_COUNT_TIMEOUT_S)
+        return await asyncio.wait_for(count, timeout=_COUNT_TIMEOUT_S)
     except Exception as exc:
         raise TransportError(f"{failed}: {exc}") from exc
-    return sum(int(n) for n in (info.state.subjects or {}).values())  # the filter's subjects (a wildcard: each)
 
 
 async def _open_history(bus: Bus, stream_id: str, owner: str | None, *, failed: str = "could not read stream history",

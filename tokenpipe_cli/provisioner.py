@@ -83,14 +83,19 @@ class Provisioner:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
         bus = await self._provision(timeout)
-        answers = None
-        if bus is not None:
-            # The relay's leader-side counts and store checks, which it may not ask JetStream for.
-            answers = StoreAnswers(bus.nc, bus.js)
-            await answers.start()
-        self._ready.set()
-        if bus is None or answers is None:
+        if bus is None:  # the error is start()'s to report
+            self._ready.set()
             return
+        # The relay's leader-side counts and store checks, which it may not ask JetStream for.
+        answers = StoreAnswers(bus.nc, bus.js)
+        try:
+            await answers.start()
+        except Exception as exc:  # reported to start()'s caller, in the other thread
+            self._error = exc
+            await bus.close()
+            return
+        finally:
+            self._ready.set()
         try:
             while await pause(self._stop, REPAIR_INTERVAL_S):
                 await self._repair(bus)
