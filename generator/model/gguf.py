@@ -228,7 +228,7 @@ def _as_fp32(data: np.ndarray, kind: Any, dequantize: Any) -> np.ndarray:
     if kind != GGMLQuantizationType.Q8_0:
         return np.asarray(dequantize(data, kind))
     n = data.shape[0]
-    b = torch.from_numpy(np.array(data)).view(n, -1, 34)  # a copy: the file's map is read-only. A block: fp16 d, 32 int8
+    b = torch.from_numpy(np.array(data)).view(n, -1, 34)  # a copy (a read-only map); a block: d, 32 q
     d = b[..., 0:2].contiguous().view(torch.float16).float()  # [n, K/32, 1]
     q = b[..., 2:].view(torch.int8)  # [n, K/32, 32]
     return (q * d).reshape(n, -1).numpy()  # int8 * fp32 is fp32: no float copy of q first
