@@ -14,16 +14,16 @@ an uninterrupted run gives: its tokens are recomputed, and its sampler drew noth
 
 Within a class, slots are shared fairly between owners (weighted fair queuing over seats, as
 Kubernetes' API Priority and Fairness): the next sequence admitted is the first waiting one of
-the owner with the fewest running rows of that class per unit of weight, and when none is free,
-the youngest row of the owner most over its share is preempted for an owner under it, as long as
-the move leaves the first no poorer than the second (so two owners never trade a slot back and forth).
+the owner with the fewest running rows of that class per unit of weight (who waits and who is
+next: generator.engine.lanes), and when none is free, the youngest row of the owner most over
+its share is preempted for an owner under it, as long as the move leaves the first no poorer
+than the second (so two owners never trade a slot back and forth).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import TypedDict
 
@@ -37,6 +37,7 @@ from ..model.kvcache import BLOCK_SIZE, SCRATCH, PagedKVCache, auto_budget_bytes
 from ..model.loader import LoadedModel
 from .blocks import ROOT_KEY, BlockPool, prefix_keys
 from .graphs import StaticDecode, resolve_cuda_graphs, sample_on_device, table_width
+from .lanes import Lanes, running
 from .sampling import RowSampler, sample
 
 __all__ = ["Engine", "EngineArgs", "Sequence", "StepOutput"]
@@ -117,7 +118,7 @@ class Engine:
                  kv_cache_mb: float = 0, prefix_caching: bool = True, admit_reserve_tokens: int = 256,
                  cuda_graphs: str = "off", owner_max_running: int = 0) -> None:
         self.loaded = loaded
-        self.owner_max_running = owner_max_running  # per owner, all classes (0: fair share alone)
+        self.lanes: Lanes[Sequence] = Lanes(owner_max_running)
         self.model = loaded.model
         self.device = loaded.device
         self.max_batch = max_batch
@@ -135,7 +136,7 @@ class Engine:
         self.pool = self.cache.blocks = BlockPool(self.cache.num_blocks, caching=prefix_caching)
         self.reserve_blocks = -(-min(admit_reserve_tokens, self.max_seq_len) // BLOCK_SIZE)
         self.rows: list[Sequence] = []  # running, oldest admission first
-        self.waiting: deque[Sequence] = deque()
+        self.waiting = self.lanes.waiting  # interactive ones first (generator.engine.lanes)
         self.last_step_batch = 0
         self.preemptions = 0
         self.room = self._room()  # read by the worker's thread: an int, replaced whole
@@ -175,17 +176,8 @@ class Engine:
                         weight=weight)
 
     def add(self, seq: Sequence) -> None:
-        self._enqueue(seq)
+        self.lanes.enqueue(seq)
         self.room = self._room()
-
-    def _enqueue(self, seq: Sequence, *, front: bool = False) -> None:
-        """Queue ``seq`` behind the waiting sequences of its class (``front``: ahead of them, a
-        preempted one); every interactive sequence waits ahead of every batch one."""
-        interactive = sum(1 for s in self.waiting if not s.batch)  # the waiting deque is partitioned so
-        if seq.batch:
-            self.waiting.insert(interactive if front else len(self.waiting), seq)
-        else:
-            self.waiting.insert(0 if front else interactive, seq)
 
     def cancel(self, seq_id: str) -> bool:
         """Mark a sequence; it leaves the batch (and frees its blocks) at the next step."""
@@ -265,7 +257,7 @@ class Engine:
         Blocks are counted without the prefix cache (a cached prompt needs fewer): at worst one
         batch row more waits, never an interactive one."""
         slots = blocks = 0  # taken by the interactive sequences ahead
-        for seq in [s for s in self.waiting if not s.batch and not self.capped(s, {})]:
+        for seq in [s for s in self.waiting if not s.batch and not self.lanes.capped(s, self.rows, {})]:
             need = -(-len(seq.tokens) // BLOCK_SIZE)
             while (self.max_batch - len(self.rows) - slots < 1
                    or self.pool.available - len(self.rows) - blocks < need):
@@ -281,20 +273,20 @@ class Engine:
 
     def _yield_to_fair_share(self) -> None:
         """Preempt rows of the owner most over its share, youngest first, while the next sequence to
-        admit (:meth:`_next`) finds no slot or too few blocks and belongs to an owner under its share.
+        admit (:meth:`Lanes.next`) finds no slot or too few blocks and belongs to an owner under its share.
 
         Only rows of its class are taken (batch rows for interactive work went in
         :meth:`_yield_to_interactive`). A victim owner ``v`` gives up a row to owner ``c`` only if
         ``(running_v - 1) / weight_v >= (running_c + 1) / weight_c``: after the move ``v`` is still no
         poorer than ``c``, so the same slot is never taken back at the next step."""
         for _ in range(self.max_batch):
-            seq = self._next({})
-            if seq is None or self.capped(seq, {}):
+            seq = self.lanes.next(self.rows, {})
+            if seq is None or self.lanes.capped(seq, self.rows, {}):
                 return
             if not self._short_for(-(-len(seq.tokens) // BLOCK_SIZE)):
                 return
             mine = [r for r in self.rows if r.batch == seq.batch]
-            counts = self._running(mine)
+            counts = running(mine)
             victims = [r for r in mine if r.owner != seq.owner]
             if not victims:
                 return
@@ -305,51 +297,12 @@ class Engine:
             youngest = max((r for r in victims if r.owner == worst.owner), key=lambda r: r.order)
             self._preempt(youngest, f"owner {seq.owner!r} is under its fair share")
 
-    @staticmethod
-    def _running(rows: list[Sequence]) -> dict[str, int]:
-        counts: dict[str, int] = {}
-        for r in rows:
-            counts[r.owner] = counts.get(r.owner, 0) + 1
-        return counts
-
-    def capped(self, seq: Sequence, admitted: dict[str, int]) -> bool:
-        """``seq``'s owner runs ``owner_max_running`` sequences already (``admitted``: this step's)."""
-        if self.owner_max_running <= 0:
-            return False
-        running = sum(1 for r in self.rows if r.owner == seq.owner) + admitted.get(seq.owner, 0)
-        return running >= self.owner_max_running
-
-    def _next(self, admitted: dict[str, int]) -> Sequence | None:
-        """The waiting sequence to admit next: of the first class waiting (interactive before batch),
-        the first of the owner with the fewest rows of that class per unit of weight (``admitted``:
-        those admitted this step, per owner, counted too), ties to the one waiting longest; an owner
-        at ``owner_max_running`` is passed over. None: nobody can be admitted."""
-        best: Sequence | None = None
-        best_share = 0.0
-        seen: set[tuple[bool, str]] = set()
-        batch = False
-        counts = self._running([r for r in self.rows if not r.batch])
-        for seq in self.waiting:  # partitioned: interactive ones first
-            if seq.batch != batch:
-                if best is not None:
-                    break  # an interactive one goes first
-                batch, counts = True, self._running([r for r in self.rows if r.batch])
-            if (seq.batch, seq.owner) in seen:
-                continue  # each owner's own waiting sequences run first come first served
-            seen.add((seq.batch, seq.owner))
-            if self.capped(seq, admitted):
-                continue
-            share = (counts.get(seq.owner, 0) + admitted.get(seq.owner, 0)) / seq.weight
-            if best is None or share < best_share:
-                best, best_share = seq, share
-        return best
-
     def _preempt(self, seq: Sequence, why: str) -> None:
         log.info("preempting a sequence: %s", why, extra={"request_id": seq.id, "tokens": len(seq.tokens),
                                                          "batch": seq.batch})
         self._free(seq)  # its full blocks stay cached (keyed): its return prefills only what was evicted
         self.rows.remove(seq)
-        self._enqueue(seq, front=True)  # first of its class again; its tokens are recomputed then
+        self.lanes.enqueue(seq, front=True)  # first of its class again; its tokens are recomputed then
         self.preemptions += 1
 
     def _budget(self) -> int:
@@ -373,7 +326,7 @@ class Engine:
         reserve = len(self.rows)  # a block each for the running rows' next steps
         admitted: dict[str, int] = {}
         while self.waiting and len(self.rows) + len(batch) < self.max_batch:
-            seq = self._next(admitted)
+            seq = self.lanes.next(self.rows, admitted)
             if seq is None:
                 break
             tokens = seq.tokens
