@@ -69,7 +69,11 @@ __all__ = [
 
 TOKENPIPE_ACCOUNT = "TOKENPIPE"
 ACCOUNTS_FILE = "accounts.conf"  # in the credentials dir; the server configuration includes it
-_BCRYPT_ROUNDS = 11  # nats-server's own default cost (checked once per connection, not per message)
+# bcrypt's least cost. Its work factor slows the guessing of a password a person chose; tokenpipe's are 192
+# random bits (natsauth._ensure), which no work factor makes any harder to guess, and at nats-server's default
+# (11) every start hashed each user's for 0.12 s in a row and nats-server spent as long checking each connect
+# (about 1 s of CPU in a 4 s warm start of `tokenpipe up --generators 2` on 2 cores: issue 49).
+_BCRYPT_ROUNDS = 4
 
 
 def account_name(app: str) -> str:
