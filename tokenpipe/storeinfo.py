@@ -129,7 +129,6 @@ class StoreAnswers:
         raise TransportError(f"no such store question: {kind} {name!r}")
 
 
-
 async def leader_count(js: JetStreamContext, stream: str, subject: str) -> int:
     """How many messages ``stream`` holds on ``subject`` (a wildcard: on each subject it matches), as
     its leader counts them (``STREAM.INFO`` with a subjects filter); nats' own errors pass through."""
