@@ -9,12 +9,13 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import pytest
@@ -206,6 +207,28 @@ async def generator(settings: Settings, data_dir: Path) -> AsyncIterator[Generat
     await worker.stop(drain_timeout=1.0)
     await b.close()
     engine_thread.shutdown(wait=False)
+
+
+@contextlib.contextmanager
+def engine_held_after(worker: GeneratorWorker, steps: int,
+                      monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
+    """``worker``'s engine runs ``steps`` steps with work, then each next step waits until the yielded event is
+    set (60 s at most): a test holds a stream mid-way however fast the machine generates. Set on exit."""
+    engine, release = cast(Any, worker.runner).engine, threading.Event()  # the in-process runner's
+    step, done = engine.step, 0
+
+    def held() -> Any:
+        nonlocal done
+        done += 1
+        if done > steps:
+            release.wait(60)
+        return step()
+
+    monkeypatch.setattr(engine, "step", held)
+    try:
+        yield release
+    finally:
+        release.set()
 
 
 class RelayServer:

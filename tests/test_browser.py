@@ -20,7 +20,7 @@ import pytest
 
 from generator.service.worker import GeneratorWorker
 
-from .conftest import RelayServer, read_sse, wait_until
+from .conftest import RelayServer, engine_held_after, read_sse, wait_until
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -164,18 +164,23 @@ async def test_chat_streams_answer_and_stats(tab: Tab, http: httpx.AsyncClient) 
     assert tab.errors == []
 
 
-async def test_stop_button_cancels_generation(tab: Tab, http: httpx.AsyncClient, generator: GeneratorWorker) -> None:
+async def test_stop_button_cancels_generation(tab: Tab, http: httpx.AsyncClient, generator: GeneratorWorker,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
     page = tab.page
-    # Greedy: tiny-random then repeats a newline and does not reach EOS within 2000 tokens.
-    _, sid = await start_chat(tab, max_tokens=2000, temperature=0)
-    # A long generation is under way and drawn into the page ...
-    await page.wait_for_function("() => Number(document.getElementById('nbatch').textContent) > 2")
-    await page.wait_for_function("() => document.querySelector('.msg.assistant').textContent.length > 0")
-    assert await page.is_enabled("#stop"), "the generation finished before Stop could be clicked"
-    # ... until Stop.
-    async with page.expect_response(lambda r: r.request.method == "DELETE") as info:
-        await page.click("#stop")
-    deleted = await info.value
+    # Held after 100 tokens until the page's DELETE is answered: the stream cannot end between the check that
+    # Stop is enabled and the click, however fast the machine (its WebSocket twin lost that race in a CI run).
+    with engine_held_after(generator, 100, monkeypatch) as release:
+        # Greedy: tiny-random then repeats a newline and does not reach EOS within 2000 tokens.
+        _, sid = await start_chat(tab, max_tokens=2000, temperature=0)
+        # A long generation is under way and drawn into the page ...
+        await page.wait_for_function("() => Number(document.getElementById('nbatch').textContent) > 2")
+        await page.wait_for_function("() => document.querySelector('.msg.assistant').textContent.length > 0")
+        assert await page.is_enabled("#stop"), "the generation finished before Stop could be clicked"
+        # ... until Stop.
+        async with page.expect_response(lambda r: r.request.method == "DELETE") as info:
+            await page.click("#stop")
+        deleted = await info.value
+        release.set()
     assert deleted.url.endswith(f"/v1/streams/{sid}")
     assert deleted.status == 200
     await wait_idle(tab)

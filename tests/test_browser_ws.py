@@ -7,10 +7,11 @@ import contextlib
 from typing import Any
 
 import httpx
+import pytest
 
 from generator.service.worker import GeneratorWorker
 
-from .conftest import wait_until
+from .conftest import engine_held_after, wait_until
 from .test_browser import (  # noqa: F401  (fixtures, used by name)
     PROMPT,
     TIMEOUT_MS,
@@ -87,16 +88,22 @@ async def test_chat_over_the_websocket_toggle(tab: Tab, http: httpx.AsyncClient)
 
 
 async def test_stop_over_the_websocket_sends_a_cancel_frame(tab: Tab, http: httpx.AsyncClient,  # noqa: F811
-                                                            generator: GeneratorWorker) -> None:
+                                                            generator: GeneratorWorker,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stream is held after 100 tokens until the page has sent its cancel frame (a CI run: tiny-random's
+    2,000 tokens ended between the check that Stop was enabled and the click, and no cancel was sent)."""
     page = tab.page
     sockets = Sockets(page)
-    await chat_over_ws(page, max_tokens=2000, temperature=0)  # greedy tiny-random: no EOS within 2000
-    await page.wait_for_function("() => Number(document.getElementById('nbatch').textContent) > 2")
-    assert await page.is_enabled("#stop"), "the generation finished before Stop could be clicked"
-    await page.click("#stop")
+    with engine_held_after(generator, 100, monkeypatch) as release:
+        await chat_over_ws(page, max_tokens=2000, temperature=0)  # greedy tiny-random: no EOS within 2000
+        await page.wait_for_function("() => Number(document.getElementById('nbatch').textContent) > 2")
+        assert await page.is_enabled("#stop"), "the generation finished before Stop could be clicked"
+        await page.click("#stop")
+        sent = await sockets.sent_types(["create", "cancel"])
+        release.set()
     await wait_idle(tab)
     sid = await page.text_content("#sid")
-    assert await sockets.sent_types(["create", "cancel"]) == ["create", "cancel"]
+    assert sent == ["create", "cancel"]
     assert sockets.sent[1]["id"] == sid
     assert not [u for u in sockets.posts if "/v1/streams" in u]
     tokens, done = await replay(http, sid or "")
