@@ -183,7 +183,6 @@ def load_gguf_llama(path: Path, config: Any, dtype: torch.dtype, *,
     the library's int4 layout is ``Q4_1``'s (:func:`q4_as_stored`), so nothing is computed; their ``Linear``s are
     then left on the meta device (shaped, holding nothing: the model's own forward does not run)."""
     from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
 
     shape = config if isinstance(config, LlamaShape) else LlamaShape.from_dict(config.to_dict())
     try:
@@ -204,7 +203,7 @@ def load_gguf_llama(path: Path, config: Any, dtype: torch.dtype, *,
             if stored[name].nibbles.shape[0] * stored[name].nibbles.shape[1] * 2 != module.weight.numel():
                 raise ModelNotFound(f"{t.name} in {path} does not fit the model's {name}")
             continue  # its Linear keeps its meta weight
-        values = _as_fp32(np.asarray(t.data), t.tensor_type, dequantize)  # fp32, this tensor only
+        values = _as_fp32(np.asarray(t.data), t.tensor_type)  # fp32, this tensor only
         if kind in permuted:
             values = _unpermute(values, permuted[kind])
         weight = torch.from_numpy(np.array(values, dtype=np.float32)).to(dtype)  # a writable copy, then dtype
@@ -219,11 +218,12 @@ def load_gguf_llama(path: Path, config: Any, dtype: torch.dtype, *,
     return model, stored
 
 
-def _as_fp32(data: np.ndarray, kind: Any, dequantize: Any) -> np.ndarray:
+def _as_fp32(data: np.ndarray, kind: Any) -> np.ndarray:
     """A tensor's values in fp32: ``Q8_0`` (SmolLM2's token embedding, a 49,152-row vocabulary) in one
     vectorized pass (gguf's own de-quantizer goes row group by row group in Python: 0.17 s of a warm start's
     model load), other types by gguf's ``dequantize``."""
     from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
 
     if kind != GGMLQuantizationType.Q8_0:
         return np.asarray(dequantize(data, kind))

@@ -168,35 +168,27 @@ class QuantLinear(nn.Module):
         # fp32 for SmolLM2's) was a tenth of a second of every start, and a broken kernel errs on every row.
         rows = torch.unique(torch.linspace(0, self.out_features - 1, min(self.out_features, _CHECK_ROWS),
                                            device=w.device).long())
-        ref = x.float() @ self._dequantize_rows(rows).T
+        ref = x.float() @ self.dequantize(rows).T
         got = got[:, rows]
         return bool(((got - ref).norm() <= 0.02 * ref.norm() + 1e-3).item())
 
-    def _dequantize_rows(self, rows: Tensor) -> Tensor:
-        """Rows ``rows`` of :meth:`dequantize`, ``[len(rows), K]`` fp32, computing only those."""
-        if self.scales is None or self.qweight is None or (self.mode == "int4" and not hasattr(self, "q_unpacked")):
-            return self.dequantize()[rows]
-        s = self.scales.float()
-        if self.mode == "int8":
-            return self.qweight[rows].float() * s[rows, None]
-        scale, zero = s[..., 0].T[rows], s[..., 1].T[rows]  # [n, K/G]
-        qg = self.q_unpacked[rows].float().view(len(rows), -1, GROUP)
-        return ((qg - 8) * scale[..., None] + zero[..., None]).view(len(rows), self.in_features)
-
-    def dequantize(self) -> Tensor:
-        """The weight as the kernel sees it, ``[N, K]`` fp32 (tests, the fallback)."""
+    def dequantize(self, rows: Tensor | None = None) -> Tensor:
+        """The weight as the kernel sees it, ``[N, K]`` fp32 (tests, the fallback); ``rows``: those rows only,
+        ``[len(rows), K]``, de-quantizing no others where torch's copy is kept."""
         if self.scales is None or self.qweight is None:
             if isinstance(self.gemv, Q4Weight):
-                return self.gemv.dequantize()
+                whole = self.gemv.dequantize()
+                return whole if rows is None else whole[rows]
             raise RuntimeError("torch's copy of the quantized weight was dropped")
+        pick = slice(None) if rows is None else rows
         s = self.scales.float()
         if self.mode == "int8":
-            return self.qweight.float() * s[:, None]
+            return self.qweight[pick].float() * s[pick, None]
         if not hasattr(self, "q_unpacked"):
             raise RuntimeError("the int4 weight is packed; its unpacked form was not kept")
-        scale, zero = s[..., 0].T, s[..., 1].T  # [N, K/G]
-        qg = self.q_unpacked.float().view(self.out_features, -1, GROUP)
-        return ((qg - 8) * scale[..., None] + zero[..., None]).view(self.out_features, self.in_features)
+        scale, zero = s[..., 0].T[pick], s[..., 1].T[pick]  # [n, K/G]
+        qg = self.q_unpacked[pick].float().view(scale.shape[0], -1, GROUP)
+        return ((qg - 8) * scale[..., None] + zero[..., None]).view(scale.shape[0], self.in_features)
 
     def drop_torch_weight(self) -> bool:
         """Free torch's packed copy of the quantized weight (~0.6 bytes a weight with its bf16 scales) where the
