@@ -282,6 +282,18 @@ async def read_sse(response: httpx.Response) -> list[tuple[str, str | None, str]
     return [(e.event, e.id, e.data) async for e in aiter_sse(response)]
 
 
+def parent_of(pid: int) -> int:
+    """``pid``'s parent (from /proc)."""
+    return int((Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def forked_by_fork_server(pids: list[int]) -> bool:
+    """Whether every one of ``pids`` is a child of one ``tokenpipe up`` fork server (tokenpipe_cli.forkserver)."""
+    parents = {parent_of(pid) for pid in pids}
+    cmdline = (Path("/proc") / str(parents.pop()) / "cmdline").read_bytes() if len(parents) == 1 else b""
+    return b"tokenpipe_cli.forkserver" in cmdline
+
+
 def descendants(pid: int) -> list[int]:
     """Every live descendant of ``pid`` (from /proc)."""
     kids: dict[int, list[int]] = {}

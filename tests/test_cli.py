@@ -22,7 +22,7 @@ from producer import SSEParser
 from tokenpipe.settings import engine_threads
 from tokenpipe_cli.launch import LaunchError, free_port, free_ports, spawn, wait_ready
 
-from .conftest import alive, descendants, read_until_up
+from .conftest import alive, descendants, forked_by_fork_server, read_until_up
 
 # The console script that `make install` puts beside this interpreter, as a user runs it.
 TOKENPIPE = str(Path(sys.executable).parent / "tokenpipe")
@@ -46,7 +46,9 @@ def test_up_serves_a_stream_and_stops_cleanly_on_sigterm(tmp_path: Path, data_di
         assert {r["name"] for r in status["roles"]} == {"nats-server", "generator-0", "generator-1", "relay"}
         assert all(r["pid"] in descendants(proc.pid) for r in status["roles"])
         children = descendants(proc.pid)
-        assert len(children) >= 4  # nats-server, 2 generators, relay
+        assert len(children) >= 5  # nats-server, the fork server, 2 generators, relay
+        # Both generators forked from the one process that imported torch and the engine (TOKENPIPE_FORK_GENERATORS).
+        assert forked_by_fork_server([r["pid"] for r in status["roles"] if r["name"].startswith("generator")])
         base = f"http://127.0.0.1:{port}"
         # The machine's cores are shared out between the two generators, never two engines as wide as it.
         for mport in status["ports"]["metrics"]:
@@ -162,8 +164,10 @@ def test_up_hands_its_log_json_and_external_nats_flags_to_the_roles(tmp_path: Pa
     spawned: dict[str, list[str]] = {}
     monkeypatch.setattr("tokenpipe_cli.supervisor.spawn_role",
                         lambda *args, name, **_: spawned.setdefault(name, list(args)))
+    # Spawned, not forked: the flags are the same either way, and a fork server is a real process.
     settings = Settings.load(env={}, data_dir=str(tmp_path), port=free_port(), metrics_port=0, log_json=True,
-                             nats_url="tls://10.0.0.9:4222", nats_creds="/secrets/app.json", nats_ca="/secrets/ca.pem")
+                             nats_url="tls://10.0.0.9:4222", nats_creds="/secrets/app.json", nats_ca="/secrets/ca.pem",
+                             fork_generators=False)
     sup = Supervisor(settings, external_nats=True)
     sup._build_roles()
     for role in sup.roles:
@@ -187,7 +191,7 @@ def test_up_gives_the_relay_its_model_as_the_default_one(tmp_path: Path, monkeyp
     monkeypatch.setattr("tokenpipe_cli.supervisor.spawn_role",
                         lambda *args, name, **_: spawned.setdefault(name, list(args)))
     sup = Supervisor(Settings.load(env={}, data_dir=str(tmp_path), port=free_port(), metrics_port=0,
-                                   model="tiny-random"), external_nats=True)
+                                   model="tiny-random", fork_generators=False), external_nats=True)
     sup._build_roles()
     for role in sup.roles:
         role.start()

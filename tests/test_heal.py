@@ -30,7 +30,7 @@ from tokenpipe.subjects import RELAY_OWNER, REQUESTS_STREAM, TOKENS_STREAM, cons
 from tokenpipe.wire import Request, TokenBatch
 from tokenpipe_cli.upprocess import UpProcess
 
-from .conftest import wait_until
+from .conftest import forked_by_fork_server, wait_until
 from .test_resilience import _greedy_ids, assert_contiguous
 
 pytestmark = pytest.mark.timeout(240)
@@ -128,6 +128,8 @@ async def test_kill9_of_the_generator_holding_a_stream_is_taken_over_and_restart
         await stack.wait_up()
         dead = next(r for r in stack.status()["roles"] if r["restarts"] >= 1 and r["name"].startswith("generator"))
         assert dead["pid"] != killed[0][0] and dead["last_exit"] == "SIGKILL"
+        # Forked again by the fork server that forked the survivor (its exit status reported through it).
+        assert forked_by_fork_server([r["pid"] for r in stack.status()["roles"] if r["name"].startswith("generator")])
         ready = (await http.get("/readyz")).json()
         assert ready["status"] in ("ready", "degraded")  # the new one may not have announced yet
         out = stack.output()

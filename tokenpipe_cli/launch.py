@@ -23,6 +23,7 @@ import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from tokenpipe.errors import TokenpipeError
 
@@ -102,17 +103,40 @@ def port_free(port: int, host: str = "127.0.0.1", reuse_addr: bool = True) -> bo
     return True
 
 
+class Proc(Protocol):
+    """What :class:`Child` needs of its process: ``subprocess.Popen``'s, or a forked generator's
+    (:class:`tokenpipe_cli.forkserver.ForkedProc`)."""
+
+    returncode: int | None
+
+    @property
+    def pid(self) -> int: ...
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def send_signal(self, sig: int) -> None: ...
+
+    def kill(self) -> None: ...
+
+
 @dataclass
 class Child:
-    """A process started by :func:`spawn`."""
+    """A process started by :func:`spawn` (or forked by ``up``'s fork server)."""
 
     name: str
-    proc: subprocess.Popen[bytes]
+    proc: Proc
     log: Path | None = None  # where its output goes (None: inherited from us)
 
     @property
     def pid(self) -> int:
         return self.proc.pid
+
+    def pid_now(self) -> int | None:
+        """Its pid, or None while a fork server has not answered yet (never waits)."""
+        known = getattr(self.proc, "known_pid", None)
+        return known() if known is not None else self.proc.pid
 
     @property
     def returncode(self) -> int | None:

@@ -25,6 +25,7 @@ from tokenpipe.natsconfig import write_server_config
 from tokenpipe.settings import Settings, engine_threads
 
 from .cluster import LocalCluster
+from .forkserver import ForkServer
 from .launch import Child, free_port, http_ok, port_free, spawn_role
 from .natsserver import NatsServer
 from .provisioner import Provisioner
@@ -35,6 +36,7 @@ __all__ = ["Supervisor", "nats_role"]
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.2
+_START_POLL_S = 0.05  # while starting: a generator's ready file seen within 50 ms, not 200 (a warm start is ~2.5 s)
 _READY_TIMEOUT_S = 600.0
 
 
@@ -52,6 +54,7 @@ class Supervisor:
     nats_cluster: int = 1  # > 1: that many nats-server nodes on loopback, one JetStream cluster
     nats: NatsServer | LocalCluster | None = None
     provisioner: Provisioner | None = None  # the admin: creates and repairs the streams (embedded NATS)
+    forks: ForkServer | None = None  # forks the generators (TOKENPIPE_FORK_GENERATORS)
     roles: list[Role] = field(default_factory=list)
     _stop_signal: int | None = None
     _state: str = "starting"
@@ -81,7 +84,17 @@ class Supervisor:
     def _child_role(self, name: str, kind: RoleKind, args: list[str], ready: Callable[[], bool],
                     env: dict[str, str] | None = None) -> Role:
         # Own session: Ctrl-C reaches only us, and we stop roles in order (relay, generators, NATS).
+        if kind == "generator" and self.settings.fork_generators:
+            return Role(name, kind, partial(self._fork, name, args, env), ready)
         return Role(name, kind, partial(spawn_role, *args, name=name, new_session=True, env=env), ready)
+
+    def _fork(self, name: str, args: list[str], env: dict[str, str] | None) -> Child:
+        """A generator forked from the fork server (a new one if the last one died)."""
+        if self.forks is None or not self.forks.alive:
+            if self.forks is not None:
+                log.warning("the fork server exited; starting another", extra={"exit": self.forks.proc.poll()})
+            self.forks = ForkServer()
+        return self.forks.spawn(name, args, env, new_session=True)
 
     def _nats_roles(self, port: int) -> list[Role]:
         # Authorization on, even on loopback: every role gets its own user (tokenpipe.natsauth);
@@ -195,6 +208,9 @@ class Supervisor:
         except TokenpipeError as exc:
             print(f"tokenpipe: error: {exc.message}", flush=True)
             return 1
+        if self.settings.fork_generators and self.generators > 0:
+            # First: it imports torch and the engine while nats-server starts and the streams are set up.
+            self.forks = ForkServer()
         try:
             for nats in (r for r in self.roles if r.kind == "nats"):  # one, or a local cluster's nodes
                 self._start(nats)
@@ -224,7 +240,8 @@ class Supervisor:
                 if self._state == "starting" and time.monotonic() > deadline:
                     log.error("tokenpipe did not come up in time; stopping", extra={"timeout_s": _READY_TIMEOUT_S})
                     return 1
-                time.sleep(_POLL_S)  # polling child processes: signals interrupt it
+                # Polling child processes: signals interrupt it.
+                time.sleep(_START_POLL_S if self._state == "starting" else _POLL_S)
             return 0
         except _GiveUp:
             return 1
@@ -240,7 +257,7 @@ class Supervisor:
     def _start(self, role: Role) -> None:
         role.state = "starting"
         role.child = role.start()
-        role.pid = role.child.pid if role.child is not None else -1
+        role.pid = role.child.pid_now() if role.child is not None else -1
         log.info("role started", extra={"role": role.name, "pid": role.pid, "restarts": role.restarts})
 
     def _tick(self) -> None:
@@ -256,6 +273,9 @@ class Supervisor:
                     self._start(role)
                     changed = True
                 continue
+            if role.pid is None and role.child is not None:  # a fork's pid, answered since
+                role.pid = role.child.pid_now()
+                changed = changed or role.pid is not None
             code = role.alive()
             if code is not None:
                 changed = True
@@ -344,6 +364,8 @@ class Supervisor:
                 child.wait_or_kill(10)
         for child in children:
             child.wait_or_kill(self.settings.drain_timeout_s + 10)
+        if self.forks is not None:
+            self.forks.close()
         if self.provisioner is not None:
             self.provisioner.stop()
         if self.nats is not None:
