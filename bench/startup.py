@@ -14,12 +14,18 @@ nats on a fresh data dir, ≤ 5 s warm). ``start_peak_mb`` is the largest genera
 llama.cpp's server on the same GGUF (its time to answer ``/v1/models`` and its RSS) runs beside it where
 ``bench.peers`` finds llama-cpp-python's server (``--llama-python``); elsewhere it is reported as not
 measured, with how to install it. Writes ``bench/out/startup.json``.
+
+``--variant NAME:KEY=VALUE[,KEY=VALUE]`` (twice or more) compares environments on the warm start: each
+round's warm starts go through the variants in turn on the same data dir (``--warm-starts`` each), and
+the table adds each variant's median after nats and its ratio to the first variant's, e.g.
+``--variant fork:TOKENPIPE_FORK_GENERATORS=1 --variant spawn:TOKENPIPE_FORK_GENERATORS=0``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import sys
 import tempfile
@@ -58,7 +64,17 @@ def _rss_mb(pid: int) -> float:
         return 0.0
 
 
-async def _one_start(data: Path, args: argparse.Namespace, *, wait_table: bool) -> dict[str, Any]:
+def _variant(spec: str) -> tuple[str, dict[str, str]]:
+    """``NAME:KEY=VALUE[,KEY=VALUE]`` as (name, environment)."""
+    name, sep, pairs = spec.partition(":")
+    env = dict(pair.split("=", 1) for pair in pairs.split(",") if "=" in pair)
+    if not name or not sep or not env:
+        raise argparse.ArgumentTypeError(f"--variant {spec!r}: expected NAME:KEY=VALUE[,KEY=VALUE]")
+    return name, env
+
+
+async def _one_start(data: Path, args: argparse.Namespace, *, wait_table: bool,
+                     env: dict[str, str] | None = None) -> dict[str, Any]:
     """One ``tokenpipe up`` on ``data``: its times to ready (and to final kernel tables), its generators' RSS."""
     exe = Path(sys.executable).with_name("tokenpipe")
     command = [str(exe)] if exe.exists() else [sys.executable, "-m", "tokenpipe_cli"]
@@ -66,7 +82,8 @@ async def _one_start(data: Path, args: argparse.Namespace, *, wait_table: bool) 
     log = data / "up.log"
     offset = log.stat().st_size if log.exists() else 0  # up.log is appended to: this start's lines follow
     t0 = time.monotonic()
-    up = UpProcess(data, "--model", args.model, "--generators", str(args.generators), *extra, command=command)
+    up = UpProcess(data, "--model", args.model, "--generators", str(args.generators), *extra, command=command,
+                   env={**os.environ, **(env or {})})
     marks: dict[str, float] = {}
     peak = 0.0
 
@@ -145,8 +162,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="seconds after the start to wait for the final kernel tables")
     ap.add_argument("--llama-python", default="", help="bench.peers' llama-cpp-python (default: its own default)")
     ap.add_argument("--no-llamacpp", action="store_true")
+    ap.add_argument("--variant", type=_variant, action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE]",
+                    help="warm starts alternated between these environments (the cold start runs with the first)")
+    ap.add_argument("--warm-starts", type=int, default=1, help="warm starts per variant per round")
     ap.add_argument("--out", default="bench/out/startup.json")
     args = ap.parse_args(argv)
+    if len(args.variant) == 1:
+        ap.error("--variant: give two or more to compare")
     if not args.llama_python:
         from .peers import LLAMA_PYTHON
 
@@ -158,16 +180,26 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="tokenpipe-startup-") as tmp:
             data = Path(tmp) / "data"
             data.mkdir()
-            cold = asyncio.run(_one_start(data, args, wait_table=True))
+            first = args.variant[0][1] if args.variant else None
+            cold = asyncio.run(_one_start(data, args, wait_table=True, env=first))
             console.print(f"  round {i + 1} cold: ready {cold['ready_s']:.1f} s, table final {cold['table_final_s']}")
-            warm = asyncio.run(_one_start(data, args, wait_table=False))
+            warm = asyncio.run(_one_start(data, args, wait_table=False, env=first))
             console.print(f"  round {i + 1} warm: ready {warm['ready_s']:.1f} s")
-            rounds.append({"cold": cold, "warm": warm})
+            by_variant: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in args.variant}
+            for _ in range(args.warm_starts if args.variant else 0):
+                for name, env in args.variant:
+                    start = asyncio.run(_one_start(data, args, wait_table=False, env=env))
+                    by_variant[name].append(start)
+                    console.print(f"  round {i + 1} warm, {name}: {start['after_nats_s']:.2f} s after nats")
+            rounds.append({"cold": cold, "warm": warm, "variants": by_variant})
     peer = {"measured": False, "why": "--no-llamacpp"} if args.no_llamacpp else \
         _llamacpp(args, Path(args.out).resolve().parent)
     result = {"model": args.model, "generators": args.generators, "quant": args.quant or "default", "cpu": cpu,
-              "rounds": rounds, "summary": _summary(rounds), "llamacpp": peer}
+              "rounds": rounds, "summary": _summary(rounds), "llamacpp": peer,
+              "variants": _variants(rounds, [(name, env) for name, env in args.variant])}
     console.print(_table(result))
+    if result["variants"]:
+        console.print(_variant_table(result["variants"]))
     write_json(args.out, result)
     console.print(f"wrote {args.out}")
     return 0
@@ -186,6 +218,31 @@ def _summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
                    "first_ready_s": median(kind, "first_ready_s"), "table_final_s": median(kind, "table_final_s"),
                    "idle_rss_mb": rss(kind), "start_peak_mb": max(r[kind]["start_peak_mb"] for r in rounds)}
             for kind in ("cold", "warm")}
+
+
+def _variants(rounds: list[dict[str, Any]], variants: list[tuple[str, dict[str, str]]]) -> list[dict[str, Any]]:
+    """Each variant's warm starts after nats (every one, and the median) and its ratio to the first's."""
+    out: list[dict[str, Any]] = []
+    for name, env in variants:
+        values = [s["after_nats_s"] for r in rounds for s in r["variants"][name] if s["after_nats_s"] is not None]
+        out.append({"name": name, "env": env, "after_nats_s": values,
+                    "median_s": statistics.median(values) if values else None})
+    base = out[0]["median_s"] if out else None
+    for v in out:
+        v["ratio"] = v["median_s"] / base if v["median_s"] is not None and base else None
+    return out
+
+
+def _variant_table(variants: list[dict[str, Any]]) -> Table:
+    t = Table(title="warm starts, alternated (after nats; ratio to the first variant's median)")
+    for col in ("variant", "environment", "each", "median", "÷ first"):
+        t.add_column(col)
+    for v in variants:
+        t.add_row(v["name"], " ".join(f"{k}={val}" for k, val in v["env"].items()),
+                  " ".join(f"{x:.2f}" for x in v["after_nats_s"]),
+                  "—" if v["median_s"] is None else f"{v['median_s']:.2f} s",
+                  "—" if v["ratio"] is None else f"{v['ratio']:.2f}")
+    return t
 
 
 def _table(result: dict[str, Any]) -> Table:
