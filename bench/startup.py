@@ -17,7 +17,8 @@ measured, with how to install it. Writes ``bench/out/startup.json``.
 
 ``--variant NAME:KEY=VALUE[,KEY=VALUE]`` (twice or more) compares environments on the warm start: each
 round's warm starts go through the variants in turn on the same data dir (``--warm-starts`` each), and
-the table adds each variant's median after nats and its ratio to the first variant's, e.g.
+the table adds each variant's median after nats and its ratio to the first variant's (``--restarts N``:
+and how soon generator-0 is ready again after each of N ``kill -9``), e.g.
 ``--variant fork:TOKENPIPE_FORK_GENERATORS=1 --variant spawn:TOKENPIPE_FORK_GENERATORS=0``.
 """
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import signal
 import statistics
 import sys
 import tempfile
@@ -74,7 +76,7 @@ def _variant(spec: str) -> tuple[str, dict[str, str]]:
 
 
 async def _one_start(data: Path, args: argparse.Namespace, *, wait_table: bool,
-                     env: dict[str, str] | None = None) -> dict[str, Any]:
+                     env: dict[str, str] | None = None, restarts: int = 0) -> dict[str, Any]:
     """One ``tokenpipe up`` on ``data``: its times to ready (and to final kernel tables), its generators' RSS."""
     exe = Path(sys.executable).with_name("tokenpipe")
     command = [str(exe)] if exe.exists() else [sys.executable, "-m", "tokenpipe_cli"]
@@ -123,12 +125,32 @@ async def _one_start(data: Path, args: argparse.Namespace, *, wait_table: bool,
                 for pid in _generator_pids(up)}
         lines = [line.split("generator", 1)[-1].strip()[:140] for line in output().splitlines()
                  if "kernel table (" in line or "not trusted" in line]
+        again = [await _restart(up, deadline) for _ in range(restarts)]
     finally:
         await up.stop()
     nats = marks.get("nats")
     return {"first_ready_s": marks.get("first"), "ready_s": marks["ready"], "nats_s": nats,
             "after_nats_s": marks["ready"] - nats if nats is not None else None, "table_final_s": tables,
-            "idle_rss_mb": idle, "start_peak_mb": peak, "table_lines": lines}
+            "idle_rss_mb": idle, "start_peak_mb": peak, "table_lines": lines, "restart_s": again}
+
+
+async def _restart(up: UpProcess, deadline: float) -> float:
+    """kill -9 of generator-0 until it is ready again (a new pid, ``up.json`` says ready): seconds."""
+    def gen0() -> dict[str, Any]:
+        return next(r for r in up.status().get("roles", []) if r["name"] == "generator-0")
+
+    while gen0()["state"] != "ready" or not gen0().get("pid"):  # the last restart's may still be settling
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"generator-0 not ready; see {up.log}")
+        await asyncio.sleep(_POLL_S)
+    pid = int(gen0()["pid"])
+    t0 = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    while not ((g := gen0())["state"] == "ready" and g.get("pid") not in (None, pid)):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"generator-0 not ready again after kill -9; see {up.log}")
+        await asyncio.sleep(_POLL_S)
+    return time.monotonic() - t0
 
 
 def _llamacpp(args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
@@ -165,6 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variant", type=_variant, action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE]",
                     help="warm starts alternated between these environments (the cold start runs with the first)")
     ap.add_argument("--warm-starts", type=int, default=1, help="warm starts per variant per round")
+    ap.add_argument("--restarts", type=int, default=0,
+                    help="per variant's warm start: kill -9 generator-0 this many times, timing each until it is "
+                         "ready again (the supervisor's backoff, 0.5 s, included)")
     ap.add_argument("--out", default="bench/out/startup.json")
     args = ap.parse_args(argv)
     if len(args.variant) == 1:
@@ -188,9 +213,10 @@ def main(argv: list[str] | None = None) -> int:
             by_variant: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in args.variant}
             for _ in range(args.warm_starts if args.variant else 0):
                 for name, env in args.variant:
-                    start = asyncio.run(_one_start(data, args, wait_table=False, env=env))
+                    start = asyncio.run(_one_start(data, args, wait_table=False, env=env, restarts=args.restarts))
                     by_variant[name].append(start)
-                    console.print(f"  round {i + 1} warm, {name}: {start['after_nats_s']:.2f} s after nats")
+                    again = "".join(f", ready again {r:.2f} s after kill -9" for r in start["restart_s"])
+                    console.print(f"  round {i + 1} warm, {name}: {start['after_nats_s']:.2f} s after nats{again}")
             rounds.append({"cold": cold, "warm": warm, "variants": by_variant})
     peer = {"measured": False, "why": "--no-llamacpp"} if args.no_llamacpp else \
         _llamacpp(args, Path(args.out).resolve().parent)
@@ -225,8 +251,10 @@ def _variants(rounds: list[dict[str, Any]], variants: list[tuple[str, dict[str, 
     out: list[dict[str, Any]] = []
     for name, env in variants:
         values = [s["after_nats_s"] for r in rounds for s in r["variants"][name] if s["after_nats_s"] is not None]
+        again = [x for r in rounds for s in r["variants"][name] for x in s["restart_s"]]
         out.append({"name": name, "env": env, "after_nats_s": values,
-                    "median_s": statistics.median(values) if values else None})
+                    "median_s": statistics.median(values) if values else None,
+                    "restart_s": again, "restart_median_s": statistics.median(again) if again else None})
     base = out[0]["median_s"] if out else None
     for v in out:
         v["ratio"] = v["median_s"] / base if v["median_s"] is not None and base else None
@@ -235,13 +263,14 @@ def _variants(rounds: list[dict[str, Any]], variants: list[tuple[str, dict[str, 
 
 def _variant_table(variants: list[dict[str, Any]]) -> Table:
     t = Table(title="warm starts, alternated (after nats; ratio to the first variant's median)")
-    for col in ("variant", "environment", "each", "median", "÷ first"):
+    for col in ("variant", "environment", "each", "median", "÷ first", "kill -9 → ready again (median)"):
         t.add_column(col)
     for v in variants:
         t.add_row(v["name"], " ".join(f"{k}={val}" for k, val in v["env"].items()),
                   " ".join(f"{x:.2f}" for x in v["after_nats_s"]),
                   "—" if v["median_s"] is None else f"{v['median_s']:.2f} s",
-                  "—" if v["ratio"] is None else f"{v['ratio']:.2f}")
+                  "—" if v["ratio"] is None else f"{v['ratio']:.2f}",
+                  "—" if v["restart_median_s"] is None else f"{v['restart_median_s']:.2f} s")
     return t
 
 

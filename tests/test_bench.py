@@ -257,7 +257,7 @@ def test_startup_benchmark_times_a_cold_and_a_warm_start(tmp_path: Path) -> None
     proc = run_bench(["bench.startup", "--model", "tiny-random", "--generators", "1", "--table-timeout", "60",
                       "--llama-python", str(tmp_path / "no-python"), "--out", str(out),
                       "--variant", "fork:TOKENPIPE_FORK_GENERATORS=1",
-                      "--variant", "spawn:TOKENPIPE_FORK_GENERATORS=0"])
+                      "--variant", "spawn:TOKENPIPE_FORK_GENERATORS=0", "--restarts", "1"])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     (rounds,) = result["rounds"]
@@ -267,6 +267,7 @@ def test_startup_benchmark_times_a_cold_and_a_warm_start(tmp_path: Path) -> None
     fork, spawned = result["variants"]
     assert (fork["name"], spawned["name"]) == ("fork", "spawn") and fork["ratio"] == 1.0
     assert len(fork["after_nats_s"]) == len(spawned["after_nats_s"]) == 1 and spawned["median_s"] > 0
+    assert [len(fork["restart_s"]), len(spawned["restart_s"])] == [1, 1] and fork["restart_median_s"] > 0
     assert "warm starts, alternated" in proc.stdout
     assert cold["table_final_s"] is not None  # an unquantized model's rules are final at once
     assert all(mb > 50 for mb in [*cold["idle_rss_mb"].values(), *warm["idle_rss_mb"].values()])

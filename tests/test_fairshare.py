@@ -25,7 +25,7 @@ from tokenpipe.settings import Settings
 from tokenpipe.streams import history_at
 from tokenpipe_cli.natsserver import NatsServer
 
-from .conftest import start_relay, wait_until
+from .conftest import engine_held_after, start_relay, wait_until
 from .test_lanes import alone, params, prompt_of
 
 
@@ -189,9 +189,11 @@ async def test_another_apps_request_behind_one_apps_backlog_on_the_bus_finishes_
 
 
 async def test_a_tenants_stream_behind_another_tenants_backlog_at_the_relay_finishes_before_it(
-        settings: Settings, data_dir: Path, generator: GeneratorWorker) -> None:
+        settings: Settings, data_dir: Path, generator: GeneratorWorker, monkeypatch: pytest.MonkeyPatch) -> None:
     """Behind the relay the owner is the tenant (every HTTP request is the relay's on the bus): bob's
-    stream created after alice's six on a two-slot generator is stored complete before any of hers."""
+    stream created after alice's six on a two-slot generator is stored complete before any of hers.
+    The engine is held after its first steps until bob's request is waiting (a CI-like busy run: tiny-random's
+    150 tokens of alice's two running streams were done before bob's request reached the generator)."""
     loaded = load_model("tiny-random", device="cpu", dtype="float32", data_dir=data_dir)
     loaded.name = "tiny-tenants"
     bus = await connect_bus(settings, name="tenants-generator")
@@ -204,16 +206,20 @@ async def test_a_tenants_stream_behind_another_tenants_backlog_at_the_relay_fini
             body = {"model": "tiny-tenants", "temperature": 0, "ignore_eos": True}
             alice = {"Authorization": "Bearer key-alice"}
             hers = []
-            for i in range(6):
-                r = await http.post("/v1/streams", headers=alice,
-                                    json={**body, "prompt": f"job {i}", "max_tokens": 150})
-                assert r.status_code == 201, r.text
-                hers.append(r.json()["id"])
-            await wait_until(lambda: gauge(worker, "tokenpipe_num_requests_waiting_per_owner", "alice") >= 1,
-                             30, "alice's backlog waiting, by tenant")
-            r = await http.post("/v1/streams", headers={"Authorization": "Bearer key-bob"},
-                                json={**body, "prompt": "mine", "max_tokens": 5})
-            his = r.json()["id"]
+            with engine_held_after(worker, 3, monkeypatch) as release:
+                for i in range(6):
+                    r = await http.post("/v1/streams", headers=alice,
+                                        json={**body, "prompt": f"job {i}", "max_tokens": 150})
+                    assert r.status_code == 201, r.text
+                    hers.append(r.json()["id"])
+                await wait_until(lambda: gauge(worker, "tokenpipe_num_requests_waiting_per_owner", "alice") >= 1,
+                                 30, "alice's backlog waiting, by tenant")
+                r = await http.post("/v1/streams", headers={"Authorization": "Bearer key-bob"},
+                                    json={**body, "prompt": "mine", "max_tokens": 5})
+                his = r.json()["id"]
+                await wait_until(lambda: gauge(worker, "tokenpipe_num_requests_waiting_per_owner", "bob") >= 1,
+                                 30, "bob's request waiting at the generator")
+                release.set()
             read = await http.get(f"/v1/streams/{his}", headers={"Authorization": "Bearer key-bob"})  # to its end
             assert "event: done" in read.text, read.text
             his_last = (await history_at(bus, his))[1]

@@ -34,12 +34,12 @@ from typing import Any, NoReturn
 
 from .launch import Child, die_with_parent
 
-__all__ = ["ForkServer", "ForkedProc"]
+__all__ = ["PRELOAD", "ForkServer", "ForkedProc"]
 
 log = logging.getLogger(__name__)
 
 # What a generator imports before it loads a model (generator.main and what loading a GGUF brings).
-_PRELOAD = ("torch", "numpy", "gguf", "tokenizers", "yaml", "jinja2", "generator.main", "tokenpipe_cli.cli")
+PRELOAD = ("torch", "numpy", "gguf", "tokenizers", "yaml", "jinja2", "generator.main", "tokenpipe_cli.cli")
 _START_TIMEOUT_S = 120.0
 
 
@@ -90,10 +90,10 @@ class ForkedProc:
 class ForkServer:
     """The supervisor's end: starts the server process, asks it for forks, and tracks their exits."""
 
-    def __init__(self, env: Mapping[str, str] | None = None) -> None:
+    def __init__(self, env: Mapping[str, str] | None = None, preload: Sequence[str] = PRELOAD) -> None:
         replies_r, replies_w = os.pipe()
         # Its own session, like every role (a terminal's Ctrl-C reaches only `up`); its output is up's.
-        self.proc = subprocess.Popen([sys.executable, "-m", "tokenpipe_cli.forkserver", str(replies_w)],
+        self.proc = subprocess.Popen([sys.executable, "-m", "tokenpipe_cli.forkserver", str(replies_w), *preload],
                                      stdin=subprocess.PIPE, pass_fds=(replies_w,), env=env,
                                      start_new_session=True, preexec_fn=die_with_parent)
         os.close(replies_w)
@@ -101,6 +101,8 @@ class ForkServer:
         self._pending: list[ForkedProc] = []  # asked for, pid not answered yet (answers come in order)
         self._procs: dict[int, ForkedProc] = {}
         self._gone = False
+        self._ready = False
+        self.broken = False  # it exited before it was ready (an import failed): fork nothing more from one
         self._reader = threading.Thread(target=self._read, args=(os.fdopen(replies_r, "rb"),),
                                         name="forkserver-replies", daemon=True)
         self._reader.start()
@@ -111,17 +113,22 @@ class ForkServer:
 
     def spawn(self, name: str, argv: Sequence[str], env: Mapping[str, str] | None = None,
               new_session: bool = False) -> Child:
-        """Fork ``tokenpipe <argv>`` (``env``: its whole environment; default ours). Returns at once."""
+        """Fork ``tokenpipe <argv>`` (``env``: its whole environment; default ours). Returns at once; a server
+        that is gone gives a child that has exited (SIGTERM, as its forks got)."""
         proc = ForkedProc(self)
         line = json.dumps({"argv": list(argv), "env": dict(env if env is not None else os.environ),
                            "new_session": new_session}) + "\n"
         with self.changed:
-            if self._gone:
-                raise BrokenPipeError("the fork server exited")
+            if self._gone:  # counts as exited at once: the supervisor's restart starts another server
+                proc.returncode = -signal.SIGTERM
+                return Child(name, proc)
             self._pending.append(proc)
         assert self.proc.stdin is not None
-        self.proc.stdin.write(line.encode())
-        self.proc.stdin.flush()
+        try:
+            self.proc.stdin.write(line.encode())
+            self.proc.stdin.flush()
+        except OSError:  # it died just now: the reply reader marks what was pending as exited
+            log.warning("the fork server exited while asked for a fork", extra={"role": name})
         return Child(name, proc)
 
     def close(self, timeout: float = 10.0) -> None:
@@ -141,7 +148,9 @@ class ForkServer:
         for raw in replies:
             what, *rest = raw.decode().split()
             with self.changed:
-                if what == "pid":
+                if what == "ready":
+                    self._ready = True
+                elif what == "pid":
                     proc = self._pending.pop(0)
                     proc._pid = int(rest[0])
                     self._procs[proc._pid] = proc
@@ -156,6 +165,10 @@ class ForkServer:
             # The server is gone: its generators got SIGTERM from it (PR_SET_PDEATHSIG) and were re-parented,
             # so their exit status is lost. They count as exited (a restart forks from a new server).
             self._gone = True
+            if not self._ready:
+                self.broken = True
+                log.error("the fork server exited before it was ready (its output above says why): generators are "
+                          "started as processes of their own", extra={"exit": self.proc.poll()})
             for proc in [*self._pending, *self._procs.values()]:
                 proc.returncode = -signal.SIGTERM
             self._pending.clear()
@@ -166,11 +179,12 @@ class ForkServer:
 
 # -- the server process ---------------------------------------------------------------------------
 
-def _serve(replies_fd: int) -> int:
+def _serve(replies_fd: int, preload: Sequence[str]) -> int:
     import importlib
 
-    for module in _PRELOAD:
+    for module in preload:
         importlib.import_module(module)
+    os.write(replies_fd, b"ready\n")
     commands_fd = sys.stdin.fileno()
     wake_r, wake_w = os.pipe()
     for fd in (wake_r, wake_w):
@@ -241,12 +255,15 @@ def _child(request: dict[str, Any], fds: tuple[int, ...]) -> NoReturn:
             os._exit(1)
         os.environ.clear()
         os.environ.update(request["env"])
+        import runpy
+
         import torch
 
         torch.seed()  # each generator its own random state (the server's was copied into every fork)
-        from .cli import main
-
-        code = main(request["argv"])
+        # What a spawned role runs (`python -m tokenpipe_cli ARGV`), run here: its __main__ exits with main()'s status.
+        sys.argv = ["tokenpipe", *request["argv"]]
+        runpy.run_module("tokenpipe_cli", run_name="__main__", alter_sys=True)
+        code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except BaseException:  # the generator's crash, reported as a spawned process's would be
@@ -259,4 +276,4 @@ def _child(request: dict[str, Any], fds: tuple[int, ...]) -> NoReturn:
 
 
 if __name__ == "__main__":
-    sys.exit(_serve(int(sys.argv[1])))
+    sys.exit(_serve(int(sys.argv[1]), sys.argv[2:]))

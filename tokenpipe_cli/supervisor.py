@@ -89,7 +89,9 @@ class Supervisor:
         return Role(name, kind, partial(spawn_role, *args, name=name, new_session=True, env=env), ready)
 
     def _fork(self, name: str, args: list[str], env: dict[str, str] | None) -> Child:
-        """A generator forked from the fork server (a new one if the last one died)."""
+        """A generator forked from the fork server (a new one if the last one died; spawned if it never started)."""
+        if self.forks is not None and self.forks.broken:
+            return spawn_role(*args, name=name, new_session=True, env=env)
         if self.forks is None or not self.forks.alive:
             if self.forks is not None:
                 log.warning("the fork server exited; starting another", extra={"exit": self.forks.proc.poll()})
