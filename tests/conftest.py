@@ -7,6 +7,7 @@ import contextlib
 import fcntl
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -280,6 +281,24 @@ async def http(relay: RelayServer) -> AsyncIterator[httpx.AsyncClient]:
 async def read_sse(response: httpx.Response) -> list[tuple[str, str | None, str]]:
     """Parse an SSE response into (event, id, data) triples, comments dropped."""
     return [(e.event, e.id, e.data) async for e in aiter_sse(response)]
+
+
+def freeze(pid: int, timeout: float = 10.0) -> None:
+    """SIGSTOP ``pid`` and return once every thread of it is stopped. The signal is asynchronous: a thread
+    running on another CPU stops at its next entry into the kernel, and a frozen nats-server answered a
+    whole provisioning (streams, buckets: 3.5 ms) after ``kill`` had returned (a CI-like busy run)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    tasks = Path("/proc") / str(pid) / "task"
+    while True:
+        states = []
+        for task in tasks.iterdir():
+            with contextlib.suppress(OSError):  # a thread that just exited
+                states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
+        if states and all(state in ("T", "t") for state in states):
+            return
+        assert time.monotonic() < deadline, f"process {pid} did not stop: {states}"
+        time.sleep(0.001)  # polling the kernel's view of the process, bounded by the deadline
 
 
 def parent_of(pid: int) -> int:

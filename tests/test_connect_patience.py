@@ -24,13 +24,15 @@ from tokenpipe.errors import TransportError
 from tokenpipe.settings import Settings
 from tokenpipe_cli.natsserver import NatsServer
 
+from .conftest import freeze
+
 pytestmark = pytest.mark.timeout(120)
 
 
 @contextlib.contextmanager
 def frozen(pid: int, seconds: float) -> Iterator[None]:
     """nats-server ``pid`` stopped (SIGSTOP) now and thawed ``seconds`` later, or when the block ends."""
-    os.kill(pid, signal.SIGSTOP)
+    freeze(pid)
     thaw = asyncio.get_running_loop().call_later(seconds, os.kill, pid, signal.SIGCONT)
     try:
         yield

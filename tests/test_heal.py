@@ -30,7 +30,7 @@ from tokenpipe.subjects import RELAY_OWNER, REQUESTS_STREAM, TOKENS_STREAM, cons
 from tokenpipe.wire import Request, TokenBatch
 from tokenpipe_cli.upprocess import UpProcess
 
-from .conftest import forked_by_fork_server, wait_until
+from .conftest import forked_by_fork_server, freeze, wait_until
 from .test_resilience import _greedy_ids, assert_contiguous
 
 pytestmark = pytest.mark.timeout(240)
@@ -153,7 +153,7 @@ async def test_a_generator_frozen_for_less_than_the_slack_keeps_its_stream(stack
     async def on_tokens(sid: str, n: int) -> None:
         if n >= 20 and not frozen:
             pid = await stack.holder(sid)
-            os.kill(pid, signal.SIGSTOP)
+            freeze(pid)
             frozen.append(pid)
             try:
                 await asyncio.sleep(0.5)  # the freeze itself is what is tested: a duration, not a wait for an event
@@ -198,7 +198,7 @@ async def test_a_generator_frozen_past_ack_wait_loses_its_stream_and_never_write
         arrivals.append(time.monotonic())
         if n >= 20 and not frozen:
             pid = await stack.holder(sid)
-            os.kill(pid, signal.SIGSTOP)
+            freeze(pid)
             frozen.append((pid, time.monotonic()))
 
     try:
@@ -352,7 +352,7 @@ async def test_kill9_of_a_generator_holding_32_streams_all_finish_on_the_other(s
     gens = [r["pid"] for r in stack.status()["roles"] if r["name"].startswith("generator")]
     holder, other = gens
     body = {**LONG, "max_tokens": 300}
-    os.kill(other, signal.SIGSTOP)  # it holds nothing and cannot fetch: the holder takes all 32
+    freeze(other)  # it holds nothing and cannot fetch: the holder takes all 32
     try:
         # A pull request it sent just before the stop lives on for up to its expiry (1 s on the shared
         # queue, 2 s for a peer's pull of a placement slot); a request handed to it would sit out an
@@ -565,7 +565,7 @@ async def test_a_generator_binding_its_consumer_while_nats_does_not_answer_tries
         bus = await connect(own, name="test-unanswered-intake")
         intake = RequestIntake(bus, "tiny-random", own)
         assert server.pid is not None
-        os.kill(server.pid, signal.SIGSTOP)  # connected, and no answer to anything now
+        freeze(server.pid)  # connected, and no answer to anything now
         try:
             with caplog.at_level(logging.WARNING, logger="tokenpipe.retry"):
                 task = asyncio.create_task(intake.subscribe())
