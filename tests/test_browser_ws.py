@@ -100,10 +100,13 @@ async def test_stop_over_the_websocket_sends_a_cancel_frame(tab: Tab, http: http
         assert await page.is_enabled("#stop"), "the generation finished before Stop could be clicked"
         await page.click("#stop")
         sent = await sockets.sent_types(["create", "cancel"])
+        # What the page and its socket showed, for a failure to say (a busy CI run once saw no cancel frame).
+        seen = {"nbatch": await page.text_content("#nbatch"), "stop": await page.is_enabled("#stop"),
+                "sockets": len(sockets.urls), "received": [f.get("type") for f in sockets.received][-3:]}
         release.set()
     await wait_idle(tab)
     sid = await page.text_content("#sid")
-    assert sent == ["create", "cancel"]
+    assert sent == ["create", "cancel"], seen
     assert sockets.sent[1]["id"] == sid
     assert not [u for u in sockets.posts if "/v1/streams" in u]
     tokens, done = await replay(http, sid or "")
