@@ -139,11 +139,11 @@ async def _restart(up: UpProcess, deadline: float) -> float:
     def gen0() -> dict[str, Any]:
         return next(r for r in up.status().get("roles", []) if r["name"] == "generator-0")
 
-    while gen0()["state"] != "ready" or not gen0().get("pid"):  # the last restart's may still be settling
+    while (g := gen0())["state"] != "ready" or not g.get("pid"):  # the last restart's may still be settling
         if time.monotonic() > deadline:
             raise RuntimeError(f"generator-0 not ready; see {up.log}")
         await asyncio.sleep(_POLL_S)
-    pid = int(gen0()["pid"])
+    pid = int(g["pid"])
     t0 = time.monotonic()
     os.kill(pid, signal.SIGKILL)
     while not ((g := gen0())["state"] == "ready" and g.get("pid") not in (None, pid)):

@@ -283,6 +283,12 @@ async def read_sse(response: httpx.Response) -> list[tuple[str, str | None, str]
     return [(e.event, e.id, e.data) async for e in aiter_sse(response)]
 
 
+def stat_fields(stat: Path) -> list[str]:
+    """The fields of a ``/proc/<pid>/stat`` (or ``…/task/<tid>/stat``) after the command name: [state, ppid, …].
+    The name is cut at its last ")", since it may hold spaces and parentheses itself."""
+    return stat.read_text().rsplit(")", 1)[1].split()
+
+
 def freeze(pid: int, timeout: float = 10.0) -> None:
     """SIGSTOP ``pid`` and return once every thread of it is stopped. The signal is asynchronous: a thread
     running on another CPU stops at its next entry into the kernel, and a frozen nats-server answered a
@@ -294,7 +300,7 @@ def freeze(pid: int, timeout: float = 10.0) -> None:
         states = []
         for task in tasks.iterdir():
             with contextlib.suppress(OSError):  # a thread that just exited
-                states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
+                states.append(stat_fields(task / "stat")[0])
         if states and all(state in ("T", "t") for state in states):
             return
         assert time.monotonic() < deadline, f"process {pid} did not stop: {states}"
@@ -303,7 +309,7 @@ def freeze(pid: int, timeout: float = 10.0) -> None:
 
 def parent_of(pid: int) -> int:
     """``pid``'s parent (from /proc)."""
-    return int((Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    return int(stat_fields(Path("/proc") / str(pid) / "stat")[1])
 
 
 def forked_by_fork_server(pids: list[int]) -> bool:
@@ -320,10 +326,9 @@ def descendants(pid: int) -> list[int]:
         if not entry.name.isdigit():
             continue
         try:
-            stat = (entry / "stat").read_text()
+            ppid = int(stat_fields(entry / "stat")[1])
         except OSError:
             continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
         kids.setdefault(ppid, []).append(int(entry.name))
     out, todo = [], [pid]
     while todo:
@@ -336,7 +341,7 @@ def descendants(pid: int) -> list[int]:
 def alive(pid: int) -> bool:
     """Whether ``pid`` runs (a zombie does not)."""
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        state = stat_fields(Path(f"/proc/{pid}/stat"))[0]
     except OSError:
         return False
     return state != "Z"

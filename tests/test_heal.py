@@ -30,7 +30,7 @@ from tokenpipe.subjects import RELAY_OWNER, REQUESTS_STREAM, TOKENS_STREAM, cons
 from tokenpipe.wire import Request, TokenBatch
 from tokenpipe_cli.upprocess import UpProcess
 
-from .conftest import forked_by_fork_server, freeze, wait_until
+from .conftest import forked_by_fork_server, freeze, stat_fields, wait_until
 from .test_resilience import _greedy_ids, assert_contiguous
 
 pytestmark = pytest.mark.timeout(240)
@@ -319,7 +319,7 @@ def wait_gone(pid: int) -> None:
 
 def _state(pid: int) -> str:
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return stat_fields(Path(f"/proc/{pid}/stat"))[0]
     except OSError:
         return "Z"
 

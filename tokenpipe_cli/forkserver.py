@@ -80,9 +80,6 @@ class ForkedProc:
             with contextlib.suppress(ProcessLookupError):  # exited: the server reports it
                 os.kill(pid, sig)
 
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
 
