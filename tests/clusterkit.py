@@ -25,7 +25,9 @@ import httpx
 from generator.model.loader import LoadedModel
 from producer import aiter_sse
 from tokenpipe.bus import Bus, connect
+from tokenpipe.errors import TokenpipeError
 from tokenpipe.settings import Settings
+from tokenpipe.streamrecord import SERVED_BY_HEADER
 from tokenpipe.subjects import (
     ANNOUNCE_PREFIX,
     META_BUCKET,
@@ -35,7 +37,7 @@ from tokenpipe.subjects import (
     TOKENS_STREAM,
     token_subject,
 )
-from tokenpipe.wire import Request
+from tokenpipe.wire import Request, TokenBatch
 from tokenpipe_cli.cluster import LocalCluster
 from tokenpipe_cli.launch import die_with_parent, free_port
 
@@ -178,6 +180,44 @@ class Stack:
             if all(counts.get(k, 0) >= n for k, n in want.items()) or time.monotonic() > deadline:
                 return counts
             await asyncio.sleep(0.2)  # polling JetStream's counts; no event says "all stored"
+
+    async def explain(self, outcomes: list[Outcome], problems: list[str], limit: int = 3) -> str:
+        """For a failure message: each stream named in ``problems`` (at most ``limit``) as its client
+        saw it beside every message stored on its subject (duplicates included) and the generators'
+        log lines that name it: which writer wrote which batch, and who continued where."""
+        assert self.bus is not None
+        named = [o for o in outcomes if o.id and any(p.startswith(f"{o.id}:") for p in problems)][:limit]
+        out = []
+        for o in named:
+            rid = o.id or ""
+            seen = [f"{d['seq']}@{d['index']}+{len(d['token_ids'])}{'*' if 'received' in d['timings'] else ''}"
+                    for _, e, _, d in o.events if e == "tokens"]
+            out.append(f"{rid} as its client saw it (seq@index+tokens, * a delivery's first batch): {' '.join(seen)}")
+            try:
+                sub = await self.bus.js.subscribe(token_subject(RELAY_OWNER, rid), ordered_consumer=True)
+                try:
+                    while True:
+                        msg = await sub.next_msg(timeout=5.0)
+                        try:
+                            b = TokenBatch.decode(msg.data)
+                            what = f"batch {b.seq}@{b.index}+{len(b.token_ids)} final={b.is_final}"
+                        except TokenpipeError:
+                            what = f"not a batch: {msg.data[:60]!r}"
+                        h = msg.headers or {}
+                        out.append(f"  stored #{msg.metadata.sequence.stream}: {what} msg-id {h.get('Nats-Msg-Id')} "
+                                   f"served-by {h.get(SERVED_BY_HEADER)}")
+                        if msg.metadata.num_pending == 0:
+                            break
+                finally:
+                    await sub.unsubscribe()
+            except Exception as exc:  # a diagnosis must not hide the failure it explains
+                out.append(f"  stored: not read ({exc!r})")
+            for i, proc in enumerate(self.procs):
+                if proc not in self.generators:
+                    continue
+                lines = (self.tmp / f"generator-{i}.log").read_text(errors="replace").splitlines()
+                out.extend(f"  generator-{i}: {line[:400]}" for line in lines if rid in line)
+        return "\n".join(out)
 
     def roles_on(self, node: int) -> dict[str, int]:
         """How many relay and generator connections node ``node`` serves now (its /connz)."""

@@ -24,8 +24,9 @@ import nats.js.errors
 import pytest
 from nats.js import api as js_api
 
+from generator.service.publisher import BatchPublisher
 from relay.fanout import Fanout
-from tokenpipe.append import send_live
+from tokenpipe.append import EXPECTED_LAST, StreamLost, send_live
 from tokenpipe.batchstore import BATCH_STREAMS
 from tokenpipe.bus import Bus, connect, release_intake
 from tokenpipe.cluster import (
@@ -48,7 +49,7 @@ from tokenpipe_cli.clusternode import node_args
 from tokenpipe_cli.launch import free_port
 from tokenpipe_cli.natsserver import NatsServer
 
-from .conftest import descendants, read_until_up
+from .conftest import descendants, freeze, read_until_up, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -208,6 +209,74 @@ async def test_intake_streams_on_three_replicas_are_sourced_into_the_request_que
         await bus.js.delete_consumer(REQUESTS_STREAM, "test-intake")
     finally:
         await bus.close()
+
+
+async def test_regression_an_append_met_by_another_writers_append_in_flight_was_dropped(
+        three_nodes: LocalCluster, caplog: pytest.LogCaptureFixture) -> None:
+    """A clustered stream's leader answers a conditional append with error 10164 ("wrong last sequence",
+    no number) while another conditional append to the same subject is being replicated. The publisher
+    took that for a refusal for good: it dropped the batch and went on with the next one, as a resumed
+    stream's writer whose predecessor still had a batch in flight. It now appends again until the other
+    append's outcome decides; here the other writer's batch is stored, so this writer lost the stream."""
+    caplog.set_level(logging.INFO, logger="generator.service.publisher")
+    c = three_nodes
+    setup = await connect(on(c), name="test-in-flight-setup")  # TP_TOKENS on three replicas, and its leader
+
+    async def settled_leader() -> str | None:
+        # Asked of the stream itself once every replica is current: right after the scale-up of an earlier
+        # test a node's monitoring page can still name the leader before an election.
+        try:
+            cl = (await setup.js.stream_info(TOKENS_STREAM)).cluster
+        except nats.js.errors.Error:
+            return None
+        current = cl is not None and len(cl.replicas or ()) == 2 and all(r.current for r in cl.replicas or ())
+        return cl.leader if cl is not None and current else None
+
+    try:
+        async def settled() -> bool:
+            return await settled_leader() is not None
+
+        await wait_until(settled, 30, "TP_TOKENS to have a leader and two current replicas")
+        leader = await settled_leader()
+    finally:
+        await setup.close()
+    assert leader is not None
+    at = c.names.index(leader)
+    bus = await connect(Settings.load(env={}, nats_url=c.nodes[at].url), name="test-in-flight")
+    publisher = BatchPublisher(bus)
+    await publisher.start()
+    sid = new_request_id()
+    subject = token_subject(bus.owner, sid)
+    lost: list[StreamLost] = []
+    chain = publisher.chain(bus.owner, sid, last=0, on_lost=lost.append)
+    followers = [c.nodes[i].child for i in range(3) if i != at]
+    try:
+        for child in followers:  # the leader proposes, and nothing is stored while no follower answers
+            assert child is not None
+            freeze(child.proc.pid)
+        try:
+            other = TokenBatch(id=sid, seq=0, index=0, token_ids=(7, 8))
+            await bus.nc.publish(subject, other.encode(), headers={
+                "Nats-Msg-Id": f"{bus.owner}:{sid}:0:other", EXPECTED_LAST: "0"})
+            await bus.nc.flush()
+            ours = TokenBatch(id=sid, seq=0, index=0, token_ids=(7,))
+            publisher.publish(chain, ours.encode(), {"Nats-Msg-Id": f"{bus.owner}:{sid}:0:ours"})
+            answered = ("another append to the stream is in flight", "batch refused; dropped")
+            await wait_until(lambda: any(m in caplog.text for m in answered), 10,
+                             "the leader to answer ours while the other one is in flight")
+        finally:
+            for child in followers:
+                assert child is not None
+                os.kill(child.proc.pid, signal.SIGCONT)
+        assert "batch refused; dropped" not in caplog.text
+        await wait_until(lambda: bool(lost), 30, "the writer to lose the stream to the other one")
+        assert chain.lost
+        stored = await through_elections(lambda: bus.js.get_last_msg(TOKENS_STREAM, subject))
+        assert (stored.seq, TokenBatch.decode(stored.data or b"").token_ids) == (lost[0].stored_last, (7, 8))
+    finally:
+        await publisher.close()
+        await bus.close()
+        await asyncio.to_thread(c.wait_healthy, 30)
 
 
 async def test_roles_take_a_server_list_log_their_server_and_reconnect_to_another(

@@ -75,7 +75,8 @@ async def under_load(stack: Stack, reference: list[list[int]], scenario: str,
         outcomes = await load.stop()
     report = verify(scenario, outcomes, reference, await stack.stored_when_settled(outcomes))
     print("\n" + report.line())
-    assert report.clean, report.problems[:10]
+    if not report.clean:
+        raise AssertionError(f"{report.problems[:10]}\n{await stack.explain(outcomes, report.problems)}")
     return report
 
 

@@ -44,12 +44,17 @@ from .subjects import TOKENS_STREAM, live_subject, token_subject
 from .wire import TokenBatch
 
 __all__ = ["EXPECTED_LAST", "JUNK_SKIPS", "LiveCopies", "StreamLost", "WRONG_LAST_SEQUENCE", "append_once",
-           "conditional", "junk_since", "last_stored_as", "refused_at", "send_live", "stored_as"]
+           "conditional", "in_process", "junk_since", "last_stored_as", "refused_at", "send_live", "stored_as"]
 
 log = logging.getLogger(__name__)
 
 EXPECTED_LAST = "Nats-Expected-Last-Subject-Sequence"
 WRONG_LAST_SEQUENCE = 10071  # JetStream's JSStreamWrongLastSequenceErrF
+# JSStreamWrongLastSequenceConstantErr, "wrong last sequence" with no number: a clustered stream's leader
+# answers it while another conditional append to the same subject is still being replicated.
+WRONG_LAST_IN_PROCESS = 10164
+_IN_PROCESS_WAIT_S = 0.05
+_IN_PROCESS_TRIES = 100  # 5 s and more of one subject's append in process: a stream between leaders
 _LAST_RE = re.compile(r"(\d+)\s*$")
 _LOOK_TRIES = 5  # a direct get answered by a replica that is behind the leader is asked again
 # How often one append goes on after junk stored on its subject (junk_since) before the writer
@@ -80,6 +85,15 @@ def refused_at(exc: BaseException) -> int | None:
         return None
     found = _LAST_RE.search(exc.description or "")
     return int(found.group(1)) if found else 0
+
+
+def in_process(exc: BaseException) -> bool:
+    """Whether ``exc`` says that another conditional append to the subject is still being stored
+    (error 10164, a clustered stream's leader): no verdict on this one. Its outcome decides, so the
+    append is made again (then stored, or refused with the subject's last sequence), never given up:
+    taken as a refusal, a resumed stream's writer dropped its batch while the stream's previous
+    holder had one in flight, and went on as if it had never been written."""
+    return isinstance(exc, nats.js.errors.APIError) and exc.err_code == WRONG_LAST_IN_PROCESS
 
 
 def conditional(headers: Mapping[str, str], expected_last: int) -> dict[str, str]:
@@ -205,10 +219,15 @@ async def append_once(bus: Bus, owner: str, batch: TokenBatch, *, expected_last:
     subject = token_subject(owner, batch.id)
     hdrs = {**(headers or {}), "Nats-Msg-Id": f"{owner}:{batch.id}:{batch.seq}:intake"}
     data = batch.encode()
-    for _ in range(JUNK_SKIPS + 1):
+    skips = waits = 0
+    while skips <= JUNK_SKIPS:
         try:
             ack = await bus.js.publish(subject, data, headers=conditional(hdrs, expected_last))
         except nats.js.errors.APIError as exc:
+            if in_process(exc) and waits < _IN_PROCESS_TRIES:
+                waits += 1
+                await asyncio.sleep(_IN_PROCESS_WAIT_S)
+                continue
             last = refused_at(exc)
             if last is None:
                 raise
@@ -219,6 +238,7 @@ async def append_once(bus: Bus, owner: str, batch: TokenBatch, *, expected_last:
                 raise StreamLost(f"stream {batch.id} was appended to by another writer", stored_last=last) from exc
             log.warning("appending after junk stored on a stream's subject", extra={"request_id": batch.id,
                                                                                      "owner": owner})
+            skips += 1
             expected_last = last
         else:
             ack_seq = ack.seq

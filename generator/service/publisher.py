@@ -11,8 +11,9 @@ A refused append (error 10071: someone else appended since) means this worker lo
 (unless all that was stored since is junk, no batch of the stream: it appends after it,
 :func:`~tokenpipe.append.junk_since`):
 the chain drops what it still holds (its request's ack included: the delivery is the new
-holder's now) and calls its ``on_lost``. Failures that mean "NATS is away" are retried until the
-batch is stored; a retry whose earlier try was stored after all is told apart from a second
+holder's now) and calls its ``on_lost``. A refusal without a sequence (error 10164: another append
+to the subject is still being replicated) is no verdict and is retried. Failures that mean "NATS is
+away" are retried until the batch is stored; a retry whose earlier try was stored after all is told apart from a second
 writer by the stored message's ``Nats-Msg-Id`` (:func:`~tokenpipe.append.stored_as`).
 
 Live copies go through :class:`~tokenpipe.append.LiveCopies`, which sends each stream's last one
@@ -38,6 +39,7 @@ from tokenpipe.append import (
     LiveCopies,
     StreamLost,
     conditional,
+    in_process,
     junk_since,
     last_stored_as,
     refused_at,
@@ -265,6 +267,10 @@ class BatchPublisher:
                                           headers=conditional(item.headers, chain.last))
                 ack = await fut
             except Exception as exc:  # refused, lost in an outage, or timed out
+                if in_process(exc):  # another writer's append to the stream is being stored: its outcome decides
+                    log.info("another append to the stream is in flight; appending again", extra={
+                        "subject": chain.subject})
+                    continue
                 last = refused_at(exc)
                 if last is not None:
                     if await self._was_ours(chain, last, item):
