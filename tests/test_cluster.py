@@ -253,10 +253,10 @@ async def test_regression_an_append_met_by_another_writers_append_in_flight_was_
     chain = publisher.chain(bus.owner, sid, last=0, on_lost=lost.append)
     followers = [c.nodes[i].child for i in range(3) if i != at]
     try:
-        for child in followers:  # the leader proposes, and nothing is stored while no follower answers
-            assert child is not None
-            freeze(child.proc.pid)
         try:
+            for child in followers:  # the leader proposes, and nothing is stored while no follower answers
+                assert child is not None
+                freeze(child.proc.pid)
             other = TokenBatch(id=sid, seq=0, index=0, token_ids=(7, 8))
             await bus.nc.publish(subject, other.encode(), headers={
                 "Nats-Msg-Id": f"{bus.owner}:{sid}:0:other", EXPECTED_LAST: "0"})

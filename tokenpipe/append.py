@@ -54,7 +54,8 @@ WRONG_LAST_SEQUENCE = 10071  # JetStream's JSStreamWrongLastSequenceErrF
 # answers it while another conditional append to the same subject is still being replicated.
 WRONG_LAST_IN_PROCESS = 10164
 _IN_PROCESS_WAIT_S = 0.05
-_IN_PROCESS_TRIES = 100  # 5 s and more of one subject's append in process: a stream between leaders
+# 100 x 50 ms: an append still in process after that waits for a quorum; its error goes to the caller
+_IN_PROCESS_TRIES = 100
 _LAST_RE = re.compile(r"(\d+)\s*$")
 _LOOK_TRIES = 5  # a direct get answered by a replica that is behind the leader is asked again
 # How often one append goes on after junk stored on its subject (junk_since) before the writer

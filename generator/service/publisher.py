@@ -13,8 +13,8 @@ A refused append (error 10071: someone else appended since) means this worker lo
 the chain drops what it still holds (its request's ack included: the delivery is the new
 holder's now) and calls its ``on_lost``. A refusal without a sequence (error 10164: another append
 to the subject is still being replicated) is no verdict and is retried. Failures that mean "NATS is
-away" are retried until the batch is stored; a retry whose earlier try was stored after all is told apart from a second
-writer by the stored message's ``Nats-Msg-Id`` (:func:`~tokenpipe.append.stored_as`).
+away" are retried until the batch is stored; a retry whose earlier try was stored after all is told
+apart from a second writer by the stored message's ``Nats-Msg-Id`` (:func:`~tokenpipe.append.stored_as`).
 
 Live copies go through :class:`~tokenpipe.append.LiveCopies`, which sends each stream's last one
 again after a reconnect (one written to a server that died before passing it on is lost).
