@@ -126,13 +126,17 @@ class Stack:
 
         await wait_until(relays_ready, 90, "relays ready")
 
-    def generator_logs(self, lines: int = 15) -> str:
+    def generator_log_lines(self) -> list[tuple[str, subprocess.Popen[bytes], list[str]]]:
+        """Each generator's name (``generator-<i>``, as its log file), process and log lines."""
         out = []
         for proc in self.generators:
-            i = self.procs.index(proc)
-            log = (self.tmp / f"generator-{i}.log").read_text(errors="replace").splitlines()[-lines:]
-            out.append(f"generator-{i} (pid {proc.pid}, exit {proc.poll()}):\n" + "\n".join(log))
-        return "\n".join(out)
+            name = f"generator-{self.procs.index(proc)}"
+            out.append((name, proc, (self.tmp / f"{name}.log").read_text(errors="replace").splitlines()))
+        return out
+
+    def generator_logs(self, lines: int = 15) -> str:
+        return "\n".join(f"{name} (pid {proc.pid}, exit {proc.poll()}):\n" + "\n".join(log[-lines:])
+                         for name, proc, log in self.generator_log_lines())
 
     def roles_alive(self) -> bool:
         return all(p.poll() is None for p in [*self.generators, *self.relays.values()])
@@ -212,11 +216,8 @@ class Stack:
                     await sub.unsubscribe()
             except Exception as exc:  # a diagnosis must not hide the failure it explains
                 out.append(f"  stored: not read ({exc!r})")
-            for i, proc in enumerate(self.procs):
-                if proc not in self.generators:
-                    continue
-                lines = (self.tmp / f"generator-{i}.log").read_text(errors="replace").splitlines()
-                out.extend(f"  generator-{i}: {line[:400]}" for line in lines if rid in line)
+            for name, _, lines in self.generator_log_lines():
+                out.extend(f"  {name}: {line[:400]}" for line in lines if rid in line)
         return "\n".join(out)
 
     def roles_on(self, node: int) -> dict[str, int]:

@@ -222,21 +222,17 @@ async def test_regression_an_append_met_by_another_writers_append_in_flight_was_
     c = three_nodes
     setup = await connect(on(c), name="test-in-flight-setup")  # TP_TOKENS on three replicas, and its leader
 
-    async def settled_leader() -> str | None:
+    found: list[str] = []  # the leader as seen settled: a replica's "current" flickers on a busy machine
+
+    async def settled() -> bool:
         # Asked of the stream itself once every replica is current: right after the scale-up of an earlier
         # test a node's monitoring page can still name the leader before an election.
         try:
             cl = (await setup.js.stream_info(TOKENS_STREAM)).cluster
         except nats.js.errors.Error:
-            return None
+            return False
         current = cl is not None and len(cl.replicas or ()) == 2 and all(r.current for r in cl.replicas or ())
-        return cl.leader if cl is not None and current else None
-
-    found: list[str] = []
-
-    async def settled() -> bool:
-        leader = await settled_leader()  # kept as seen: a replica's "current" flickers on a busy machine
-        found[:] = [leader] if leader else []
+        found[:] = [cl.leader] if cl is not None and current and cl.leader else []
         return bool(found)
 
     try:
