@@ -198,6 +198,34 @@ async def test_stop_button_cancels_generation(tab: Tab, http: httpx.AsyncClient,
     assert tab.errors == []
 
 
+async def test_regression_stop_moved_under_the_pointer_while_the_answer_was_drawn(tab: Tab) -> None:
+    """CI runs clicked an enabled Stop and no cancel went out: the answer, drawn a few characters a frame,
+    pushed the form down between the press and the release, so the click landed on neither. The input bar now
+    stays where it is however far the answer grows (the conversation scrolls in its own box)."""
+    page = tab.page
+    await page.evaluate("""() => {
+        window.stopAt = new Set();
+        const look = () => {
+            const r = document.getElementById("stop").getBoundingClientRect();
+            window.stopAt.add(r.left + "," + r.top + "," + r.width + "," + r.height);
+            const answer = document.querySelector(".msg.assistant");
+            if (answer) window.answerHeight = answer.getBoundingClientRect().height;
+            requestAnimationFrame(look);
+        };
+        requestAnimationFrame(look);
+    }""")
+    await start_chat(tab, max_tokens=200, temperature=0)  # greedy tiny-random: a newline a token
+    await wait_idle(tab)
+    stop_at, height, window = await page.evaluate(
+        "() => [Array.from(window.stopAt), window.answerHeight, window.innerHeight]")
+    assert height > window, "the answer did not outgrow the window: the test shows nothing"
+    assert len(stop_at) == 1, f"Stop moved while the answer was drawn: {stop_at}"
+    # The end of the answer is in sight: the conversation followed it.
+    below = "() => { const l = document.getElementById('log'); return l.scrollHeight - l.scrollTop - l.clientHeight; }"
+    assert await page.evaluate(below) < 24
+    assert tab.errors == []
+
+
 async def test_no_stop_or_second_send_while_the_stream_is_created(tab: Tab) -> None:
     """Stop DELETEs ``streamId``: while the next POST is pending, that is still the previous (finished) stream."""
     page = tab.page
