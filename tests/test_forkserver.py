@@ -68,3 +68,40 @@ def test_a_server_that_dies_before_it_is_ready_is_broken_so_the_supervisor_spawn
     late = forks.spawn("gen", ["generator", "--help"])  # asked after it died: exited at once, never raises
     assert late.returncode == -signal.SIGTERM
     forks.close()
+
+
+def test_a_server_that_forked_nothing_is_discarded_at_once() -> None:
+    """`tokenpipe up` starts its server before it knows whether a generator will be forked; when none is, the
+    supervisor discards it: stopped mid-import, not left to finish importing torch."""
+    forks = ForkServer()
+    forks.discard()
+    assert not forks.alive and forks.proc.returncode == -signal.SIGTERM
+
+
+def test_up_that_fails_before_its_supervisor_runs_leaves_no_fork_server(tmp_path: Path) -> None:
+    """`tokenpipe up` starts its fork server before it reads its settings: a bad one ends the command, and the
+    server with it (its parent-death signal)."""
+    import subprocess
+    import sys
+    import uuid
+
+    mark = uuid.uuid4().hex
+    up = subprocess.run([str(Path(sys.executable).parent / "tokenpipe"), "up", "--data-dir", str(tmp_path)],
+                        env={**os.environ, "TOKENPIPE_PORT": "not-a-port", "TOKENPIPE_TEST_MARK": mark},
+                        capture_output=True, text=True, timeout=60)
+    assert up.returncode == 2 and "TOKENPIPE_PORT" in up.stderr, up.stderr
+
+    def marked() -> list[int]:
+        found = []
+        for proc in Path("/proc").iterdir():
+            try:
+                if proc.name.isdigit() and f"TOKENPIPE_TEST_MARK={mark}".encode() in (proc / "environ").read_bytes():
+                    found.append(int(proc.name))
+            except OSError:  # gone, or not ours to read
+                continue
+        return found
+
+    deadline = time.monotonic() + 30
+    while marked() and time.monotonic() < deadline:
+        time.sleep(0.1)  # polling a condition, bounded by the deadline
+    assert marked() == []

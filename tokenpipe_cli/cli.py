@@ -19,6 +19,8 @@ from tokenpipe.logs import setup_logging
 from tokenpipe.settings import ENV_PREFIX, Settings
 from tokenpipe.settings_doc import shown_default
 
+from .forkserver import ForkServer
+
 __all__ = ["main"]
 
 
@@ -179,10 +181,12 @@ def require_extras(cmd: str) -> None:
                           f"pip install 'tokenpipe[{extra}]'")
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, forks: ForkServer | None = None) -> int:
+    """The ``tokenpipe`` command after its arguments are parsed (``forks``: ``tokenpipe up``'s fork server,
+    started before this module was imported: :func:`tokenpipe_cli.main`)."""
     args = build_parser().parse_args(argv)
     try:
-        return _dispatch(args)
+        return _dispatch(args, forks)
     except TokenpipeError as exc:
         print(f"tokenpipe: error: {exc.message}", file=sys.stderr)
         return 2
@@ -190,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-def _dispatch(args: argparse.Namespace) -> int:
+def _dispatch(args: argparse.Namespace, forks: ForkServer | None = None) -> int:
     require_extras(args.cmd)
     if args.cmd == "nats":
         from .clusternode import node_args
@@ -255,7 +259,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         return Supervisor(settings, generators=args.generators, nats_port=args.nats_port,
                           external_nats=args.nats_url is not None,
                           metrics_port_chosen=f"{ENV_PREFIX}METRICS_PORT" in os.environ,
-                          nats_cluster=args.nats_cluster).run()
+                          nats_cluster=args.nats_cluster, forks=forks).run()
     if args.cmd == "generator":
         from generator.main import serve as serve_generator
 

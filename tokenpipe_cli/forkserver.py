@@ -30,9 +30,12 @@ import sys
 import threading
 import traceback
 from collections.abc import Mapping, Sequence
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
-from .launch import Child, die_with_parent
+from .orphans import die_with_parent
+
+if TYPE_CHECKING:  # the supervisor's side imports it when it forks: `tokenpipe up` starts this module first
+    from .launch import Child
 
 __all__ = ["PRELOAD", "ForkServer", "ForkedProc"]
 
@@ -112,6 +115,8 @@ class ForkServer:
               new_session: bool = False) -> Child:
         """Fork ``tokenpipe <argv>`` (``env``: its whole environment; default ours). Returns at once; a server
         that is gone gives a child that has exited (SIGTERM, as its forks got)."""
+        from .launch import Child
+
         proc = ForkedProc(self)
         line = json.dumps({"argv": list(argv), "env": dict(env if env is not None else os.environ),
                            "new_session": new_session}) + "\n"
@@ -127,6 +132,11 @@ class ForkServer:
         except OSError:  # it died just now: the reply reader marks what was pending as exited
             log.warning("the fork server exited while asked for a fork", extra={"role": name})
         return Child(name, proc)
+
+    def discard(self) -> None:
+        """Stop a server that forked nothing, at once (it reads no command until its imports are done)."""
+        self.proc.terminate()
+        self.close()
 
     def close(self, timeout: float = 10.0) -> None:
         """No more forks: the server leaves once its generators exited (stop those first)."""

@@ -27,6 +27,8 @@ from typing import Protocol
 
 from tokenpipe.errors import TokenpipeError
 
+from .orphans import die_with_parent
+
 __all__ = ["Child", "LaunchError", "die_with_parent", "free_port", "free_ports", "http_ok", "port_free", "spawn",
            "spawn_role", "stop_all", "tcp_listening", "wait_ready"]
 
@@ -37,15 +39,6 @@ class LaunchError(TokenpipeError):
     """A child process exited before it was ready, or did not become ready in time."""
 
     code = "launch_failed"
-
-
-def die_with_parent() -> None:
-    """``preexec_fn``: have Linux send SIGTERM to this child when its parent dies (even by SIGKILL),
-    so a killed test run or supervisor leaves no orphan servers behind."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def free_port(host: str = "127.0.0.1") -> int:

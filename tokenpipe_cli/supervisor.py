@@ -54,7 +54,9 @@ class Supervisor:
     nats_cluster: int = 1  # > 1: that many nats-server nodes on loopback, one JetStream cluster
     nats: NatsServer | LocalCluster | None = None
     provisioner: Provisioner | None = None  # the admin: creates and repairs the streams (embedded NATS)
-    forks: ForkServer | None = None  # forks the generators (TOKENPIPE_FORK_GENERATORS)
+    # Forks the generators (TOKENPIPE_FORK_GENERATORS); `tokenpipe up` starts one before it imports anything
+    # (tokenpipe_cli.main): used here, or stopped if no generator is forked.
+    forks: ForkServer | None = None
     roles: list[Role] = field(default_factory=list)
     _stop_signal: int | None = None
     _state: str = "starting"
@@ -205,12 +207,17 @@ class Supervisor:
     def run(self) -> int:
         signal.signal(signal.SIGINT, self._on_signal)
         signal.signal(signal.SIGTERM, self._on_signal)
+        if self.forks is not None and not (self.settings.fork_generators and self.generators > 0):
+            self.forks.discard()
+            self.forks = None
         try:
             self._build_roles()
         except TokenpipeError as exc:
             print(f"tokenpipe: error: {exc.message}", flush=True)
+            if self.forks is not None:
+                self.forks.discard()
             return 1
-        if self.settings.fork_generators and self.generators > 0:
+        if self.settings.fork_generators and self.generators > 0 and self.forks is None:
             # First: it imports torch and the engine while nats-server starts and the streams are set up.
             self.forks = ForkServer()
         try:
