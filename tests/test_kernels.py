@@ -19,6 +19,7 @@ from generator.engine.scheduler import Engine
 from generator.model import autotune, cachelock
 from generator.model.autotune import BUSY_SHARE, OthersLoad, apply_table, tune_plan
 from generator.model.kerneltable import (
+    FAMILY_KERNELS,
     MARGIN,
     ROLES,
     KernelTable,
@@ -68,6 +69,17 @@ def test_rule_table_is_todays_hand_rule() -> None:
     assert rule_table(row_counts(32), 32, quantized=False, attention_fp32_rows=2).bands["o"] == ((32, "dense"),)
     assert rule_table(row_counts(8), 16, quantized=True, attention_fp32_rows=2, forced="packed").bands["down"] == \
         ((8, "packed"),)
+
+
+def test_rule_table_takes_the_kernel_its_cpu_familys_tables_measured() -> None:
+    """Regression (issue 49): on the AVX2-only EPYC the rules ran torch's int4 kernel, 47 tok/s for one stream
+    where the table measured later (gemm8) ran 108: a first start served that until it had idled 13 s."""
+    avx2 = rule_table(row_counts(32), 16, quantized=True, attention_fp32_rows=2, level="avx2")
+    assert all(bands == ((16, "gemm8"), (32, "dense")) for bands in avx2.bands.values()) and avx2.source == "rules"
+    assert rule_table(row_counts(32), 16, quantized=True, attention_fp32_rows=2, level="avx512vnni").bands["o"] == \
+        ((16, "quant"), (32, "dense"))
+    assert rule_table(row_counts(8), 16, quantized=True, attention_fp32_rows=2, level="avx2",
+                      forced="packed").bands["o"] == ((8, "packed"),)
 
 
 def test_cache_key_names_what_the_table_depends_on() -> None:
@@ -236,7 +248,9 @@ def test_override_wins_over_the_cache(int4_tiny: LoadedModel, tmp_path: Path) ->
     plan = plan_for(int4_tiny.model)
     assert all(m.packed is not None for m in plan.projections("down") if isinstance(m, QuantLinear))
     rules = _tune(int4_tiny, tmp_path, setting="rules")
-    assert rules.source == "rules" and rules.bands["o"] == ((4, "quant"),)
+    lib = next(m.gemv_lib for m in plan.projections("o") if isinstance(m, QuantLinear))
+    by_rule = FAMILY_KERNELS.get(lib.level, "quant") if lib is not None else "quant"  # this CPU family's
+    assert rules.source == "rules" and rules.bands["o"] == ((4, by_rule),)
     assert all(m.packed is None for m in plan.projections("down") if isinstance(m, QuantLinear))  # memory back
 
 

@@ -269,10 +269,10 @@ def load_gemv(data_dir: str | os.PathLike[str], prebuilt: Path | None = None) ->
                     log.info("the native kernels were compiled at start: `tokenpipe build-kernels` (make install) "
                              "builds them ahead", extra={"path": str(built.path), "level": level.name})
         if _registered():  # loaded by an engine built before in this process (one library per process)
-            return GemvLib(path)
+            return GemvLib(path, level.name)
         torch.ops.load_library(str(path))
         log.info("native kernels loaded", extra={"path": str(path), "level": level.name})
-        return GemvLib(path)
+        return GemvLib(path, level.name)
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", "") or str(exc)
         log.warning("the native kernels did not build or load; torch's kernels serve", extra={"error": detail[-2000:]})

@@ -21,8 +21,9 @@ __all__ = ["GemvLib"]
 class GemvLib:
     """The built kernel, loaded as the ops ``torch.ops.tokenpipe.gemv_q4`` / ``gemv_q8``."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, level: str = "") -> None:
         self.path = path
+        self.level = level  # the x86 level it was built for (generator.kernels.levels), '' where unknown
 
     @staticmethod
     def lanes() -> int:

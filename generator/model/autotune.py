@@ -115,7 +115,8 @@ def prepare_plan(model: Any, plan: Plan, *, dtype: torch.dtype, dense_rows: int,
     # ops per layer from 1 to 32 rows where measured; the measurement can take it back.
     paged = max(counts) if lib is not None and _kernel_attends(model) else 0
     rules = rule_table(counts, dense_rows, quantized=quantized, attention_fp32_rows=FP32_ATTENTION_ROWS,
-                       forced=setting if setting in KERNEL_CHOICES else "", paged_attention_rows=paged)
+                       forced=setting if setting in KERNEL_CHOICES else "", paged_attention_rows=paged,
+                       level=lib.level if lib is not None else "")
     for role in ROLES:
         for mod in plan.projections(role):
             if isinstance(mod, QuantLinear):

@@ -39,8 +39,8 @@ from torch import Tensor
 
 from ..kernels.cpu import cpu_info
 
-__all__ = ["KERNEL_CHOICES", "MARGIN", "ROW_COUNTS", "Band", "KernelTable", "bands_from", "cache_key", "choose",
-           "kernel_for", "pack_weight", "packed_linear", "row_counts", "rule_table", "timed"]
+__all__ = ["FAMILY_KERNELS", "KERNEL_CHOICES", "MARGIN", "ROW_COUNTS", "Band", "KernelTable", "bands_from",
+           "cache_key", "choose", "kernel_for", "pack_weight", "packed_linear", "row_counts", "rule_table", "timed"]
 
 log = logging.getLogger(__name__)
 
@@ -142,11 +142,20 @@ class KernelTable:
         return ", ".join(p for p in (kernel, torch_fp32) if p) or "native"
 
 
+# The rules' quantized kernel per level of tokenpipe's library (generator.kernels.levels), where a CPU family's
+# measured tables agree: on the AVX2-only EPYC every band of every projection measured ``gemm8`` (or ``gemv`` at
+# one row, within the margin), and under torch's ``quant`` one stream decoded at 47 tok/s against 108 (issue 49:
+# a first start served that until its table was measured, 13 s of idle later). Elsewhere ``quant``.
+FAMILY_KERNELS: dict[str, Kernel] = {"avx2": "gemm8"}
+
+
 def rule_table(counts: Iterable[int], dense_rows: int, *, quantized: bool, attention_fp32_rows: int,
-               forced: str = "", paged_attention_rows: int = 0) -> KernelTable:
-    """Today's hand rules as a table (``quant`` up to ``dense_rows`` rows, then ``dense``), or every
-    decode row count on the ``forced`` kernel (the override)."""
-    choices = {r: forced or ("quant" if quantized and r <= dense_rows else "dense") for r in counts}
+               forced: str = "", paged_attention_rows: int = 0, level: str = "") -> KernelTable:
+    """Today's hand rules as a table (the quantized kernel up to ``dense_rows`` rows: ``level``'s in
+    :data:`FAMILY_KERNELS`, where tokenpipe's library serves at that level, else ``quant``; then ``dense``),
+    or every decode row count on the ``forced`` kernel (the override)."""
+    quant = FAMILY_KERNELS.get(level, "quant")
+    choices = {r: forced or (quant if quantized and r <= dense_rows else "dense") for r in counts}
     bands = bands_from(choices)
     return KernelTable({role: bands for role in ROLES}, attention_fp32_rows, source="override" if forced else "rules",
                        paged_attention_rows=paged_attention_rows)
