@@ -30,7 +30,7 @@ from generator.model.autotune import BUSY_SHARE, OthersLoad, apply_table, tune_p
 from generator.model.kerneltable import KERNEL_CHOICES, ROLES, KernelTable, kernel_for, row_counts, rule_table
 from generator.model.loader import load_model, resolve_threads
 from generator.model.plan import plan_for
-from generator.model.quant import dense_rows_for
+from generator.model.quant import QuantLinear, dense_rows_for
 from tokenpipe.logs import setup_logging
 from tokenpipe.settings import Settings
 
@@ -82,7 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     plan = plan_for(lm.model)
     dense_rows = dense_rows_for(lm.dtype, native_bf16=lm.dtype == torch.bfloat16)
     counts = row_counts(s.max_batch)
-    rules = rule_table(counts, dense_rows, quantized=lm.quant != "none", attention_fp32_rows=FP32_ATTENTION_ROWS)
+    lib = next((m.gemv_lib for m in plan.projections("o") if isinstance(m, QuantLinear)), None)
+    rules = rule_table(counts, dense_rows, quantized=lm.quant != "none", attention_fp32_rows=FP32_ATTENTION_ROWS,
+                       level=lib.level if lib is not None else "")  # the rules a generator here starts with
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.monotonic()
         load = OthersLoad()  # reported, not judged: the benchmark shows what it measured either way
