@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import time
@@ -70,12 +71,13 @@ def test_a_server_that_dies_before_it_is_ready_is_broken_so_the_supervisor_spawn
     forks.close()
 
 
-def test_a_server_that_forked_nothing_is_discarded_at_once() -> None:
+def test_a_server_that_forked_nothing_is_discarded_at_once(caplog: pytest.LogCaptureFixture) -> None:
     """`tokenpipe up` starts its server before it knows whether a generator will be forked; when none is, the
-    supervisor discards it: stopped mid-import, not left to finish importing torch."""
+    supervisor discards it: stopped mid-import, not left to finish importing torch, and no failure logged."""
     forks = ForkServer()
     forks.discard()
     assert not forks.alive and forks.proc.returncode == -signal.SIGTERM
+    assert not forks.broken and not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
 def test_up_that_fails_before_its_supervisor_runs_leaves_no_fork_server(tmp_path: Path) -> None:

@@ -103,6 +103,7 @@ class ForkServer:
         self._gone = False
         self._ready = False
         self.broken = False  # it exited before it was ready (an import failed): fork nothing more from one
+        self._discarded = False  # stopped by discard(): its exit before it was ready is no failure
         self._reader = threading.Thread(target=self._read, args=(os.fdopen(replies_r, "rb"),),
                                         name="forkserver-replies", daemon=True)
         self._reader.start()
@@ -135,6 +136,8 @@ class ForkServer:
 
     def discard(self) -> None:
         """Stop a server that forked nothing, at once (it reads no command until its imports are done)."""
+        with self.changed:
+            self._discarded = True
         self.proc.terminate()
         self.close()
 
@@ -172,7 +175,7 @@ class ForkServer:
             # The server is gone: its generators got SIGTERM from it (PR_SET_PDEATHSIG) and were re-parented,
             # so their exit status is lost. They count as exited (a restart forks from a new server).
             self._gone = True
-            if not self._ready:
+            if not self._ready and not self._discarded:
                 self.broken = True
                 log.error("the fork server exited before it was ready (its output above says why): generators are "
                           "started as processes of their own", extra={"exit": self.proc.poll()})
