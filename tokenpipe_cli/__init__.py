@@ -7,6 +7,7 @@ The only package that imports every role (generator, relay, producer); the core 
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 
 __all__ = ["main"]
@@ -22,9 +23,11 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     forks = None
     if args[:1] == ["up"] and not {"-h", "--help"} & set(args):
-        from .forkserver import ForkServer
+        from .forkserver import PRELOAD, ForkServer
 
-        forks = ForkServer()
+        # Not without what it imports (an install without the `all` extra): `up` then says which extra is missing.
+        if all(importlib.util.find_spec(m.split(".")[0]) is not None for m in PRELOAD):
+            forks = ForkServer()
     from .cli import main as run
 
     return run(argv, forks=forks)
