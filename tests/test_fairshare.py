@@ -217,8 +217,12 @@ async def test_a_tenants_stream_behind_another_tenants_backlog_at_the_relay_fini
                 r = await http.post("/v1/streams", headers={"Authorization": "Bearer key-bob"},
                                     json={**body, "prompt": "mine", "max_tokens": 5})
                 his = r.json()["id"]
-                await wait_until(lambda: gauge(worker, "tokenpipe_num_requests_waiting_per_owner", "bob") >= 1,
-                                 30, "bob's request waiting at the generator")
+                # At the generator, waiting or already running: where the engine had steps left when it came,
+                # fair share admitted it at once, preempting one of alice's rows (a run here waited 30 s for
+                # "waiting" while bob's request ran).
+                await wait_until(lambda: gauge(worker, "tokenpipe_num_requests_waiting_per_owner", "bob")
+                                 + gauge(worker, "tokenpipe_num_requests_running_per_owner", "bob") >= 1,
+                                 30, "bob's request at the generator")
                 release.set()
             read = await http.get(f"/v1/streams/{his}", headers={"Authorization": "Bearer key-bob"})  # to its end
             assert "event: done" in read.text, read.text
