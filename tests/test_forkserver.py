@@ -5,7 +5,10 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import subprocess
+import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -83,10 +86,6 @@ def test_a_server_that_forked_nothing_is_discarded_at_once(caplog: pytest.LogCap
 def test_up_that_fails_before_its_supervisor_runs_leaves_no_fork_server(tmp_path: Path) -> None:
     """`tokenpipe up` starts its fork server before it reads its settings: a bad one ends the command, and the
     server with it (its parent-death signal)."""
-    import subprocess
-    import sys
-    import uuid
-
     mark = uuid.uuid4().hex
     up = subprocess.run([str(Path(sys.executable).parent / "tokenpipe"), "up", "--data-dir", str(tmp_path)],
                         env={**os.environ, "TOKENPIPE_PORT": "not-a-port", "TOKENPIPE_TEST_MARK": mark},

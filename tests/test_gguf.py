@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from generator.kernels.formats import Q4Weight
-from generator.model.kerneltable import FAMILY_KERNELS
+from generator.model.kerneltable import rules_kernel
 from generator.model.loader import load_model
 from generator.model.plan import plan_for
 from generator.model.quant import QuantLinear
@@ -44,7 +44,7 @@ def test_a_table_without_torchs_kernel_frees_its_copy_and_keeps_the_tokens(data_
     rules = load_model("tiny-random", device="cpu", dtype="float32", data_dir=data_dir, quant="int4", kernels="rules")
     kept = plan_for(rules.model).projections("qkv")[0]
     # Where this CPU family's rules run torch's kernel its copy is kept; where they run the library's, freed.
-    torchs = FAMILY_KERNELS.get(first.gemv_lib.level, "quant") == "quant"
+    torchs = rules_kernel(first.gemv_lib.level) == "quant"
     assert isinstance(kept, QuantLinear) and (kept.qweight is not None) == torchs
 
 

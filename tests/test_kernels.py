@@ -19,7 +19,6 @@ from generator.engine.scheduler import Engine
 from generator.model import autotune, cachelock
 from generator.model.autotune import BUSY_SHARE, OthersLoad, apply_table, tune_plan
 from generator.model.kerneltable import (
-    FAMILY_KERNELS,
     MARGIN,
     ROLES,
     KernelTable,
@@ -30,6 +29,7 @@ from generator.model.kerneltable import (
     kernel_for,
     row_counts,
     rule_table,
+    rules_kernel,
 )
 from generator.model.loader import LoadedModel, load_model
 from generator.model.plan import plan_for
@@ -249,7 +249,7 @@ def test_override_wins_over_the_cache(int4_tiny: LoadedModel, tmp_path: Path) ->
     assert all(m.packed is not None for m in plan.projections("down") if isinstance(m, QuantLinear))
     rules = _tune(int4_tiny, tmp_path, setting="rules")
     lib = next(m.gemv_lib for m in plan.projections("o") if isinstance(m, QuantLinear))
-    by_rule = FAMILY_KERNELS.get(lib.level, "quant") if lib is not None else "quant"  # this CPU family's
+    by_rule = rules_kernel(lib.level if lib is not None else "")  # this CPU family's
     assert rules.source == "rules" and rules.bands["o"] == ((4, by_rule),)
     assert all(m.packed is None for m in plan.projections("down") if isinstance(m, QuantLinear))  # memory back
 

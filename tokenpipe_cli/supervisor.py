@@ -207,7 +207,8 @@ class Supervisor:
     def run(self) -> int:
         signal.signal(signal.SIGINT, self._on_signal)
         signal.signal(signal.SIGTERM, self._on_signal)
-        if self.forks is not None and not (self.settings.fork_generators and self.generators > 0):
+        forking = self.settings.fork_generators and self.generators > 0
+        if self.forks is not None and not forking:
             self.forks.discard()
             self.forks = None
         try:
@@ -217,7 +218,7 @@ class Supervisor:
             if self.forks is not None:
                 self.forks.discard()
             return 1
-        if self.settings.fork_generators and self.generators > 0 and self.forks is None:
+        if forking and self.forks is None:
             # First: it imports torch and the engine while nats-server starts and the streams are set up.
             self.forks = ForkServer()
         try:

@@ -40,7 +40,8 @@ from torch import Tensor
 from ..kernels.cpu import cpu_info
 
 __all__ = ["FAMILY_KERNELS", "KERNEL_CHOICES", "MARGIN", "ROW_COUNTS", "Band", "KernelTable", "bands_from",
-           "cache_key", "choose", "kernel_for", "pack_weight", "packed_linear", "row_counts", "rule_table", "timed"]
+           "cache_key", "choose", "kernel_for", "pack_weight", "packed_linear", "row_counts", "rule_table",
+           "rules_kernel", "timed"]
 
 log = logging.getLogger(__name__)
 
@@ -149,12 +150,17 @@ class KernelTable:
 FAMILY_KERNELS: dict[str, Kernel] = {"avx2": "gemm8"}
 
 
+def rules_kernel(level: str) -> Kernel:
+    """The rules' quantized kernel where tokenpipe's library serves at ``level`` ('': it does not)."""
+    return FAMILY_KERNELS.get(level, "quant")
+
+
 def rule_table(counts: Iterable[int], dense_rows: int, *, quantized: bool, attention_fp32_rows: int,
                forced: str = "", paged_attention_rows: int = 0, level: str = "") -> KernelTable:
     """Today's hand rules as a table (the quantized kernel up to ``dense_rows`` rows: ``level``'s in
     :data:`FAMILY_KERNELS`, where tokenpipe's library serves at that level, else ``quant``; then ``dense``),
     or every decode row count on the ``forced`` kernel (the override)."""
-    quant = FAMILY_KERNELS.get(level, "quant")
+    quant = rules_kernel(level)
     choices = {r: forced or (quant if quantized and r <= dense_rows else "dense") for r in counts}
     bands = bands_from(choices)
     return KernelTable({role: bands for role in ROLES}, attention_fp32_rows, source="override" if forced else "rules",
