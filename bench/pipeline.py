@@ -2,6 +2,7 @@
 
     python -m bench.pipeline [--streams 32] [--max-tokens 128] [--out bench/out/pipeline.json]
     python -m bench.pipeline --only ttft --model tiny-random [--ttft-requests 200]
+    python -m bench.pipeline --only ttft --model tiny-random --bus open,accounts,open,accounts
 
 Runs, in order: in-process reference points (raw forward step at the stream count, fp32 and
 bf16; our engine; HF generate one at a time; the naive no-KV-cache loop), then starts a real
@@ -9,7 +10,10 @@ nats-server, a generator process and a relay process and drives them over HTTP/S
 TTFT at one stream (pipeline-added = client TTFT minus the engine's own prefill time, per
 request, from the batch timestamps) and aggregate tokens/s at ``--streams`` concurrent
 streams. Every comparison is a ratio within this run. ``--only ttft`` runs just the TTFT phase
-(no in-process engine, no concurrent streams) and prints where the first batch's time went.
+(no in-process engine, no concurrent streams) and prints where the first batch's time went;
+``--bus`` runs it on an open bus and/or under tokenpipe's NATS accounts (``tokenpipe up``'s
+authorization: the relay in its own account, each owner's intake stream), one pipeline per entry in
+the order given, and compares them as a ratio (each bus's requests pooled).
 
 The phases live in :mod:`bench.reference` (in-process), :mod:`bench.stack` (the processes),
 :mod:`bench.drive` (over HTTP), :mod:`bench.pipeline_results` (the figures) and
@@ -36,7 +40,7 @@ from generator.model.loader import load_model, resolve_threads
 from tokenpipe.settings import Settings
 
 from .common import write_json
-from .drive import Runs, drive, drive_ttft
+from .drive import Record, Runs, drive, drive_ttft
 from .pipeline_report import render, render_ttft
 from .pipeline_results import goals, pipeline_figures, ratios, stage_breakdown, ttft_figures
 from .reference import engine_again, measure_engine
@@ -66,9 +70,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", default="bench/out/pipeline.json")
     parser.add_argument("--only", choices=["ttft"], default=None,
                         help="just one phase: 'ttft' = the pipeline's TTFT at one stream and its stages")
+    parser.add_argument("--bus", type=_buses, default=["open"],
+                        help="with --only ttft: open and/or accounts, comma-separated, one pipeline each in this "
+                             "order (repeat them to alternate); the first named is the baseline")
     parser.add_argument("--gen-env", action="append", default=[], metavar="KEY=VALUE",
                         help="extra environment for the generator and relay processes (repeatable)")
     return parser.parse_args(argv)
+
+
+def _buses(value: str) -> list[str]:
+    names = [v.strip() for v in value.split(",") if v.strip()]
+    if not names or any(n not in ("open", "accounts") for n in names):
+        raise argparse.ArgumentTypeError(f"--bus takes open and/or accounts, comma-separated, not {value!r}")
+    return names
 
 
 def measure(args: argparse.Namespace, console: Console) -> tuple[dict[str, Any], Runs]:
@@ -96,14 +110,31 @@ def measure(args: argparse.Namespace, console: Console) -> tuple[dict[str, Any],
 
 
 def measure_ttft(args: argparse.Namespace, console: Console) -> dict[str, Any]:
-    """``--only ttft``: the pipeline's TTFT at one stream and its stages; no in-process engine."""
+    """``--only ttft``: the pipeline's TTFT at one stream and its stages, on each bus of ``--bus``
+    (the first one's are the headline figures); no in-process engine."""
+    pooled: dict[str, tuple[list[Record], list[Record]]] = {}
     with Progress(console=console, transient=False) as progress:
         extra_env = {"TOKENPIPE_QUANT": args.quant, **dict(kv.split("=", 1) for kv in args.gen_env)}
-        with Pipeline(args.model, args.data_dir, extra_env, args.device, args.dtype) as pipe:
-            singles, singles_httpx = asyncio.run(drive_ttft(pipe.url, args, progress))
-    return {"pipeline": ttft_figures(singles, singles_httpx),
-            "stages_1_stream_p50_ms": stage_breakdown(singles),
-            "stages_1_stream_p99_ms": stage_breakdown(singles, 99)}
+        for bus in args.bus:
+            accounts = bus == "accounts"
+            with Pipeline(args.model, args.data_dir, extra_env, args.device, args.dtype, auth=accounts) as pipe:
+                singles, singles_httpx = asyncio.run(drive_ttft(pipe.url, args, progress))
+            mine = pooled.setdefault(bus, ([], []))
+            mine[0].extend(singles)
+            mine[1].extend(singles_httpx)
+    first = pooled[args.bus[0]][0]
+    out: dict[str, Any] = {"pipeline": ttft_figures(*pooled[args.bus[0]]),
+                           "stages_1_stream_p50_ms": stage_breakdown(first),
+                           "stages_1_stream_p99_ms": stage_breakdown(first, 99)}
+    if len(pooled) > 1:
+        figures = {bus: ttft_figures(*records) for bus, records in pooled.items()}
+        out["buses"] = {bus: {**f, "stages_1_stream_p50_ms": stage_breakdown(pooled[bus][0])}
+                        for bus, f in figures.items()}
+        base = figures[args.bus[0]]
+        out["bus_ratios"] = {bus: {k: f[k] / base[k] for k in ("ttft_1_stream_p50_ms", "added_ttft_p50_ms",
+                                                               "added_ttft_p99_ms") if base[k] > 0}
+                             for bus, f in figures.items() if bus != args.bus[0]}
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,6 +27,18 @@ def render_ttft(r: dict[str, Any], console: Console) -> None:
     for name, v in r["stages_1_stream_p50_ms"].items():
         t.add_row(name, f"{v:.2f}", f"{r['stages_1_stream_p99_ms'][name]:.2f}")
     console.print(t)
+    if "buses" in r:
+        buses = Table(title="TTFT at 1 stream by bus (ms; ratio to the first)")
+        for col in ("bus", "TTFT p50", "added p50", "added p99", "relay → generator p50", "generator → client p50",
+                    "× added p50"):
+            buses.add_column(col, justify="right" if col != "bus" else "left")
+        for bus, f in r["buses"].items():
+            ratio = r["bus_ratios"].get(bus, {}).get("added_ttft_p50_ms", 1.0)
+            stages = f["stages_1_stream_p50_ms"]
+            buses.add_row(bus, f"{f['ttft_1_stream_p50_ms']:.2f}", f"{f['added_ttft_p50_ms']:.2f}",
+                          f"{f['added_ttft_p99_ms']:.2f}", f"{stages['relay → generator (built → received)']:.2f}",
+                          f"{stages['generator → client (emitted → first SSE event)']:.2f}", f"{ratio:.2f}")
+        console.print(buses)
     met = r["pipeline"]["added_ttft_p50_ms"] <= 2.0
     console.print(f"added_ttft_p50<=2ms: {r['pipeline']['added_ttft_p50_ms']:.2f} ms — "
                   + ("[green]met[/]" if met else "[red]not met[/]"))

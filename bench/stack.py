@@ -7,17 +7,22 @@ import os
 import tempfile
 from pathlib import Path
 
+from tokenpipe.natsconfig import write_server_config
+from tokenpipe.settings import Settings
 from tokenpipe_cli.launch import Child, LaunchError, free_port, http_ok, spawn_role, stop_all, wait_ready
 from tokenpipe_cli.natsserver import NatsServer
+from tokenpipe_cli.provisioner import Provisioner
 
 __all__ = ["Pipeline", "Relays"]
 
 
 class Pipeline:
-    """Use as a context manager; ``url`` is the relay's. Role logs go to a temporary directory."""
+    """Use as a context manager; ``url`` is the relay's. Role logs go to a temporary directory. ``auth``:
+    NATS authorization as ``tokenpipe up`` serves it (tokenpipe's accounts, the relay in its own, the
+    admin's provisioner, each role on its own credentials); else an open bus."""
 
     def __init__(self, model: str, data_dir: str, extra_env: dict[str, str] | None = None,
-                 device: str = "auto", dtype: str = "auto", ready_timeout: float = 300.0) -> None:
+                 device: str = "auto", dtype: str = "auto", ready_timeout: float = 300.0, auth: bool = False) -> None:
         self.model = model
         self.data_dir = data_dir
         self.device = device
@@ -25,10 +30,13 @@ class Pipeline:
         self.ready_timeout = ready_timeout
         self.env = {**os.environ, **(extra_env or {})}
         self.tmp = tempfile.TemporaryDirectory(prefix="tokenpipe-bench-")
-        self.nats = NatsServer(Path(self.tmp.name) / "nats")
+        self.creds = Path(self.tmp.name) / "creds" if auth else None
+        conf = write_server_config(Path(self.tmp.name) / "nats.conf", self.creds) if self.creds else None
+        self.nats = NatsServer(Path(self.tmp.name) / "nats", config_file=conf)
         self.port = free_port()
         self.generator: Child | None = None
         self.relay: Child | None = None
+        self.admin: Provisioner | None = None
 
     @property
     def url(self) -> str:
@@ -39,9 +47,15 @@ class Pipeline:
         common = ["--nats-url", self.nats.url, "--data-dir", self.data_dir, "--log-level", "WARNING"]
         logs = Path(self.tmp.name)
         try:
-            self.generator = spawn_role("generator", *common, "--model", self.model, "--device", self.device,
+            if self.creds is not None:
+                settings = Settings.load(env={}, data_dir=self.data_dir, model=self.model)
+                self.admin = Provisioner(settings, self.nats.url, self.creds / "admin.json").start()
+            gen, relay = ([["--nats-creds", str(self.creds / f"{role}.json")] if self.creds else []
+                           for role in ("generator", "relay")])
+            self.generator = spawn_role("generator", *common, *gen, "--model", self.model, "--device", self.device,
                                         "--dtype", self.dtype, env=self.env, log=logs / "generator.log")
-            self.relay = spawn_role("relay", *common, "--port", str(self.port), env=self.env, log=logs / "relay.log")
+            self.relay = spawn_role("relay", *common, *relay, "--port", str(self.port), env=self.env,
+                                    log=logs / "relay.log")
             wait_ready(http_ok(f"{self.url}/readyz"), timeout=self.ready_timeout, what="the benchmark's pipeline",
                        children=[self.generator, self.relay])
         except LaunchError as exc:
@@ -55,6 +69,8 @@ class Pipeline:
 
     def __exit__(self, *exc: object) -> None:
         stop_all([c for c in (self.generator, self.relay) if c is not None])
+        if self.admin is not None:
+            self.admin.stop()
         self.nats.stop()
         self.tmp.cleanup()
 

@@ -119,8 +119,8 @@ class Admission:
         try:
             # Bounded: while the consumer's leader is being elected (a NATS node died) nobody answers,
             # and admission must not wait out a 10 s API timeout for a number it may estimate.
-            info = await self._bus().js.consumer_info(REQUESTS_STREAM, consumer_name(model),
-                                                      timeout=_QUEUE_INFO_TIMEOUT)
+            info = await self._bus().requests_js.consumer_info(REQUESTS_STREAM, consumer_name(model),
+                                                               timeout=_QUEUE_INFO_TIMEOUT)
             depth = int(info.num_pending or 0) + max(0, int(info.num_ack_pending or 0) - self._slots(model))
         except Exception as exc:  # no consumer yet, or NATS restarting (submission retries): nothing counted
             log.debug("consumer info unavailable", extra={"model": model, "error": repr(exc)})

@@ -78,11 +78,12 @@ class RelayState:
         if bus is None or not bus.nc.is_connected:
             return  # reconnecting: nothing to ask yet
         ask = bus.nc if bus.store_questions else None
+        own = bus.js if bus.relay_copy else None  # its own account's streams, looked at in it
         try:
-            self.missing = await missing(bus.js, settings=self.settings, ask=ask)
+            self.missing = await missing(bus.js, settings=self.settings, ask=ask, relay_js=own)
             if self.missing:
-                await repair(bus.js, self.settings, provision_streams=bus.provisions, ask=ask)
-                self.missing = await missing(bus.js, settings=self.settings, ask=ask)
+                await repair(bus.js, self.settings, provision_streams=bus.provisions, ask=ask, relay_js=own)
+                self.missing = await missing(bus.js, settings=self.settings, ask=ask, relay_js=own)
         except TokenpipeError as exc:  # JetStream recovering or unreachable: the next round tries again
             log.warning("JetStream check failed", extra={"error": exc.message})
 
@@ -95,7 +96,8 @@ class RelayState:
             try:
                 async with asyncio.timeout(_READY_CHECK_S):
                     self.missing = await missing(self.bus.js, settings=self.settings,
-                                                 ask=self.bus.nc if self.bus.store_questions else None)
+                                                 ask=self.bus.nc if self.bus.store_questions else None,
+                                                 relay_js=self.bus.js if self.bus.relay_copy else None)
             except TokenpipeError as exc:
                 self.missing = [exc.message]
             except TimeoutError:

@@ -82,15 +82,19 @@ def test_pipeline_benchmark_and_gpu_summary_run_end_to_end(tmp_path: Path, data_
 
 
 def test_pipeline_benchmark_ttft_only_reports_the_added_ttft_and_its_stages(tmp_path: Path, data_dir: Path) -> None:
-    """`bench.pipeline --only ttft`: the TTFT phase alone, no in-process engine."""
+    """`bench.pipeline --only ttft`: the TTFT phase alone, no in-process engine; on an open bus and under
+    tokenpipe's NATS accounts (the relay in its own), compared."""
     out = tmp_path / "ttft.json"
     proc = run_bench(["bench.pipeline", "--only", "ttft", "--model", "tiny-random", "--dtype", "float32",
-                 "--ttft-requests", "3", "--data-dir", str(data_dir), "--out", str(out)])
+                 "--ttft-requests", "3", "--bus", "open,accounts", "--data-dir", str(data_dir), "--out", str(out)])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert "engine" not in result and result["pipeline"]["added_ttft_p50_ms"] > 0
     assert set(result["stages_1_stream_p50_ms"]) == set(result["stages_1_stream_p99_ms"])
     assert result["stages_1_stream_p50_ms"]["prefill (admitted → first token)"] > 0
+    assert set(result["buses"]) == {"open", "accounts"} and result["buses"]["accounts"]["added_ttft_p50_ms"] > 0
+    assert result["bus_ratios"]["accounts"]["added_ttft_p50_ms"] > 0
+    assert "TTFT at 1 stream by bus" in proc.stdout
 
 
 def test_fanout_benchmark_forwards_every_batch(tmp_path: Path) -> None:

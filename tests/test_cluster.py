@@ -180,15 +180,18 @@ async def test_single_replica_streams_are_scaled_to_three_in_place(three_nodes: 
 
 async def test_intake_streams_on_three_replicas_are_sourced_into_the_request_queue(three_nodes: LocalCluster) -> None:
     """The admin's layout with applications (tokenpipe.bus.intake_config), made over an existing
-    TP_REQUESTS that took every request itself: its subjects narrow to the relay's, each app's
+    TP_REQUESTS that took every request itself: it gives up its subjects, the relay's and each app's
     intake stream is made with three replicas, and an app's request reaches TP_REQUESTS' consumers."""
     settings = on(three_nodes, request_max_per_owner=2)
     bus = await connect(settings, name="test-intake", apps=["alice"])
     try:
-        assert [await replicas(bus, s) for s in (REQUESTS_STREAM, intake_stream("alice"))] == [3, 3]
+        held = [REQUESTS_STREAM, intake_stream("alice"), intake_stream("relay")]
+        assert [await replicas(bus, s) for s in held] == [3, 3, 3]
         cfg = (await bus.js.stream_info(REQUESTS_STREAM)).config
-        assert cfg.subjects == ["tp.req.*.relay", "tp.req.*.relay.*"]  # shared and placed (tokenpipe.placement)
-        assert [s.name for s in cfg.sources or []] == [intake_stream("alice")]
+        assert not cfg.subjects  # every owner's requests come through its intake stream
+        assert sorted(s.name for s in cfg.sources or []) == [intake_stream("alice"), intake_stream("relay")]
+        relay_cfg = (await bus.js.stream_info(intake_stream("relay"))).config
+        assert relay_cfg.subjects == ["tp.req.*.relay", "tp.req.*.relay.*"]  # shared and placed (tokenpipe.placement)
         await bus.js.add_consumer(REQUESTS_STREAM, js_api.ConsumerConfig(
             name="test-intake", durable_name="test-intake", filter_subject="tp.req.m.>",
             ack_policy=js_api.AckPolicy.EXPLICIT))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import secrets
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
@@ -28,7 +29,7 @@ from nats.js.errors import APIError, NoStreamResponseError, NotFoundError
 
 from producer import Producer
 from tokenpipe.bus import Bus, connect
-from tokenpipe.errors import ConfigError, Overloaded, WireFormatError
+from tokenpipe.errors import ConfigError, Overloaded
 from tokenpipe.natsauth import add_app, ensure_credentials, load_credential
 from tokenpipe.natsconfig import accounts, write_server_config
 from tokenpipe.settings import Settings
@@ -175,18 +176,21 @@ async def test_requests_for_a_model_nobody_serves_were_stored_for_a_day(server: 
             await js.publish("tp.req.nomodel.mallory", big)
     finally:
         await nc.close()
-    # TP_REQUESTS stores the relay's requests itself and sources each app's intake stream, which
-    # takes that app's requests for the served models only.
-    for stream, subject in ((REQUESTS_STREAM, "relay"), (intake_stream("mallory"), "mallory")):
+    # TP_REQUESTS stores nothing itself and sources each owner's intake stream (the relay's too), which
+    # takes that owner's requests for the served models only.
+    assert not (await admin.js.stream_info(REQUESTS_STREAM)).config.subjects
+    for stream, subject in ((REQUESTS_STREAM, None), (intake_stream("relay"), "relay"),
+                            (intake_stream("mallory"), "mallory")):
         info = await admin.js.stream_info(stream, subjects_filter="tp.req.nomodel.>")
         assert not info.state.subjects
         cfg = info.config
-        assert cfg.subjects == [f"tp.req.{MODEL}.{subject}", f"tp.req.{MODEL}.{subject}.*"]  # shared, placed
+        if subject is not None:
+            assert cfg.subjects == [f"tp.req.{MODEL}.{subject}", f"tp.req.{MODEL}.{subject}.*"]  # shared, placed
         assert cfg.max_age is not None and cfg.max_age <= 3600
         assert (cfg.max_bytes, cfg.max_msgs_per_subject, cfg.discard, cfg.discard_new_per_subject) == (
             BOUNDS["request_max_bytes"], BOUNDS["request_max_per_owner"], js_api.DiscardPolicy.NEW, True)
     sources = (await admin.js.stream_info(REQUESTS_STREAM)).config.sources or []
-    assert sorted(s.name for s in sources) == [intake_stream(a) for a in ("alice", "default", "mallory")]
+    assert sorted(s.name for s in sources) == [intake_stream(a) for a in ("alice", "default", "mallory", "relay")]
 
 
 async def test_one_app_filled_the_request_queue(server: Server, admin: Bus) -> None:
@@ -284,21 +288,26 @@ async def test_the_relay_had_a_generator_answer_its_discovery_onto_alices_reques
         server: Server, admin: Bus) -> None:
     """A generator answered ``tp.gen.discover`` on the question's reply subject, which the asker
     chooses: the relay's credential could have its announcement stored as alice's request. A
-    generator now announces on its announce subject; its credential answers nothing."""
+    generator now announces on its announce subject; its credential answers nothing (and the relay's
+    question, from its own account, carries a reply the server mapped, never the one it chose)."""
     errors: list[str] = []
     gen = await server.raw("generator", errors)
     relay = await server.raw("relay")
+    heard: list[str] = []
     try:
         async def answer(msg: Msg) -> None:
+            heard.append(msg.reply)
             await msg.respond(b'{"worker": "w", "model": "tiny-random"}')
 
         await gen.subscribe("tp.gen.discover", cb=answer)
         await gen.flush()
         await relay.publish("tp.gen.discover", b"", reply=f"tp.req.{MODEL}.alice")
-        await denied(errors, f"tp.req.{MODEL}.alice")
+        await wait_until(lambda: bool(errors), 5, "the server's refusal of the generator's answer")
+        assert all("permissions violation" in e.lower() for e in errors), errors
     finally:
         await gen.close()
         await relay.close()
+    assert heard and not any(f"tp.req.{MODEL}.alice" in reply for reply in heard), heard
     info = await admin.js.stream_info(REQUESTS_STREAM, subjects_filter=f"tp.req.{MODEL}.alice")
     assert not info.state.subjects
 
@@ -306,27 +315,52 @@ async def test_the_relay_had_a_generator_answer_its_discovery_onto_alices_reques
 async def test_the_relay_had_its_own_batch_answered_onto_alices_next_stream(server: Server, admin: Bus) -> None:
     """The relay's own stream ``job-77`` (stored as a generator stores it: admin here, no generator),
     fetched by a direct get the relay may make, answered onto ``tp.live.alice.job-77``: the server
-    forwards it into alice's account, which stores it as her ``job-77``. Permissions cannot refuse a
-    reply subject; alice's reader must not show it."""
+    forwarded it into alice's account, which stored it as her ``job-77`` (her reader learnt not to show
+    it). Permissions cannot refuse a reply subject; the relay's own account keeps the answer there."""
     planted = TokenBatch(id="job-77", seq=0, index=0, text="the relay wrote this", finish="stop")
     await admin.js.publish("tp.tok.relay.job-77", planted.encode(), headers={"Nats-Msg-Id": "relay:job-77:0:t"})
+    own = f"$JS.API.DIRECT.GET.{TOKENS_STREAM}.tp.tok.relay.job-77"
     async with await Producer.connect(settings=server.as_user("app-alice")) as alice:
         relay = await server.raw("relay")
         try:
-            await relay.publish(f"$JS.API.DIRECT.GET.{TOKENS_STREAM}.tp.tok.relay.job-77", b"",
-                                reply="tp.live.alice.job-77")
+            async def copied() -> bool:  # the relay's copy has the batch its direct get sends
+                return bool((await relay.request(own, b"", timeout=5)).data)
+
+            await wait_until(copied, 10, "the relay's copy of job-77")
+            await relay.publish(own, b"", reply="tp.live.alice.job-77")
+            assert (await relay.request(own, b"", timeout=5)).data  # answered after the one above
         finally:
             await relay.close()
-
-        async def arrived() -> bool:  # the attack got through to alice's store
-            info = await alice.bus.js.stream_info(TOKENS_STREAM, subjects_filter="tp.tok.alice.job-77")
-            return bool(info.state.subjects)
-
-        await wait_until(arrived, 5, "the relay's answer in alice's store")
+        info = await alice.bus.js.stream_info(TOKENS_STREAM, subjects_filter="tp.tok.alice.job-77")
+        assert not info.state.subjects
         assert await history(alice.bus, "job-77") == []
-        with pytest.raises(WireFormatError):
-            await last_batch(alice.bus, "job-77")
-    await admin.js.purge_stream(TOKENS_STREAM, subject="tp.tok.relay.job-77")
+        assert await last_batch(alice.bus, "job-77") is None
+    assert admin.relay_js is not None
+    for js in (admin.js, admin.relay_js):
+        await js.purge_stream(TOKENS_STREAM, subject="tp.tok.relay.job-77")
+
+
+async def test_regression_the_relays_copy_stalled_once_its_sourcing_needed_flow_control(
+        server: Server, admin: Bus) -> None:
+    """The relay's copy sources tokenpipe's ``TP_TOKENS`` through a consumer in tokenpipe's account,
+    whose flow-control answers come from the relay's account: not exported, they never reached it, and
+    once a burst filled its window the copy stalled (6,000 batches: 5,195 copied 30 s later; under
+    ``tokenpipe up``, a generator killed while holding 32 streams left the relay's readers retrying a
+    copy that was 100 batches behind). The copy takes the whole burst now."""
+    sid = f"burst-{secrets.token_hex(4)}"
+    subject, n = f"tp.tok.relay.{sid}", 8000
+    for start in range(0, n, 500):
+        await asyncio.gather(*(admin.js.publish(subject, b"x" * 300) for _ in range(start, min(n, start + 500))))
+    relay_js = admin.relay_js
+    assert relay_js is not None
+
+    async def copied() -> bool:
+        info = await relay_js.stream_info(TOKENS_STREAM, subjects_filter=subject)
+        return (info.state.subjects or {}).get(subject, 0) == n
+
+    await wait_until(copied, 20, f"the relay's copy of all {n} batches")
+    for js in (admin.js, relay_js):
+        await js.purge_stream(TOKENS_STREAM, subject=subject)
 
 
 # -- item: reserved names --------------------------------------------------------------------------

@@ -38,14 +38,20 @@ def test_the_generated_server_config_has_every_role_and_no_anonymous_user(tmp_pa
         assert cred.password not in conf  # bcrypt hashes, not the passwords
         account, hashed = users[cred.user]
         assert bcrypt.checkpw(cred.password.encode(), hashed.encode())
-        assert account == ("APP_default" if cred.role == "app" else "TOKENPIPE")
+        assert account == {"app": "APP_default", "relay": "RELAY"}.get(cred.role, "TOKENPIPE")
     assert "no_auth_user" not in conf
     # The app's account imports only its own request/cancel services and its own tokens,
-    # each exported to its account alone, and the generators' placement summaries (to every app).
-    exports = layout["TOKENPIPE"]["exports"]
+    # each exported to its account alone, and the generators' placement summaries (to every
+    # account that submits: the relay's too).
+    exports = [e for e in layout["TOKENPIPE"]["exports"] if "APP_default" in e["accounts"]]
     assert {e.get("service") or e.get("stream") for e in exports} == {
         "tp.req.*.default", "tp.req.*.default.*", "tp.cancel.default.>", "tp.live.default.>", "tp.gen.place.>"}
-    assert all(e["accounts"] == ["APP_default"] for e in exports)
+    assert all(e["accounts"] == (["RELAY", "APP_default"] if e.get("stream") == "tp.gen.place.>" else ["APP_default"])
+               for e in exports)
+    # What the relay's account imports names the relay's subjects alone (or no owner's).
+    relay_imports = {(i.get("service") or i.get("stream"))["subject"] for i in layout["RELAY"]["imports"]}
+    assert not any(".default" in subject or subject.startswith(("tp.tok.", "tp.live.>")) for subject in relay_imports)
+    assert {"tp.req.*.relay", "tp.cancel.relay.>", "tp.live.relay.>"} <= relay_imports
     assert {(i.get("service") or i.get("stream"))["subject"] for i in layout["APP_default"]["imports"]} == {
         "tp.req.*.default", "tp.req.*.default.*", "tp.cancel.default.>", "tp.live.default.>", "tp.gen.place.>"}
     # Live batches (only what tokenpipe's store accepted) arrive under the app's own token subjects.

@@ -130,17 +130,24 @@ async def admin(up: UpProcess) -> AsyncIterator[Bus]:
 
 @pytest.fixture
 async def mallory(up: UpProcess) -> AsyncIterator[Client]:
-    async def connected() -> bool:
+    client = await connected(up, "app-mallory")
+    yield client
+    await client.nc.close()
+
+
+async def connected(up: UpProcess, user: str) -> Client:
+    """A :class:`Client` of ``user``, once its account is live (a reload is asynchronous)."""
+    made: list[Client] = []
+
+    async def connect() -> bool:
         try:
-            made.append(await Client.connect(up, "app-mallory"))
-        except Exception:  # the reload is asynchronous: the account may be a moment away
+            made.append(await Client.connect(up, user))
+        except Exception:  # the account may be a moment away
             return False
         return True
 
-    made: list[Client] = []
-    await wait_until(connected, 30, "mallory's account to be live")
-    yield made[-1]
-    await made[-1].nc.close()
+    await wait_until(connect, 30, f"{user}'s account to be live")
+    return made[-1]
 
 
 async def relay_victim(up: UpProcess, attack: Callable[[str], Awaitable[None]] | None = None) -> tuple[str, Events]:
@@ -196,6 +203,14 @@ async def alice_stream(up: UpProcess, admin: Bus, request_id: str | None = None)
     assert own == result.token_ids
     assert [t for b in await history(admin, handle.id, owner="alice") for t in b.token_ids] == result.token_ids
     return handle.id
+
+
+async def purge_relay_history(admin: Bus, sid: str) -> None:
+    """The admin's wipe of an HTTP stream's history: in tokenpipe's store and in the relay's copy (a
+    sourced copy keeps what its source purges, tokenpipe.relayaccount)."""
+    assert admin.relay_js is not None
+    for js in (admin.js, admin.relay_js):
+        await js.purge_stream(TOKENS_STREAM, subject=f"tp.tok.relay.{sid}")
 
 
 def nope(reply: str) -> tuple[str, bytes, str, dict[str, str]]:
@@ -262,7 +277,7 @@ async def test_a_wiped_history_answers_404_expired_not_endless_pings(up: UpProce
     404 with code expired."""
     sid, events = await relay_victim(up)
     assert events[-1][0] == "done"
-    await admin.js.purge_stream(TOKENS_STREAM, subject=f"tp.tok.relay.{sid}")
+    await purge_relay_history(admin, sid)
     created = time.monotonic()
     async with httpx.AsyncClient(base_url=up.url, timeout=120) as http:
         async with http.stream("GET", f"/v1/streams/{sid}") as resp:
@@ -423,12 +438,17 @@ async def test_a_huge_prompt_on_the_bus_is_refused_before_tokenizing_with_an_err
         assert r.json()["error"]["type"] == "invalid_request_error" and r.json()["error"]["param"] == "prompt"
 
 
-async def test_another_apps_request_sequence_cannot_be_read_from_a_refusal(up: UpProcess, mallory: Client,
-                                                                          admin: Bus) -> None:
+@pytest.mark.parametrize("prober", ["app-mallory", "relay"])
+async def test_another_apps_request_sequence_cannot_be_read_from_a_refusal(up: UpProcess, admin: Bus,
+                                                                          prober: str) -> None:
     """Mallory's own request with `Nats-Expected-Last-Subject-Sequence: 0` and
     `Nats-Expected-Last-Subject-Sequence-Subject: tp.req.<model>.alice` (or a wildcard) was refused
-    with "wrong last sequence: <alice's>" while alice worked: another application's activity leaked."""
-    js = mallory.nc.jetstream(timeout=5)
+    with "wrong last sequence: <alice's>" while alice worked: another application's activity leaked.
+    The relay's credential read it the same way, its requests stored in TP_REQUESTS itself; they now
+    land in an intake stream of its own too."""
+    owner = "relay" if prober == "relay" else "mallory"
+    client = await connected(up, prober)
+    js = client.nc.jetstream(timeout=5)
     probe = Request.build(MODEL, prompt="probe", params={"max_tokens": 1}).encode()
     answers: list[str] = []
     async with await Producer.connect(settings=settings_for(up, "app-alice")) as a:
@@ -439,16 +459,17 @@ async def test_another_apps_request_sequence_cannot_be_read_from_a_refusal(up: U
         # is her own request) would be read by it, which is her own activity, not alice's.
         for subject in (f"tp.req.{MODEL}.*", f"tp.req.{MODEL}.alice"):
             try:
-                await js.publish(f"tp.req.{MODEL}.mallory", probe, headers={
+                await js.publish(f"tp.req.{MODEL}.{owner}", probe, headers={
                     "Nats-Expected-Last-Subject-Sequence": "0", "Nats-Expected-Last-Subject-Sequence-Subject": subject})
             except BadRequestError as exc:
                 answers.append(str(exc))
         await busy.cancel()
         assert [b async for b in batches][-1].finish == "cancelled"
+    await client.nc.close()
     assert not any("wrong last sequence" in answer for answer in answers), answers
 
     async def released() -> bool:  # each finished request gave its place in its owner's bound back
-        counts = [(await admin.js.stream_info(intake_stream(app))).state.messages for app in ("alice", "mallory")]
+        counts = [(await admin.js.stream_info(intake_stream(app))).state.messages for app in ("alice", owner)]
         return counts == [0, 0]
 
     await wait_until(released, 10, "the intake copies of the finished requests to be deleted")
@@ -465,13 +486,14 @@ async def test_another_apps_request_sequence_cannot_be_read_from_a_refusal(up: U
 
 async def test_the_relays_credential_lists_no_stream_ids_and_the_admin_counts_only_its_own(
         up: UpProcess, admin: Bus) -> None:
-    """The relay's ``STREAM.INFO`` with ``subjects_filter: ">"`` listed every owner's stream ids."""
+    """The relay's ``STREAM.INFO`` with ``subjects_filter: ">"`` listed every owner's stream ids. In
+    its own account it reaches only its copy, which holds the relay's batches alone."""
     chosen = f"job-{secrets.token_hex(4)}"
     await alice_stream(up, admin, request_id=chosen)
     relay = await Client.connect(up, "relay")
     try:
-        await relay.denied(relay.nc.jetstream(timeout=5).stream_info(TOKENS_STREAM, subjects_filter=">"),
-                           f"$JS.API.STREAM.INFO.{TOKENS_STREAM}")
+        await relay.denied(relay.nc.jetstream(timeout=5).stream_info(REQUESTS_STREAM, subjects_filter=">"),
+                           f"$JS.API.STREAM.INFO.{REQUESTS_STREAM}")
         # The admin answers for the relay's own subject only: alice's stream of that id is not counted.
         assert await ask_count(relay.nc, chosen, 5) == 0
         async with httpx.AsyncClient(base_url=up.url, timeout=60) as http:
@@ -482,6 +504,9 @@ async def test_the_relays_credential_lists_no_stream_ids_and_the_admin_counts_on
                 events = await read_events(resp, [])
         assert events[-1][0] == "done"
         assert await ask_count(relay.nc, sid, 5) == await stored_count(admin, sid) > 0
+        listed = (await relay.nc.jetstream(timeout=5).stream_info(TOKENS_STREAM, subjects_filter=">")).state.subjects
+        assert f"tp.tok.relay.{sid}" in (listed or {}), sorted(listed or {})[:5]  # its copy has read the stream
+        assert all(subject.startswith("tp.tok.relay.") for subject in listed or {}), sorted(listed or {})
         # A question whose id is a wildcard, or not one token, is refused.
         for bad in ("count.a.b", f"count.{'x' * 65}", "pending.a.b", "config.KV_tp_streams", "list.x"):
             reply = await relay.nc.request(f"tp.store.{bad}", b"", timeout=5)
@@ -638,17 +663,26 @@ async def test_the_relays_credential_may_not_list_streams_or_consumers_or_get_an
 
 
 async def plant_junk(relay: Client, target: str, relay_sid: str) -> int:
-    """Have the server store its own answers on ``target`` (a reply subject no permission checks,
-    inside tokenpipe's account): a registry value the relay wrote, got back, an error PubAck, a
-    JetStream API answer. How many messages that stores there."""
+    """Have the server send its own answers to ``target``, a reply subject no permission checks: a
+    registry value the relay wrote, got back, a direct get's miss, error PubAcks (of its registry and of
+    a request, which crosses into tokenpipe's account and is answered there), a JetStream API answer,
+    the admin's store answer. Inside tokenpipe's account each one on ``tp.tok.<owner>.<id>`` was stored
+    in that owner's history; in the relay's own account (tokenpipe.relayaccount) they land there. How
+    many were sent; returns once the server has answered a request sent after them."""
     value = json.dumps({"last_by_subj": f"$KV.{META_BUCKET}.{relay_sid}"}).encode()
+    nope = {"Nats-Expected-Stream": "NOPE"}  # refused: nothing is stored, the error PubAck is the answer
     sends: list[tuple[str, bytes, dict[str, str] | None]] = [
         (f"$JS.API.STREAM.MSG.GET.{META_STREAM}", value, None),
-        (f"$KV.{META_BUCKET}.{relay_sid}", b"x", {"Nats-Expected-Stream": "NOPE"}),  # refused: the value stays
+        (f"$KV.{META_BUCKET}.{relay_sid}", b"x", nope),
+        (f"$JS.API.DIRECT.GET.{TOKENS_STREAM}.tp.tok.relay.no-such-{secrets.token_hex(4)}", b"", None),
+        (f"tp.req.{MODEL}.relay", b"{}", nope),
+        (f"tp.store.count.{relay_sid}", b"", None),
         ("$JS.API.INFO", b"", None)]
     for subject, data, hdrs in sends:
         await relay.nc.publish(subject, data, reply=target, headers=hdrs)
     await relay.nc.flush()
+    for subject, data, hdrs in sends:  # the same again, answered to the relay: the ones above are done
+        await relay.nc.request(subject, data, headers=hdrs, timeout=10)
     assert not relay.errors, relay.errors  # allowed: the attack was made
     return len(sends)
 
@@ -661,23 +695,25 @@ async def stored_junk(admin: Bus, owner: str, stream_id: str) -> int:
 async def test_junk_the_relay_had_stored_in_alices_running_stream_did_not_stop_it(up: UpProcess, admin: Bus) -> None:
     """Each message stored on ``tp.tok.alice.<id>`` while her stream ran refused her generator's next
     append: the stream stopped until a redelivery (ack_wait), and the third ended it with an error
-    (its deliveries used up). The generator now appends after junk; her readers never show it."""
+    (its deliveries used up). Then the generator learnt to append after junk. Now nothing the relay
+    provokes reaches her subjects at all: her stream runs on and holds only her batches."""
     sid, _ = await relay_victim(up)  # the relay's own stream: a registry value to have fetched
     relay = await Client.connect(up, "relay")
-    planted = 0
     try:
         async with await Producer.connect(settings=settings_for(up, "app-alice")) as a:
             handle = await a.submit(MODEL, prompt="Hi", max_tokens=2000, temperature=0, ignore_eos=True)
             batches = handle.__aiter__()
             seen = [await anext(batches)]
             for _ in range(3):  # the request's delivery attempts (TOKENPIPE_MAX_DELIVER): each used to cost one
-                planted += await plant_junk(relay, f"tp.tok.alice.{handle.id}", sid)
+                for target in (f"tp.tok.alice.{handle.id}", f"tp.live.alice.{handle.id}"):
+                    await plant_junk(relay, target, sid)
                 for _ in range(2):
                     seen.append(await asyncio.wait_for(anext(batches), 30))
                     assert not seen[-1].is_final, seen[-1]
             await handle.cancel()
             seen += [b async for b in batches]
             own = [t for b in await history(a.bus, handle.id) for t in b.token_ids]
+            assert await stored_junk(a.bus, "alice", handle.id) == 0  # her own copy
     finally:
         await relay.nc.close()
     assert seen[-1].finish == "cancelled", seen[-1]
@@ -685,38 +721,37 @@ async def test_junk_the_relay_had_stored_in_alices_running_stream_did_not_stop_i
     live = [t for b in seen for t in b.token_ids]
     assert own == live
     assert [t for b in await history(admin, handle.id, owner="alice") for t in b.token_ids] == live
-    assert await stored_junk(admin, "alice", handle.id) == planted  # the attack landed, and nothing else
+    assert await stored_junk(admin, "alice", handle.id) == 0  # tokenpipe's store
 
 
 async def test_a_batch_and_junk_the_relay_pre_planted_for_alices_next_id_are_not_hers(
         up: UpProcess, admin: Bus) -> None:
     """The relay's own batch (a direct get of its stream) and the server's answers, stored on
     ``tp.tok.alice.job-77`` and sent to ``tp.live.alice.job-77`` before alice chose that id: her
-    stream showed the relay's text, live and in replay. Now her stream runs after them and holds
-    only her generator's batches."""
+    stream showed the relay's text, live and in replay. Then her stream learnt to run after them;
+    now none of it reaches her subjects."""
     sid, events = await relay_victim(up)
     theirs = "".join(d.get("text", "") for e, _, d in events if e == "tokens")
     chosen = f"job-{secrets.token_hex(4)}"
     relay = await Client.connect(up, "relay")
     try:
+        own = f"$JS.API.DIRECT.GET.{TOKENS_STREAM}.tp.tok.relay.{sid}"
+        assert (await relay.nc.request(own, b"", timeout=10)).data  # its copy holds the batch it sends
         for target in (f"tp.tok.alice.{chosen}", f"tp.live.alice.{chosen}"):
-            await relay.nc.publish(f"$JS.API.DIRECT.GET.{TOKENS_STREAM}.tp.tok.relay.{sid}", b"", reply=target)
+            await relay.nc.publish(own, b"", reply=target)
             await plant_junk(relay, target, sid)
     finally:
         await relay.nc.close()
-    await wait_until(lambda: _has_stored(admin, "alice", chosen), 10, "the planted messages in the store")
+    assert await stored_count(admin, chosen, owner="alice") == 0
     assert await alice_stream(up, admin, chosen) == chosen  # finished, her copy and the store hold what she saw
     async with await Producer.connect(settings=settings_for(up, "app-alice")) as a:
         mine = await a.stream(chosen).result()
+        assert await stored_junk(a.bus, "alice", chosen) == 0
     assert theirs and theirs not in mine.text
-    assert await stored_junk(admin, "alice", chosen) >= 3
+    assert await stored_junk(admin, "alice", chosen) == 0
 
 
-async def _has_stored(admin: Bus, owner: str, stream_id: str) -> bool:
-    return await stored_count(admin, stream_id, owner=owner) > 0
-
-
-async def test_a_refused_request_after_pre_planted_junk_still_ends_with_an_error_batch(
+async def test_a_refused_request_after_the_relays_planting_attempt_still_ends_with_an_error_batch(
         up: UpProcess, admin: Bus) -> None:
     """A request the generator refuses (here a wire version from the future) ends with an error batch
     appended as the stream's first (expected last sequence 0); with junk already on the subject that
@@ -728,7 +763,7 @@ async def test_a_refused_request_after_pre_planted_junk_still_ends_with_an_error
         await plant_junk(relay, f"tp.tok.alice.{rid}", sid)
     finally:
         await relay.nc.close()
-    await wait_until(lambda: _has_stored(admin, "alice", rid), 10, "the planted messages in the store")
+    assert await stored_count(admin, rid, owner="alice") == 0
     async with await Producer.connect(settings=settings_for(up, "app-alice")) as a:
         future = msgpack.packb({"v": 99, "id": rid, "model": MODEL, "prompt": "from the future"})
         await a.bus.js.publish(f"tp.req.{MODEL}.alice", future)

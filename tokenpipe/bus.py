@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import hashlib
 import hmac
 import logging
@@ -21,14 +20,16 @@ from nats.js.errors import NotFoundError
 from nats.js.kv import KeyValue
 
 from . import natsauth
-from .batchstore import BATCH_STREAMS, provision_batch_stores
-from .cluster import connected_server, replicas_to_keep, resolve_replicas, server_list
+from .batchstore import BATCH_STREAMS
+from .cluster import connected_server, resolve_replicas, server_list
 from .errors import InvalidRequest, TransportError
 from .placement import Choice, PlacementTable, follow_summaries
+from .relayaccount import provision_relay_account, relay_account_api, relay_account_missing
 from .retry import Retry, retrying, transient
 from .settings import Settings
 from .slots import ensure_slot_consumers, slots_drift
 from .storeinfo import ask_config
+from .streamsetup import SEALED_ACTION, ensure_registry, ensure_stream, same_setting, source_names, tokens_config
 from .subjects import (
     META_BUCKET,
     META_STREAM,
@@ -36,6 +37,7 @@ from .subjects import (
     REQUEST_WILDCARD,
     REQUESTS_STREAM,
     TOKEN_WILDCARD,
+    TOKENPIPE_API,
     TOKENS_STREAM,
     check_model_name,
     consumer_name,
@@ -48,8 +50,8 @@ from .subjects import (
     shared_request_filter,
 )
 
-__all__ = ["Bus", "connect", "consumer_drift", "intake_config", "missing", "patiently", "provision", "provision_copy",
-           "release_intake", "repair", "request_consumer_config", "requests_config", "served_models",
+__all__ = ["Bus", "connect", "consumer_drift", "intake_config", "intake_owners", "missing", "patiently", "provision",
+           "provision_copy", "release_intake", "repair", "request_consumer_config", "requests_config", "served_models",
            "REPAIR_INTERVAL_S"]
 
 log = logging.getLogger(__name__)
@@ -94,6 +96,27 @@ class Bus:
     placement: PlacementTable | None = None
     # Called with each request's placement (None: the shared queue): the relay counts them in a metric.
     on_placed: list[Callable[[Choice | None], None]] = field(default_factory=list)
+    # The relay's own account (tokenpipe.relayaccount), as the admin reaches its JetStream; None: there
+    # is none (an open bus), and the registry is in this connection's account.
+    relay_js: JetStreamContext | None = None
+    # The relay in its own account: tokenpipe's TP_REQUESTS consumers through the one call its account
+    # imports (``$JS.TP.API``); its TP_TOKENS is a copy (tokenpipe.relayaccount). None: ``js`` asks them.
+    queue_js: JetStreamContext | None = None
+
+    @property
+    def registry_js(self) -> JetStreamContext:
+        """The JetStream of the account that holds the ``tp_streams`` registry."""
+        return self.relay_js or self.js
+
+    @property
+    def requests_js(self) -> JetStreamContext:
+        """The JetStream that answers about ``TP_REQUESTS``' consumers."""
+        return self.queue_js or self.js
+
+    @property
+    def relay_copy(self) -> bool:
+        """Whether this is the relay in its own account, whose ``TP_TOKENS`` is a copy of its batches."""
+        return self.queue_js is not None
 
     def msg_id(self, request_id: str) -> str:
         """The ``Nats-Msg-Id`` of ``request_id``'s request: the same on every retry, and not one
@@ -167,20 +190,29 @@ async def connect(settings: Settings, *, name: str, provision_streams: bool = Tr
     log.info("nats connected", extra={"server": connected_server(nc), "nats_name": name})
     js = nc.jetstream(timeout=10)
     replicas = _replicas(js, settings)
+    queue_js = nc.jetstream(prefix=TOKENPIPE_API, timeout=10) if ident.relay_account else None
     try:
+        # Under tokenpipe's accounts the relay has its own (tokenpipe.relayaccount), which the admin
+        # provisions and reads the registry of through an import.
+        relay_js = await patiently(lambda: relay_account_api(nc), "the relay account's JetStream") \
+            if role == "admin" else None
         if provision_streams and ident.provisions:
-            await _provision_patiently(js, settings, registry=ident.registry, replicas=replicas, apps=apps)
+            await _provision_patiently(js, settings, registry=ident.registry and relay_js is None, replicas=replicas,
+                                       apps=apps)
+            if relay_js is not None:
+                await patiently(lambda: provision_relay_account(relay_js, settings, replicas), "the relay's account")
         if ident.own_account:
             await provision_copy(js, settings, ident.owner, replicas=replicas)
         # An app may not touch the registry: it gets a handle that was never opened (any use is denied).
-        meta = await js.key_value(META_BUCKET) if ident.registry else KeyValue(
+        meta_js = relay_js or js
+        meta = await meta_js.key_value(META_BUCKET) if ident.registry else KeyValue(
             name=META_BUCKET, stream=META_STREAM, pre=f"$KV.{META_BUCKET}.", js=js, direct=False)
     except BaseException:
         await nc.close()  # a caller that retries must not leave a reconnecting connection behind
         raise
     bus = Bus(nc=nc, js=js, meta=meta, owner=ident.owner, registry=ident.registry, replicas=replicas,
               provisions=ident.provisions, secret=ident.secret,
-              store_questions=role == "relay" and not ident.provisions)
+              store_questions=role == "relay" and not ident.provisions, relay_js=relay_js, queue_js=queue_js)
     if role in ("relay", "app") and settings.placement_slots > 0:
         bus.placement = PlacementTable()
         await follow_summaries(nc, bus.placement)
@@ -205,103 +237,32 @@ def _unanswered(exc: BaseException) -> bool:
     return exc.__cause__ is not None and transient(exc.__cause__)
 
 
-async def _ensure_stream(js: JetStreamContext, config: js_api.StreamConfig, settings: Settings) -> None:
-    assert config.name is not None
-    try:
-        info = await js.stream_info(config.name)
-    except NotFoundError:
-        try:
-            await js.add_stream(config)
-        except nats.js.errors.APIError as exc:
-            if (config.num_replicas or 1) == 1:
-                raise
-            raise TransportError(
-                f"cannot create stream {config.name} with {config.num_replicas} replicas: {exc.description}. "
-                "Set TOKENPIPE_REPLICAS to at most the number of JetStream servers") from exc
-        log.info("stream created", extra={"stream": config.name, "replicas": config.num_replicas})
-        return
-    have = info.config
-    if have.sealed:
-        # NATS cannot unseal a stream: say what the admin must do (missing() reports it too).
-        log.error("stream is sealed", extra={"stream": config.name, "action": _SEALED_ACTION.format(config.name)})
-        return
-    config.num_replicas = replicas_to_keep(have.num_replicas or 1, config.num_replicas or 1, settings.replicas)
-    if config.sources is None and have.sources:
-        # Provisioned without knowing the applications (not the admin's provisioner): their intake
-        # streams and TP_REQUESTS' subjects stay as the provisioner made them (widening the subjects
-        # would overlap the intake streams, and an update without sources would drop them).
-        config.subjects, config.sources = have.subjects, have.sources
-    wanted = ("subjects", "max_age", "max_bytes", "max_msgs_per_subject", "discard", "discard_new_per_subject",
-              "duplicate_window", "allow_direct", "num_replicas")
-    if any(getattr(have, k) != getattr(config, k) for k in wanted if getattr(config, k) is not None) or (
-            config.sources is not None and _source_names(have) != _source_names(config)):
-        # Retention/storage can't change in place; the rest can (replicas included), so settings apply.
-        await _update_stream(js, config, have.num_replicas or 1)
-
-
-async def _update_stream(js: JetStreamContext, config: js_api.StreamConfig, had_replicas: int) -> None:
-    try:
-        await js.update_stream(config)
-    except nats.js.errors.APIError as exc:
-        if config.num_replicas == had_replicas:
-            raise
-        raise TransportError(
-            f"cannot change stream {config.name} from {had_replicas} to {config.num_replicas} replicas: "
-            f"{exc.description}. Set TOKENPIPE_REPLICAS to the number of JetStream servers (at most), "
-            f"or to {had_replicas} to keep it as it is") from exc
-    log.info("stream updated", extra={"stream": config.name, "replicas": config.num_replicas})
-
-
-_SEALED_ACTION = ("NATS cannot unseal a stream: nothing more can be stored in it. Copy what you need "
-                  "(`nats stream backup {0}`), then delete it (`nats stream rm {0}` as the admin); "
-                  "tokenpipe's admin re-creates it within seconds")
-
-
-def _tokens_config(settings: Settings, subjects: list[str], replicas: int) -> js_api.StreamConfig:
-    return js_api.StreamConfig(
-        name=TOKENS_STREAM,
-        subjects=subjects,
-        retention=js_api.RetentionPolicy.LIMITS,
-        storage=js_api.StorageType.FILE,
-        max_age=settings.token_max_age_s,
-        max_bytes=settings.token_max_bytes,
-        # Long enough to cover an outage plus PubAck timeouts, so republished batches dedup;
-        # the server requires it to be <= max_age.
-        duplicate_window=min(120.0, settings.token_max_age_s),
-        # Readers catch up with "last message for subject" direct gets, which any server
-        # answers without a trip through the JetStream API queue.
-        allow_direct=True,
-        num_replicas=replicas,
-    )
-
-
 def served_models(settings: Settings) -> list[str]:
     """``TOKENPIPE_MODELS`` as a list (empty: any model, an open bus)."""
     return [check_model_name(m.strip()) for m in settings.models.split(",") if m.strip()]
 
 
-def _source_names(config: js_api.StreamConfig) -> list[str]:
-    return sorted(s.name for s in config.sources or ())
+def intake_owners(apps: list[str]) -> list[str]:
+    """The owners with an intake stream (:func:`intake_config`) under NATS accounts: the relay's and
+    each application's."""
+    return [RELAY_OWNER, *(a for a in apps if a != RELAY_OWNER)]
 
 
-def requests_config(settings: Settings, replicas: int, apps: list[str] | None = None) -> js_api.StreamConfig:
-    """``TP_REQUESTS``, the queue every generator of a model takes requests from. ``apps`` None (an
+def requests_config(settings: Settings, replicas: int, intakes: list[str] | None = None) -> js_api.StreamConfig:
+    """``TP_REQUESTS``, the queue every generator of a model takes requests from. ``intakes`` None (an
     open bus, or a process that does not know the applications): it stores every request itself.
-    Else (the admin's provisioner, which knows them): only the relay's, and it sources each
-    application's intake stream (:func:`intake_config`)."""
+    Else (the admin's provisioner, which knows them): nothing itself, and it sources the intake
+    stream of each owner named (:func:`intake_owners`, :func:`intake_config`)."""
     models = served_models(settings)
-    if apps is None:
-        # Only the models served: a request for another one is stored nowhere (20 x 1 MB on
-        # tp.req.nomodel.<app>, which nobody consumes, were kept for a day).
-        subjects = [model_request_filter(m) for m in models] or [REQUEST_WILDCARD]
-    else:
-        subjects = owner_request_subjects(RELAY_OWNER, models)
+    # Only the models served: a request for another one is stored nowhere (20 x 1 MB on
+    # tp.req.nomodel.<app>, which nobody consumes, were kept for a day).
+    subjects = [model_request_filter(m) for m in models] or [REQUEST_WILDCARD] if intakes is None else []
     return js_api.StreamConfig(
         name=REQUESTS_STREAM,
         subjects=subjects,
         # A sourced message keeps its subject (tp.req.<model>.<app>): the generators' consumers
         # filter by model, whoever stored it. The server drops its Nats-Expected-* headers on the way.
-        sources=None if apps is None else [js_api.StreamSource(name=intake_stream(a)) for a in sorted(apps)],
+        sources=None if intakes is None else [js_api.StreamSource(name=intake_stream(a)) for a in sorted(intakes)],
         retention=js_api.RetentionPolicy.WORK_QUEUE,
         storage=js_api.StorageType.FILE,
         max_age=settings.request_max_age_s,
@@ -317,16 +278,17 @@ def requests_config(settings: Settings, replicas: int, apps: list[str] | None = 
 
 
 def intake_config(settings: Settings, app: str, replicas: int) -> js_api.StreamConfig:
-    """Application ``app``'s intake stream ``TP_REQ_<app>`` (in tokenpipe's account): where its
-    requests land (its service import), sourced into ``TP_REQUESTS``.
+    """Owner ``app``'s intake stream ``TP_REQ_<app>`` (in tokenpipe's account; an application's or the
+    relay's): where its requests land (its service import), sourced into ``TP_REQUESTS``.
 
     Of its own so that a publisher's JetStream headers are evaluated against its own requests
     only: in the shared TP_REQUESTS, an app's request with ``Nats-Expected-Last-Subject-Sequence:
     0`` and ``Nats-Expected-Last-Subject-Sequence-Subject: tp.req.<model>.alice`` was refused with
     "wrong last sequence: 132" while alice worked (and its PubAck's sequence counted every owner's
-    requests). Limits retention, not a work queue: a work queue would give each request up as soon
-    as TP_REQUESTS copied it, and the bound per owner (``max_msgs_per_subject``, refusing the new
-    one at the app's publish) must count what is queued or running. The generator done with a
+    requests); the relay's credential could read it the same way. Limits retention, not a work
+    queue: a work queue would give each request up as soon as TP_REQUESTS copied it, and the bound
+    per owner (``max_msgs_per_subject``, refusing the new one at the owner's publish) must count what
+    is queued or running. The generator done with a
     request deletes it here (:func:`release_intake`) before its ack."""
     return js_api.StreamConfig(
         name=intake_stream(app),
@@ -434,14 +396,14 @@ async def provision_copy(js: JetStreamContext, settings: Settings, owner: str, *
     """An app in its own account (tokenpipe.natsconfig): its ``TP_TOKENS`` there, which keeps the
     token batches imported from tokenpipe's account (``tp.tok.<owner>.>``) with the same retention."""
     try:
-        config = _tokens_config(settings, [owner_tokens(owner)], replicas)
+        config = tokens_config(settings, [owner_tokens(owner)], replicas)
         # Within the account's storage budget (tokenpipe.natsconfig.app_limits): a stream asking for more
         # is refused, and one with no size cap would stop storing once the budget is full; capped at
         # it, the oldest batches go first. Each replica counts against it.
         budget = ((await js.account_info()).limits.max_storage or -1) // max(1, replicas)
         if budget > 0 and not 0 < (config.max_bytes or -1) <= budget:
             config.max_bytes = budget
-        await _ensure_stream(js, config, settings)
+        await ensure_stream(js, config, settings)
     except TransportError:
         raise
     except Exception as exc:  # nats.js.errors.* and timeouts; one translation point
@@ -449,26 +411,28 @@ async def provision_copy(js: JetStreamContext, settings: Settings, owner: str, *
 
 
 async def _ensure_requests(js: JetStreamContext, settings: Settings, replicas: int, apps: list[str] | None) -> None:
-    """TP_REQUESTS and (``apps`` given) each application's intake stream, in an order the server
-    accepts: TP_REQUESTS first gives up the apps' subjects (two streams of one account may not
-    share a subject), then the intake streams that are missing are created, then TP_REQUESTS
-    sources them. A source added before its stream exists is retried by the server only after
-    ~30 s; one whose stream was deleted and is created again is dropped and added back here."""
+    """TP_REQUESTS and (``apps`` given) the intake stream of the relay and of each application, in an
+    order the server accepts: TP_REQUESTS first gives up its own subjects (two streams of one account
+    may not share a subject; the relay's were TP_REQUESTS' own), then the intake streams that are
+    missing are created, then TP_REQUESTS sources them. A source added before its stream exists is
+    retried by the server only after ~30 s; one whose stream was deleted and is created again is
+    dropped and added back here."""
     if apps is None:
-        await _ensure_stream(js, requests_config(settings, replicas), settings)
+        await ensure_stream(js, requests_config(settings, replicas), settings)
         return
+    owners = intake_owners(apps)
     exist = []
-    for app in apps:
+    for owner in owners:
         try:
-            await js.stream_info(intake_stream(app))
-            exist.append(app)
+            await js.stream_info(intake_stream(owner))
+            exist.append(owner)
         except NotFoundError:
             pass
-    await _ensure_stream(js, requests_config(settings, replicas, exist), settings)
-    for app in apps:
-        await _ensure_stream(js, intake_config(settings, app, replicas), settings)
-    if len(exist) < len(apps):
-        await _ensure_stream(js, requests_config(settings, replicas, apps), settings)
+    await ensure_stream(js, requests_config(settings, replicas, exist), settings)
+    for owner in owners:
+        await ensure_stream(js, intake_config(settings, owner, replicas), settings)
+    if len(exist) < len(owners):
+        await ensure_stream(js, requests_config(settings, replicas, owners), settings)
 
 
 async def provision(js: JetStreamContext, settings: Settings, *, registry: bool = True, replicas: int = 1,
@@ -482,37 +446,19 @@ async def provision(js: JetStreamContext, settings: Settings, *, registry: bool 
     try:
         await _ensure_requests(js, settings, replicas, apps)
         await _ensure_consumers(js, settings)
-        await _ensure_stream(js, _tokens_config(settings, [TOKEN_WILDCARD], replicas), settings)
+        await ensure_stream(js, tokens_config(settings, [TOKEN_WILDCARD], replicas), settings)
         if not registry:
             return
-        try:
-            await js.key_value(META_BUCKET)
-        except NotFoundError:
-            # Kept twice as long as the tokens, so an expired stream is told apart from an unknown one.
-            await js.create_key_value(
-                js_api.KeyValueConfig(bucket=META_BUCKET, ttl=2 * settings.token_max_age_s, history=1,
-                                      replicas=replicas)
-            )
-        else:
-            await _scale_bucket(js, replicas, settings)
-        await provision_batch_stores(js, settings, replicas)  # the Batch API's (the relay's, like the registry)
+        await ensure_registry(js, settings, replicas)
     except TransportError:
         raise
     except Exception as exc:  # nats.js.errors.* and timeouts; one translation point
         raise TransportError(f"JetStream provisioning failed: {exc}") from exc
 
 
-async def _scale_bucket(js: JetStreamContext, replicas: int, settings: Settings) -> None:
-    """A KV bucket is a stream (``KV_<bucket>``): its replicas change like any stream's."""
-    info = await js.stream_info(META_STREAM)
-    had = info.config.num_replicas or 1
-    want = replicas_to_keep(had, replicas, settings.replicas)
-    if want != had:
-        await _update_stream(js, dataclasses.replace(info.config, num_replicas=want), had)
-
-
 async def missing(js: JetStreamContext, *, settings: Settings, registry: bool = True,
-                  limits: bool = False, apps: list[str] | None = None, ask: NATS | None = None) -> list[str]:
+                  limits: bool = False, apps: list[str] | None = None, ask: NATS | None = None,
+                  relay_js: JetStreamContext | None = None) -> list[str]:
     """The streams (and, with ``registry``, those of the meta bucket and of the Batch API's buckets)
     that tokenpipe provisions and that do not exist now, also each one that is broken (sealed;
     retention policy, storage or subjects changed) and, with ``limits``, each whose age or size limit
@@ -520,14 +466,18 @@ async def missing(js: JetStreamContext, *, settings: Settings, registry: bool = 
     settings), as a sentence that says what is wrong; with ``apps``, also each application's
     intake stream and TP_REQUESTS' sources of them (:func:`requests_config`). ``ask``: the connection of
     a role that may not look at TP_REQUESTS and TP_TOKENS itself (``Bus.store_questions``): the admin
-    tells their configuration (tokenpipe.storeinfo). Raises :class:`TransportError` when JetStream
-    cannot be asked."""
+    tells their configuration (tokenpipe.storeinfo). ``relay_js``: the relay's own account (the relay's
+    own JetStream, or the admin's import of it), whose copy, registry and buckets are checked there
+    (tokenpipe.relayaccount) instead of ``registry``'s in ``js``. Raises :class:`TransportError` when
+    JetStream cannot be asked."""
     gone: list[str] = []
-    wanted = {REQUESTS_STREAM: requests_config(settings, 1, apps),
-              TOKENS_STREAM: _tokens_config(settings, [TOKEN_WILDCARD], 1),
-              **{intake_stream(a): intake_config(settings, a, 1) for a in apps or ()}}
+    intakes = None if apps is None else intake_owners(apps)
+    wanted = {REQUESTS_STREAM: requests_config(settings, 1, intakes),
+              TOKENS_STREAM: tokens_config(settings, [TOKEN_WILDCARD], 1),
+              **{intake_stream(a): intake_config(settings, a, 1) for a in intakes or ()}}
+    registry = registry and relay_js is None
     for name in (REQUESTS_STREAM, TOKENS_STREAM, *((META_STREAM, *BATCH_STREAMS) if registry else ()),
-                 *(intake_stream(a) for a in apps or ())):
+                 *(intake_stream(a) for a in intakes or ())):
         if ask is not None and name in (REQUESTS_STREAM, TOKENS_STREAM):
             config = await ask_config(ask, name, _ASK_TIMEOUT_S)
         else:
@@ -543,6 +493,8 @@ async def missing(js: JetStreamContext, *, settings: Settings, registry: bool = 
             gone.extend(_drift(config, wanted[name], limits))
     if limits and REQUESTS_STREAM not in gone:
         gone.extend(await _consumers_drift(js, settings))
+    if relay_js is not None:
+        gone.extend(await relay_account_missing(relay_js))
     return gone
 
 
@@ -574,34 +526,40 @@ def _drift(have: js_api.StreamConfig, want: js_api.StreamConfig, limits: bool) -
     """What is wrong with stream ``have`` against ``want``, one sentence each."""
     name = want.name or ""
     if have.sealed:
-        return [f"{name} is sealed. {_SEALED_ACTION.format(name)}"]
+        return [f"{name} is sealed. {SEALED_ACTION.format(name)}"]
     out = []
     admins = _ADMINS_KEYS.get(name, _REQUEST_LIMITS if owner_of_intake(name) else ())
     keys = ("retention", "storage", "subjects", *admins)
     for key in dict.fromkeys(k for k in keys if limits or k not in admins):
         h, w = getattr(have, key), getattr(want, key)
-        if w is not None and h != w and not (key == "max_bytes" and w in (-1, None) and h in (-1, None)):
+        if w is not None and not same_setting(key, h, w):
             out.append(f"{name}: {key} is {h!r}, tokenpipe provisions {w!r} (the admin restores it)")
-    if limits and want.sources is not None and _source_names(have) != _source_names(want):
-        out.append(f"{name}: sources are {_source_names(have)}, tokenpipe provisions {_source_names(want)} "
+    if limits and want.sources is not None and source_names(have) != source_names(want):
+        out.append(f"{name}: sources are {source_names(have)}, tokenpipe provisions {source_names(want)} "
                    "(the admin restores them)")
     return out
 
 
 async def repair(js: JetStreamContext, settings: Settings, *, registry: bool = True,
                  provision_streams: bool = True, restore_limits: bool = False,
-                 apps: list[str] | None = None, ask: NATS | None = None) -> list[str]:
+                 apps: list[str] | None = None, ask: NATS | None = None,
+                 relay_js: JetStreamContext | None = None) -> list[str]:
     """Re-provision whatever :func:`missing` reports (deleted, or broken); what was wrong.
     ``registry``: whether this role may touch the meta bucket (``Bus.registry``);
     ``provision_streams``: whether it may configure streams (``Bus.provisions``), else it only
     reports; ``restore_limits``: also put back age and size limits that differ from ``settings``
     (the admin's provisioner: one process's settings, not every role's); ``apps``: the applications
-    whose intake streams it keeps (the admin's provisioner, :func:`provision`); ``ask``: as :func:`missing`."""
-    gone = await missing(js, registry=registry, settings=settings, limits=restore_limits, apps=apps, ask=ask)
+    whose intake streams it keeps (the admin's provisioner, :func:`provision`); ``ask``, ``relay_js``: as
+    :func:`missing` (the admin re-provisions the relay's account through ``relay_js``)."""
+    gone = await missing(js, registry=registry, settings=settings, limits=restore_limits, apps=apps, ask=ask,
+                         relay_js=relay_js)
     if gone and provision_streams:
         log.warning("JetStream state tokenpipe owns is missing or changed; re-provisioning",
                     extra={"missing": "; ".join(gone)})
-        await provision(js, settings, registry=registry, replicas=_replicas(js, settings), apps=apps)
+        replicas = _replicas(js, settings)
+        await provision(js, settings, registry=registry and relay_js is None, replicas=replicas, apps=apps)
+        if relay_js is not None:
+            await provision_relay_account(relay_js, settings, replicas)
     elif gone:
         log.error("JetStream state tokenpipe owns is missing or changed; tokenpipe's admin repairs it",
                   extra={"missing": "; ".join(gone)})

@@ -2,8 +2,9 @@
 
 The permission table is data (:func:`permissions`), rendered by :mod:`tokenpipe.natsconfig`.
 
-Roles: ``relay`` (publishes requests and cancels as owner ``relay``, reads its own token
-streams, the only reader/writer of the ``tp_streams`` registry), ``generator`` (pulls its
+Roles: ``relay`` (in its own account, tokenpipe.relayaccount: publishes requests and cancels as owner
+``relay``, reads its own token streams from its copy of them, the only writer of the ``tp_streams``
+registry), ``generator`` (pulls its
 model's work queue through the consumer the admin made, publishes any owner's tokens, hears
 cancels), ``admin`` (the CLI's ``streams``/``replay``/``tail``; everything, deleting streams included) and one
 ``app-<name>`` per application using the producer SDK directly (its own requests, cancels
@@ -49,6 +50,7 @@ from .subjects import (
     REQUESTS_STREAM,
     STORE_PREFIX,
     TOKEN_WILDCARD,
+    TOKENPIPE_API,
     TOKENS_STREAM,
     check_owner,
     intake_stream,
@@ -152,24 +154,27 @@ def permissions(role: str, app: str | None = None, *, apps: Iterable[str] = ()) 
     application: a generator deletes a finished request's copy in its intake stream)."""
     if role == "relay":
         mine = owner_tokens(RELAY_OWNER)
+        # In its own account (tokenpipe.relayaccount): requests, cancels, the generators' discovery and
+        # the admin's store answers are services imported from tokenpipe's account, whose replies come
+        # back into the relay's; so do its one look at TP_REQUESTS' consumers (``$JS.TP.API``) and its
+        # live batches, announcements and placement summaries. Its own JetStream holds only its copy of
+        # its batches, its registry and its Batch API buckets, which the admin provisions.
         return Permissions(
             # Its answer to another relay's "who reads this stream?" goes to that relay's inbox, which
-            # is named here: with ``allow_responses`` it could answer a question it asked itself with
-            # any reply subject, and planted its own text as alice's next stream (tp.live.alice.<id>).
+            # is named here, not with ``allow_responses`` (it could answer itself with any reply subject).
             publish_allow=(f"tp.req.*.{RELAY_OWNER}", f"tp.req.*.{RELAY_OWNER}.*", f"tp.cancel.{RELAY_OWNER}.>",
-                           DISCOVER_SUBJECT, READERS_WILDCARD,
-                           f"{inbox_prefix('relay')}.>",
+                           DISCOVER_SUBJECT, f"{STORE_PREFIX}.>",
+                           f"{TOKENPIPE_API}.CONSUMER.INFO.{REQUESTS_STREAM}.*",
+                           READERS_WILDCARD, f"{inbox_prefix('relay')}.>",
                            f"$KV.{META_BUCKET}.>", f"{_JS}.INFO",
-                           # Not STREAM.INFO on TP_TOKENS or TP_REQUESTS: its subjects filter, in the body,
-                           # listed every owner's stream ids. It asks the admin instead (tokenpipe.storeinfo).
-                           *_look(META_STREAM), f"{STORE_PREFIX}.>",
-                           f"{_JS}.CONSUMER.INFO.{REQUESTS_STREAM}.*",
+                           *_look(META_STREAM, TOKENS_STREAM),
                            f"{_JS}.DIRECT.GET.{META_STREAM}.>", f"{_JS}.STREAM.MSG.GET.{META_STREAM}",
                            *_read_tokens(mine), *_batch_api()),
-            # Live batches come on tp.live (only what the store accepted); history through JetStream.
+            # Live batches come on tp.live (only what the store accepted); history from its copy.
             subscribe_allow=(f"{inbox_prefix('relay')}.>", f"tp.live.{RELAY_OWNER}.>", f"{ANNOUNCE_PREFIX}.>",
                              f"{PLACE_PREFIX}.>", READERS_WILDCARD),
-            publish_deny=(TOKEN_WILDCARD, LIVE_WILDCARD, *_NEVER),
+            # Only the server's sourcing creates consumers in tokenpipe's account, for the admin's copy.
+            publish_deny=(TOKEN_WILDCARD, LIVE_WILDCARD, f"{TOKENPIPE_API}.CONSUMER.CREATE.>", *_NEVER),
         )
     if role == "generator":
         return Permissions(
@@ -181,8 +186,8 @@ def permissions(role: str, app: str | None = None, *, apps: Iterable[str] = ()) 
                            f"{_JS}.CONSUMER.INFO.{REQUESTS_STREAM}.*",
                            f"{_JS}.CONSUMER.MSG.NEXT.{REQUESTS_STREAM}.*", f"$JS.ACK.{REQUESTS_STREAM}.>",
                            f"{_JS}.STREAM.MSG.GET.{REQUESTS_STREAM}", f"{_JS}.STREAM.MSG.DELETE.{REQUESTS_STREAM}",
-                           # A finished request's place in its app's bound (tokenpipe.bus.release_intake).
-                           *(f"{_JS}.STREAM.MSG.DELETE.{intake_stream(a)}" for a in apps),
+                           # A finished request's place in its owner's bound (tokenpipe.bus.release_intake).
+                           *(f"{_JS}.STREAM.MSG.DELETE.{intake_stream(a)}" for a in (RELAY_OWNER, *apps)),
                            *_read_tokens(TOKEN_WILDCARD)),
             # Its peers' placement summaries: whether one of them has room (generator.service.placed).
             subscribe_allow=(f"{inbox_prefix('generator')}.>", CANCEL_WILDCARD, DISCOVER_SUBJECT,
@@ -316,6 +321,9 @@ class Identity:
     # An app in its own account (tokenpipe.natsconfig) keeps its tokens in its own TP_TOKENS,
     # which it provisions (tokenpipe.bus.provision_copy).
     own_account: bool = False
+    # The relay in its own account (tokenpipe.relayaccount): tokenpipe's user ``relay``, which
+    # tokenpipe.natsconfig always puts there.
+    relay_account: bool = False
     # A secret only this identity knows, for Nats-Msg-Id (Bus.msg_id): another tenant that
     # publishes first with a guessed id cannot make JetStream drop this one's request as a duplicate.
     secret: bytes = b""
@@ -401,7 +409,8 @@ def identity(settings: Settings, role: str) -> Identity:
     provisions = not is_app and (user in ("", "admin") or "user_credentials" in options)
     return Identity(owner=check_owner(owner) if is_app else RELAY_OWNER, provisions=provisions,
                     registry=(role in ("relay", "admin") or (role == "app" and not is_app)),
-                    options=options, own_account=is_app and user == app_user(owner), secret=secret)
+                    options=options, own_account=is_app and user == app_user(owner), secret=secret,
+                    relay_account=role == "relay" and user == "relay")
 
 
 def _head(path: str) -> str:

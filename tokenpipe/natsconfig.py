@@ -12,8 +12,8 @@ NATS's isolation boundary: a request that crosses a service import gets a reply 
 exporting account mapped back to the importer, so every answer an app provokes lands in the app's
 own account. Layout:
 
-- ``TOKENPIPE``: the relay, the generators and the admin; JetStream with ``TP_REQUESTS``,
-  ``TP_TOKENS``, the ``tp_streams`` registry and, per app, the intake stream ``TP_REQ_<app>``
+- ``TOKENPIPE``: the generators and the admin; JetStream with ``TP_REQUESTS``,
+  ``TP_TOKENS`` and, per app, the intake stream ``TP_REQ_<app>``
   where its requests land, which ``TP_REQUESTS`` sources (tokenpipe.bus.intake_config: a
   publisher's ``Nats-Expected-Last-Subject-Sequence-Subject`` header is then evaluated against
   the app's own requests alone, never another app's; the generators may delete a finished
@@ -21,6 +21,11 @@ own account. Layout:
   only, the services ``tp.req.*.<app>`` (its requests; JetStream's PubAck is the reply) and
   ``tp.cancel.<app>.>`` (its cancels), and the stream ``tp.live.<app>.>`` (its tokens, live: each
   batch once tokenpipe's ``TP_TOKENS`` accepted it, never one it refused, tokenpipe.append).
+- ``RELAY``: the relay (tokenpipe.relayaccount), importing what an app imports for owner ``relay`` and
+  the generators' discovery, announcements, the admin's store answers and one look at ``TP_REQUESTS``'
+  consumers; its JetStream holds its copy of its batches (sourced from tokenpipe's ``TP_TOKENS``), the
+  ``tp_streams`` registry and the Batch API's buckets, which the admin provisions through the relay
+  account's JetStream API, exported to tokenpipe's account and imported there as ``$JS.RELAY.API``.
 - ``APP_<app>``: one per application (``tokenpipe creds add-app``), with JetStream of its own: the
   imported tokens arrive as ``tp.tok.<app>.>`` (the import maps the subject) and are kept there in
   the app's own ``TP_TOKENS`` (same retention), which is where the SDK reads history and live
@@ -51,9 +56,23 @@ from .natsauth import (
     write_private,
 )
 from .settings import Settings
-from .subjects import PLACE_PREFIX, check_owner, owner_tokens
+from .subjects import (
+    ANNOUNCE_PREFIX,
+    DISCOVER_SUBJECT,
+    PLACE_PREFIX,
+    RELAY_API,
+    RELAY_COPY_PREFIX,
+    RELAY_OWNER,
+    REQUESTS_STREAM,
+    STORE_PREFIX,
+    TOKENPIPE_API,
+    TOKENS_STREAM,
+    check_owner,
+    owner_tokens,
+)
 
 __all__ = [
+    "RELAY_ACCOUNT",
     "TOKENPIPE_ACCOUNT",
     "account_name",
     "account_table",
@@ -68,6 +87,8 @@ __all__ = [
 ]
 
 TOKENPIPE_ACCOUNT = "TOKENPIPE"
+RELAY_ACCOUNT = "RELAY"  # the relay's own (tokenpipe.relayaccount)
+_JS = "$JS.API"
 ACCOUNTS_FILE = "accounts.conf"  # in the credentials dir; the server configuration includes it
 # bcrypt's least cost. Its work factor slows the guessing of a password a person chose; tokenpipe's are 192
 # random bits (natsauth._ensure), which no work factor makes any harder to guess, and at nats-server's default
@@ -98,6 +119,44 @@ def _imports(app: str) -> list[dict[str, Any]]:
             {"service": {"account": src, "subject": f"tp.cancel.{app}.>"}},
             # Stored batches only, under the app's own token subjects (what its TP_TOKENS keeps).
             {"stream": {"account": src, "subject": f"tp.live.{app}.>"}, "to": owner_tokens(app)}]
+
+
+def _relay_services() -> list[tuple[str, str | None]]:
+    """The services tokenpipe's account exports to the relay's, each with the subject the relay's
+    account imports it as (None: the same). JetStream calls are imported under ``$JS.TP.API``: the
+    relay's account has a JetStream of its own, which answers ``$JS.API`` there."""
+    relay = RELAY_OWNER
+    return [(f"tp.req.*.{relay}", None), (f"tp.req.*.{relay}.*", None), (f"tp.cancel.{relay}.>", None),
+            (DISCOVER_SUBJECT, None), (f"{STORE_PREFIX}.>", None),
+            (f"{_JS}.CONSUMER.INFO.{REQUESTS_STREAM}.*", f"{TOKENPIPE_API}.CONSUMER.INFO.{REQUESTS_STREAM}.*"),
+            # The one its copy's sourcing calls (tokenpipe.relayaccount): a consumer of the relay's batches.
+            (f"{_JS}.CONSUMER.CREATE.{TOKENS_STREAM}.*.{owner_tokens(relay)}",
+             f"{TOKENPIPE_API}.CONSUMER.CREATE.{TOKENS_STREAM}.*.{owner_tokens(relay)}"),
+            # And that consumer's flow control: its deliveries stop once its window is full until the copy's
+            # answer reaches it (without this export a burst of 6,000 batches stalled at 5,195 for 30 s).
+            # The consumer checks the answer's whole subject (its name and a random token), so the relay's
+            # user, which answers its own consumers' flow control, can release no other consumer's.
+            (f"$JS.FC.{TOKENS_STREAM}.>", None)]
+
+
+def _relay_streams() -> list[str]:
+    """The streams (plain messages) tokenpipe's account exports to the relay's: its live batches, the
+    generators' announcements, and its copy's deliveries (the placement summaries go to every
+    account that submits, :func:`accounts`)."""
+    return [f"tp.live.{RELAY_OWNER}.>", f"{ANNOUNCE_PREFIX}.>", f"{RELAY_COPY_PREFIX}.>"]
+
+
+def _relay_account(cred: Credential, password: str | None) -> dict[str, Any]:
+    src = TOKENPIPE_ACCOUNT
+    return {
+        "jetstream": "enabled",
+        "users": [_user(cred, password, [])],
+        # Its JetStream to the admin alone (tokenpipe's account's users: no other may publish there).
+        "exports": [{"service": f"{_JS}.>", "accounts": [TOKENPIPE_ACCOUNT]}],
+        "imports": [{"service": {"account": src, "subject": subject}, **({"to": to} if to else {})}
+                    for subject, to in _relay_services()]
+        + [{"stream": {"account": src, "subject": subject}} for subject in (*_relay_streams(), f"{PLACE_PREFIX}.>")],
+    }
 
 
 def app_limits(settings: Settings) -> dict[str, Any]:
@@ -133,13 +192,23 @@ def accounts(creds: dict[str, Credential], *, passwords: dict[str, str] | None =
         if c.owner.lower() in RESERVED_APP_NAMES:
             raise ConfigError(f"the credentials of application {c.owner!r} ({c.user}.json) use a reserved name: "
                               "remove the file and add the application under another name")
+    relay = next((c for c in roles if c.role == "relay"), None)
+    only_relay = [RELAY_ACCOUNT]
+    relay_exports = [{"service": subject, "accounts": only_relay} for subject, _ in _relay_services()] + [
+        {"stream": subject, "accounts": only_relay} for subject in _relay_streams()] if relay else []
+    # The placement summaries to every account that submits requests (a stream export each imports).
+    placing = [RELAY_ACCOUNT] * (relay is not None) + [account_name(c.owner) for c in apps]
     out: dict[str, Any] = {TOKENPIPE_ACCOUNT: {
         "jetstream": "enabled",
-        "users": [_user(c, pw.get(c.user), [a.owner for a in apps]) for c in roles],
-        # The placement summaries to every application (a stream export each app imports; none: no apps).
-        "exports": [e for c in apps for e in _exports(c.owner)]
-        + ([{"stream": f"{PLACE_PREFIX}.>", "accounts": [account_name(c.owner) for c in apps]}] if apps else []),
+        "users": [_user(c, pw.get(c.user), [a.owner for a in apps]) for c in roles if c is not relay],
+        "exports": relay_exports + [e for c in apps for e in _exports(c.owner)]
+        + ([{"stream": f"{PLACE_PREFIX}.>", "accounts": placing}] if placing else []),
+        # The relay account's JetStream, for the admin to provision and read it (tokenpipe.relayaccount).
+        **({"imports": [{"service": {"account": RELAY_ACCOUNT, "subject": f"{_JS}.>"}, "to": f"{RELAY_API}.>"}]}
+           if relay else {}),
     }}
+    if relay is not None:
+        out[RELAY_ACCOUNT] = _relay_account(relay, pw.get(relay.user))
     for c in apps:
         out[account_name(c.owner)] = {
             # The app's own copy of its tokens (TP_TOKENS, one stream): JetStream for it alone, bounded.
@@ -224,7 +293,7 @@ def permission_table() -> str:
 
     rows = ["| role (NATS user) | account | publish allow | publish deny | subscribe allow | subscribe deny |",
             "|---|---|---|---|---|---|"]
-    for role, user, account in (("relay", "relay", TOKENPIPE_ACCOUNT), ("generator", "generator", TOKENPIPE_ACCOUNT),
+    for role, user, account in (("relay", "relay", RELAY_ACCOUNT), ("generator", "generator", TOKENPIPE_ACCOUNT),
                                 ("admin", "admin", TOKENPIPE_ACCOUNT), ("app", "app-<name>", "APP_<name>")):
         p = permissions(role, "NAME" if role == "app" else None, apps=("NAME",))
         extra = " (+ replies to requests it receives)" if p.allow_responses else ""
@@ -235,17 +304,45 @@ def permission_table() -> str:
 
 def account_table() -> str:
     """docs/architecture.md's table of what crosses between accounts, rendered from :func:`accounts`."""
-    layout = accounts({"app-NAME": Credential("app-NAME", "x", "NAME")}, passwords={"app-NAME": ""})
-    rows = ["| exported by `TOKENPIPE` | kind | imported by | what it carries |", "|---|---|---|---|"]
-    what = {"tp.req": "the app's requests (placed on a generator's slot or not); JetStream's PubAck comes back as "
-                      "the reply, in the app's account",
-            "tp.gen": "the generators' placement summaries (hashed prompt prefixes, load), for the SDK's placement",
-            "tp.cancel": "the app's cancels",
-            "tp.live": "the app's token batches, live, each once tokenpipe's `TP_TOKENS` stored it; imported "
-                       "as `tp.tok.<name>.>` and kept in the app's own `TP_TOKENS` for history"}
-    for e in layout[TOKENPIPE_ACCOUNT]["exports"]:
-        kind = "service" if "service" in e else "stream"
-        subject = str(e[kind]).replace("NAME", "<name>")
-        who = "every `APP_<name>`" if subject.startswith(PLACE_PREFIX) else "`APP_<name>` only"
-        rows.append(f"| `{subject}` | {kind} | {who} | {what['.'.join(subject.split('.')[:2])]} |")
+    creds = {"relay": Credential("relay", "x"), "app-NAME": Credential("app-NAME", "x", "NAME")}
+    layout = accounts(creds, passwords={"relay": "", "app-NAME": ""})
+    rows = ["| exported by | subject | kind | imported by | what it carries |", "|---|---|---|---|---|"]
+    for account, config in layout.items():
+        imports = {json.dumps(i[k]["subject"]): i.get("to") for a in layout.values() for i in a.get("imports", ())
+                   for k in ("service", "stream") if k in i and i[k]["account"] == account}
+        for e in config.get("exports", ()):
+            kind = "service" if "service" in e else "stream"
+            subject = str(e[kind])
+            who = ", ".join(f"`{a}`" for a in e["accounts"]).replace("APP_NAME", "APP_<name>")
+            to = imports.get(json.dumps(subject))
+            what = _carries(subject) + (f"; imported as `{to}`" if to and to != subject else "")
+            rows.append(f"| `{account}` | `{subject}` | {kind} | {who} | {what} |".replace("NAME", "<name>"))
     return "\n".join(rows) + "\n"
+
+
+def _carries(subject: str) -> str:
+    """What an export carries, for :func:`account_table`."""
+    for prefix, what in (
+            ("tp.req.", "the owner's requests (placed on a generator's slot or not); JetStream's PubAck comes back "
+                        "as the reply, in the owner's account"),
+            ("tp.cancel.", "the owner's cancels"),
+            (f"tp.live.{RELAY_OWNER}.", "the relay's token batches, live, each once tokenpipe's `TP_TOKENS` stored it"),
+            ("tp.live.", "the app's token batches, live, each once tokenpipe's `TP_TOKENS` stored it; kept in "
+                         "the app's own `TP_TOKENS` for history"),
+            (PLACE_PREFIX, "the generators' placement summaries (hashed prompt prefixes, load), for placement"),
+            (ANNOUNCE_PREFIX, "the generators' announcements (load; the relay's own stream ids held)"),
+            (DISCOVER_SUBJECT, "the relay's \"announce yourselves now\" to the generators"),
+            (STORE_PREFIX, "the relay's questions about its own subjects, answered by the admin (tokenpipe.storeinfo)"),
+            (f"{_JS}.CONSUMER.INFO.{REQUESTS_STREAM}",
+             "a model's request consumer's state (queue depth, for admission)"),
+            (f"{_JS}.CONSUMER.CREATE.{TOKENS_STREAM}",
+             "the consumer of the relay's batches that its copy sources (made by the server's sourcing; the relay's "
+             "user may not call it)"),
+            (RELAY_COPY_PREFIX, "that consumer's deliveries, into the relay's copy of its batches"),
+            ("$JS.FC.", "the copy's flow-control answers to that consumer (without them its deliveries stall "
+                        "once its window is full)"),
+            (f"{_JS}.>", "the relay account's JetStream, to the admin: it provisions and repairs the relay's copy, "
+                         "registry and Batch API buckets, and reads the registry")):
+        if subject.startswith(prefix):
+            return what
+    raise ValueError(f"no description of export {subject!r}")

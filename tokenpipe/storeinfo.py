@@ -1,12 +1,12 @@
 """The store's answers for the relay: leader-side counts and the shared streams' configuration,
 answered by the admin (issue 48).
 
-Under NATS authorization the relay shares tokenpipe's account with every owner's token store, and
 ``STREAM.INFO`` takes its subjects filter in the request body, which no permission sees: a relay
-allowed ``STREAM.INFO`` on ``TP_TOKENS`` or ``TP_REQUESTS`` listed every owner's stream ids and every
-application with a request queued or running. So the relay may not call it (tokenpipe.natsauth);
-it asks the admin's provisioner (``tokenpipe up``'s, the Helm chart's) three narrow questions
-instead, each about the relay's own subjects only:
+allowed ``STREAM.INFO`` on tokenpipe's ``TP_TOKENS`` or ``TP_REQUESTS`` listed every owner's stream ids
+and every application with a request queued or running. Under NATS authorization the relay works in an
+account of its own (tokenpipe.relayaccount), which holds a copy of its batches only; for the counts of
+tokenpipe's store, which its copy may lag, and for /readyz, it asks the admin's provisioner
+(``tokenpipe up``'s, the Helm chart's) three narrow questions, each about the relay's own subjects only:
 
 - ``tp.store.count.<id>``: how many messages ``TP_TOKENS``' leader holds on ``tp.tok.relay.<id>``
   (:func:`tokenpipe.streams.stored_count`);
@@ -17,8 +17,9 @@ instead, each about the relay's own subjects only:
   applications (:func:`tokenpipe.bus.missing`).
 
 The answerer builds every filter from the subject's one last token (a stream id or a model name,
-checked) and answers only onto the relay's inboxes: the relay chooses the reply subject, and an
-answer sent to ``tp.tok.alice.<id>`` would be stored in alice's history.
+checked) and answers only onto the relay's inboxes or a reply the server mapped from the relay's
+account: the asker chooses the reply subject, and an answer sent to ``tp.tok.alice.<id>`` inside
+tokenpipe's account would be stored in alice's history.
 """
 
 from __future__ import annotations
@@ -57,6 +58,10 @@ _QUEUE = "tp-store"
 _STREAMS = (TOKENS_STREAM, REQUESTS_STREAM)
 _CONFIG_KEYS = ("name", "subjects", "retention", "storage", "sealed")  # what /readyz judges without limits
 _REPLY_TO = f"{inbox_prefix('relay')}."
+# A question from the relay's own account (tokenpipe.relayaccount) comes through a service import,
+# whose reply subject the server made (``_R_.…``) and maps back into the relay's account: whatever the
+# relay chose there, the answer lands in its account.
+_IMPORTED_REPLY = "_R_."
 
 
 class StoreAnswers:
@@ -81,7 +86,7 @@ class StoreAnswers:
             task.cancel()
 
     async def _on_msg(self, msg: Msg) -> None:
-        if not msg.reply.startswith(_REPLY_TO):
+        if not msg.reply.startswith((_REPLY_TO, _IMPORTED_REPLY)):
             log.warning("store question refused: not asked from the relay's inbox",
                         extra={"subject": msg.subject, "reply": msg.reply})
             return

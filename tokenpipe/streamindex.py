@@ -67,7 +67,8 @@ def _parse(subject: str) -> IndexEntry | None:
 async def _subjects(bus: Bus, subjects_filter: str, failed: str) -> dict[str, int]:
     """The meta bucket's subjects matching ``subjects_filter`` (names and counts: no value is read)."""
     try:
-        info = await through_elections(lambda: bus.js.stream_info(META_STREAM, subjects_filter=subjects_filter))
+        info = await through_elections(lambda: bus.registry_js.stream_info(META_STREAM,
+                                                                          subjects_filter=subjects_filter))
     except Exception as exc:
         raise TransportError(f"{failed}: {exc}") from exc
     return info.state.subjects or {}

@@ -41,6 +41,9 @@ __all__ = [
     "DISCOVER_SUBJECT",
     "HELD_PREFIX",
     "RELAY_OWNER",
+    "RELAY_API",
+    "RELAY_COPY_PREFIX",
+    "TOKENPIPE_API",
     "request_subject",
     "model_request_filter",
     "owner_of_request",
@@ -101,6 +104,12 @@ RELAY_OWNER = "relay"
 # The relay's questions to the admin about its own subjects (tokenpipe.storeinfo): leader-side counts
 # and the shared streams' configuration, which it may not ask JetStream itself.
 STORE_PREFIX = "tp.store"
+# The relay's own NATS account (tokenpipe.relayaccount): tokenpipe's JetStream API as the relay's
+# account imports a few of its calls, the relay account's API as tokenpipe's account (the admin)
+# imports it, and where tokenpipe's account delivers the relay's batches for the relay's copy of them.
+TOKENPIPE_API = "$JS.TP.API"
+RELAY_API = "$JS.RELAY.API"
+RELAY_COPY_PREFIX = "tp.relaycopy"
 
 # Subject tokens may not contain '.', '*', '>' or whitespace; keep names boring.
 _NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")

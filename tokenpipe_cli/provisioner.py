@@ -133,6 +133,6 @@ class Provisioner:
         if not bus.nc.is_connected:
             return  # nats-server restarting: the next round asks again
         try:
-            await repair(bus.js, self.settings, restore_limits=True, apps=self.apps())
+            await repair(bus.js, self.settings, restore_limits=True, apps=self.apps(), relay_js=bus.relay_js)
         except TokenpipeError as exc:  # JetStream recovering, or a change NATS refuses: said, retried
             log.warning("JetStream repair failed", extra={"error": exc.message})
