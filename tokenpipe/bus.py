@@ -256,7 +256,7 @@ def requests_config(settings: Settings, replicas: int, intakes: list[str] | None
     models = served_models(settings)
     # Only the models served: a request for another one is stored nowhere (20 x 1 MB on
     # tp.req.nomodel.<app>, which nobody consumes, were kept for a day).
-    subjects = [model_request_filter(m) for m in models] or [REQUEST_WILDCARD] if intakes is None else []
+    subjects = ([model_request_filter(m) for m in models] or [REQUEST_WILDCARD]) if intakes is None else []
     return js_api.StreamConfig(
         name=REQUESTS_STREAM,
         subjects=subjects,
@@ -288,8 +288,8 @@ def intake_config(settings: Settings, app: str, replicas: int) -> js_api.StreamC
     requests); the relay's credential could read it the same way. Limits retention, not a work
     queue: a work queue would give each request up as soon as TP_REQUESTS copied it, and the bound
     per owner (``max_msgs_per_subject``, refusing the new one at the owner's publish) must count what
-    is queued or running. The generator done with a
-    request deletes it here (:func:`release_intake`) before its ack."""
+    is queued or running. The generator done with a request deletes it here (:func:`release_intake`)
+    before its ack."""
     return js_api.StreamConfig(
         name=intake_stream(app),
         subjects=owner_request_subjects(app, served_models(settings)),

@@ -13,10 +13,10 @@ exporting account mapped back to the importer, so every answer an app provokes l
 own account. Layout:
 
 - ``TOKENPIPE``: the generators and the admin; JetStream with ``TP_REQUESTS``,
-  ``TP_TOKENS`` and, per app, the intake stream ``TP_REQ_<app>``
+  ``TP_TOKENS`` and, per owner (the relay, each app), the intake stream ``TP_REQ_<owner>``
   where its requests land, which ``TP_REQUESTS`` sources (tokenpipe.bus.intake_config: a
   publisher's ``Nats-Expected-Last-Subject-Sequence-Subject`` header is then evaluated against
-  the app's own requests alone, never another app's; the generators may delete a finished
+  the owner's own requests alone, never another's; the generators may delete a finished
   request's copy there). For each app it exports, to that app's account
   only, the services ``tp.req.*.<app>`` (its requests; JetStream's PubAck is the reply) and
   ``tp.cancel.<app>.>`` (its cancels), and the stream ``tp.live.<app>.>`` (its tokens, live: each
@@ -194,8 +194,8 @@ def accounts(creds: dict[str, Credential], *, passwords: dict[str, str] | None =
                               "remove the file and add the application under another name")
     relay = next((c for c in roles if c.role == "relay"), None)
     only_relay = [RELAY_ACCOUNT]
-    relay_exports = [{"service": subject, "accounts": only_relay} for subject, _ in _relay_services()] + [
-        {"stream": subject, "accounts": only_relay} for subject in _relay_streams()] if relay else []
+    relay_exports = ([{"service": subject, "accounts": only_relay} for subject, _ in _relay_services()]
+                     + [{"stream": subject, "accounts": only_relay} for subject in _relay_streams()]) if relay else []
     # The placement summaries to every account that submits requests (a stream export each imports).
     placing = [RELAY_ACCOUNT] * (relay is not None) + [account_name(c.owner) for c in apps]
     out: dict[str, Any] = {TOKENPIPE_ACCOUNT: {
