@@ -77,13 +77,12 @@ class RelayState:
         bus = self.bus
         if bus is None or not bus.nc.is_connected:
             return  # reconnecting: nothing to ask yet
-        ask = bus.nc if bus.store_questions else None
-        own = bus.js if bus.relay_copy else None  # its own account's streams, looked at in it
+        looks = _looks(bus)
         try:
-            self.missing = await missing(bus.js, settings=self.settings, ask=ask, relay_js=own)
+            self.missing = await missing(bus.js, settings=self.settings, **looks)
             if self.missing:
-                await repair(bus.js, self.settings, provision_streams=bus.provisions, ask=ask, relay_js=own)
-                self.missing = await missing(bus.js, settings=self.settings, ask=ask, relay_js=own)
+                await repair(bus.js, self.settings, provision_streams=bus.provisions, **looks)
+                self.missing = await missing(bus.js, settings=self.settings, **looks)
         except TokenpipeError as exc:  # JetStream recovering or unreachable: the next round tries again
             log.warning("JetStream check failed", extra={"error": exc.message})
 
@@ -95,9 +94,7 @@ class RelayState:
         if connected and self.bus is not None:
             try:
                 async with asyncio.timeout(_READY_CHECK_S):
-                    self.missing = await missing(self.bus.js, settings=self.settings,
-                                                 ask=self.bus.nc if self.bus.store_questions else None,
-                                                 relay_js=self.bus.js if self.bus.relay_copy else None)
+                    self.missing = await missing(self.bus.js, settings=self.settings, **_looks(self.bus))
             except TokenpipeError as exc:
                 self.missing = [exc.message]
             except TimeoutError:
@@ -135,3 +132,10 @@ class RelayState:
         if self.bus is None or self.bus.nc.is_closed:
             raise NoGenerator("relay is not connected to NATS")
         return self.bus
+
+
+def _looks(bus: Bus) -> dict[str, Any]:
+    """How the relay looks at what tokenpipe provisions (:func:`tokenpipe.bus.missing`'s ``ask`` and
+    ``relay_js``): the shared streams through the admin's answers where it may not ask JetStream
+    itself, and its own account's streams in that account."""
+    return {"ask": bus.nc if bus.store_questions else None, "relay_js": bus.js if bus.relay_copy else None}
