@@ -173,7 +173,7 @@ def permissions(role: str, app: str | None = None, *, apps: Iterable[str] = ()) 
             # Live batches come on tp.live (only what the store accepted); history from its copy.
             subscribe_allow=(f"{inbox_prefix('relay')}.>", f"tp.live.{RELAY_OWNER}.>", f"{ANNOUNCE_PREFIX}.>",
                              f"{PLACE_PREFIX}.>", READERS_WILDCARD),
-            # Only the server's sourcing creates consumers in tokenpipe's account, for the admin's copy.
+            # Only the server's sourcing creates consumers in tokenpipe's account, for the relay's copy.
             publish_deny=(TOKEN_WILDCARD, LIVE_WILDCARD, f"{TOKENPIPE_API}.CONSUMER.CREATE.>", *_NEVER),
         )
     if role == "generator":
